@@ -1,0 +1,243 @@
+"""The data ledger: which positions of the epoch each member holds, exactly once.
+
+The ledger is the state machine the lighthouse hosts (and that a worker may
+replay locally while membership holds). It counts in *positions* of the
+epoch's order (see :class:`~stalwart.data.plan.EpochPlan`); ``plan.indices_at``
+turns positions into sample indices.
+
+A step goes::
+
+    begin_step(members)  ->  shares: missing_indices first, then fresh ones from base_index
+    member_failed(m)     ->  m's in-flight positions become this step's missing positions
+    reassign(survivors)  ->  those positions handed to survivors as extra work (same step)
+    commit()             ->  positions of live members committed; unreassigned ones re-queued
+
+``reassign`` gives failure-transparent steps: the step still trains on its full
+total. Committing without it is the proposal's re-queue mode: the lost
+positions go first into the next step (``missing_indices``).
+
+Invariant: whatever the sequence of joins, failures, reassigns and re-queues,
+each epoch commits every position of ``[0, plan.epoch_length)`` exactly once,
+and replaying the same sequence gives the same shares.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from stalwart._validate import check_int
+from stalwart.data.plan import EpochPlan
+from stalwart.data.schedule import split_sizes, step_total
+
+Positions = npt.NDArray[np.int64]
+STATE_VERSION = 1
+_EMPTY: Positions = np.zeros(0, dtype=np.int64)
+
+
+class DataLedger:
+    """Per-epoch record of fresh, in-flight, missing and committed positions."""
+
+    def __init__(self, plan: EpochPlan) -> None:
+        if not isinstance(plan, EpochPlan):
+            raise TypeError(f"plan must be an EpochPlan, got {type(plan).__name__}")
+        self.plan = plan
+        self.epoch = 0
+        self.step = 0
+        self.epoch_step = 0
+        self.base_index = 0
+        self._missing: Positions = _EMPTY
+        self._members: list[str] | None = None
+        self._in_flight: dict[str, Positions] = {}
+        self._step_missing: Positions = _EMPTY
+
+    @property
+    def missing_indices(self) -> Positions:
+        """Positions lost by members that died, queued to be handed out before fresh ones."""
+        return self._missing.copy()
+
+    @property
+    def in_step(self) -> bool:
+        """True between ``begin_step`` and ``commit``."""
+        return self._members is not None
+
+    @property
+    def members(self) -> list[str]:
+        """The live members of the current step in rank order (empty between steps)."""
+        return [member for member in self._members or [] if member in self._in_flight]
+
+    @property
+    def in_flight(self) -> dict[str, Positions]:
+        """Each live member's positions in the current step (copies)."""
+        return {member: positions.copy() for member, positions in self._in_flight.items()}
+
+    @property
+    def step_missing(self) -> Positions:
+        """Positions lost in the current step and not yet reassigned."""
+        return self._step_missing.copy()
+
+    @property
+    def epoch_complete(self) -> bool:
+        """True once every position of the epoch is committed; the next ``begin_step`` starts a new epoch."""
+        return not self.in_step and self.base_index >= self.plan.epoch_length and self._missing.size == 0
+
+    def begin_step(self, members: Sequence[str]) -> dict[str, Positions]:
+        """Start a step for ``members`` (rank order) and return each member's share of positions.
+
+        The step total is the plan's total for this step (``global_batch_size``,
+        adjusted to ``local_batch_multiple``) or what the epoch has left;
+        ``missing_indices`` come first, then fresh positions from ``base_index``.
+        """
+        members = _check_members("members", members)
+        if self.in_step:
+            raise RuntimeError(f"step {self.step} is already in progress; commit() it before begin_step()")
+        if self.epoch_complete:
+            self.epoch += 1
+            self.epoch_step = 0
+            self.base_index = 0
+        plan = self.plan
+        available = self._missing.size + plan.epoch_length - self.base_index
+        total = min(step_total(self.epoch_step, plan.global_batch_size, plan.local_batch_multiple), available)
+        from_missing = min(total, self._missing.size)
+        fresh = total - from_missing
+        step_positions = np.concatenate(
+            [self._missing[:from_missing], np.arange(self.base_index, self.base_index + fresh, dtype=np.int64)]
+        )
+        self._missing = self._missing[from_missing:]
+        self.base_index += fresh
+        shares: dict[str, Positions] = {}
+        start = 0
+        for member, size in zip(members, split_sizes(total, len(members), plan.local_batch_multiple)):
+            shares[member] = step_positions[start : start + size]
+            start += size
+        self._members = members
+        self._in_flight = shares
+        self._step_missing = _EMPTY
+        return {member: share.copy() for member, share in shares.items()}
+
+    def member_failed(self, member: str) -> bool:
+        """Record that ``member`` died in this step; its positions become this step's missing ones.
+
+        Returns False (and changes nothing) if the failure was already recorded.
+        """
+        self._check_in_step("member_failed")
+        if member not in (self._members or []):
+            raise ValueError(f"member must be one of this step's members {self._members}, got {member!r}")
+        lost = self._in_flight.pop(member, None)
+        if lost is None:
+            return False
+        self._step_missing = np.concatenate([self._step_missing, lost])
+        return True
+
+    def reassign(self, survivors: Sequence[str]) -> dict[str, Positions]:
+        """Hand this step's missing positions to ``survivors`` as extra work, balanced, in multiples.
+
+        Chunks of ``local_batch_multiple`` positions go one at a time to the
+        survivor holding the fewest positions (ties: rank order), so loads stay
+        within one multiple of each other where possible. Returns each
+        survivor's extra positions (possibly empty).
+        """
+        self._check_in_step("reassign")
+        survivors = _check_members("survivors", survivors)
+        for member in survivors:
+            if member not in self._in_flight:
+                raise ValueError(f"survivors must be live members of this step {self.members}, got {member!r}")
+        multiple = self.plan.local_batch_multiple
+        heap = [(self._in_flight[member].size, rank, member) for rank, member in enumerate(survivors)]
+        heapq.heapify(heap)
+        sizes = dict.fromkeys(survivors, 0)
+        remaining = self._step_missing.size
+        while remaining:
+            load, rank, member = heapq.heappop(heap)
+            take = min(multiple, remaining)
+            sizes[member] += take
+            remaining -= take
+            heapq.heappush(heap, (load + take, rank, member))
+        extra: dict[str, Positions] = {}
+        start = 0
+        for member in survivors:
+            extra[member] = self._step_missing[start : start + sizes[member]]
+            start += sizes[member]
+            self._in_flight[member] = np.concatenate([self._in_flight[member], extra[member]])
+        self._step_missing = _EMPTY
+        return {member: positions.copy() for member, positions in extra.items()}
+
+    def commit(self) -> Positions:
+        """Commit the step: return the positions live members trained on; re-queue unreassigned ones."""
+        self._check_in_step("commit")
+        committed = np.concatenate([_EMPTY, *(self._in_flight[m] for m in self.members)])
+        self._missing = np.concatenate([self._missing, self._step_missing])
+        self._members = None
+        self._in_flight = {}
+        self._step_missing = _EMPTY
+        self.step += 1
+        self.epoch_step += 1
+        return committed
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state; ``DataLedger.from_state_dict`` continues identically."""
+        return {
+            "version": STATE_VERSION,
+            "plan": self.plan.to_dict(),
+            "epoch": self.epoch,
+            "step": self.step,
+            "epoch_step": self.epoch_step,
+            "base_index": self.base_index,
+            "missing_indices": self._missing.tolist(),
+            "members": self._members,
+            "in_flight": {member: positions.tolist() for member, positions in self._in_flight.items()},
+            "step_missing": self._step_missing.tolist(),
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any]) -> DataLedger:
+        """Rebuild a ledger from ``state_dict()`` output, checking that it is well formed."""
+        if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
+            raise ValueError(f"state must be a ledger state_dict of version {STATE_VERSION}")
+        ledger = cls(EpochPlan(**state["plan"]))
+        length = ledger.plan.epoch_length
+        ledger.epoch = check_int("state['epoch']", state["epoch"], minimum=0)
+        ledger.step = check_int("state['step']", state["step"], minimum=0)
+        ledger.epoch_step = check_int("state['epoch_step']", state["epoch_step"], minimum=0)
+        ledger.base_index = check_int("state['base_index']", state["base_index"], minimum=0, maximum=length)
+        ledger._missing = _positions("state['missing_indices']", state["missing_indices"], length)
+        ledger._step_missing = _positions("state['step_missing']", state["step_missing"], length)
+        if state["members"] is not None:
+            ledger._members = _check_members("state['members']", state["members"])
+            ledger._in_flight = {
+                member: _positions(f"state['in_flight'][{member!r}]", positions, length)
+                for member, positions in state["in_flight"].items()
+                if member in ledger._members
+            }
+        return ledger
+
+    def _check_in_step(self, operation: str) -> None:
+        if not self.in_step:
+            raise RuntimeError(
+                f"{operation}() needs a step in progress, but step {self.step} is committed; call begin_step() first"
+            )
+
+
+def _check_members(name: str, members: Sequence[str]) -> list[str]:
+    if isinstance(members, str) or not isinstance(members, Sequence):
+        raise TypeError(f"{name} must be a sequence of member names, got {members!r}")
+    members = list(members)
+    if not members:
+        raise ValueError(f"{name} must name at least one member, got []")
+    for member in members:
+        if not isinstance(member, str) or not member:
+            raise ValueError(f"{name} must hold non-empty strings, got {member!r}")
+    if len(set(members)) != len(members):
+        raise ValueError(f"{name} must not repeat a member, got {members}")
+    return members
+
+
+def _positions(name: str, values: Any, length: int) -> Positions:
+    array = np.asarray(values, dtype=np.int64).reshape(-1)
+    if array.size and (array.min() < 0 or array.max() >= length):
+        raise ValueError(f"{name} must hold positions in [0, {length - 1}]")
+    return array
