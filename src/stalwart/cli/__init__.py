@@ -1,0 +1,18 @@
+"""The ``stalwart`` command line: one module per subcommand, gathered here."""
+
+from __future__ import annotations
+
+import click
+
+from stalwart import __version__
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="stalwart")
+def cli() -> None:
+    """Fault-tolerant, elastic data-parallel training for PyTorch."""
+
+
+def main() -> None:
+    """Entry point of the ``stalwart`` console script."""
+    cli()
