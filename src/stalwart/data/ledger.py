@@ -111,7 +111,7 @@ class DataLedger:
         self.base_index += fresh
         shares: dict[str, Positions] = {}
         start = 0
-        for member, size in zip(members, split_sizes(total, len(members), plan.local_batch_multiple)):
+        for member, size in zip(members, split_sizes(total, len(members), plan.local_batch_multiple), strict=True):
             shares[member] = step_positions[start : start + size]
             start += size
         self._members = members

@@ -32,7 +32,7 @@ from typing import TypeVar
 
 from stalwart._validate import check_int
 
-T = TypeVar("T", bound=Sequence)  # type: ignore[type-arg]
+T = TypeVar("T", bound=Sequence)
 
 
 def step_boundary(step: int, global_batch_size: int, multiple: int = 1) -> int:

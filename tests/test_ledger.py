@@ -1,0 +1,241 @@
+"""The ledger's invariants over random joins, failures, reassigns and re-queues."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stalwart.data.ledger import DataLedger
+from stalwart.data.plan import EpochPlan
+from stalwart.data.schedule import step_total
+
+
+@dataclass
+class Run:
+    """What a driven ledger did: shares per step, committed positions per epoch."""
+
+    shares: list[dict[str, list[int]]] = field(default_factory=list)
+    committed: dict[int, list[np.ndarray]] = field(default_factory=dict)
+    step_counts: list[tuple[int, int, bool]] = field(default_factory=list)
+    took_the_rest: list[bool] = field(default_factory=list)
+
+
+@st.composite
+def plans(draw: st.DrawFn) -> EpochPlan:
+    batch = draw(st.integers(1, 64))
+    multiple = draw(st.integers(1, min(batch, 8)))
+    drop_last = draw(st.booleans())
+    size = draw(st.integers(batch if drop_last else 1, 600))
+    if drop_last and size < batch + multiple:
+        size = batch + multiple
+    return EpochPlan(size, batch, seed=draw(st.integers(0, 5)), drop_last=drop_last, local_batch_multiple=multiple)
+
+
+def drive(ledger: DataLedger, decisions: st.DataObject | list[int], run: Run, max_steps: int) -> list[int]:
+    """Run steps until the epoch ends, drawing events; returns the decisions taken, for replay."""
+    taken: list[int] = []
+    replay = decisions if isinstance(decisions, list) else None
+
+    def choose(low: int, high: int) -> int:
+        value = replay.pop(0) if replay is not None else decisions.draw(st.integers(low, high))  # type: ignore[union-attr]
+        taken.append(value)
+        return value
+
+    next_member = 100
+    members = [f"m{i}" for i in range(choose(1, 6))]
+    epoch = ledger.epoch
+    for _ in range(max_steps):
+        if ledger.epoch_complete:
+            break
+        if choose(0, 3) == 0:
+            members.append(f"m{next_member}")
+            next_member += 1
+        shares = ledger.begin_step(members)
+        run.shares.append({member: share.tolist() for member, share in shares.items()})
+        run.took_the_rest.append(ledger.base_index == ledger.plan.epoch_length and ledger.missing_indices.size == 0)
+        total = sum(share.size for share in shares.values())
+        alive = list(members)
+        for _ in range(choose(0, min(3, len(alive)))):
+            victim = alive.pop(choose(0, len(alive) - 1))
+            assert ledger.member_failed(victim)
+            assert not ledger.member_failed(victim)
+            if alive and choose(0, 1):
+                ledger.reassign(alive[: choose(1, len(alive))])
+        reassign_all = bool(alive) and choose(0, 1) == 1
+        if reassign_all:
+            ledger.reassign(alive)
+        committed = ledger.commit()
+        run.committed.setdefault(epoch, []).append(committed)
+        run.step_counts.append((total, committed.size, reassign_all or len(alive) == len(members)))
+        members = alive or [f"m{next_member}"]
+        next_member += 1
+    return taken
+
+
+@settings(max_examples=150, deadline=None)
+@given(plans(), st.data())
+def test_every_epoch_commits_each_position_exactly_once(plan: EpochPlan, data: st.DataObject) -> None:
+    ledger = DataLedger(plan)
+    run = Run()
+    drive(ledger, data, run, max_steps=10 * plan.steps_per_epoch + 10)
+    assert ledger.epoch_complete
+    committed = np.concatenate(run.committed[0])
+    assert np.array_equal(np.sort(committed), np.arange(plan.epoch_length))
+    samples = plan.indices_at(0, committed)
+    assert len(set(samples.tolist())) == plan.epoch_length
+
+
+@settings(max_examples=150, deadline=None)
+@given(plans(), st.data())
+def test_reassigned_steps_keep_the_global_batch(plan: EpochPlan, data: st.DataObject) -> None:
+    ledger = DataLedger(plan)
+    run = Run()
+    drive(ledger, data, run, max_steps=10 * plan.steps_per_epoch + 10)
+    requeued = False
+    for step, (total, committed, reassigned) in enumerate(run.step_counts):
+        if reassigned:
+            assert committed == total
+        if not requeued:
+            assert total == plan.step_total(step)
+        elif step < plan.steps_per_epoch - 1:
+            assert total == step_total(step, plan.global_batch_size, plan.local_batch_multiple)
+        requeued = requeued or committed < total
+
+
+@settings(max_examples=150, deadline=None)
+@given(plans(), st.data())
+def test_shares_are_multiples_and_balanced(plan: EpochPlan, data: st.DataObject) -> None:
+    ledger = DataLedger(plan)
+    run = Run()
+    drive(ledger, data, run, max_steps=10 * plan.steps_per_epoch + 10)
+    multiple = plan.local_batch_multiple
+    for step, shares in enumerate(run.shares):
+        sizes = [len(share) for share in shares.values()]
+        assert max(sizes) - min(sizes) <= multiple
+        off_multiple = [size for size in sizes if size % multiple]
+        assert not off_multiple or (run.took_the_rest[step] and not plan.drop_last and len(off_multiple) == 1)
+
+
+@settings(max_examples=100, deadline=None)
+@given(plans(), st.data())
+def test_replay_gives_the_same_shares(plan: EpochPlan, data: st.DataObject) -> None:
+    first = Run()
+    decisions = drive(DataLedger(plan), data, first, max_steps=4 * plan.steps_per_epoch + 10)
+    second = Run()
+    drive(DataLedger(plan), list(decisions), second, max_steps=4 * plan.steps_per_epoch + 10)
+    assert first.shares == second.shares
+
+
+@settings(max_examples=100, deadline=None)
+@given(plans(), st.integers(0, 30), st.integers(1, 5), st.booleans())
+def test_state_round_trip_mid_step_continues_identically(
+    plan: EpochPlan, steps_before: int, world: int, fail_first: bool
+) -> None:
+    ledger = DataLedger(plan)
+    members = [f"w{i}" for i in range(world)]
+    for _ in range(steps_before):
+        ledger.begin_step(members)
+        ledger.commit()
+    ledger.begin_step(members)
+    if fail_first:
+        ledger.member_failed(members[0])
+    restored = DataLedger.from_state_dict(json.loads(json.dumps(ledger.state_dict())))
+    assert restored.state_dict() == ledger.state_dict()
+    survivors = members[1:] if fail_first else members
+    for copy in (ledger, restored):
+        if survivors:
+            copy.reassign(survivors)
+    assert np.array_equal(ledger.commit(), restored.commit())
+    for _ in range(3):
+        next_members = survivors or ["fresh"]
+        original = ledger.begin_step(next_members)
+        again = restored.begin_step(next_members)
+        assert {m: s.tolist() for m, s in original.items()} == {m: s.tolist() for m, s in again.items()}
+        assert np.array_equal(ledger.commit(), restored.commit())
+
+
+def test_missing_indices_are_handed_out_first() -> None:
+    ledger = DataLedger(EpochPlan(100, 8, local_batch_multiple=2))
+    shares = ledger.begin_step(["a", "b"])
+    lost = shares["b"].tolist()
+    ledger.member_failed("b")
+    assert ledger.commit().tolist() == shares["a"].tolist()
+    assert ledger.missing_indices.tolist() == lost
+    following = ledger.begin_step(["a", "c"])
+    assert following["a"].tolist() == lost
+    assert following["c"].tolist() == [8, 9, 10, 11]
+    assert ledger.base_index == 12
+
+
+def test_a_member_that_got_extra_work_can_fail_too() -> None:
+    ledger = DataLedger(EpochPlan(90, 9))
+    shares = ledger.begin_step(["a", "b", "c"])
+    ledger.member_failed("a")
+    extra = ledger.reassign(["b", "c"])
+    assert sorted(np.concatenate(list(extra.values())).tolist()) == sorted(shares["a"].tolist())
+    ledger.member_failed("b")
+    ledger.reassign(["c"])
+    assert sorted(ledger.commit().tolist()) == list(range(9))
+
+
+def test_reassign_balances_loads_in_multiples() -> None:
+    ledger = DataLedger(EpochPlan(1000, 48, local_batch_multiple=4))
+    ledger.begin_step(["a", "b", "c", "d"])
+    ledger.member_failed("d")
+    extra = ledger.reassign(["a", "b", "c"])
+    assert [len(extra[m]) for m in "abc"] == [4, 4, 4]
+    assert all(len(v) == 16 for v in ledger.in_flight.values())
+
+
+def test_bad_calls_name_what_is_wrong() -> None:
+    ledger = DataLedger(EpochPlan(100, 10))
+    with pytest.raises(RuntimeError, match="commit\\(\\) needs a step in progress"):
+        ledger.commit()
+    with pytest.raises(ValueError, match="members must name at least one member"):
+        ledger.begin_step([])
+    with pytest.raises(ValueError, match="members must not repeat a member"):
+        ledger.begin_step(["a", "a"])
+    with pytest.raises(TypeError, match="members must be a sequence"):
+        ledger.begin_step("ab")
+    ledger.begin_step(["a", "b"])
+    with pytest.raises(RuntimeError, match="already in progress"):
+        ledger.begin_step(["a"])
+    with pytest.raises(ValueError, match="member must be one of this step's members"):
+        ledger.member_failed("zed")
+    ledger.member_failed("b")
+    with pytest.raises(ValueError, match="survivors must be live members"):
+        ledger.reassign(["b"])
+    before = ledger.state_dict()
+    with pytest.raises(ValueError):
+        ledger.reassign(["a", "zed"])
+    assert ledger.state_dict() == before
+    ledger.commit()
+    with pytest.raises(RuntimeError, match="commit\\(\\) needs a step in progress"):
+        ledger.commit()
+    with pytest.raises(TypeError, match="plan must be an EpochPlan"):
+        DataLedger(100)  # type: ignore[arg-type]
+
+
+def test_corrupt_state_is_refused() -> None:
+    state = DataLedger(EpochPlan(100, 10)).state_dict()
+    with pytest.raises(ValueError, match="version"):
+        DataLedger.from_state_dict({**state, "version": 99})
+    with pytest.raises(ValueError, match=r"state\['missing_indices'\] must hold positions in \[0, 99\]"):
+        DataLedger.from_state_dict({**state, "missing_indices": [100]})
+    with pytest.raises(ValueError, match=r"state\['base_index'\] must be in \[0, 100\]"):
+        DataLedger.from_state_dict({**state, "base_index": -1})
+
+
+def test_epochs_roll_over() -> None:
+    ledger = DataLedger(EpochPlan(20, 10))
+    for _ in range(2):
+        ledger.begin_step(["a"])
+        ledger.commit()
+    assert ledger.epoch_complete and ledger.epoch == 0
+    ledger.begin_step(["a"])
+    assert ledger.epoch == 1 and ledger.base_index == 10 and ledger.epoch_step == 0
