@@ -13,6 +13,15 @@ def cli() -> None:
     """Fault-tolerant, elastic data-parallel training for PyTorch."""
 
 
+def _register() -> None:
+    from stalwart.cli.audit import audit_command
+
+    cli.add_command(audit_command)
+
+
+_register()
+
+
 def main() -> None:
     """Entry point of the ``stalwart`` console script."""
     cli()
