@@ -56,7 +56,7 @@ def test_microbatches_cover_the_share_in_order(share: list[int], max_microbatch:
 def test_plan_steps_tile_the_epoch(size: int, bm: tuple[int, int], drop_last: bool) -> None:
     batch, multiple = bm
     if drop_last and step_boundary(1, batch, multiple) > size:
-        with pytest.raises(ValueError, match="global_batch_size must be at most dataset_size"):
+        with pytest.raises(ValueError, match="dataset_size must be at least the first step"):
             EpochPlan(size, batch, drop_last=drop_last, local_batch_multiple=multiple)
         return
     plan = EpochPlan(size, batch, drop_last=drop_last, local_batch_multiple=multiple)
@@ -77,7 +77,7 @@ def test_plan_steps_tile_the_epoch(size: int, bm: tuple[int, int], drop_last: bo
         ({"dataset_size": 10, "global_batch_size": 0}, r"global_batch_size must be in \[1, "),
         ({"dataset_size": 10, "global_batch_size": 4, "local_batch_multiple": 5}, r"local_batch_multiple .*\[1, 4\]"),
         ({"dataset_size": 10, "global_batch_size": 4, "seed": -1}, r"seed must be in \[0, "),
-        ({"dataset_size": 3, "global_batch_size": 4, "drop_last": True}, "global_batch_size must be at most"),
+        ({"dataset_size": 3, "global_batch_size": 4, "drop_last": True}, "dataset_size must be at least the first"),
     ],
 )
 def test_plan_bad_arguments(kwargs: dict[str, int], message: str) -> None:

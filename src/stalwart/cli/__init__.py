@@ -15,8 +15,10 @@ def cli() -> None:
 
 def _register() -> None:
     from stalwart.cli.audit import audit_command
+    from stalwart.cli.simulate import simulate_command
 
     cli.add_command(audit_command)
+    cli.add_command(simulate_command)
 
 
 _register()

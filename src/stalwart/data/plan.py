@@ -46,10 +46,12 @@ class EpochPlan:
         check_bool("shuffle", self.shuffle)
         check_bool("drop_last", self.drop_last)
         check_int("local_batch_multiple", self.local_batch_multiple, minimum=1, maximum=self.global_batch_size)
-        if self.drop_last and self.epoch_length == 0:
+        first_step = step_boundary(1, self.global_batch_size, self.local_batch_multiple)
+        if self.drop_last and first_step > self.dataset_size:
             raise ValueError(
-                f"global_batch_size must be at most dataset_size={self.dataset_size} when drop_last=True "
-                f"(else an epoch has no full step), got {self.global_batch_size}"
+                f"dataset_size must be at least the first step's total {first_step} (global_batch_size="
+                f"{self.global_batch_size} rounded to local_batch_multiple={self.local_batch_multiple}) when "
+                f"drop_last=True, else an epoch has no full step; got {self.dataset_size}"
             )
 
     @property
