@@ -54,6 +54,7 @@ class DataLedger:
         self._members: list[str] | None = None
         self._in_flight: dict[str, Positions] = {}
         self._step_missing: Positions = _EMPTY
+        self._intact_step: Positions | None = None
 
     @property
     def missing_indices(self) -> Positions:
@@ -88,6 +89,9 @@ class DataLedger:
     def begin_step(self, members: Sequence[str]) -> dict[str, Positions]:
         """Start a step for ``members`` (rank order) and return each member's share of positions.
 
+        The shares are read-only views of one array (no copies: this is on
+        the lighthouse's per-step path).
+
         The step total is the plan's total for this step (``global_batch_size``,
         adjusted to ``local_batch_multiple``) or what the epoch has left;
         ``missing_indices`` come first, then fresh positions from ``base_index``.
@@ -104,9 +108,10 @@ class DataLedger:
         total = min(step_total(self.epoch_step, plan.global_batch_size, plan.local_batch_multiple), available)
         from_missing = min(total, self._missing.size)
         fresh = total - from_missing
-        step_positions = np.concatenate(
-            [self._missing[:from_missing], np.arange(self.base_index, self.base_index + fresh, dtype=np.int64)]
-        )
+        step_positions = np.arange(self.base_index, self.base_index + fresh, dtype=np.int64)
+        if from_missing:
+            step_positions = np.concatenate([self._missing[:from_missing], step_positions])
+        step_positions.flags.writeable = False
         self._missing = self._missing[from_missing:]
         self.base_index += fresh
         shares: dict[str, Positions] = {}
@@ -117,7 +122,8 @@ class DataLedger:
         self._members = members
         self._in_flight = shares
         self._step_missing = _EMPTY
-        return {member: share.copy() for member, share in shares.items()}
+        self._intact_step = step_positions
+        return dict(shares)
 
     def member_failed(self, member: str) -> bool:
         """Record that ``member`` died in this step; its positions become this step's missing ones.
@@ -130,6 +136,7 @@ class DataLedger:
         lost = self._in_flight.pop(member, None)
         if lost is None:
             return False
+        self._intact_step = None
         self._step_missing = np.concatenate([self._step_missing, lost])
         return True
 
@@ -169,11 +176,15 @@ class DataLedger:
     def commit(self) -> Positions:
         """Commit the step: return the positions live members trained on; re-queue unreassigned ones."""
         self._check_in_step("commit")
-        committed = np.concatenate([_EMPTY, *(self._in_flight[m] for m in self.members)])
+        if self._intact_step is not None:
+            committed = self._intact_step
+        else:
+            committed = np.concatenate([_EMPTY, *(self._in_flight[m] for m in self.members)])
         self._missing = np.concatenate([self._missing, self._step_missing])
         self._members = None
         self._in_flight = {}
         self._step_missing = _EMPTY
+        self._intact_step = None
         self.step += 1
         self.epoch_step += 1
         return committed

@@ -1,0 +1,60 @@
+"""Smoke test of the data-plane benchmark: ``--quick`` runs end to end and prints its tables.
+
+Benchmarks are not tests: nothing here looks at a timing or a memory number.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run_benchmark(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "240"}  # wide enough that no header wraps
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks.data_plane", *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+
+
+def test_quick_run_prints_every_table_and_goal() -> None:
+    completed = _run_benchmark("--quick")
+    assert completed.returncode == 0, completed.stderr
+    output = completed.stdout
+    for title in (
+        "1. First batch of an epoch",
+        "2. Ledger cost per step",
+        "3. Index throughput of EpochPlan.indices on one core",
+        "Goals",
+    ):
+        assert title in output
+    for header in (
+        "torch first batch (ms)",
+        "stalwart first batch (ms)",
+        "speed ratio",
+        "torch peak memory (MiB)",
+        "stalwart peak memory (MiB)",
+        "memory ratio",
+        "median (us)",
+        "M indices/s",
+    ):
+        assert header in output
+    assert "(estimate)" in output  # the stalwart-only row says torch's figures are extrapolated
+    statuses = ("met:", "MISSED:", "not measured:")
+    goal_lines = [line for line in output.splitlines() if line.lstrip().startswith(statuses)]
+    assert len(goal_lines) == 3
+
+
+def test_unknown_argument_is_rejected() -> None:
+    completed = _run_benchmark("--no-such-option")
+    assert completed.returncode == 2
+    assert "--no-such-option" in completed.stderr
