@@ -15,10 +15,12 @@ def cli() -> None:
 
 def _register() -> None:
     from stalwart.cli.audit import audit_command
+    from stalwart.cli.demo import demo_command
+    from stalwart.cli.lighthouse import lighthouse_command
     from stalwart.cli.simulate import simulate_command
 
-    cli.add_command(audit_command)
-    cli.add_command(simulate_command)
+    for command in (audit_command, demo_command, lighthouse_command, simulate_command):
+        cli.add_command(command)
 
 
 _register()

@@ -1,0 +1,325 @@
+"""The lighthouse client each worker runs: heartbeats in the background, quorum requests on demand.
+
+:class:`LighthouseClient` owns an asyncio loop in a daemon thread. The
+heartbeat keeps a websocket open (``GET /v1/heartbeat``), sends the worker's
+``applied_step`` every ``heartbeat_interval`` and reconnects with bounded
+backoff when the lighthouse restarts; a ``{"type": "reconfigure"}`` push sets
+the thread-safe :attr:`LighthouseClient.reconfigure_requested` flag that the
+worker folds into its next all-reduce. The worker's main thread calls the
+synchronous methods (``quorum``, ``status``, ``leave``), which run on the
+client's loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import aiohttp
+
+from stalwart.coord.quorum import QuorumRequest, RequestError, check_seconds, parse_member
+from stalwart.data.ledger import DataLedger
+
+logger = logging.getLogger(__name__)
+
+MIN_BACKOFF = 0.05
+MAX_BACKOFF = 0.5
+"""Reconnection backoff bounds (seconds): well under the default heartbeat timeout of 2 s."""
+_RETRIED_STATUSES = frozenset({408, 503})
+T = TypeVar("T")
+
+
+class LighthouseError(RuntimeError):
+    """The lighthouse refused a request: ``status`` and the JSON ``body`` (``body["error"]`` says why)."""
+
+    def __init__(self, status: int, body: Mapping[str, Any]) -> None:
+        super().__init__(f"lighthouse answered {status}: {body.get('error', body)}")
+        self.status = status
+        self.body = dict(body)
+
+
+@dataclass(frozen=True)
+class StoreAddress:
+    """Where the quorum's process group rendezvouses: a TCPStore and the quorum's key prefix."""
+
+    host: str
+    port: int
+    prefix: str
+
+
+@dataclass(frozen=True)
+class HealPlan:
+    """Who is behind and who sends them the state (``source_rank`` None: no member holds the step)."""
+
+    source_rank: int | None
+    targets: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class QuorumAnswer:
+    """The lighthouse's answer to ``POST /v1/quorum`` (see ``docs/protocol.md``)."""
+
+    quorum_id: int
+    members: tuple[str, ...]
+    rank: int
+    world_size: int
+    store: StoreAddress
+    applied_step: int
+    heal: HealPlan | None
+    ledger: dict[str, Any]
+
+    @classmethod
+    def from_json(cls, data: Any) -> QuorumAnswer:
+        """Build from the decoded JSON answer; ``ValueError`` when it is not well formed."""
+        try:
+            store = data["store"]
+            heal = data["heal"]
+            answer = cls(
+                quorum_id=int(data["quorum_id"]),
+                members=tuple(str(member) for member in data["members"]),
+                rank=int(data["rank"]),
+                world_size=int(data["world_size"]),
+                store=StoreAddress(str(store["host"]), int(store["port"]), str(store["prefix"])),
+                applied_step=int(data["applied_step"]),
+                heal=None
+                if heal is None
+                else HealPlan(
+                    None if heal["source_rank"] is None else int(heal["source_rank"]),
+                    tuple(str(member) for member in heal["targets"]),
+                ),
+                ledger=dict(data["ledger"]),
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"malformed quorum answer {data!r}: {error}") from error
+        if answer.world_size != len(answer.members) or not 0 <= answer.rank < answer.world_size:
+            raise ValueError(f"malformed quorum answer: rank {answer.rank} of members {list(answer.members)}")
+        return answer
+
+    @property
+    def member(self) -> str:
+        """The member this answer was for."""
+        return self.members[self.rank]
+
+    def data_ledger(self) -> DataLedger:
+        """The ledger in step ``applied_step``, as the lighthouse holds it."""
+        return DataLedger.from_state_dict(self.ledger)
+
+
+class LighthouseClient:
+    """One worker's connection to the lighthouse at ``url``, as member ``member``."""
+
+    def __init__(
+        self,
+        url: str,
+        member: str,
+        *,
+        token: str | None = None,
+        heartbeat_interval: float = 0.1,
+        request_timeout: float = 10.0,
+    ) -> None:
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ValueError(f"url must start with http:// or https://, got {url!r}")
+        try:
+            self.member = parse_member(member)
+        except RequestError as error:
+            raise ValueError(error.message) from None
+        if token is not None and (not isinstance(token, str) or not token):
+            raise ValueError("token must be a non-empty string or None")
+        self.url = url.rstrip("/")
+        self.heartbeat_interval = check_seconds("heartbeat_interval", heartbeat_interval)
+        self.request_timeout = check_seconds("request_timeout", request_timeout)
+        self._reconfigure = threading.Event()
+        self.heartbeat_connected = threading.Event()
+        """Set while the heartbeat websocket is open."""
+        self._headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+        self._quorum_id: int | None = None
+        self._get_applied_step: Callable[[], int] | None = None
+        self._heartbeat_task: asyncio.Task[None] | None = None
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"lighthouse-client-{member}", daemon=True)
+        self._thread.start()
+        self._session: aiohttp.ClientSession = self._run(self._open_session())
+
+    @property
+    def reconfigure_requested(self) -> bool:
+        """True once the lighthouse asked the quorum to come to a step boundary; ``quorum()`` clears it."""
+        return self._reconfigure.is_set()
+
+    # --- synchronous API (worker threads) --------------------------------------------------------
+
+    def start_heartbeat(self, get_applied_step: Callable[[], int]) -> None:
+        """Keep the heartbeat websocket open, reporting ``get_applied_step()`` (called on the client's thread)."""
+        if not callable(get_applied_step):
+            raise TypeError(f"get_applied_step must be callable, got {get_applied_step!r}")
+        if self._heartbeat_task is not None:
+            raise RuntimeError("the heartbeat is already running")
+        self._get_applied_step = get_applied_step
+
+        async def spawn() -> asyncio.Task[None]:
+            return asyncio.create_task(self._heartbeat_forever())
+
+        self._heartbeat_task = self._run(spawn())
+
+    def quorum(self, applied_step: int, quorum_id: int | None, reason: str, timeout: float = 60.0) -> QuorumAnswer:
+        """Ask for the next quorum (long poll); retries 408s and connection errors until ``timeout`` seconds.
+
+        Raises ``TimeoutError`` when no quorum formed in time and
+        :class:`LighthouseError` when the lighthouse refuses the request
+        (``status`` 409 with ``body["quorum_id"]``: stale, ask with ``join``).
+        """
+        body = {"member": self.member, "applied_step": applied_step, "quorum_id": quorum_id, "reason": reason}
+        try:
+            QuorumRequest.from_json(body)
+        except RequestError as error:
+            raise ValueError(error.message) from None
+        timeout = check_seconds("timeout", timeout)
+        answer = self._run(self._ask_quorum(body, time.monotonic() + timeout), timeout + self.request_timeout)
+        if self.member in answer.members:
+            self._quorum_id = answer.quorum_id
+            self._reconfigure.clear()
+        return answer
+
+    def status(self) -> dict[str, Any]:
+        """The lighthouse's ``/v1/status`` JSON."""
+        return self._run(self._request("GET", "/v1/status"))
+
+    def leave(self) -> None:
+        """Tell the lighthouse this member exits cleanly (it is counted as dead at once)."""
+        self._run(self._request("POST", "/v1/leave", {"member": self.member}))
+
+    def close(self) -> None:
+        """Stop the heartbeat (its socket closes) and the client's thread; safe to call twice."""
+        if self._closed:
+            return
+        self._run(self._shutdown())
+        self._closed = True
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10.0)
+        self._loop.close()
+
+    def __enter__(self) -> LighthouseClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _run(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        if self._closed:
+            coroutine.close()
+            raise RuntimeError("the lighthouse client is closed")
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        return future.result(self.request_timeout + 5.0 if timeout is None else timeout)
+
+    # --- coroutines (the client's loop) ----------------------------------------------------------
+
+    async def _open_session(self) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.request_timeout))
+
+    async def _shutdown(self) -> None:
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            await asyncio.gather(self._heartbeat_task, return_exceptions=True)
+        await self._session.close()
+
+    async def _request(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
+        async with self._session.request(method, self.url + path, json=body, headers=self._headers) as response:
+            data = await _json(response)
+            if response.status != 200:
+                raise LighthouseError(response.status, data)
+            return data
+
+    async def _ask_quorum(self, body: dict[str, Any], deadline: float) -> QuorumAnswer:
+        backoff = MIN_BACKOFF
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no quorum formed for {self.member!r} before the timeout")
+            try:
+                async with self._session.post(
+                    self.url + "/v1/quorum",
+                    json=body,
+                    headers=self._headers,
+                    timeout=aiohttp.ClientTimeout(total=remaining),
+                ) as response:
+                    data = await _json(response)
+                    if response.status == 200:
+                        return QuorumAnswer.from_json(data)
+                    if response.status not in _RETRIED_STATUSES:
+                        raise LighthouseError(response.status, data)
+                    continue
+            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as error:
+                logger.debug("quorum request for %s failed (%s); retrying", self.member, error)
+            await asyncio.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
+            backoff = min(2 * backoff, MAX_BACKOFF)
+
+    async def _heartbeat_forever(self) -> None:
+        backoff = MIN_BACKOFF
+        while True:
+            try:
+                async with self._session.ws_connect(
+                    self.url + "/v1/heartbeat",
+                    params={"member": self.member},
+                    headers=self._headers,
+                    heartbeat=None,
+                    timeout=aiohttp.ClientWSTimeout(ws_close=1.0),
+                ) as socket:
+                    backoff = MIN_BACKOFF
+                    self.heartbeat_connected.set()
+                    await self._beat(socket)
+            except asyncio.CancelledError:
+                raise
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as error:
+                logger.debug("heartbeat of %s lost (%s); reconnecting", self.member, error)
+            except Exception:
+                logger.exception("heartbeat of %s failed; reconnecting", self.member)
+            finally:
+                self.heartbeat_connected.clear()
+            await asyncio.sleep(backoff)
+            backoff = min(2 * backoff, MAX_BACKOFF)
+
+    async def _beat(self, socket: aiohttp.ClientWebSocketResponse) -> None:
+        """Send the applied step every interval until the socket closes."""
+        assert self._get_applied_step is not None
+        receiver = asyncio.create_task(self._receive(socket))
+        try:
+            while not receiver.done():
+                await socket.send_json({"applied_step": int(self._get_applied_step())})
+                await asyncio.wait({receiver}, timeout=self.heartbeat_interval)
+        finally:
+            receiver.cancel()
+            await asyncio.gather(receiver, return_exceptions=True)
+
+    async def _receive(self, socket: aiohttp.ClientWebSocketResponse) -> None:
+        async for message in socket:
+            if message.type != aiohttp.WSMsgType.TEXT:
+                continue
+            try:
+                data = json.loads(message.data)
+            except ValueError:
+                logger.warning("lighthouse sent a message that is not JSON: %r", message.data)
+                continue
+            if not isinstance(data, dict):
+                continue
+            if data.get("type") == "reconfigure":
+                quorum_id = data.get("quorum_id")
+                if quorum_id is None or self._quorum_id is None or quorum_id == self._quorum_id:
+                    self._reconfigure.set()
+            elif data.get("type") == "error":
+                logger.warning("lighthouse refused a heartbeat of %s: %s", self.member, data.get("error"))
+
+
+async def _json(response: aiohttp.ClientResponse) -> dict[str, Any]:
+    """The response's JSON object, or ``{"error": text}`` when the body is not one."""
+    text = await response.text()
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return {"error": text}
+    return data if isinstance(data, dict) else {"error": text}

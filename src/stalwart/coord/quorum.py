@@ -1,0 +1,768 @@
+"""The lighthouse's state machine: membership, liveness, quorums and the hosted ledger.
+
+Pure: no I/O and no clock. Every event carries the time ``now`` (seconds, any
+origin), so the rules of ``docs/protocol.md`` run in microseconds in tests.
+
+Liveness
+    A member is alive while its heartbeat socket is open and it sent something
+    (a heartbeat or a quorum request) within ``heartbeat_timeout``. A closed
+    socket, a timeout or a ``leave`` makes it dead; a later heartbeat or
+    request revives it (a SIGSTOPped process that resumes), but a quorum
+    formed without it stays formed.
+
+Quorums
+    The next quorum forms when every member of the current quorum has asked or
+    is dead (or ``join_timeout`` passed since the first of them asked: the
+    others are *excluded*), the askers from the quorum are a majority of its
+    members that are not dead, and the new quorum has ``min_replicas``
+    members. A *failure* quorum (a survivor at the target step asked with
+    ``failure``) keeps the survivors only: they take the dead members'
+    in-flight positions of that step. A *boundary* quorum (and the first one)
+    also admits joiners, in order of arrival, after waiting up to
+    ``join_timeout`` for every live member to ask.
+
+The ledger
+    The hosted :class:`~stalwart.data.DataLedger` is kept committed through
+    ``step`` (the number of steps any live quorum member applied), plus a
+    :class:`StepRecord` of how the step in progress began when a quorum
+    formed in it (members, then failures and reassigns), and a one-deep
+    snapshot of the state before the last commit for the rollback case: a
+    member that applied a step died before any survivor did, so the step is
+    recomputed. Catching up replays ``begin_step(quorum.members)`` and
+    ``commit()``, exactly what every member does on the fast path.
+
+Healing
+    Members asking at a step below ``A`` (or joiners above it) are healed from
+    the lowest-rank member at ``A``; at start-up every member but rank 0 is
+    healed from rank 0, so that all begin from the same parameters however
+    each process initialised its model (``source_rank`` is None when no member
+    holds step ``A``: the state is lost and must come from a checkpoint).
+    Until a target reports step ``A`` its heartbeats (sent before the heal)
+    do not count towards commits.
+
+Refusals (``RequestError``, nothing changes)
+    A ``failure``/``reconfigure`` request from a member that is not in the
+    current quorum, or with another ``quorum_id``, is stale (409; the body
+    names the current quorum: ask again with ``join``). A ``join`` more than
+    one step past anything known (the ledger or a live quorum member's
+    report) is impossible (422). A quorum member's step may run ahead of the
+    ledger (heartbeats lag fast steps) but not by more than ``MAX_CATCH_UP``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from stalwart._validate import check_int
+from stalwart.data.ledger import DataLedger, Positions
+from stalwart.data.plan import EpochPlan
+
+REASONS = ("join", "failure", "reconfigure")
+STATE_VERSION = 1
+HISTORY_LIMIT = 1000
+MAX_CATCH_UP = 100_000
+"""How far a quorum member's ``applied_step`` may run ahead of the ledger (a bound on catch-up work)."""
+
+_MEMBER_PATTERN = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")
+CommitListener = Callable[[int, int, Positions], None]
+
+
+class RequestError(ValueError):
+    """A request the lighthouse refuses: ``status`` is the HTTP status, ``details`` go into the JSON body."""
+
+    def __init__(self, status: int, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.details = details
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON error body: ``{"error": message, **details}``."""
+        return {"error": self.message, **self.details}
+
+
+def parse_member(value: Any, name: str = "member") -> str:
+    """Return a member id: 1-128 characters of ``[A-Za-z0-9_.:@-]``; else ``RequestError`` 400 naming it."""
+    if not isinstance(value, str) or not _MEMBER_PATTERN.fullmatch(value):
+        raise RequestError(400, f"{name} must be 1-128 characters of [A-Za-z0-9_.:@-], got {value!r}", field=name)
+    return value
+
+
+def parse_step(value: Any, name: str = "applied_step") -> int:
+    """Return a non-negative int step; else ``RequestError`` 400 naming the field."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise RequestError(400, f"{name} must be an int >= 0, got {value!r}", field=name)
+    return value
+
+
+def parse_heartbeat(body: Any) -> int:
+    """Return ``applied_step`` from a heartbeat message ``{"applied_step": int}``."""
+    if not isinstance(body, Mapping) or "applied_step" not in body:
+        raise RequestError(400, f'a heartbeat must be an object {{"applied_step": int}}, got {body!r}')
+    return parse_step(body["applied_step"])
+
+
+@dataclass(frozen=True)
+class QuorumRequest:
+    """A member's ``POST /v1/quorum`` body."""
+
+    member: str
+    applied_step: int
+    quorum_id: int | None
+    reason: str
+
+    @classmethod
+    def from_json(cls, body: Any) -> QuorumRequest:
+        """Validate a decoded JSON body; ``RequestError`` 400 names the bad field and value."""
+        if not isinstance(body, Mapping):
+            raise RequestError(400, f"the body must be a JSON object, got {type(body).__name__}")
+        unknown = sorted(set(body) - {"member", "applied_step", "quorum_id", "reason"})
+        if unknown:
+            raise RequestError(400, f"unknown fields {unknown}", field=unknown[0])
+        for name in ("member", "applied_step", "reason"):
+            if name not in body:
+                raise RequestError(400, f"{name} is required", field=name)
+        member = parse_member(body["member"])
+        applied_step = parse_step(body["applied_step"])
+        reason = body["reason"]
+        if reason not in REASONS:
+            raise RequestError(400, f"reason must be one of {list(REASONS)}, got {reason!r}", field="reason")
+        quorum_id = body.get("quorum_id")
+        if quorum_id is not None:
+            quorum_id = parse_step(quorum_id, "quorum_id")
+        elif reason != "join":
+            raise RequestError(400, f"quorum_id must be an int for reason {reason!r}, got None", field="quorum_id")
+        return cls(member, applied_step, quorum_id, reason)
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """The members that run the current steps together, in rank order."""
+
+    quorum_id: int
+    members: tuple[str, ...]
+
+
+@dataclass
+class StepRecord:
+    """How the ledger's step in progress began: its members, then ``(failed, reassigned_to)`` events."""
+
+    members: list[str]
+    failures: list[tuple[list[str], list[str]]] = field(default_factory=list)
+
+    @property
+    def live(self) -> list[str]:
+        """The step's members that have not failed, in rank order."""
+        failed = {member for event_failed, _ in self.failures for member in event_failed}
+        return [member for member in self.members if member not in failed]
+
+    def replay(self, ledger: DataLedger) -> int:
+        """Begin the step on ``ledger`` and apply the failures and reassigns; returns the step's epoch."""
+        ledger.begin_step(self.members)
+        for failed, survivors in self.failures:
+            for member in failed:
+                ledger.member_failed(member)
+            ledger.reassign(survivors)
+        return ledger.epoch
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form."""
+        return {"members": list(self.members), "failures": [[list(f), list(s)] for f, s in self.failures]}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> StepRecord:
+        """Inverse of ``to_json``."""
+        return cls(list(data["members"]), [(list(f), list(s)) for f, s in data["failures"]])
+
+
+@dataclass(frozen=True)
+class Formation:
+    """A quorum just formed: what every member is told (``answer``) and why it formed."""
+
+    quorum_id: int
+    members: tuple[str, ...]
+    applied_step: int
+    heal: dict[str, Any] | None
+    ledger: dict[str, Any]
+    reason: str
+    time: float
+    timed_out: bool
+    rolled_back: bool
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form (for persistence)."""
+        return {**dataclasses.asdict(self), "members": list(self.members)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Formation:
+        """Inverse of ``to_json``."""
+        return cls(**{**data, "members": tuple(data["members"])})
+
+    def answer(self, member: str) -> dict[str, Any]:
+        """The JSON answer for ``member`` (the server adds ``store``)."""
+        return {
+            "quorum_id": self.quorum_id,
+            "members": list(self.members),
+            "rank": self.members.index(member),
+            "world_size": len(self.members),
+            "applied_step": self.applied_step,
+            "heal": self.heal,
+            "ledger": self.ledger,
+        }
+
+
+@dataclass
+class MemberRecord:
+    """What the lighthouse knows of one member."""
+
+    name: str
+    alive: bool = True
+    connected: bool = False
+    last_seen: float = 0.0
+    applied_step: int | None = None
+
+
+@dataclass
+class _Pending:
+    request: QuorumRequest
+    time: float
+    order: int
+
+
+class LighthouseState:
+    """Membership, liveness, pending quorum requests, the current quorum and the hosted ledger.
+
+    ``on_commit(epoch, step, positions)`` is called for every step the hosted
+    ledger commits (a rolled-back step is committed again later).
+    """
+
+    def __init__(
+        self,
+        plan: EpochPlan,
+        min_replicas: int = 1,
+        heartbeat_timeout: float = 2.0,
+        join_timeout: float = 5.0,
+        *,
+        on_commit: CommitListener | None = None,
+    ) -> None:
+        if not isinstance(plan, EpochPlan):
+            raise TypeError(f"plan must be an EpochPlan, got {type(plan).__name__}")
+        self.plan = plan
+        self.min_replicas = check_int("min_replicas", min_replicas, minimum=1)
+        self.heartbeat_timeout = check_seconds("heartbeat_timeout", heartbeat_timeout)
+        self.join_timeout = check_seconds("join_timeout", join_timeout)
+        self.on_commit = on_commit
+        self.revision = 0
+        """Grows with every change that must be persisted (commits, quorums, history)."""
+        self._ledger = DataLedger(plan)
+        self._record: StepRecord | None = None
+        self._snapshot: dict[str, Any] | None = None
+        self._quorum: Quorum | None = None
+        self._members: dict[str, MemberRecord] = {}
+        self._pending: dict[str, _Pending] = {}
+        self._arrivals = 0
+        self._healing: dict[str, bool] = {}
+        self._heal_step = 0
+        self._formation: Formation | None = None
+        self._answered: dict[str, QuorumRequest] = {}
+        self._unrecovered: list[dict[str, Any]] = []
+        self.failures: list[dict[str, Any]] = []
+        self.departures: list[dict[str, Any]] = []
+        self.quorums: list[dict[str, Any]] = []
+        self.recoveries: list[dict[str, Any]] = []
+        self.counts = {"failures": 0, "recoveries": 0, "quorums": 0, "departures": 0, "rollbacks": 0}
+
+    # --- read-only views -------------------------------------------------------------------------
+
+    @property
+    def quorum(self) -> Quorum | None:
+        """The current quorum (None before the first one)."""
+        return self._quorum
+
+    @property
+    def step(self) -> int:
+        """Steps the hosted ledger has committed."""
+        return self._ledger.step
+
+    @property
+    def members(self) -> dict[str, MemberRecord]:
+        """Every member seen, by id (read-only use)."""
+        return self._members
+
+    @property
+    def pending(self) -> dict[str, QuorumRequest]:
+        """The quorum requests waiting for the next quorum, by member."""
+        return {member: pending.request for member, pending in self._pending.items()}
+
+    @property
+    def reconfigure_pending(self) -> bool:
+        """True while a joiner waits or a member of the quorum is dead: its members should come to a boundary."""
+        quorum = self._quorum
+        if quorum is None:
+            return False
+        if any(not self._members[member].alive for member in quorum.members):
+            return True
+        return any(m not in quorum.members or p.request.reason == "join" for m, p in self._pending.items())
+
+    def should_reconfigure(self, member: str) -> bool:
+        """Whether ``member``'s heartbeat should be answered with ``{"type": "reconfigure"}``."""
+        return self._quorum is not None and member in self._quorum.members and self.reconfigure_pending
+
+    def ledger_state(self) -> dict[str, Any]:
+        """The ledger as the members see it: in the step in progress when a quorum formed in it, else committed."""
+        ledger = DataLedger.from_state_dict(self._ledger.state_dict())
+        if self._record is not None:
+            self._record.replay(ledger)
+        return ledger.state_dict()
+
+    def answer_for(self, request: QuorumRequest) -> dict[str, Any] | None:
+        """The current quorum's answer if it was formed for exactly this request (a retried long poll)."""
+        if self._formation is None or self._answered.get(request.member) != request:
+            return None
+        return self._formation.answer(request.member)
+
+    def expect_quorum(self, now: float) -> None:
+        """Count the quorum's members as alive and seen at ``now``: after a restart they get
+        ``heartbeat_timeout`` to reconnect their heartbeat sockets."""
+        for member in self._quorum.members if self._quorum else ():
+            record = self._members.setdefault(member, MemberRecord(member))
+            record.alive = True
+            record.last_seen = now
+
+    # --- events ----------------------------------------------------------------------------------
+
+    def connected(self, member: str, now: float) -> None:
+        """``member`` opened its heartbeat socket."""
+        self._touch(parse_member(member), now).connected = True
+
+    def disconnected(self, member: str, now: float) -> None:
+        """``member``'s heartbeat socket closed: it is dead at once (a killed process closes its sockets)."""
+        record = self._members.get(member)
+        if record is None:
+            return
+        record.connected = False
+        if record.alive:
+            self._mark_dead(member, now, "socket closed")
+
+    def heartbeat(self, member: str, applied_step: int, now: float) -> None:
+        """``member`` reports ``applied_step``; the ledger commits through the largest a quorum member reports."""
+        member = parse_member(member)
+        applied_step = parse_step(applied_step)
+        self._check_catch_up(member, applied_step)
+        record = self._touch(member, now)
+        record.applied_step = applied_step
+        self._progress(member, applied_step)
+
+    def leave(self, member: str, now: float) -> None:
+        """A clean exit: ``member`` is dead at once."""
+        record = self._members.get(parse_member(member))
+        if record is None:
+            raise RequestError(404, f"member {member!r} is not known to the lighthouse", field="member")
+        record.connected = False
+        if record.alive:
+            self._mark_dead(member, now, "left")
+
+    def request(self, request: QuorumRequest, now: float) -> dict[str, Any] | None:
+        """Register a quorum request; returns the answer at once if this very request was already answered.
+
+        Raises ``RequestError`` (and changes nothing) for a stale quorum id, a
+        member not in the quorum asking as a survivor, or an impossible step.
+        """
+        answer = self.answer_for(request)
+        if answer is not None:
+            self._touch(request.member, now)
+            return answer
+        self._check_request(request)
+        record = self._touch(request.member, now)
+        if request.reason != "join":
+            record.applied_step = request.applied_step
+            self._progress(request.member, request.applied_step)
+        previous = self._pending.get(request.member)
+        if previous is None or previous.request != request:
+            self._arrivals += 1
+            self._pending[request.member] = _Pending(request, now, self._arrivals)
+        return None
+
+    def tick(self, now: float) -> Formation | None:
+        """Expire heartbeats and join timeouts; form the next quorum when the rules allow."""
+        for name, record in list(self._members.items()):
+            if record.alive and now - record.last_seen > self.heartbeat_timeout:
+                self._mark_dead(name, now, "heartbeat timeout")
+        return self._try_form(now)
+
+    # --- quorum formation ------------------------------------------------------------------------
+
+    def _try_form(self, now: float) -> Formation | None:
+        pending = self._pending
+        if not pending:
+            return None
+        quorum_members = list(self._quorum.members) if self._quorum else []
+        asked = [m for m in quorum_members if m in pending]
+        not_dead = [m for m in quorum_members if self._members[m].alive]
+        unaccounted = [m for m in not_dead if m not in pending]
+        clock = min(pending[m].time for m in (asked or pending))
+        timed_out = now - clock >= self.join_timeout
+        if unaccounted and not timed_out:
+            return None
+        if not_dead and 2 * len(asked) <= len(not_dead):
+            return None
+        survivors = [m for m in asked if pending[m].request.reason != "join"]
+        joiners = sorted((m for m in pending if m not in survivors), key=lambda m: pending[m].order)
+        trusted = [m for m in survivors if m not in self._healing]
+        target, mode = self._target_step(trusted)
+        failure = any(
+            pending[m].request.reason == "failure" and pending[m].request.applied_step == target for m in trusted
+        )
+        members = survivors if failure else survivors + joiners
+        if not members or len(members) < self.min_replicas:
+            return None
+        if not failure and not timed_out and any(r.alive and m not in pending for m, r in self._members.items()):
+            return None
+        return self._form(now, members, target, mode, failure, timed_out, unaccounted, clock)
+
+    def _target_step(self, trusted: list[str]) -> tuple[int, str]:
+        """``A`` and how the ledger reaches it: ``catch-up``, ``rollback`` or ``keep`` (no survivor holds more)."""
+        committed = self._ledger.step
+        if trusted:
+            target = max(self._pending[m].request.applied_step for m in trusted)
+            if target >= committed:
+                return target, "catch-up"
+            if target == committed - 1 and self._snapshot is not None:
+                return target, "rollback"
+        return committed, "keep"
+
+    def _form(
+        self,
+        now: float,
+        members: list[str],
+        target: int,
+        mode: str,
+        failure: bool,
+        timed_out: bool,
+        excluded: list[str],
+        since: float,
+    ) -> Formation:
+        """Form the quorum; members of the old one that did not ask by the timeout are excluded as of ``since``."""
+        previous = self._quorum
+        if mode == "catch-up":
+            while self._ledger.step < target:
+                self._commit_one()
+        elif mode == "rollback":
+            self._rollback()
+        if failure:
+            assert previous is not None
+            record = self._record or StepRecord(list(previous.members))
+            failed = [m for m in record.live if m not in members]
+            if failed:
+                record.failures.append((failed, list(members)))
+            self._record = record
+        else:
+            self._record = StepRecord(list(members))
+        requests = {m: self._pending.pop(m).request for m in members}
+        applied = {m: requests[m].applied_step for m in members}
+        targets = [m for m in members if applied[m] != target]
+        if previous is None:
+            targets = [m for m in members[1:] if applied[m] == target] + targets
+        at_target = [rank for rank, m in enumerate(members) if applied[m] == target]
+        heal = {"source_rank": at_target[0] if at_target else None, "targets": targets} if targets else None
+        self._healing = {m: applied[m] > target for m in targets}
+        self._heal_step = target
+        self._snapshot = None
+        quorum_id = previous.quorum_id + 1 if previous else 1
+        self._quorum = Quorum(quorum_id, tuple(members))
+        for member in excluded:
+            self._record_failure(member, since, "excluded", in_quorum=True)
+        reason = "start-up" if previous is None else "failure" if failure else "boundary"
+        formation = Formation(
+            quorum_id,
+            tuple(members),
+            target,
+            heal,
+            self.ledger_state(),
+            reason,
+            now,
+            timed_out,
+            mode == "rollback",
+        )
+        self._formation = formation
+        self._answered = requests
+        for event in self._unrecovered:
+            recovery = {"member": event["member"], "failed_at": event["time"], "recovered_at": now}
+            self._append(self.recoveries, {**recovery, "quorum_id": quorum_id, "seconds": now - event["time"]})
+            self.counts["recoveries"] += 1
+        self._unrecovered = []
+        entry = {"quorum_id": quorum_id, "members": list(members), "reason": reason, "time": now}
+        self._append(self.quorums, {**entry, "applied_step": target, "timed_out": timed_out})
+        self.counts["quorums"] += 1
+        self.revision += 1
+        return formation
+
+    # --- the ledger ------------------------------------------------------------------------------
+
+    def _commit_one(self) -> None:
+        assert self._quorum is not None
+        record = self._record or StepRecord(list(self._quorum.members))
+        snapshot = {"ledger": self._ledger.state_dict(), "record": record.to_json()}
+        epoch = record.replay(self._ledger)
+        step = self._ledger.step
+        positions = self._ledger.commit()
+        self._snapshot = snapshot
+        self._record = None
+        self.revision += 1
+        if self.on_commit is not None:
+            self.on_commit(epoch, step, positions)
+
+    def _rollback(self) -> None:
+        assert self._snapshot is not None
+        self._ledger = DataLedger.from_state_dict(self._snapshot["ledger"])
+        self._record = StepRecord.from_json(self._snapshot["record"])
+        self._snapshot = None
+        self.counts["rollbacks"] += 1
+
+    def _progress(self, member: str, applied_step: int) -> None:
+        """Commit through ``applied_step`` if ``member`` is a quorum member whose reports count."""
+        if self._quorum is None or member not in self._quorum.members:
+            return
+        if member in self._healing:
+            ahead = self._healing[member]
+            healed = applied_step == self._heal_step if ahead else applied_step >= self._heal_step
+            if not healed:
+                return
+            del self._healing[member]
+            self.revision += 1
+        while self._ledger.step < applied_step:
+            self._commit_one()
+
+    def _known_step(self) -> int:
+        """The furthest step the lighthouse knows of: its ledger or a report of a live quorum member."""
+        known = self._ledger.step
+        if self._quorum is not None:
+            for member in self._quorum.members:
+                record = self._members[member]
+                if record.alive and record.applied_step is not None and member not in self._healing:
+                    known = max(known, record.applied_step)
+        return known
+
+    # --- checks ----------------------------------------------------------------------------------
+
+    def _check_catch_up(self, member: str, applied_step: int) -> None:
+        quorum = self._quorum
+        if quorum is not None and member in quorum.members and applied_step > self._ledger.step + MAX_CATCH_UP:
+            raise RequestError(
+                422,
+                f"applied_step {applied_step} is impossible: more than {MAX_CATCH_UP} steps ahead of "
+                f"the ledger's step {self._ledger.step}",
+                field="applied_step",
+            )
+
+    def _check_request(self, request: QuorumRequest) -> None:
+        quorum = self._quorum
+        if request.reason == "join":
+            limit = self._known_step() + (1 if quorum is not None else 0)
+            if request.applied_step > limit:
+                raise RequestError(
+                    422,
+                    f"applied_step {request.applied_step} is impossible for a join: the ledger is at step "
+                    f"{self._ledger.step} and nothing known is past step {self._known_step()}",
+                    field="applied_step",
+                )
+            return
+        if quorum is None:
+            raise RequestError(
+                409, f"no quorum has formed yet: ask with reason 'join', not {request.reason!r}", field="reason"
+            )
+        if request.member not in quorum.members:
+            raise RequestError(
+                409,
+                f"member {request.member!r} is not in quorum {quorum.quorum_id}: ask again with reason 'join'",
+                field="member",
+                quorum_id=quorum.quorum_id,
+                members=list(quorum.members),
+            )
+        if request.quorum_id != quorum.quorum_id:
+            raise RequestError(
+                409,
+                f"quorum_id {request.quorum_id} is stale: the current quorum is {quorum.quorum_id}",
+                field="quorum_id",
+                quorum_id=quorum.quorum_id,
+                members=list(quorum.members),
+            )
+        self._check_catch_up(request.member, request.applied_step)
+
+    # --- liveness and history --------------------------------------------------------------------
+
+    def _touch(self, member: str, now: float) -> MemberRecord:
+        record = self._members.get(member)
+        if record is None:
+            record = self._members[member] = MemberRecord(member, last_seen=now)
+        record.last_seen = max(record.last_seen, now)
+        record.alive = True
+        return record
+
+    def _mark_dead(self, member: str, now: float, reason: str) -> None:
+        self._members[member].alive = False
+        self._pending.pop(member, None)
+        self._answered.pop(member, None)
+        in_quorum = self._quorum is not None and member in self._quorum.members
+        if reason == "left":
+            self._append(self.departures, {"member": member, "time": now, "in_quorum": in_quorum})
+            self.counts["departures"] += 1
+            self.revision += 1
+        else:
+            self._record_failure(member, now, reason, in_quorum=in_quorum)
+        self._forget_dead()
+
+    def _forget_dead(self) -> None:
+        """Keep the ``HISTORY_LIMIT`` most recently seen dead members outside the quorum; forget older ones."""
+        quorum = self._quorum.members if self._quorum else ()
+        dead = [r for r in self._members.values() if not r.alive and r.name not in quorum]
+        if len(dead) > HISTORY_LIMIT:
+            for record in sorted(dead, key=lambda r: r.last_seen)[: len(dead) - HISTORY_LIMIT]:
+                del self._members[record.name]
+
+    def _record_failure(self, member: str, now: float, reason: str, *, in_quorum: bool) -> None:
+        event = {"member": member, "time": now, "reason": reason, "in_quorum": in_quorum}
+        self._append(self.failures, event)
+        self.counts["failures"] += 1
+        if in_quorum:
+            self._unrecovered.append(event)
+        self.revision += 1
+
+    @staticmethod
+    def _append(history: list[dict[str, Any]], event: dict[str, Any]) -> None:
+        history.append(event)
+        del history[:-HISTORY_LIMIT]
+
+    # --- status and persistence ------------------------------------------------------------------
+
+    def member_state(self, member: str) -> str:
+        """``alive`` (in the quorum), ``joining`` (alive, not in it) or ``dead``."""
+        record = self._members[member]
+        if not record.alive:
+            return "dead"
+        return "alive" if self._quorum is not None and member in self._quorum.members else "joining"
+
+    def to_status(self, now: float | None = None) -> dict[str, Any]:
+        """One JSON-able dict of everything a dashboard shows."""
+        ledger = self._ledger
+        missing = int(ledger.missing_indices.size)
+        length = self.plan.epoch_length
+        members = []
+        for name, record in self._members.items():
+            pending = self._pending.get(name)
+            members.append(
+                {
+                    "member": name,
+                    "state": self.member_state(name),
+                    "applied_step": record.applied_step,
+                    "connected": record.connected,
+                    "last_seen": record.last_seen,
+                    "seconds_since_seen": None if now is None else max(0.0, now - record.last_seen),
+                    "asking": None if pending is None else pending.request.reason,
+                    "healing": name in self._healing,
+                }
+            )
+        quorum = self._quorum
+        return {
+            "members": members,
+            "quorum": None if quorum is None else {"quorum_id": quorum.quorum_id, "members": list(quorum.members)},
+            "min_replicas": self.min_replicas,
+            "reconfigure_pending": self.reconfigure_pending,
+            "ledger": {
+                "step": ledger.step,
+                "epoch": ledger.epoch,
+                "epoch_step": ledger.epoch_step,
+                "base_index": ledger.base_index,
+                "missing": missing,
+                "epoch_length": length,
+                "epoch_progress": 1.0 if ledger.epoch_complete else (ledger.base_index - missing) / length,
+                "step_in_progress": self._record is not None,
+            },
+            "plan": self.plan.to_dict(),
+            "counts": dict(self.counts),
+            "failures": list(self.failures),
+            "recoveries": list(self.recoveries),
+            "departures": list(self.departures),
+            "quorums": list(self.quorums),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state; ``from_state_dict`` resumes it in a restarted lighthouse."""
+        quorum = self._quorum
+        return {
+            "version": STATE_VERSION,
+            "ledger": self._ledger.state_dict(),
+            "record": None if self._record is None else self._record.to_json(),
+            "snapshot": self._snapshot,
+            "quorum": None if quorum is None else {"quorum_id": quorum.quorum_id, "members": list(quorum.members)},
+            "members": {name: record.applied_step for name, record in self._members.items()},
+            "formation": None if self._formation is None else self._formation.to_json(),
+            "answered": {member: dataclasses.asdict(request) for member, request in self._answered.items()},
+            "healing": dict(self._healing),
+            "heal_step": self._heal_step,
+            "history": {
+                "failures": self.failures,
+                "departures": self.departures,
+                "quorums": self.quorums,
+                "recoveries": self.recoveries,
+                "unrecovered": self._unrecovered,
+                "counts": self.counts,
+            },
+        }
+
+    @classmethod
+    def from_state_dict(
+        cls,
+        state: Mapping[str, Any],
+        *,
+        now: float,
+        min_replicas: int = 1,
+        heartbeat_timeout: float = 2.0,
+        join_timeout: float = 5.0,
+        on_commit: CommitListener | None = None,
+    ) -> LighthouseState:
+        """Resume from ``state_dict()``: the quorum's members count as alive (seen at ``now``), others as dead."""
+        if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
+            raise ValueError(f"state must be a lighthouse state_dict of version {STATE_VERSION}")
+        ledger = DataLedger.from_state_dict(state["ledger"])
+        restored = cls(ledger.plan, min_replicas, heartbeat_timeout, join_timeout, on_commit=on_commit)
+        restored._ledger = ledger
+        restored._record = None if state["record"] is None else StepRecord.from_json(state["record"])
+        restored._snapshot = state["snapshot"]
+        if state["quorum"] is not None:
+            members = tuple(parse_member(m, "state['quorum']['members']") for m in state["quorum"]["members"])
+            restored._quorum = Quorum(check_int("state['quorum']['quorum_id']", state["quorum"]["quorum_id"]), members)
+        for name, applied_step in state["members"].items():
+            record = MemberRecord(parse_member(name, "state['members']"), alive=False, last_seen=now)
+            record.applied_step = (
+                None if applied_step is None else parse_step(applied_step, f"state['members'][{name!r}]")
+            )
+            restored._members[name] = record
+        restored.expect_quorum(now)
+        if state["formation"] is not None:
+            restored._formation = Formation.from_json(state["formation"])
+        restored._answered = {member: QuorumRequest(**request) for member, request in state["answered"].items()}
+        restored._healing = {name: bool(ahead) for name, ahead in state["healing"].items()}
+        restored._heal_step = check_int("state['heal_step']", state["heal_step"], minimum=0)
+        history = state["history"]
+        restored.failures = list(history["failures"])
+        restored.departures = list(history["departures"])
+        restored.quorums = list(history["quorums"])
+        restored.recoveries = list(history["recoveries"])
+        restored._unrecovered = list(history["unrecovered"])
+        restored.counts.update(history["counts"])
+        return restored
+
+
+def check_seconds(name: str, value: Any) -> float:
+    """Return ``value`` as a float if it is a finite number of seconds > 0, else raise naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number of seconds, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)

@@ -1,0 +1,448 @@
+"""The lighthouse HTTP server: aiohttp around :class:`~stalwart.coord.quorum.LighthouseState`.
+
+Endpoints (``docs/protocol.md``): ``GET /healthz``, ``GET /v1/status``,
+``GET /v1/heartbeat?member=ID`` (websocket), ``POST /v1/quorum`` (long poll)
+and ``POST /v1/leave``. Every event is handed to the pure state with the
+wall-clock time; a periodic task (every ``tick_interval``) expires heartbeats
+and join timeouts and forms quorums. The state is persisted
+(:mod:`stalwart.coord.persist`) before any quorum answer leaves, so a
+restarted lighthouse never forgets a quorum it announced, and within one tick
+of a ledger commit reported by heartbeats (commits are coalesced: a commit
+lost with the process is replayed identically from the members' next
+heartbeats).
+
+The lighthouse also hosts the ``torch.distributed.TCPStore`` on which each
+quorum's process group rendezvouses, under the prefix ``q{quorum_id}/``.
+
+:class:`Lighthouse` runs the server in a background thread with its own event
+loop (``start``/``stop``), so tests and launchers can embed it, or in the
+foreground for the CLI (``serve_forever``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import WSCloseCode, WSMsgType, web
+
+from stalwart._validate import check_int
+from stalwart.coord.persist import StateStore
+from stalwart.coord.quorum import (
+    Formation,
+    LighthouseState,
+    QuorumRequest,
+    RequestError,
+    check_seconds,
+    parse_heartbeat,
+    parse_member,
+)
+from stalwart.data.plan import EpochPlan
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 * 1024
+_PUBLIC_PATHS = frozenset({"/healthz"})
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Lighthouse:
+    """The lighthouse server: membership, quorums and the ledger of record, over HTTP.
+
+    With ``state_path`` the state lives in that SQLite file; when it already
+    holds a state, that state (and its plan) is resumed and ``plan`` must equal
+    it. ``port=0`` and ``store_port=0`` pick free ports (see ``port`` and
+    ``store_port`` once started).
+    """
+
+    def __init__(
+        self,
+        plan: EpochPlan,
+        *,
+        min_replicas: int = 1,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        state_path: str | os.PathLike[str] | None = None,
+        token: str | None = None,
+        heartbeat_timeout: float = 2.0,
+        join_timeout: float = 5.0,
+        store_port: int = 0,
+        tick_interval: float = 0.05,
+    ) -> None:
+        if not isinstance(plan, EpochPlan):
+            raise TypeError(f"plan must be an EpochPlan, got {type(plan).__name__}")
+        if not isinstance(host, str) or not host:
+            raise ValueError(f"host must be a non-empty string, got {host!r}")
+        if token is not None and (not isinstance(token, str) or not token):
+            raise ValueError("token must be a non-empty string or None")
+        self.host = host
+        self._requested_port = check_int("port", port, minimum=0, maximum=65535)
+        self._requested_store_port = check_int("store_port", store_port, minimum=0, maximum=65535)
+        self._token = token
+        self.join_timeout = check_seconds("join_timeout", join_timeout)
+        self.tick_interval = check_seconds("tick_interval", tick_interval)
+        self._database = StateStore(state_path) if state_path is not None else None
+        try:
+            self.state = self._load_state(plan, state_path, min_replicas, heartbeat_timeout, join_timeout)
+        except BaseException:
+            if self._database is not None:
+                self._database.close()
+            raise
+        self._saved_revision = -1
+        self._port: int | None = None
+        self._store_port: int | None = None
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
+        self._ticker: asyncio.Task[None] | None = None
+        self._tcp_store: Any = None
+        self._sockets: dict[str, web.WebSocketResponse] = {}
+        self._waiters: dict[str, list[asyncio.Future[dict[str, Any] | RequestError]]] = {}
+        self._stopping = False
+
+    def _load_state(
+        self,
+        plan: EpochPlan,
+        state_path: object,
+        min_replicas: int,
+        heartbeat_timeout: float,
+        join_timeout: float,
+    ) -> LighthouseState:
+        """The persisted state when there is one (its plan must equal ``plan``), else a fresh one."""
+        persisted = self._database.load() if self._database is not None else None
+        if persisted is None:
+            return LighthouseState(plan, min_replicas, heartbeat_timeout, join_timeout)
+        state = LighthouseState.from_state_dict(
+            persisted,
+            now=time.time(),
+            min_replicas=min_replicas,
+            heartbeat_timeout=heartbeat_timeout,
+            join_timeout=join_timeout,
+        )
+        _check_same_plan(plan, state.plan, state_path)
+        return state
+
+    # --- addresses -------------------------------------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        """The HTTP port (once started)."""
+        if self._port is None:
+            raise RuntimeError("the lighthouse is not started; call start() first")
+        return self._port
+
+    @property
+    def store_port(self) -> int:
+        """The TCPStore's port (once started)."""
+        if self._store_port is None:
+            raise RuntimeError("the lighthouse is not started; call start() first")
+        return self._store_port
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` of the server (once started)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    # --- life cycle ------------------------------------------------------------------------------
+
+    def start(self, timeout: float = 60.0) -> None:
+        """Serve in a background thread with its own event loop; returns once the server listens."""
+        if self._thread is not None:
+            raise RuntimeError("the lighthouse is already started")
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            try:
+                loop.run_until_complete(self._start())
+            except BaseException as error:
+                failure.append(error)
+                ready.set()
+                loop.close()
+                return
+            ready.set()
+            try:
+                loop.run_forever()
+            finally:
+                loop.close()
+
+        self._thread = threading.Thread(target=run, name="stalwart-lighthouse", daemon=True)
+        self._thread.start()
+        if not ready.wait(timeout):
+            raise TimeoutError(f"the lighthouse did not start within {timeout} s")
+        if failure:
+            self._thread.join()
+            self._thread = None
+            raise failure[0]
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop serving, close the websockets and the database; the state stays persisted."""
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            if self._database is not None:
+                self._database.close()
+            return
+        asyncio.run_coroutine_threadsafe(self._stop(), loop).result(timeout)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout)
+        self._thread = None
+        self._loop = None
+
+    def serve_forever(self) -> None:
+        """Serve until SIGINT or SIGTERM (call from the main thread), then stop cleanly."""
+        if self._thread is None:
+            self.start()
+        stop = threading.Event()
+        previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            while not stop.wait(0.5):
+                pass
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self.stop()
+
+    def status(self, timeout: float = 10.0) -> dict[str, Any]:
+        """``GET /v1/status``'s JSON, read on the server's loop (thread-safe)."""
+        if self._loop is None:
+            raise RuntimeError("the lighthouse is not started; call start() first")
+
+        async def read() -> dict[str, Any]:
+            return self._status()
+
+        return asyncio.run_coroutine_threadsafe(read(), self._loop).result(timeout)
+
+    def __enter__(self) -> Lighthouse:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    async def _start(self) -> None:
+        self._tcp_store, self._store_port = _start_tcp_store(self.host, self._requested_store_port)
+        app = web.Application(middlewares=[self._middleware], client_max_size=MAX_BODY_BYTES)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/v1/status", self._get_status)
+        app.router.add_get("/v1/heartbeat", self._heartbeat)
+        app.router.add_post("/v1/quorum", self._quorum)
+        app.router.add_post("/v1/leave", self._leave)
+        self._runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=2.0)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self._requested_port)
+        await site.start()
+        self._port = int(self._runner.addresses[0][1])
+        self.state.expect_quorum(time.time())
+        self._persist(time.time())
+        self._ticker = asyncio.create_task(self._tick_forever())
+
+    async def _stop(self) -> None:
+        self._stopping = True
+        if self._ticker is not None:
+            self._ticker.cancel()
+        for waiters in self._waiters.values():
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(RequestError(503, "the lighthouse is shutting down; ask again"))
+        closing = [ws.close(code=WSCloseCode.GOING_AWAY, message=b"shutting down") for ws in self._sockets.values()]
+        await asyncio.gather(*closing, return_exceptions=True)
+        if self._runner is not None:
+            await self._runner.cleanup()
+        self._persist(time.time())
+        if self._database is not None:
+            self._database.close()
+        self._tcp_store = None
+
+    # --- the state -------------------------------------------------------------------------------
+
+    async def _tick_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.tick_interval)
+            try:
+                self._advance()
+            except Exception:
+                logger.exception("lighthouse tick failed")
+
+    def _advance(self, now: float | None = None) -> None:
+        """Expire timeouts, form a quorum if due, persist, then answer the waiting members."""
+        if self._stopping:
+            return
+        now = time.time() if now is None else now
+        formation = self.state.tick(now)
+        self._persist(now)
+        if formation is not None:
+            self._answer_waiters(formation)
+
+    def _persist(self, now: float) -> None:
+        if self._database is not None and self.state.revision != self._saved_revision:
+            self._database.save(self.state.state_dict(), self.state.revision, now)
+            self._saved_revision = self.state.revision
+
+    def _answer_waiters(self, formation: Formation) -> None:
+        for member in formation.members:
+            for waiter in self._waiters.get(member, []):
+                if not waiter.done():
+                    waiter.set_result(formation.answer(member))
+
+    def _status(self) -> dict[str, Any]:
+        return {
+            **self.state.to_status(time.time()),
+            "url": self.url,
+            "store": {"host": self.host, "port": self.store_port},
+        }
+
+    # --- HTTP ------------------------------------------------------------------------------------
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Bearer-token check (all but ``/healthz``) and JSON errors for refused requests."""
+        if self._token is not None and request.path not in _PUBLIC_PATHS:
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, f"Bearer {self._token}".encode()):
+                return web.json_response(
+                    {"error": "missing or wrong bearer token in the Authorization header"},
+                    status=401,
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+        try:
+            return await handler(request)
+        except RequestError as error:
+            return web.json_response(error.to_json(), status=error.status)
+        except web.HTTPException as error:
+            if error.status < 400:
+                raise
+            return web.json_response({"error": f"{error.reason}: {request.method} {request.path}"}, status=error.status)
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    async def _get_status(self, request: web.Request) -> web.Response:
+        return web.json_response(self._status())
+
+    async def _heartbeat(self, request: web.Request) -> web.WebSocketResponse:
+        member = parse_member(request.query.get("member"))
+        ws = web.WebSocketResponse(max_msg_size=4096, timeout=1.0)
+        await ws.prepare(request)
+        previous = self._sockets.get(member)
+        self._sockets[member] = ws
+        if previous is not None:
+            await previous.close(code=WSCloseCode.POLICY_VIOLATION, message=b"replaced by a newer heartbeat socket")
+        if self._stopping:
+            await ws.close(code=WSCloseCode.GOING_AWAY, message=b"lighthouse shutting down")
+            return ws
+        self.state.connected(member, time.time())
+        self._advance()
+        try:
+            async for message in ws:
+                if self._stopping:
+                    break
+                if message.type != WSMsgType.TEXT:
+                    await ws.send_json({"type": "error", "error": "heartbeats must be JSON text messages"})
+                    continue
+                try:
+                    self.state.heartbeat(member, parse_heartbeat(json.loads(message.data)), time.time())
+                except (ValueError, RecursionError, RequestError) as error:
+                    text = error.message if isinstance(error, RequestError) else f"not JSON: {error}"
+                    await ws.send_json({"type": "error", "error": text})
+                    continue
+                quorum = self.state.quorum
+                if quorum is not None and self.state.should_reconfigure(member):
+                    await ws.send_json({"type": "reconfigure", "quorum_id": quorum.quorum_id})
+        finally:
+            if self._sockets.get(member) is ws:
+                del self._sockets[member]
+                if not self._stopping:
+                    self.state.disconnected(member, time.time())
+                    self._advance()
+        return ws
+
+    async def _quorum(self, request: web.Request) -> web.Response:
+        quorum_request = QuorumRequest.from_json(await _json_body(request))
+        member = quorum_request.member
+        answer = self.state.request(quorum_request, time.time())
+        if answer is None:
+            self._advance()
+            answer = self.state.answer_for(quorum_request)
+        if answer is None:
+            waiter: asyncio.Future[dict[str, Any] | RequestError] = asyncio.get_running_loop().create_future()
+            self._waiters.setdefault(member, []).append(waiter)
+            try:
+                await asyncio.wait({waiter}, timeout=self.join_timeout)
+            finally:
+                self._waiters[member].remove(waiter)
+                if not self._waiters[member]:
+                    del self._waiters[member]
+            result = waiter.result() if waiter.done() else self.state.answer_for(quorum_request)
+            if isinstance(result, RequestError):
+                raise result
+            if result is None:
+                raise RequestError(
+                    408, f"no quorum formed within join_timeout={self.join_timeout} s; ask again", member=member
+                )
+            answer = result
+        store = {"host": self._store_host(request), "port": self.store_port, "prefix": f"q{answer['quorum_id']}/"}
+        return web.json_response({**answer, "store": store})
+
+    async def _leave(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        if not isinstance(body, dict) or set(body) != {"member"}:
+            raise RequestError(400, f'the body must be {{"member": str}}, got {body!r}')
+        member = parse_member(body["member"])
+        self.state.leave(member, time.time())
+        self._advance()
+        for waiter in self._waiters.get(member, []):
+            if not waiter.done():
+                waiter.set_result(RequestError(410, f"member {member!r} left", member=member))
+        return web.json_response({"ok": True})
+
+    def _store_host(self, request: web.Request) -> str:
+        """The store's address as the caller can reach it: the bound host, or the one it called when wildcard."""
+        if self.host in ("0.0.0.0", "::", ""):
+            return request.url.host or "127.0.0.1"
+        return self.host
+
+
+def _start_tcp_store(host: str, port: int) -> tuple[Any, int]:
+    """The rendezvous ``TCPStore``, listening on ``host`` only (on its own it would listen on every interface)."""
+    from torch.distributed import TCPStore
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.create_server((host, port), family=family, backlog=1024)
+    try:
+        actual_port = int(listener.getsockname()[1])
+        store = TCPStore(host, actual_port, is_master=True, wait_for_workers=False, master_listen_fd=listener.fileno())
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()
+    return store, actual_port
+
+
+async def _json_body(request: web.Request) -> Any:
+    try:
+        return json.loads(await request.text())
+    except (ValueError, RecursionError) as error:
+        raise RequestError(400, f"the body must be JSON: {error}") from error
+
+
+def _check_same_plan(given: EpochPlan, persisted: EpochPlan, path: object) -> None:
+    """Refuse a plan that differs from the persisted one, naming each differing field."""
+    if given == persisted:
+        return
+    ours, theirs = given.to_dict(), persisted.to_dict()
+    diffs = ", ".join(
+        f"{name}={ours[name]!r} (persisted {theirs[name]!r})" for name in ours if ours[name] != theirs[name]
+    )
+    raise ValueError(f"plan does not match the state persisted in {path}: {diffs}")

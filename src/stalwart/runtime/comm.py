@@ -1,0 +1,105 @@
+"""The one device-specific piece: process groups per quorum, Gloo on CPU and NCCL on GPU.
+
+A quorum's process group is created from the lighthouse's TCPStore under the
+quorum's prefix, so that every quorum rendezvouses afresh and a dead quorum's
+group is simply abandoned (and aborted). Collectives have a timeout: a peer
+that was SIGKILLed makes Gloo raise at once (its sockets close), a hung
+(SIGSTOPped) peer makes it raise after ``timeout``; both surface as
+:class:`CollectiveError`, which the Manager answers by asking for a new quorum.
+
+Everything above this module is device-agnostic: it hands over tensors on
+``Communicator.device`` and never names a backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class CollectiveError(RuntimeError):
+    """A collective or a group's rendezvous failed: a peer died, hung or never came."""
+
+
+class Communicator:
+    """A process group for one quorum, with the two collectives the runtime needs."""
+
+    def __init__(
+        self,
+        store_host: str,
+        store_port: int,
+        store_prefix: str,
+        rank: int,
+        world_size: int,
+        *,
+        timeout: float,
+        device: torch.device,
+        host: str = "127.0.0.1",
+    ) -> None:
+        """Rendezvous as ``rank`` of ``world_size`` on the TCPStore at ``store_host:store_port`` under ``store_prefix``.
+
+        ``host`` is the address peers reach this process on.
+        """
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        delta = datetime.timedelta(seconds=timeout)
+        try:
+            store = dist.TCPStore(store_host, store_port, is_master=False, timeout=delta)
+            self.store: dist.Store = dist.PrefixStore(store_prefix, store)
+            self._group: Any = _new_group(self.store, rank, world_size, delta, device, host)
+        except (RuntimeError, dist.DistError) as error:
+            where = f"{store_host}:{store_port}/{store_prefix}"
+            raise CollectiveError(f"rendezvous of rank {rank}/{world_size} at {where} failed: {error}") from error
+
+    def start_all_reduce_sum(self, tensor: torch.Tensor) -> Callable[[], None]:
+        """Start summing ``tensor`` across the group in place; call the result to wait for it.
+
+        On failure the waiting raises :class:`CollectiveError` and the tensor's content is undefined.
+        """
+        work = self._group.allreduce([tensor])
+        return lambda: self._wait(work, "all-reduce")
+
+    def broadcast(self, tensors: list[torch.Tensor], source_rank: int) -> None:
+        """Overwrite ``tensors`` on every rank with the source rank's."""
+        for tensor in tensors:
+            options = dist.BroadcastOptions()
+            options.rootRank = source_rank
+            self._wait(self._group.broadcast([tensor], options), "broadcast")
+
+    def abort(self) -> None:
+        """Abandon the group: pending collectives end, sockets close."""
+        with contextlib.suppress(RuntimeError):
+            self._group.abort()
+
+    def _wait(self, work: dist.Work, name: str) -> None:
+        try:
+            work.wait()
+        except (RuntimeError, dist.DistError) as error:
+            raise CollectiveError(f"{name} failed on rank {self.rank}/{self.world_size}: {error}") from error
+
+
+def default_device() -> torch.device:
+    """CUDA's current device when there is one (NCCL), else the CPU (Gloo)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _new_group(
+    store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta, device: torch.device, host: str
+) -> Any:
+    """A Gloo or NCCL group (their common base class is not typed in torch's stubs)."""
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world_size, options)
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(store, rank, world_size, options)

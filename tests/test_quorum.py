@@ -1,0 +1,533 @@
+"""The lighthouse state machine: quorum rules, failures, healing, rollback and the ledger's exactly-once invariant."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stalwart.coord.quorum import Formation, LighthouseState, QuorumRequest, RequestError
+from stalwart.data.ledger import DataLedger
+from stalwart.data.plan import EpochPlan
+
+PLAN = EpochPlan(120, 12, seed=3)
+HEARTBEAT_TIMEOUT = 1.0
+JOIN_TIMEOUT = 2.0
+
+
+class Cluster:
+    """Simulated worker processes driving a ``LighthouseState`` the way ``docs/protocol.md`` says they do."""
+
+    def __init__(self, plan: EpochPlan = PLAN, min_replicas: int = 1) -> None:
+        self.log: dict[int, tuple[int, list[int]]] = {}
+        self.state = LighthouseState(plan, min_replicas, HEARTBEAT_TIMEOUT, JOIN_TIMEOUT, on_commit=self._committed)
+        self.now = 0.0
+        self.applied: dict[str, int] = {}
+        self.next_id = 0
+        self.formations: list[Formation] = []
+
+    def _committed(self, epoch: int, step: int, positions: np.ndarray) -> None:
+        self.log[step] = (epoch, positions.tolist())
+
+    @property
+    def members(self) -> list[str]:
+        quorum = self.state.quorum
+        return [] if quorum is None else list(quorum.members)
+
+    def spawn(self, applied: int = 0) -> str:
+        name = f"w{self.next_id}"
+        self.next_id += 1
+        self.applied[name] = applied
+        self.state.connected(name, self.now)
+        return name
+
+    def ask(self, member: str, reason: str, applied: int | None = None) -> dict[str, Any] | None:
+        quorum = self.state.quorum
+        quorum_id = None if reason == "join" or quorum is None else quorum.quorum_id
+        step = self.applied[member] if applied is None else applied
+        return self.state.request(QuorumRequest(member, step, quorum_id, reason), self.now)
+
+    def heartbeat(self, members: list[str] | None = None) -> None:
+        for member in self.applied if members is None else members:
+            self.state.heartbeat(member, self.applied[member], self.now)
+
+    def kill(self, member: str, how: str = "socket") -> None:
+        """A process dies: its socket closes at once, or (``timeout``) it just stops talking."""
+        del self.applied[member]
+        if how == "socket":
+            self.state.disconnected(member, self.now)
+
+    def settle(self, step: float = 0.25, limit: int = 80) -> Formation:
+        """Let time pass (live processes heartbeating) until a quorum forms; heal its targets."""
+        for _ in range(limit):
+            formation = self.state.tick(self.now)
+            if formation is not None:
+                break
+            self.now += step
+            self.heartbeat()
+        else:
+            raise AssertionError(f"no quorum formed; pending {self.state.pending}")
+        self.formations.append(formation)
+        if formation.heal is not None:
+            for member in formation.heal["targets"]:
+                self.applied[member] = formation.applied_step
+        return formation
+
+    def start(self, count: int) -> Formation:
+        for member in [self.spawn() for _ in range(count)]:
+            assert self.ask(member, "join") is None
+        formation = self.state.tick(self.now)
+        assert formation is not None
+        self.formations.append(formation)
+        return formation
+
+    def run_steps(self, count: int) -> None:
+        """Every quorum member applies ``count`` steps on the fast path and reports it."""
+        for _ in range(count):
+            for member in self.members:
+                self.applied[member] += 1
+            self.now += 0.05
+            self.heartbeat()
+
+
+def expected_shares(state: dict[str, Any], members: list[str]) -> dict[str, list[int]]:
+    """The shares of a fresh ``begin_step(members)`` on a committed ledger state."""
+    ledger = DataLedger.from_state_dict(state)
+    return {member: share.tolist() for member, share in ledger.begin_step(members).items()}
+
+
+def current_shares(cluster: Cluster) -> dict[str, list[int]]:
+    """The shares of the step the quorum is in, as every member computes them."""
+    state = cluster.state.ledger_state()
+    return state["in_flight"] if state["members"] is not None else expected_shares(state, cluster.members)
+
+
+def union(in_flight: dict[str, list[int]]) -> list[int]:
+    return sorted(position for positions in in_flight.values() for position in positions)
+
+
+def test_start_up_quorum_waits_for_every_live_member_then_admits_them_in_arrival_order() -> None:
+    cluster = Cluster()
+    late = cluster.spawn()
+    first, second = cluster.spawn(), cluster.spawn()
+    cluster.ask(second, "join")
+    cluster.ask(first, "join")
+    assert cluster.state.tick(cluster.now) is None, "start-up must wait for the live member that has not asked"
+    cluster.now += 0.5
+    cluster.heartbeat()
+    cluster.ask(late, "join")
+    formation = cluster.state.tick(cluster.now)
+    assert formation is not None
+    assert formation.members == (second, first, late)
+    assert (formation.quorum_id, formation.reason, formation.applied_step, formation.heal) == (1, "start-up", 0, None)
+    fresh = DataLedger(PLAN)
+    assert formation.ledger["in_flight"] == {m: s.tolist() for m, s in fresh.begin_step([second, first, late]).items()}
+    answer = formation.answer(first)
+    assert (answer["rank"], answer["world_size"], answer["quorum_id"]) == (1, 3, 1)
+    assert cluster.state.pending == {}
+
+
+def test_start_up_forms_without_a_silent_member_after_join_timeout() -> None:
+    cluster = Cluster()
+    silent = cluster.spawn()
+    asker = cluster.spawn()
+    cluster.ask(asker, "join")
+    cluster.now += JOIN_TIMEOUT * 0.9
+    cluster.heartbeat()
+    assert cluster.state.tick(cluster.now) is None
+    cluster.now += JOIN_TIMEOUT * 0.1
+    cluster.heartbeat()
+    formation = cluster.state.tick(cluster.now)
+    assert formation is not None and formation.members == (asker,) and formation.timed_out
+    assert cluster.state.member_state(silent) == "joining"
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    size=st.integers(2, 6),
+    multiple=st.integers(1, 3),
+    steps=st.integers(0, 4),
+    data=st.data(),
+)
+def test_failure_quorum_gives_survivors_exactly_the_lost_positions(size: int, multiple: int, steps: int, data) -> None:
+    plan = EpochPlan(500, 24, seed=1, local_batch_multiple=multiple)
+    cluster = Cluster(plan)
+    cluster.start(size)
+    cluster.run_steps(steps)
+    members = cluster.members
+    before = current_shares(cluster)
+    dead = data.draw(st.lists(st.sampled_from(members), min_size=1, max_size=min(2, size - 1), unique=True))
+    how = data.draw(st.sampled_from(["socket", "timeout"]))
+    for member in dead:
+        cluster.kill(member, how)
+    survivors = [m for m in members if m not in dead]
+    for member in survivors:
+        cluster.ask(member, "failure")
+    formation = cluster.settle()
+    assert formation.reason == "failure" and formation.members == tuple(survivors)
+    assert formation.applied_step == steps and formation.heal is None
+    after = formation.ledger["in_flight"]
+    assert list(after) == survivors
+    assert union(after) == union(before), "the step must still train on every one of its positions"
+    assert len(union(after)) == len(set(union(after))), "no position may be handed out twice"
+    lost = sorted(p for m in dead for p in before[m])
+    extra = sorted(p for m in survivors for p in after[m][len(before[m]) :])
+    assert extra == lost
+    for member in survivors:
+        assert after[member][: len(before[member])] == before[member], "a survivor keeps its accumulated share"
+    assert {f["member"] for f in cluster.state.failures} == set(dead)
+    assert cluster.state.counts["recoveries"] == len(dead)
+
+
+def test_a_member_one_step_ahead_raises_a_and_the_ledger_commits_through_it() -> None:
+    cluster = Cluster()
+    cluster.start(3)
+    cluster.run_steps(2)
+    ahead, behind, dead = cluster.members
+    cluster.applied[ahead] = 3
+    cluster.kill(dead)
+    cluster.ask(ahead, "failure")
+    cluster.ask(behind, "failure")
+    formation = cluster.settle()
+    assert formation.applied_step == 3 and cluster.state.step == 3
+    assert formation.heal == {"source_rank": 0, "targets": [behind]}
+    assert sorted(cluster.log) == [0, 1, 2]
+    assert sorted(cluster.log[2][1]) == list(range(24, 36)), "step 2 committed with all three members' positions"
+    assert formation.reason == "failure" and formation.members == (ahead, behind)
+    assert union(formation.ledger["in_flight"]) == list(range(36, 48))
+    assert formation.ledger["members"] == [ahead, behind, dead]
+
+
+def test_rollback_when_the_only_member_that_applied_a_step_dies() -> None:
+    cluster = Cluster()
+    cluster.start(3)
+    cluster.run_steps(2)
+    first, second, third = cluster.members
+    shares = current_shares(cluster)
+    cluster.applied[first] = 3
+    cluster.heartbeat([first])
+    assert cluster.state.step == 3, "the ledger commits what a live member reports"
+    cluster.kill(first)
+    cluster.ask(second, "failure")
+    cluster.ask(third, "failure")
+    formation = cluster.settle()
+    assert formation.rolled_back and cluster.state.step == 2 and formation.applied_step == 2
+    assert cluster.state.counts["rollbacks"] == 1
+    in_flight = formation.ledger["in_flight"]
+    assert list(in_flight) == [second, third]
+    assert union(in_flight) == union(shares)
+    for member in (second, third):
+        assert in_flight[member][: len(shares[member])] == shares[member]
+    cluster.run_steps(1)
+    assert cluster.state.step == 3 and sorted(cluster.log[2][1]) == union(shares)
+
+
+def test_healing_targets_and_their_stale_heartbeats_do_not_commit() -> None:
+    cluster = Cluster()
+    cluster.start(2)
+    cluster.run_steps(5)
+    joiner = cluster.spawn()
+    cluster.ask(joiner, "join")
+    assert cluster.state.reconfigure_pending and cluster.state.should_reconfigure(cluster.members[0])
+    assert not cluster.state.should_reconfigure(joiner)
+    for member in cluster.members:
+        cluster.ask(member, "reconfigure")
+    formation = cluster.state.tick(cluster.now)
+    assert formation is not None and formation.reason == "boundary"
+    assert formation.heal == {"source_rank": 0, "targets": [joiner]}
+    assert formation.members[-1] == joiner and formation.applied_step == 5
+    assert formation.ledger["in_flight"] == expected_shares(
+        cluster.state.state_dict()["ledger"], list(formation.members)
+    )
+    assert not cluster.state.reconfigure_pending
+    cluster.state.heartbeat(joiner, 0, cluster.now)
+    assert cluster.state.step == 5 and cluster.state.to_status()["members"][-1]["healing"]
+    cluster.state.heartbeat(joiner, 6, cluster.now)
+    assert cluster.state.step == 6, "a healed member's reports count again"
+
+
+def test_joiners_wait_during_a_failure_quorum_and_enter_at_the_next_boundary() -> None:
+    cluster = Cluster()
+    cluster.start(3)
+    cluster.run_steps(1)
+    joiner = cluster.spawn()
+    cluster.ask(joiner, "join")
+    first, second, dead = cluster.members
+    cluster.kill(dead)
+    cluster.ask(first, "failure")
+    cluster.ask(second, "failure")
+    formation = cluster.settle()
+    assert formation.reason == "failure" and formation.members == (first, second)
+    assert joiner in cluster.state.pending and cluster.state.member_state(joiner) == "joining"
+    assert cluster.state.should_reconfigure(first), "the flag stays raised while the joiner waits"
+    cluster.run_steps(1)
+    for member in (first, second):
+        cluster.ask(member, "reconfigure")
+    formation = cluster.settle()
+    assert formation.reason == "boundary" and formation.members == (first, second, joiner)
+    assert formation.heal == {"source_rank": 0, "targets": [joiner]}
+
+
+def test_majority_rule_refuses_a_quorum_from_a_minority() -> None:
+    cluster = Cluster()
+    cluster.start(4)
+    members = cluster.members
+    cluster.ask(members[0], "failure")
+    cluster.ask(members[1], "failure")
+    for _ in range(3):
+        cluster.now += JOIN_TIMEOUT
+        cluster.heartbeat()
+        assert cluster.state.tick(cluster.now) is None, "2 of 4 live members are not a majority"
+    cluster.ask(members[2], "failure")
+    cluster.now += JOIN_TIMEOUT
+    cluster.heartbeat()
+    formation = cluster.state.tick(cluster.now)
+    assert formation is not None and formation.members == tuple(members[:3]) and formation.timed_out
+    assert cluster.state.failures[-1]["member"] == members[3]
+    assert cluster.state.failures[-1]["reason"] == "excluded"
+
+
+def test_min_replicas_holds_back_start_up_and_failure_quorums() -> None:
+    cluster = Cluster(min_replicas=3)
+    first, second = cluster.spawn(), cluster.spawn()
+    cluster.ask(first, "join")
+    cluster.ask(second, "join")
+    cluster.now += 3 * JOIN_TIMEOUT
+    cluster.heartbeat()
+    assert cluster.state.tick(cluster.now) is None
+    third = cluster.spawn()
+    cluster.ask(third, "join")
+    formation = cluster.state.tick(cluster.now)
+    assert formation is not None and len(formation.members) == 3
+    cluster.kill(third)
+    cluster.ask(first, "failure")
+    cluster.ask(second, "failure")
+    for _ in range(10):
+        cluster.now += JOIN_TIMEOUT
+        cluster.heartbeat()
+        assert cluster.state.tick(cluster.now) is None
+
+
+def test_join_timeout_excludes_a_member_that_heartbeats_but_never_asks() -> None:
+    cluster = Cluster()
+    cluster.start(3)
+    hung = cluster.members[2]
+    for member in cluster.members[:2]:
+        cluster.ask(member, "reconfigure")
+    asked_at = cluster.now
+    cluster.now = asked_at + JOIN_TIMEOUT - 0.01
+    cluster.heartbeat()
+    assert cluster.state.tick(cluster.now) is None
+    cluster.now = asked_at + JOIN_TIMEOUT
+    cluster.heartbeat()
+    formation = cluster.state.tick(cluster.now)
+    assert formation is not None and formation.timed_out and hung not in formation.members
+    with pytest.raises(RequestError) as refused:
+        cluster.ask(hung, "reconfigure", 0)
+    assert refused.value.status == 409 and refused.value.details["quorum_id"] == formation.quorum_id
+    assert cluster.ask(hung, "join") is None
+
+
+def test_heartbeat_timeout_and_leave_mark_members_dead_and_a_heartbeat_revives() -> None:
+    cluster = Cluster()
+    cluster.start(3)
+    stopped, leaving = cluster.members[1:]
+    cluster.now += HEARTBEAT_TIMEOUT + 0.1
+    cluster.heartbeat([cluster.members[0], leaving])
+    assert cluster.state.tick(cluster.now) is None
+    assert cluster.state.member_state(stopped) == "dead"
+    assert cluster.state.failures[-1] == {
+        "member": stopped,
+        "time": cluster.now,
+        "reason": "heartbeat timeout",
+        "in_quorum": True,
+    }
+    assert cluster.state.reconfigure_pending
+    cluster.heartbeat([stopped])
+    assert cluster.state.member_state(stopped) == "alive" and not cluster.state.reconfigure_pending
+    cluster.state.leave(leaving, cluster.now)
+    assert cluster.state.member_state(leaving) == "dead" and cluster.state.counts["departures"] == 1
+    with pytest.raises(RequestError) as refused:
+        cluster.state.leave("nobody", cluster.now)
+    assert refused.value.status == 404
+
+
+def test_a_retried_request_gets_the_same_answer_and_a_changed_one_waits() -> None:
+    cluster = Cluster()
+    member = cluster.spawn()
+    request = QuorumRequest(member, 0, None, "join")
+    assert cluster.state.request(request, cluster.now) is None
+    formation = cluster.state.tick(cluster.now)
+    assert formation is not None
+    assert cluster.state.request(request, cluster.now) == formation.answer(member)
+    assert cluster.state.request(QuorumRequest(member, 0, 1, "reconfigure"), cluster.now) is None
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ([], None),
+        ({"member": "w0", "applied_step": 0}, "reason"),
+        ({"member": "", "applied_step": 0, "reason": "join"}, "member"),
+        ({"member": "a b", "applied_step": 0, "reason": "join"}, "member"),
+        ({"member": "w0", "applied_step": -1, "reason": "join"}, "applied_step"),
+        ({"member": "w0", "applied_step": True, "reason": "join"}, "applied_step"),
+        ({"member": "w0", "applied_step": 1.5, "reason": "join"}, "applied_step"),
+        ({"member": "w0", "applied_step": 0, "reason": "leave"}, "reason"),
+        ({"member": "w0", "applied_step": 0, "reason": "failure", "quorum_id": None}, "quorum_id"),
+        ({"member": "w0", "applied_step": 0, "reason": "failure", "quorum_id": "1"}, "quorum_id"),
+        ({"member": "w0", "applied_step": 0, "reason": "join", "extra": 1}, "extra"),
+    ],
+)
+def test_malformed_requests_name_the_field(body: Any, field: str | None) -> None:
+    with pytest.raises(RequestError) as refused:
+        QuorumRequest.from_json(body)
+    assert refused.value.status == 400
+    assert refused.value.details.get("field") == field
+    if field is not None:
+        assert field in refused.value.message
+
+
+def test_refused_requests_change_nothing() -> None:
+    cluster = Cluster()
+    with pytest.raises(RequestError) as refused:
+        cluster.state.request(QuorumRequest("w9", 0, 1, "failure"), cluster.now)
+    assert refused.value.status == 409, "no quorum yet: a survivor's request is refused"
+    with pytest.raises(RequestError):
+        cluster.state.request(QuorumRequest("w9", 1, None, "join"), cluster.now)
+    assert cluster.state.members == {} and cluster.state.pending == {}
+    cluster.start(2)
+    cluster.run_steps(3)
+    before = json.dumps(cluster.state.state_dict(), sort_keys=True)
+    member = cluster.members[0]
+    bad = [
+        QuorumRequest(member, 3, 7, "failure"),
+        QuorumRequest("stranger", 3, 1, "reconfigure"),
+        QuorumRequest("stranger", 5, None, "join"),
+        QuorumRequest(member, 10**9, 1, "failure"),
+    ]
+    for request in bad:
+        with pytest.raises(RequestError) as refused:
+            cluster.state.request(request, cluster.now)
+        assert refused.value.status in (409, 422)
+    with pytest.raises(RequestError):
+        cluster.state.heartbeat(member, 10**9, cluster.now)
+    assert json.dumps(cluster.state.state_dict(), sort_keys=True) == before
+    assert cluster.state.pending == {}
+    assert cluster.ask("w0", "join", 4) is None, "one step past what is known is possible"
+
+
+def test_state_dict_round_trip_resumes_identically() -> None:
+    cluster = Cluster()
+    cluster.start(4)
+    cluster.run_steps(2)
+    cluster.kill(cluster.members[3])
+    for member in cluster.members[:3]:
+        cluster.ask(member, "failure")
+    cluster.settle()
+    state = json.loads(json.dumps(cluster.state.state_dict()))
+    restored = LighthouseState.from_state_dict(
+        state, now=cluster.now, heartbeat_timeout=HEARTBEAT_TIMEOUT, join_timeout=JOIN_TIMEOUT
+    )
+    assert restored.quorum == cluster.state.quorum and restored.step == cluster.state.step
+    assert restored.ledger_state() == cluster.state.ledger_state()
+    assert restored.state_dict() == state
+    assert all(restored.member_state(m) == "alive" for m in cluster.members)
+    retried = QuorumRequest(cluster.members[0], 2, 1, "failure")
+    assert restored.answer_for(retried) == cluster.state.answer_for(retried) is not None, "answers survive a restart"
+    for lighthouse in (cluster.state, restored):
+        for member in cluster.members:
+            lighthouse.heartbeat(member, 4, cluster.now + 0.1)
+        for member in cluster.members:
+            lighthouse.request(QuorumRequest(member, 4, 2, "reconfigure"), cluster.now + 0.2)
+    ours, theirs = cluster.state.tick(cluster.now + 0.3), restored.tick(cluster.now + 0.3)
+    assert ours is not None and theirs is not None
+    assert ours.answer("w0") == theirs.answer("w0")
+    assert restored.state_dict()["ledger"] == cluster.state.state_dict()["ledger"]
+
+
+def test_restored_quorum_members_die_after_the_heartbeat_timeout_unless_they_reconnect() -> None:
+    cluster = Cluster()
+    cluster.start(2)
+    restored = LighthouseState.from_state_dict(
+        cluster.state.state_dict(), now=10.0, heartbeat_timeout=HEARTBEAT_TIMEOUT, join_timeout=JOIN_TIMEOUT
+    )
+    restored.connected("w0", 10.5)
+    restored.tick(10.0 + HEARTBEAT_TIMEOUT + 0.1)
+    assert restored.member_state("w0") == "alive" and restored.member_state("w1") == "dead"
+
+
+@st.composite
+def plans(draw: st.DrawFn) -> EpochPlan:
+    batch = draw(st.integers(4, 24))
+    multiple = draw(st.integers(1, min(batch // 2, 4)))
+    return EpochPlan(draw(st.integers(batch, 160)), batch, seed=draw(st.integers(0, 3)), local_batch_multiple=multiple)
+
+
+@settings(max_examples=60, deadline=None)
+@given(plan=plans(), data=st.data())
+def test_random_failures_and_joins_commit_every_position_of_the_epoch_once(plan: EpochPlan, data) -> None:
+    cluster = Cluster(plan)
+    cluster.start(data.draw(st.integers(1, 4), label="initial members"))
+    for _ in range(300):
+        ledger = cluster.state.to_status()["ledger"]
+        if ledger["epoch_progress"] == 1.0 or ledger["epoch"] > 0:
+            break
+        check_partition(cluster.formations[-1])
+        event = data.draw(st.sampled_from(["step", "step", "fail", "join", "lose-joiner"]), label="event")
+        members = cluster.members
+        if event == "fail" and len(members) > 1:
+            fail(cluster, data)
+        elif event == "join":
+            cluster.ask(cluster.spawn(), "join")
+        elif event == "lose-joiner":
+            waiting = [m for m in cluster.state.pending if m not in members]
+            if waiting:
+                cluster.kill(waiting[0])
+        cluster.run_steps(1)
+        if cluster.state.reconfigure_pending:
+            for member in cluster.members:
+                cluster.ask(member, "reconfigure")
+            cluster.settle()
+    else:
+        raise AssertionError("the epoch did not end")
+    committed = [
+        positions for step, (epoch, positions) in cluster.log.items() if epoch == 0 and step < cluster.state.step
+    ]
+    flat = sorted(p for positions in committed for p in positions)
+    assert flat == list(range(plan.epoch_length)), "every position of the epoch committed exactly once"
+
+
+def fail(cluster: Cluster, data) -> None:
+    """Inside a step: some members may finish it (and report), some die, the rest ask with ``failure``."""
+    members = cluster.members
+    finished = data.draw(st.lists(st.sampled_from(members), unique=True), label="finished")
+    for member in finished:
+        cluster.applied[member] += 1
+        if data.draw(st.booleans(), label="reported"):
+            cluster.heartbeat([member])
+    dead = data.draw(
+        st.lists(st.sampled_from(members), min_size=1, max_size=len(members) - 1, unique=True), label="dead"
+    )
+    how = data.draw(st.sampled_from(["socket", "timeout"]), label="how")
+    for member in dead:
+        cluster.kill(member, how)
+    survivors = [m for m in members if m not in dead]
+    for member in survivors:
+        cluster.ask(member, "failure")
+    target = max(cluster.applied[m] for m in survivors)
+    formation = cluster.settle()
+    assert formation.members == tuple(survivors)
+    assert formation.applied_step == target and cluster.state.step == target
+
+
+def check_partition(formation: Formation) -> None:
+    """A quorum's ledger hands each position of the step to exactly one live member."""
+    in_flight = formation.ledger["in_flight"]
+    assert set(in_flight) <= set(formation.members)
+    flat = union(in_flight)
+    assert len(flat) == len(set(flat))

@@ -1,0 +1,227 @@
+"""Failure-transparent training with real processes and real signals.
+
+Each test runs the digits job on a local cluster of worker processes against
+an embedded lighthouse, injects failures with SIGKILL or SIGSTOP at named
+points of a step, and checks the three promises: every committed step has the
+configured global batch, the committed samples are exactly once, and the
+final parameters equal those of training without failures.
+
+Tolerance: the failure-free reference sums each step's per-sample gradients
+in one pass; the cluster sums per-member partial sums, in an order that
+changes with the quorum. Both are float32 sums of the same terms, so they
+differ by re-association only: a few ulps per step, about 1e-7 relative,
+compounded over the steps. ``PARAM_TOLERANCE`` leaves two orders of
+magnitude above what we observe, and ``test_tolerance_detects_a_dropped_share``
+shows that dropping one member's share of a single step (what a lossy
+fault-tolerance scheme does) moves the parameters far beyond it.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from stalwart.coord.server import Lighthouse
+from stalwart.data.plan import EpochPlan
+from stalwart.launch.cluster import LocalCluster, latest_step
+from stalwart.launch.digits import digits_dataset, digits_model, digits_optimizer, reference_run, summed_loss
+from stalwart.launch.report import audit_steps, committed_steps
+
+STEPS = 10
+LONG_STEPS = 24
+STEP_SECONDS = 0.25
+WORKERS = 3
+GLOBAL_BATCH = 48
+PARAM_TOLERANCE = 1e-4
+JOB_TIMEOUT = 150.0
+PLAN = EpochPlan(1797, GLOBAL_BATCH, seed=0)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, torch.Tensor]:
+    parameters, _ = reference_run(PLAN, STEPS)
+    return parameters
+
+
+@pytest.fixture(scope="module")
+def long_reference() -> dict[str, torch.Tensor]:
+    parameters, _ = reference_run(PLAN, LONG_STEPS)
+    return parameters
+
+
+@pytest.fixture
+def lighthouse() -> Iterator[Lighthouse]:
+    server = Lighthouse(PLAN, min_replicas=1, heartbeat_timeout=1.0, join_timeout=3.0)
+    server.start()
+    yield server
+    server.stop()
+
+
+def worker_args(steps: int = STEPS, step_seconds: float = 0.0) -> list[str]:
+    """Arguments of every worker; ``step_seconds`` slows steps down so that a test can act between them."""
+    return [
+        "--max-steps", str(steps), "--max-microbatch", "8", "--collective-timeout", "1.0",
+        "--step-seconds", str(step_seconds),
+    ]  # fmt: skip
+
+
+def wait_for(cluster: LocalCluster, *, until_step: int | None = None, timeout: float = JOB_TIMEOUT) -> None:
+    """Wait (bounded) until the job reached ``until_step`` committed steps, or until every worker exited."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if until_step is not None and latest_step(cluster.run_dir)[0] >= until_step:
+            return
+        if until_step is None and not cluster.running():
+            return
+        time.sleep(0.05)
+    cluster.terminate()
+    logs = "\n".join(path.read_text(errors="replace")[-3000:] for path in sorted(cluster.run_dir.glob("*.log")))
+    pytest.fail(f"job did not get there in {timeout} s; worker logs:\n{logs}")
+
+
+def check_job(run_dir: Path, reference: dict[str, torch.Tensor], finishers: int, steps_run: int = STEPS) -> float:
+    """Assert the three promises; return the largest parameter difference to the reference."""
+    steps = committed_steps(run_dir)
+    assert [record["step"] for record in steps] == list(range(steps_run))
+    assert [record["samples"] for record in steps] == [PLAN.step_total(step) for step in range(steps_run)]
+    exactly_once, duplicates, missing = audit_steps(PLAN, steps)
+    assert (exactly_once, duplicates, missing) == (True, 0, 0)
+    finals = sorted(run_dir.glob("final-*.pt"))
+    assert len(finals) == finishers
+    worst = 0.0
+    for path in finals:
+        parameters = torch.load(path, weights_only=True)
+        for name, value in reference.items():
+            worst = max(worst, float((parameters[name] - value).abs().max()))
+    assert worst < PARAM_TOLERANCE
+    return worst
+
+
+def test_failure_free_run_matches_the_reference(
+    tmp_path: Path, lighthouse: Lighthouse, reference: dict[str, torch.Tensor]
+) -> None:
+    cluster = LocalCluster(lighthouse.url, tmp_path, worker_args())
+    for worker in range(WORKERS):
+        cluster.start(worker)
+    wait_for(cluster)
+    check_job(tmp_path, reference, finishers=WORKERS)
+    assert {record["world_size"] for record in committed_steps(tmp_path)} == {WORKERS}
+
+
+@pytest.mark.parametrize("point", ["before_forward", "during_backward", "during_reduce", "after_reduce"])
+def test_sigkill_at_each_point_of_a_step(
+    tmp_path: Path, lighthouse: Lighthouse, reference: dict[str, torch.Tensor], point: str
+) -> None:
+    cluster = LocalCluster(lighthouse.url, tmp_path, worker_args())
+    for worker in range(WORKERS):
+        cluster.start(worker, ["--kill-at", f"4:{point}"] if worker == 1 else None)
+    wait_for(cluster)
+    assert cluster.processes[1].returncode == -signal.SIGKILL
+    check_job(tmp_path, reference, finishers=WORKERS - 1)
+    assert min(record["world_size"] for record in committed_steps(tmp_path)) == WORKERS - 1
+
+
+def test_two_workers_killed_at_once(tmp_path: Path, lighthouse: Lighthouse, reference: dict[str, torch.Tensor]) -> None:
+    cluster = LocalCluster(lighthouse.url, tmp_path, worker_args())
+    for worker in range(WORKERS + 1):
+        cluster.start(worker, ["--kill-at", "3:during_backward"] if worker in (1, 2) else None)
+    wait_for(cluster)
+    check_job(tmp_path, reference, finishers=WORKERS - 1)
+
+
+def test_killed_worker_restarts_and_is_healed(
+    tmp_path: Path, lighthouse: Lighthouse, long_reference: dict[str, torch.Tensor]
+) -> None:
+    cluster = LocalCluster(lighthouse.url, tmp_path, worker_args(LONG_STEPS, STEP_SECONDS))
+    for worker in range(WORKERS):
+        cluster.start(worker, ["--kill-at", "2:before_forward"] if worker == 2 else None)
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while cluster.processes[2].poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    cluster.start(2)
+    wait_for(cluster)
+    check_job(tmp_path, long_reference, finishers=WORKERS, steps_run=LONG_STEPS)
+    world_sizes = [record["world_size"] for record in committed_steps(tmp_path)]
+    assert min(world_sizes) == WORKERS - 1 and world_sizes[-1] == WORKERS
+
+
+def test_hung_worker_is_excluded_then_rejoins(
+    tmp_path: Path, lighthouse: Lighthouse, long_reference: dict[str, torch.Tensor]
+) -> None:
+    cluster = LocalCluster(lighthouse.url, tmp_path, worker_args(LONG_STEPS, STEP_SECONDS))
+    for worker in range(WORKERS):
+        cluster.start(worker)
+    wait_for(cluster, until_step=3)
+    cluster.kill(1, "STOP", step=3)
+    wait_for(cluster, until_step=5)
+    cluster.revive(1)
+    wait_for(cluster)
+    check_job(tmp_path, long_reference, finishers=WORKERS, steps_run=LONG_STEPS)
+    world_sizes = [record["world_size"] for record in committed_steps(tmp_path)]
+    assert min(world_sizes) == WORKERS - 1 and world_sizes[-1] == WORKERS
+
+
+def test_lighthouse_killed_and_restarted_mid_run(tmp_path: Path, long_reference: dict[str, torch.Tensor]) -> None:
+    state = tmp_path / "lighthouse.sqlite"
+    command = [
+        sys.executable, "-m", "stalwart", "lighthouse", "--min-replicas", "1", "--state", str(state),
+        "--heartbeat-timeout", "3", "--join-timeout", "3",
+        "--dataset-size", str(PLAN.dataset_size), "--global-batch", str(GLOBAL_BATCH), "--seed", "0",
+    ]  # fmt: skip
+
+    def start_lighthouse(port: int = 0, store_port: int = 0) -> tuple[subprocess.Popen[str], str, int]:
+        process = subprocess.Popen(
+            [*command, "--port", str(port), "--store-port", str(store_port)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        assert line.startswith("lighthouse listening on "), line
+        url, _, store = line.removeprefix("lighthouse listening on ").strip().partition(" store ")
+        return process, url, int(store.rpartition(":")[2])
+
+    server, url, store_port = start_lighthouse()
+    port = int(url.rpartition(":")[2])
+    cluster = LocalCluster(url, tmp_path / "run", worker_args(LONG_STEPS, STEP_SECONDS))
+    try:
+        for worker in range(WORKERS):
+            cluster.start(worker)
+        wait_for(cluster, until_step=3)
+        server.send_signal(signal.SIGKILL)
+        server.wait(timeout=10)
+        time.sleep(0.5)
+        server, _, _ = start_lighthouse(port, store_port)
+        lighthouse_restarted_before_the_end = latest_step(cluster.run_dir)[0] < LONG_STEPS
+        wait_for(cluster)
+    finally:
+        cluster.terminate()
+        server.kill()
+        server.wait(timeout=10)
+    check_job(tmp_path / "run", long_reference, finishers=WORKERS, steps_run=LONG_STEPS)
+    assert lighthouse_restarted_before_the_end
+
+
+def test_tolerance_detects_a_dropped_share(reference: dict[str, torch.Tensor]) -> None:
+    """A lossy recovery (one member's share of step 4 never trained) is far outside the tolerance."""
+    dataset = digits_dataset()
+    model = digits_model(0)
+    optimizer = digits_optimizer(model)
+    for step in range(STEPS):
+        indices = PLAN.indices(0, PLAN.step_start(step), PLAN.step_start(step + 1))
+        if step == 4:
+            indices = indices[: 2 * len(indices) // 3]
+        optimizer.zero_grad()
+        (summed_loss(model, dataset[torch.from_numpy(indices)]) / len(indices)).backward()
+        optimizer.step()
+    lossy = model.state_dict()
+    worst = max(float((lossy[name] - value).abs().max()) for name, value in reference.items())
+    assert np.isfinite(worst) and worst > 100 * PARAM_TOLERANCE
