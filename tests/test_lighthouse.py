@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from stalwart.coord.client import LighthouseClient, QuorumAnswer
+from stalwart.coord.client import HealPlan, LighthouseClient, QuorumAnswer
 from stalwart.coord.server import Lighthouse
 from stalwart.data.ledger import DataLedger
 from stalwart.data.plan import EpochPlan
@@ -117,7 +117,12 @@ def test_start_up_sigkill_failure_and_join(lighthouse: Lighthouse) -> None:
         assert sorted(order) == ["a", "b", "c", "killed"] and first == {"quorum_id": 1, "rank": order.index("killed")}
         for member, answer in answers.items():
             assert (answer.quorum_id, answer.members, answer.rank) == (1, order, order.index(member))
-            assert (answer.store.port, answer.store.prefix, answer.heal) == (lighthouse.store_port, "q1/", None)
+            start_up_heal = HealPlan(source_rank=0, targets=tuple(order[1:]))
+            assert (answer.store.port, answer.store.prefix, answer.heal) == (
+                lighthouse.store_port,
+                "q1/",
+                start_up_heal,
+            )
 
         for member in steps:
             steps[member] = 2

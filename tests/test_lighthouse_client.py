@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from stalwart.coord.client import LighthouseClient, LighthouseError, QuorumAnswer
+from stalwart.coord.client import HealPlan, LighthouseClient, LighthouseError, QuorumAnswer
 from stalwart.coord.server import Lighthouse
 from stalwart.data.plan import EpochPlan
 
@@ -62,7 +62,7 @@ def test_quorum_retries_408s_until_enough_members_join(
             world_size=2,
             store=answer.store,
             applied_step=0,
-            heal=None,
+            heal=HealPlan(source_rank=0, targets=("b",)),
             ledger=answer.ledger,
         )
     assert answer.rank == 1 and answer.member == "b"

@@ -123,7 +123,9 @@ def test_start_up_quorum_waits_for_every_live_member_then_admits_them_in_arrival
     formation = cluster.state.tick(cluster.now)
     assert formation is not None
     assert formation.members == (second, first, late)
-    assert (formation.quorum_id, formation.reason, formation.applied_step, formation.heal) == (1, "start-up", 0, None)
+    start_up_heal = {"source_rank": 0, "targets": [first, late]}
+    assert (formation.quorum_id, formation.reason, formation.applied_step) == (1, "start-up", 0)
+    assert formation.heal == start_up_heal, "at start-up every member begins from rank 0's state"
     fresh = DataLedger(PLAN)
     assert formation.ledger["in_flight"] == {m: s.tolist() for m, s in fresh.begin_step([second, first, late]).items()}
     answer = formation.answer(first)

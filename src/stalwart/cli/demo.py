@@ -25,6 +25,13 @@ from stalwart.launch.report import RunReport, build_report, plot_report
 @click.option("--global-batch", type=click.IntRange(1, 1797), default=64, show_default=True)
 @click.option("--multiple", type=click.IntRange(1), default=1, show_default=True, help="local_batch_multiple.")
 @click.option("--max-microbatch", type=click.IntRange(1), default=16, show_default=True)
+@click.option(
+    "--step-seconds",
+    type=click.FloatRange(min=0),
+    default=0.1,
+    show_default=True,
+    help="Simulated compute per step, so that failures land mid-run.",
+)
 @click.option("--kill", "kills", default="", help="Planned failures STEP:WORKER,... (workers from 0).")
 @click.option("--mtbf", type=click.FloatRange(min=0.1), default=None, help="Mean seconds between random failures.")
 @click.option("--restart-after", type=click.FloatRange(min=0), default=2.0, show_default=True)
@@ -44,6 +51,7 @@ def demo_command(
     global_batch: int,
     multiple: int,
     max_microbatch: int,
+    step_seconds: float,
     kills: str,
     mtbf: float | None,
     restart_after: float,
@@ -75,6 +83,7 @@ def demo_command(
         lighthouse.start()
         lighthouse_url = lighthouse.url
     worker_args = ["--max-steps", str(steps), "--max-microbatch", str(max_microbatch), "--seed", str(seed)]
+    worker_args += ["--step-seconds", str(step_seconds)]
     worker_args += ["--collective-timeout", str(heartbeat_timeout)]
     if token:
         worker_args += ["--token", token]

@@ -135,6 +135,7 @@ class LighthouseClient:
         self.heartbeat_interval = check_seconds("heartbeat_interval", heartbeat_interval)
         self.request_timeout = check_seconds("request_timeout", request_timeout)
         self._reconfigure = threading.Event()
+        self._broken = threading.Event()
         self.heartbeat_connected = threading.Event()
         """Set while the heartbeat websocket is open."""
         self._headers = {} if token is None else {"Authorization": f"Bearer {token}"}
@@ -153,6 +154,11 @@ class LighthouseClient:
         return self._reconfigure.is_set()
 
     # --- synchronous API (worker threads) --------------------------------------------------------
+
+    @property
+    def quorum_broken(self) -> bool:
+        """True once the lighthouse reported a member of this member's quorum dead (cleared by ``quorum()``)."""
+        return self._broken.is_set()
 
     def start_heartbeat(self, get_applied_step: Callable[[], int]) -> None:
         """Keep the heartbeat websocket open, reporting ``get_applied_step()`` (called on the client's thread)."""
@@ -184,6 +190,7 @@ class LighthouseClient:
         if self.member in answer.members:
             self._quorum_id = answer.quorum_id
             self._reconfigure.clear()
+            self._broken.clear()
         return answer
 
     def status(self) -> dict[str, Any]:
@@ -311,6 +318,8 @@ class LighthouseClient:
                 quorum_id = data.get("quorum_id")
                 if quorum_id is None or self._quorum_id is None or quorum_id == self._quorum_id:
                     self._reconfigure.set()
+                    if data.get("broken") is True:
+                        self._broken.set()
             elif data.get("type") == "error":
                 logger.warning("lighthouse refused a heartbeat of %s: %s", self.member, data.get("error"))
 

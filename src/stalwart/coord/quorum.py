@@ -305,9 +305,15 @@ class LighthouseState:
         quorum = self._quorum
         if quorum is None:
             return False
-        if any(not self._members[member].alive for member in quorum.members):
+        if self.quorum_broken:
             return True
         return any(m not in quorum.members or p.request.reason == "join" for m, p in self._pending.items())
+
+    @property
+    def quorum_broken(self) -> bool:
+        """True while a member of the current quorum is dead: its collectives cannot complete."""
+        quorum = self._quorum
+        return quorum is not None and any(not self._members[member].alive for member in quorum.members)
 
     def should_reconfigure(self, member: str) -> bool:
         """Whether ``member``'s heartbeat should be answered with ``{"type": "reconfigure"}``."""

@@ -107,6 +107,7 @@ class Lighthouse:
         self._tcp_store: Any = None
         self._sockets: dict[str, web.WebSocketResponse] = {}
         self._waiters: dict[str, list[asyncio.Future[dict[str, Any] | RequestError]]] = {}
+        self._broken_pushed: set[int] = set()
         self._stopping = False
 
     def _load_state(
@@ -284,6 +285,24 @@ class Lighthouse:
         self._persist(now)
         if formation is not None:
             self._answer_waiters(formation)
+        self._push_broken_quorum()
+
+    def _push_broken_quorum(self) -> None:
+        """Tell the live members of a quorum with a dead member at once, so they abandon its collectives.
+
+        A survivor may be blocked in a collective with a peer that is not the
+        dead member (the peer left it on its own error): without this push it
+        would wait for the collective's timeout.
+        """
+        quorum = self.state.quorum
+        if quorum is None or not self.state.quorum_broken or quorum.quorum_id in self._broken_pushed:
+            return
+        self._broken_pushed.add(quorum.quorum_id)
+        message = {"type": "reconfigure", "quorum_id": quorum.quorum_id, "broken": True}
+        for member in quorum.members:
+            socket = self._sockets.get(member)
+            if socket is not None and not socket.closed:
+                asyncio.get_running_loop().create_task(socket.send_json(message))
 
     def _persist(self, now: float) -> None:
         if self._database is not None and self.state.revision != self._saved_revision:
@@ -359,7 +378,9 @@ class Lighthouse:
                     continue
                 quorum = self.state.quorum
                 if quorum is not None and self.state.should_reconfigure(member):
-                    await ws.send_json({"type": "reconfigure", "quorum_id": quorum.quorum_id})
+                    await ws.send_json(
+                        {"type": "reconfigure", "quorum_id": quorum.quorum_id, "broken": self.state.quorum_broken}
+                    )
         finally:
             if self._sockets.get(member) is ws:
                 del self._sockets[member]

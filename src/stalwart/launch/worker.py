@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import time
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
         "--step-seconds", type=float, default=0.0, help="Extra seconds of simulated compute at the start of each step."
     )
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(1)
 
     def kill_if(point: str, step: int) -> None:

@@ -258,6 +258,7 @@ class Manager:
                     timeout=self.collective_timeout,
                     device=self.device,
                     host=self.host,
+                    abandon=lambda: self._client.quorum_broken,
                 )
                 if answer.heal is not None:
                     if answer.heal.source_rank is None:
