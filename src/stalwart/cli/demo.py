@@ -102,7 +102,7 @@ def demo_command(
         report_path.write_text(report.to_json(), encoding="utf-8")
     if plot_path is not None:
         plot_report(report, plot_path)
-    if not report.exactly_once or report.steps_committed < steps:
+    if not (report.exactly_once and report.global_batch_as_planned) or report.steps_committed < steps:
         raise SystemExit(1)
 
 
@@ -176,6 +176,7 @@ def _print(report: RunReport, console: Console) -> None:
         ("steps committed", str(report.steps_committed)),
         ("failures injected / survived", f"{report.failures_injected} / {report.failures_survived}"),
         ("global batch sizes seen", ", ".join(map(str, sizes))),
+        ("every step's batch as planned", str(report.global_batch_as_planned)),
         ("exactly once", str(report.exactly_once)),
         ("duplicates / missing", f"{report.duplicates} / {report.missing}"),
         ("recovery seconds", ", ".join(f"{s:.2f}" for s in report.recovery_seconds) or "-"),

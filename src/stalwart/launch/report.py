@@ -29,6 +29,7 @@ class RunReport:
     failures_injected: int
     failures_survived: int
     global_batch_sizes: list[int]
+    global_batch_as_planned: bool
     exactly_once: bool
     duplicates: int
     missing: int
@@ -101,6 +102,7 @@ def build_report(
         failures_injected=len(failures),
         failures_survived=len(recovery),
         global_batch_sizes=[record["samples"] for record in steps],
+        global_batch_as_planned=all(record["samples"] == planned_total(plan, record["step"]) for record in steps),
         exactly_once=exactly_once,
         duplicates=duplicates,
         missing=missing,
@@ -122,6 +124,11 @@ def build_report(
         ]
         report.max_param_diff_vs_reference = max(diffs) if diffs else None
     return report
+
+
+def planned_total(plan: EpochPlan, step: int) -> int:
+    """The samples of global step ``step`` in a run whose steps all follow the plan (no re-queued steps)."""
+    return plan.step_total(step % plan.steps_per_epoch)
 
 
 def plot_report(report: RunReport, path: Path) -> None:
