@@ -1,5 +1,8 @@
 """One worker process of the local cluster: trains the digits task under a Manager.
 
+Started by torchrun (``RANK``/``WORLD_SIZE`` set), the processes of one launch
+form a replica group named ``--member`` and split the group's share.
+
 Run by :mod:`stalwart.launch.cluster` as ``python -m stalwart.launch.worker``.
 After every committed step it appends a JSON line to ``RUN_DIR/steps-MEMBER.jsonl``
 with the step's number, epoch, quorum, world size, samples, loss, wall time and
@@ -23,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from stalwart.data.world import WorldInfo
 from stalwart.launch.digits import digits_dataset, digits_model, digits_optimizer, summed_loss
 from stalwart.runtime.loader import ElasticLoader
 from stalwart.runtime.manager import Manager
@@ -65,6 +69,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.kill_at == (step, point):
             os.kill(os.getpid(), signal.SIGKILL)
 
+    group = WorldInfo.from_env()
     model = digits_model(args.seed)
     optimizer = digits_optimizer(model, args.lr)
     manager = Manager(
@@ -75,11 +80,13 @@ def main(argv: list[str] | None = None) -> None:
         token=args.token,
         max_microbatch=args.max_microbatch,
         collective_timeout=args.collective_timeout,
+        group=group,
         on_event=lambda event, step: kill_if(_MANAGER_EVENTS[event], step),
     )
     loader = ElasticLoader(digits_dataset(), seed=args.seed)
     args.run_dir.mkdir(parents=True, exist_ok=True)
-    with open(args.run_dir / f"steps-{args.member}.jsonl", "a", encoding="utf-8") as steps_file:
+    name = args.member if group.world_size == 1 else f"{args.member}.{group.rank}"
+    with open(args.run_dir / f"steps-{name}.jsonl", "a", encoding="utf-8") as steps_file:
         for step in manager.steps(loader, max_steps=args.max_steps):
             number = manager.ledger.step
             time.sleep(args.step_seconds)
@@ -103,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
             }
             steps_file.write(json.dumps(record) + "\n")
             steps_file.flush()
-    torch.save(model.state_dict(), args.run_dir / f"final-{args.member}.pt")
+    torch.save(model.state_dict(), args.run_dir / f"final-{name}.pt")
     manager.close()
 
 

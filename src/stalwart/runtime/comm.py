@@ -36,9 +36,7 @@ class Communicator:
 
     def __init__(
         self,
-        store_host: str,
-        store_port: int,
-        store_prefix: str,
+        store: dist.Store,
         rank: int,
         world_size: int,
         *,
@@ -47,7 +45,7 @@ class Communicator:
         host: str = "127.0.0.1",
         abandon: Callable[[], bool] = lambda: False,
     ) -> None:
-        """Rendezvous as ``rank`` of ``world_size`` on the TCPStore at ``store_host:store_port`` under ``store_prefix``.
+        """Rendezvous as ``rank`` of ``world_size`` on ``store`` (see :func:`quorum_store`).
 
         ``host`` is the address peers reach this process on. While a collective
         runs, ``abandon()`` is polled: when it turns true (the lighthouse reports
@@ -58,15 +56,12 @@ class Communicator:
         self.rank = rank
         self.world_size = world_size
         self.device = device
+        self.store = store
         self._abandon = abandon
-        delta = datetime.timedelta(seconds=timeout)
         try:
-            store = dist.TCPStore(store_host, store_port, is_master=False, timeout=delta)
-            self.store: dist.Store = dist.PrefixStore(store_prefix, store)
-            self._group: Any = _new_group(self.store, rank, world_size, delta, device, host)
+            self._group: Any = _new_group(store, rank, world_size, datetime.timedelta(seconds=timeout), device, host)
         except (RuntimeError, dist.DistError) as error:
-            where = f"{store_host}:{store_port}/{store_prefix}"
-            raise CollectiveError(f"rendezvous of rank {rank}/{world_size} at {where} failed: {error}") from error
+            raise CollectiveError(f"rendezvous of rank {rank}/{world_size} failed: {error}") from error
 
     def start_all_reduce_sum(self, tensor: torch.Tensor) -> Callable[[], None]:
         """Start summing ``tensor`` across the group in place; call the result to wait for it.
@@ -99,6 +94,15 @@ class Communicator:
             work.wait()
         except (RuntimeError, dist.DistError) as error:
             raise CollectiveError(f"{name} failed on rank {self.rank}/{self.world_size}: {error}") from error
+
+
+def quorum_store(host: str, port: int, prefix: str, timeout: float) -> dist.Store:
+    """The quorum's view of the lighthouse's TCPStore: every key under ``prefix``."""
+    try:
+        store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
+    except (RuntimeError, dist.DistError) as error:
+        raise CollectiveError(f"cannot reach the quorum's store at {host}:{port}: {error}") from error
+    return dist.PrefixStore(prefix, store)
 
 
 def default_device() -> torch.device:

@@ -24,17 +24,22 @@ Training code stays a plain loop::
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from stalwart._validate import check_int
 from stalwart.coord.client import LighthouseClient, LighthouseError, QuorumAnswer
+from stalwart.data.info import DataLoadingInfo, split_group_share
 from stalwart.data.ledger import DataLedger
-from stalwart.runtime.comm import CollectiveError, Communicator, default_device
+from stalwart.data.world import WorldInfo
+from stalwart.runtime.comm import CollectiveError, Communicator, default_device, quorum_store
+from stalwart.runtime.group import GroupLink
 from stalwart.runtime.heal import transfer_state
 from stalwart.runtime.loader import ElasticLoader
 
@@ -57,7 +62,16 @@ class StepReport:
 
 
 class Manager:
-    """Keeps one worker in the quorum and runs its steps; see the module docstring."""
+    """Keeps one worker (or one replica group's worker) in the quorum and runs its steps.
+
+    ``member`` names the lighthouse member: the worker, or its replica group
+    when ``group`` says this process is one of several in a group launched
+    together (see :mod:`stalwart.runtime.group`); the group's share is then
+    split among its processes by intra-group rank. ``on_event(event, step)`` is
+    called at ``"reduce_started"`` (the all-reduce is in flight) and
+    ``"reduce_finished"`` (reduced, not yet applied), for tracing and for
+    tests that kill a worker at those points.
+    """
 
     def __init__(
         self,
@@ -68,6 +82,8 @@ class Manager:
         member: str,
         max_microbatch: int,
         token: str | None = None,
+        group: WorldInfo | None = None,
+        group_store: dist.Store | None = None,
         collective_timeout: float = 2.0,
         quorum_timeout: float = 120.0,
         heartbeat_interval: float = 0.1,
@@ -94,16 +110,21 @@ class Manager:
         self.device = device or default_device()
         self.applied_step = 0
         self.recoveries = 0
+        self.last_report: StepReport | None = None
+        self._group = GroupLink(group or WorldInfo(rank=0, world_size=1), group_store, timeout=quorum_timeout)
         self._params = [param for param in model.parameters() if param.requires_grad]
-        self._client = LighthouseClient(lighthouse, member, token=token, heartbeat_interval=heartbeat_interval)
-        self._client.start_heartbeat(lambda: self.applied_step)
+        self._client: LighthouseClient | None = None
+        if self._group.is_leader:
+            self._client = LighthouseClient(lighthouse, member, token=token, heartbeat_interval=heartbeat_interval)
+            self._client.start_heartbeat(lambda: self.applied_step)
         self._comm: Communicator | None = None
         self._answer: QuorumAnswer | None = None
         self._ledger: DataLedger | None = None
-        self._done = _NO_POSITIONS
+        self._group_sizes: list[int] = []
+        self._group_done = _NO_POSITIONS
+        self._samples = 0
         self._loss_sum = 0.0
         self._reconfigure = True
-        self.last_report: StepReport | None = None
         self._on_event = on_event
 
     @property
@@ -120,8 +141,29 @@ class Manager:
 
     @property
     def world_size(self) -> int:
-        """How many members the current quorum has."""
+        """How many members (replica groups) the current quorum has."""
         return 0 if self._answer is None else len(self._answer.members)
+
+    def get_data_loading_info(self) -> DataLoadingInfo:
+        """Where this process's samples of the current step come from (the proposal's ``DataLoadingInfo``).
+
+        Valid inside a step (between ``manager.steps()`` yielding it and its
+        commit); ``indices`` are this process's part of its group's share.
+        """
+        if self._answer is None or not self.ledger.in_step:
+            raise RuntimeError("get_data_loading_info() needs a step in progress: call it inside manager.steps()")
+        ledger = self.ledger
+        return DataLoadingInfo.for_worker(
+            ledger.plan,
+            epoch=ledger.epoch,
+            step=ledger.epoch_step,
+            base_index=ledger.base_index,
+            missing_indices=ledger.missing_indices,
+            group_sizes=dict(zip(self._answer.members, self._group_sizes, strict=True)),
+            member=self.member,
+            group_share=ledger.in_flight.get(self.member, _NO_POSITIONS),
+            intra_group_rank=self._group.rank,
+        )
 
     def steps(self, loader: ElasticLoader, *, max_steps: int) -> Iterator[TrainStep]:
         """Yield one :class:`TrainStep` per step until the job has committed ``max_steps`` steps."""
@@ -143,25 +185,29 @@ class Manager:
         """Leave the quorum cleanly and stop the heartbeat."""
         if self._comm is not None:
             self._comm.abort()
-        self._client.leave()
-        self._client.close()
+        if self._client is not None:
+            self._client.leave()
+            self._client.close()
 
     def _answer_members(self) -> list[str]:
         assert self._answer is not None
         return list(self._answer.members)
 
-    def _work(self) -> np.ndarray:
-        """Positions this member holds in the step and has not accumulated yet."""
-        mine = self.ledger.in_flight.get(self.member, _NO_POSITIONS)
-        return mine[~np.isin(mine, self._done)]
+    def _next_part(self) -> np.ndarray:
+        """This process's part of the group's positions not yet covered in this step (marked covered)."""
+        group_share = self.ledger.in_flight.get(self.member, _NO_POSITIONS)
+        fresh = group_share[~np.isin(group_share, self._group_done)]
+        self._group_done = np.concatenate([self._group_done, fresh])
+        part = split_group_share(fresh, self._group.size, self._group.rank, self.ledger.plan.local_batch_multiple)
+        self._samples += part.size
+        return part
 
     def _microbatches(self, loader: ElasticLoader) -> Iterator[object]:
         while True:
-            work = self._work()
-            if work.size:
-                indices = self.ledger.plan.indices_at(self.ledger.epoch, work)
+            part = self._next_part()
+            if part.size:
+                indices = self.ledger.plan.indices_at(self.ledger.epoch, part)
                 yield from loader.microbatches(self.ledger.epoch, indices.tolist(), self.max_microbatch)
-                self._done = np.concatenate([self._done, work])
             try:
                 reduced = self._all_reduce()
             except CollectiveError as error:
@@ -180,8 +226,8 @@ class Manager:
             param.grad.reshape(-1) if param.grad is not None else torch.zeros(param.numel(), device=self.device)
             for param in self._params
         ]
-        flag = 1.0 if self._client.reconfigure_requested else 0.0
-        tail = torch.tensor([float(self._done.size), self._loss_sum, flag], device=self.device)
+        flag = 1.0 if self._client is not None and self._client.reconfigure_requested else 0.0
+        tail = torch.tensor([float(self._samples), self._loss_sum, flag], device=self.device)
         flat = torch.cat([*(piece.to(torch.float32) for piece in pieces), tail])
         wait = self._comm.start_all_reduce_sum(flat)
         self._notify("reduce_started")
@@ -218,21 +264,33 @@ class Manager:
             positions=committed,
         )
         self.applied_step += 1
-        self._done = _NO_POSITIONS
-        self._loss_sum = 0.0
+        self._reset_step()
         self._reconfigure = float(reduced[-1]) > 0
+
+    def _reset_step(self) -> None:
+        self._group_done = _NO_POSITIONS
+        self._samples = 0
+        self._loss_sum = 0.0
 
     def _notify(self, event: str) -> None:
         """Tell the ``on_event`` hook (tracing, chaos tests) that ``event`` happened in the current step."""
         if self._on_event is not None:
             self._on_event(event, self.ledger.step)
 
-    def _join(self, reason: str) -> None:
-        """Ask for a quorum until this member is in one, its group is up and it is healed."""
+    def _abandon(self) -> bool:
+        """Whether the current quorum is known broken (polled while a collective runs)."""
+        if self._client is None:
+            return self._group.broken(self.quorum_id)
+        if self._client.quorum_broken:
+            self._group.mark_broken(self.quorum_id)
+            return True
+        return False
+
+    def _next_answer(self, reason: str) -> QuorumAnswer:
+        """The next quorum this member is in: asked by the leader, relayed to the rest of the group."""
+        if self._client is None:
+            return QuorumAnswer.from_json(self._group.receive())
         while True:
-            if self._comm is not None:
-                self._comm.abort()
-                self._comm = None
             try:
                 answer = self._client.quorum(
                     applied_step=self.applied_step,
@@ -246,51 +304,69 @@ class Manager:
                 log.warning("%s: excluded from the quorum (%s); joining again", self.member, error)
                 reason = "join"
                 continue
+            self._group.publish(dataclasses.asdict(answer))
+            return answer
+
+    def _join(self, reason: str) -> None:
+        """Ask for a quorum until this member is in one, its group is up and it is healed."""
+        while True:
+            if self._comm is not None:
+                self._comm.abort()
+                self._comm = None
+            answer = self._next_answer(reason)
             self._answer = answer
             self._ledger = DataLedger.from_state_dict(answer.ledger)
             try:
-                comm = Communicator(
-                    answer.store.host,
-                    answer.store.port,
-                    answer.store.prefix,
-                    answer.rank,
-                    answer.world_size,
-                    timeout=self.collective_timeout,
-                    device=self.device,
-                    host=self.host,
-                    abandon=lambda: self._client.quorum_broken,
-                )
+                self._comm = self._connect(answer)
                 if answer.heal is not None:
-                    if answer.heal.source_rank is None:
-                        raise RuntimeError(
-                            f"no live member holds step {answer.applied_step}: the state is lost; "
-                            "restart the job from its last checkpoint"
-                        )
-                    is_target = self.member in answer.heal.targets
-                    self.applied_step = transfer_state(
-                        comm,
-                        answer.heal.source_rank,
-                        self.model,
-                        self.optimizer,
-                        self.applied_step,
-                        is_target=is_target,
-                    )
-                    if is_target:
-                        self.optimizer.zero_grad(set_to_none=True)
-                        self._done = _NO_POSITIONS
-                        self._loss_sum = 0.0
+                    self._heal(answer)
             except CollectiveError as error:
                 log.warning("%s: quorum %d could not start (%s); asking again", self.member, answer.quorum_id, error)
-                reason = "failure" if self._done.size else "reconfigure"
+                reason = "failure" if self._group_done.size else "reconfigure"
+                self._comm = None
                 continue
-            self._comm = comm
             self._reconfigure = False
             return
 
+    def _connect(self, answer: QuorumAnswer) -> Communicator:
+        """Build the quorum's process group over every process of every member group."""
+        store = quorum_store(answer.store.host, answer.store.port, answer.store.prefix, self.collective_timeout)
+        if self._group.is_leader:
+            store.set(f"group_size/{self.member}", str(self._group.size))
+        self._group_sizes = [int(store.get(f"group_size/{member}")) for member in answer.members]
+        offset = sum(self._group_sizes[: answer.rank])
+        return Communicator(
+            store,
+            offset + self._group.rank,
+            sum(self._group_sizes),
+            timeout=self.collective_timeout,
+            device=self.device,
+            host=self.host,
+            abandon=self._abandon,
+        )
+
+    def _heal(self, answer: QuorumAnswer) -> None:
+        """Take part in the broadcast of the source's state; load it if this member is behind."""
+        assert answer.heal is not None and self._comm is not None
+        if answer.heal.source_rank is None:
+            raise RuntimeError(
+                f"no live member holds step {answer.applied_step}: the state is lost; "
+                "restart the job from its last checkpoint"
+            )
+        is_target = self.member in answer.heal.targets
+        source = sum(self._group_sizes[: answer.heal.source_rank])
+        self.applied_step = transfer_state(
+            self._comm, source, self.model, self.optimizer, self.applied_step, is_target=is_target
+        )
+        if is_target:
+            self.optimizer.zero_grad(set_to_none=True)
+            self._reset_step()
+
     def _prefetch_next(self, loader: ElasticLoader) -> None:
         preview = copy.deepcopy(self.ledger)
-        share = preview.begin_step(self._answer_members()).get(self.member, _NO_POSITIONS)
-        loader.prefetch(preview.epoch, preview.plan.indices_at(preview.epoch, share).tolist())
+        group_share = preview.begin_step(self._answer_members()).get(self.member, _NO_POSITIONS)
+        part = split_group_share(group_share, self._group.size, self._group.rank, preview.plan.local_batch_multiple)
+        loader.prefetch(preview.epoch, preview.plan.indices_at(preview.epoch, part).tolist())
 
 
 class TrainStep:

@@ -1,0 +1,86 @@
+"""Replica groups: several processes (one ``torchrun`` launch) that act as one lighthouse member.
+
+A replica group is a fault domain: the lighthouse sees one member, the group's
+leader (intra-group rank 0) holds its heartbeat and asks for quorums, and the
+group's share of each step is split among its processes by intra-group rank.
+When any process of the group dies, torchrun's agent ends the others, the
+leader's heartbeat socket closes, and the lighthouse treats the group as dead.
+
+The leader relays each quorum answer to the other processes through the
+group's own store (torchrun's agent store at ``MASTER_ADDR:MASTER_PORT``), as
+JSON under a sequence number: every process of the group enters quorum
+formation at the same points (start, failed collective, reconfigure flag in
+the all-reduce), so the n-th answer is the one all of them wait for. When the
+lighthouse reports the quorum broken, the leader also raises a flag in the
+group store so that the other processes abandon the collective too.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from stalwart.data.world import WorldInfo
+
+_BROKEN_CHECK_SECONDS = 0.005
+
+
+class GroupLink:
+    """How the processes of one replica group share the leader's view of the lighthouse."""
+
+    def __init__(self, world: WorldInfo, store: dist.Store | None = None, *, timeout: float = 120.0) -> None:
+        """``world`` is this process's place in its group; ``store`` is needed when the group has several processes.
+
+        With several processes and no ``store``, torchrun's agent store is used
+        (``MASTER_ADDR``/``MASTER_PORT``).
+        """
+        self.rank = world.rank
+        self.size = world.world_size
+        self.timeout = timeout
+        if self.size > 1 and store is None:
+            address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+            if not address or not port or not port.isdigit():
+                raise ValueError(
+                    "a replica group of several processes needs a store: run under torchrun "
+                    f"(MASTER_ADDR={address!r}, MASTER_PORT={port!r}) or pass group_store"
+                )
+            store = dist.TCPStore(address, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout))
+        self._store = None if store is None else dist.PrefixStore("stalwart/", store)
+        self._answers = 0
+        self._last_broken_check = 0.0
+
+    @property
+    def is_leader(self) -> bool:
+        """True for the process that talks to the lighthouse."""
+        return self.rank == 0
+
+    def publish(self, answer: dict[str, Any]) -> None:
+        """Leader: hand the group the next quorum answer (JSON)."""
+        if self._store is not None:
+            self._store.set(f"answer/{self._answers}", json.dumps(answer))
+        self._answers += 1
+
+    def receive(self) -> dict[str, Any]:
+        """Other processes: the next quorum answer the leader published (waits up to ``timeout``)."""
+        assert self._store is not None
+        answer = json.loads(self._store.get(f"answer/{self._answers}"))
+        self._answers += 1
+        return dict(answer)
+
+    def mark_broken(self, quorum_id: int) -> None:
+        """Leader: tell the group that quorum ``quorum_id`` has a dead member."""
+        if self._store is not None:
+            self._store.set(f"broken/{quorum_id}", "1")
+
+    def broken(self, quorum_id: int) -> bool:
+        """Other processes: whether the leader marked quorum ``quorum_id`` broken (checked every few ms)."""
+        now = time.monotonic()
+        if self._store is None or now - self._last_broken_check < _BROKEN_CHECK_SECONDS:
+            return False
+        self._last_broken_check = now
+        return bool(self._store.check([f"broken/{quorum_id}"]))
