@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-steps", type=int, required=True)
     parser.add_argument("--max-microbatch", type=int, default=16)
     parser.add_argument("--token", default=None)
+    parser.add_argument("--host", default="127.0.0.1", help="The address other workers reach this one on.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--collective-timeout", type=float, default=2.0)
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         token=args.token,
         max_microbatch=args.max_microbatch,
         collective_timeout=args.collective_timeout,
+        host=args.host,
         group=group,
         on_event=lambda event, step: kill_if(_MANAGER_EVENTS[event], step),
     )
