@@ -183,11 +183,14 @@ def test_token_is_required_everywhere_but_healthz() -> None:
     with Lighthouse(PLAN, token="s3cret", heartbeat_timeout=1.0) as server:
         assert http(server.url + "/healthz") == (200, {"ok": True})
         for token in (None, "wrong", "s3cre", "s3cret2"):
-            status, body = http(server.url + "/v1/status", token=token)
-            assert status == 401 and "token" in body["error"]
+            for path in ("/v1/status", "/status"):
+                status, body = http(server.url + path, token=token)
+                assert status == 401 and "token" in body["error"]
             status, _ = http(server.url + "/v1/quorum", "POST", {"member": "a", "applied_step": 0}, token=token)
             assert status == 401
         assert http(server.url + "/v1/status", token="s3cret")[0] == 200
+        short, versioned = (http(server.url + path, token="s3cret") for path in ("/status", "/v1/status"))
+        assert short[0] == 200 and short[1].keys() == versioned[1].keys()
         with LighthouseClient(server.url, "intruder", token="wrong") as intruder:
             intruder.start_heartbeat(lambda: 0)
             assert not intruder.heartbeat_connected.wait(1.0)

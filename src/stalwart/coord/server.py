@@ -237,6 +237,7 @@ class Lighthouse:
         app = web.Application(middlewares=[self._middleware], client_max_size=MAX_BODY_BYTES)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/v1/status", self._get_status)
+        app.router.add_get("/status", self._get_status)  # the short name people and scripts type
         app.router.add_get("/v1/heartbeat", self._heartbeat)
         app.router.add_post("/v1/quorum", self._quorum)
         app.router.add_post("/v1/leave", self._leave)
