@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     group = WorldInfo.from_env()
+    loader = ElasticLoader(digits_dataset(), seed=args.seed)
     model = digits_model(args.seed)
     optimizer = digits_optimizer(model, args.lr)
     manager = Manager(
@@ -85,7 +86,6 @@ def main(argv: list[str] | None = None) -> None:
         group=group,
         on_event=lambda event, step: kill_if(_MANAGER_EVENTS[event], step),
     )
-    loader = ElasticLoader(digits_dataset(), seed=args.seed)
     args.run_dir.mkdir(parents=True, exist_ok=True)
     name = args.member if group.world_size == 1 else f"{args.member}.{group.rank}"
     with open(args.run_dir / f"steps-{name}.jsonl", "a", encoding="utf-8") as steps_file:
@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
             steps_file.flush()
     torch.save(model.state_dict(), args.run_dir / f"final-{name}.pt")
     manager.close()
+    loader.close()
 
 
 if __name__ == "__main__":

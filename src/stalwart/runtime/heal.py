@@ -55,7 +55,9 @@ def _flatten(
             return {"__tensor__": len(tensors) - 1}
         if isinstance(value, dict):
             return {str(key): placeholder(item) for key, item in value.items()}
-        if isinstance(value, (list, tuple)):
+        if isinstance(value, tuple):
+            return {"__tuple__": [placeholder(item) for item in value]}
+        if isinstance(value, list):
             return [placeholder(item) for item in value]
         if value is None or isinstance(value, (bool, int, float, str)):
             return value
@@ -75,6 +77,8 @@ def _load(
         if isinstance(value, dict):
             if set(value) == {"__tensor__"}:
                 return tensors[int(value["__tensor__"])]
+            if set(value) == {"__tuple__"}:
+                return tuple(restore(item) for item in value["__tuple__"])
             return {key: restore(item) for key, item in value.items()}
         if isinstance(value, list):
             return [restore(item) for item in value]

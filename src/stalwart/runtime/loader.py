@@ -1,34 +1,69 @@
 """Elastic loading of a step's share, with prefetch that never lags behind the quorum.
 
-A DataLoader prefetches batches from a sampler that runs ahead of training, so
-a sampler fed by a changing quorum yields batches sized for an old world. The
-elastic loader instead loads *samples*: after each step the Manager asks it to
-prefetch the next step's share as it would be if the quorum stays the same;
-when the real share is known, the prefetched samples are used and only the
-difference (extra work after a failure) is loaded on the spot. Micro-batches
-are collated from the samples at consumption time, so their sizes always
-follow the real share and ``max_microbatch``.
+Why a sampler-driven DataLoader lags
+    A ``DataLoader`` draws batches from its sampler ahead of training
+    (``prefetch_factor`` batches per worker), so the batches in flight were cut
+    for the world as it was when they were drawn. When the quorum changes, a
+    worker's share of the step grows or shrinks, but the batches already
+    drawn, and the sampler's idea of the share, belong to the old world.
 
-Random augmentation must not depend on which worker loads a sample, or a
+What this loader does instead
+    It loads *samples*, keyed by ``(epoch, index)``, and cuts micro-batches
+    only when they are consumed. After each step the Manager asks it to
+    :meth:`~ElasticLoader.prefetch` the next step's share as it would be if the
+    quorum stays the same; when the real share is known,
+    :meth:`~ElasticLoader.microbatches` uses the prefetched samples it needs,
+    drops the others, and loads the difference (the extra work after a
+    failure) on the spot. Micro-batches are collated from the samples at
+    consumption time, so their sizes always follow the real share and
+    ``max_microbatch``: prefetch only saves time, it never decides a batch.
+
+Where samples are loaded
+    With ``num_workers=0`` one background thread loads the prefetched samples
+    (samples not prefetched are loaded by the caller). With ``num_workers > 0``
+    a persistent ``DataLoader`` (``persistent_workers=True``) loads them in
+    worker processes. Its batch sampler does not sample: before each
+    ``iter()`` the main process sets the request (the keys to load, cut into
+    at most ``prefetch_factor * num_workers`` chunks), and ``iter()`` hands
+    every chunk to the workers at once, so the whole request loads in the
+    background while training goes on. Workers return uncollated
+    ``(key, sample)`` pairs; collation happens in the main process. One pass
+    runs at a time: to load extra samples, the loader first receives what is
+    still in flight (keeping what the step needs), then starts a pass for the
+    missing keys. The workers start when the loader is built, so build it
+    before anything that starts threads (the Manager's heartbeat) when the
+    start method is ``fork``; with ``spawn`` or ``forkserver``, the dataset
+    and transform must be picklable.
+
+Random augmentation must not depend on which process loads a sample, or a
 reassigned sample would be transformed differently: ``transform(sample,
-generator)`` receives :func:`sample_generator` seeded by (seed, epoch, index).
+generator)`` receives :func:`sample_generator` seeded by (seed, epoch, index),
+in a worker process as in the main process.
+
+The loader is used from one thread (the training loop's).
 """
 
 from __future__ import annotations
 
-import threading
+import numbers
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import DataLoader, Dataset, default_collate
 
-from stalwart._validate import check_int
+from stalwart._validate import check_bool, check_int
 from stalwart.data.schedule import split_microbatches
 
 Transform = Callable[[Any, torch.Generator], Any]
+Key = tuple[int, int]
+"""A sample to load: (epoch, dataset index)."""
+
+_CHUNKS_PER_WORKER = 4
+"""A request is cut into at most this many chunks per worker, all handed out at ``iter()`` (the prefetch factor)."""
 
 
 def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
@@ -37,8 +72,135 @@ def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed(int(mixed) & ((1 << 63) - 1))
 
 
+class _KeyedSamples(Dataset[tuple[Key, Any]]):
+    """The dataset as seen by the loader: ``(epoch, index)`` -> ``(key, transformed sample)``; picklable."""
+
+    def __init__(self, dataset: Dataset[Any], transform: Transform | None, seed: int) -> None:
+        self.dataset = dataset
+        self.transform = transform
+        self.seed = seed
+
+    def load(self, key: Key) -> Any:
+        epoch, index = key
+        sample = self.dataset[index]
+        if self.transform is not None:
+            sample = self.transform(sample, sample_generator(self.seed, epoch, index))
+        return sample
+
+    def __getitem__(self, key: Key) -> tuple[Key, Any]:
+        return key, self.load(key)
+
+
+def _uncollated(pairs: list[tuple[Key, Any]]) -> list[tuple[Key, Any]]:
+    """The workers' collate function: samples travel uncollated, micro-batches are cut in the main process."""
+    return pairs
+
+
+class _Requests:
+    """The DataLoader's batch sampler: yields the chunks of the request the main process set before ``iter()``."""
+
+    def __init__(self) -> None:
+        self.chunks: list[list[Key]] = []
+
+    def __iter__(self) -> Iterator[list[Key]]:
+        return iter(self.chunks)
+
+
+class _ThreadSource:
+    """Loads prefetched samples in one background thread, others on the spot in the caller's thread."""
+
+    def __init__(self, samples: _KeyedSamples) -> None:
+        self._samples = samples
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stalwart-prefetch")
+        self._futures: dict[Key, Future[Any]] = {}
+
+    def prefetch(self, keys: list[Key]) -> None:
+        self._drop(set())
+        self._futures = {key: self._executor.submit(self._samples.load, key) for key in keys}
+
+    def request(self, keys: list[Key]) -> None:
+        self._drop(set(keys))
+
+    def take(self, key: Key) -> Any:
+        future = self._futures.pop(key, None)
+        return self._samples.load(key) if future is None else future.result()
+
+    def close(self) -> None:
+        self._drop(set())
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _drop(self, keep: set[Key]) -> None:
+        for key in [key for key in self._futures if key not in keep]:
+            self._futures.pop(key).cancel()
+
+
+class _WorkerSource:
+    """Loads samples in the worker processes of a persistent DataLoader, one request (pass) at a time."""
+
+    def __init__(self, samples: _KeyedSamples, num_workers: int) -> None:
+        self._samples = samples
+        self._num_workers = num_workers
+        self._requests = _Requests()
+        self._loader: DataLoader[Any] = DataLoader(
+            samples,
+            batch_sampler=self._requests,
+            collate_fn=_uncollated,
+            num_workers=num_workers,
+            persistent_workers=True,
+            prefetch_factor=_CHUNKS_PER_WORKER,
+        )
+        self._pass: Iterator[list[tuple[Key, Any]]] | None = None
+        self._pending: set[Key] = set()
+        self._wanted: set[Key] = set()
+        self._ready: dict[Key, Any] = {}
+        self._start([])
+
+    def prefetch(self, keys: list[Key]) -> None:
+        self._ready = {}
+        self._wanted = set(keys)
+        self._start(keys)
+
+    def request(self, keys: list[Key]) -> None:
+        self._wanted = set(keys)
+        self._ready = {key: sample for key, sample in self._ready.items() if key in self._wanted}
+        missing = [key for key in keys if key not in self._ready and key not in self._pending]
+        if missing:
+            while self._pending:
+                self._receive()
+            self._start(missing)
+
+    def take(self, key: Key) -> Any:
+        """The sample of ``key``: received from the workers if they have it in hand, else loaded here."""
+        while key not in self._ready:
+            if key not in self._pending:
+                return self._samples.load(key)
+            self._receive()
+        return self._ready.pop(key)
+
+    def close(self) -> None:
+        if self._pass is not None:
+            self._pass._shutdown_workers()  # type: ignore[attr-defined]
+            self._pass = None
+        self._pending = set()
+        self._ready = {}
+
+    def _start(self, keys: list[Key]) -> None:
+        """Hand ``keys`` to the workers; whatever the previous pass still had in flight is discarded by ``iter()``."""
+        chunk_size = max(1, -(-len(keys) // (_CHUNKS_PER_WORKER * self._num_workers)))
+        self._requests.chunks = split_microbatches(keys, chunk_size)
+        self._pass = iter(self._loader)
+        self._pending = set(keys)
+
+    def _receive(self) -> None:
+        assert self._pass is not None
+        for key, sample in next(self._pass):
+            self._pending.discard(key)
+            if key in self._wanted:
+                self._ready[key] = sample
+
+
 class ElasticLoader:
-    """Loads the samples of a share, prefetching the next one in a background thread."""
+    """Loads the samples of a share, prefetching the next one in the background (see the module docstring)."""
 
     def __init__(
         self,
@@ -48,42 +210,79 @@ class ElasticLoader:
         transform: Transform | None = None,
         seed: int = 0,
         prefetch: bool = True,
+        num_workers: int = 0,
     ) -> None:
         if not hasattr(dataset, "__getitem__"):
             raise TypeError(f"dataset must support indexing (a map-style dataset), got {type(dataset).__name__}")
+        if not callable(collate_fn):
+            raise TypeError(f"collate_fn must be callable, got {collate_fn!r}")
+        if transform is not None and not callable(transform):
+            raise TypeError(f"transform must be callable or None, got {transform!r}")
         self.dataset = dataset
         self.collate_fn = collate_fn
         self.transform = transform
         self.seed = check_int("seed", seed, minimum=0)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stalwart-prefetch") if prefetch else None
-        self._lock = threading.Lock()
-        self._prefetched: tuple[int, dict[int, Future[Any]]] | None = None
+        self.prefetching = check_bool("prefetch", prefetch)
+        self.num_workers = check_int("num_workers", num_workers, minimum=0)
+        self._samples = _KeyedSamples(dataset, transform, self.seed)
+        self._source: _ThreadSource | _WorkerSource
+        if self.num_workers:
+            self._source = _WorkerSource(self._samples, self.num_workers)
+        else:
+            self._source = _ThreadSource(self._samples)
+        self._closed = False
 
     def load(self, epoch: int, index: int) -> Any:
-        """One sample, transformed with its own generator."""
-        sample = self.dataset[index]
-        if self.transform is not None:
-            sample = self.transform(sample, sample_generator(self.seed, epoch, index))
-        return sample
+        """One sample, transformed with its own generator, loaded in the calling process."""
+        epoch = check_int("epoch", epoch, minimum=0)
+        index = check_int("index", index, minimum=0)
+        return self._samples.load((epoch, index))
 
     def prefetch(self, epoch: int, indices: Sequence[int]) -> None:
         """Start loading ``indices`` of ``epoch`` in the background (replacing an earlier prefetch)."""
-        if self._executor is None:
-            return
-        futures = {int(index): self._executor.submit(self.load, epoch, int(index)) for index in indices}
-        with self._lock:
-            self._prefetched = (epoch, futures)
+        keys = _keys(epoch, indices)
+        self._check_open()
+        if self.prefetching:
+            self._source.prefetch(keys)
 
     def microbatches(self, epoch: int, indices: Sequence[int], max_microbatch: int) -> Iterator[Any]:
-        """Collated micro-batches of at most ``max_microbatch`` samples covering ``indices`` in order."""
-        with self._lock:
-            prefetched = self._prefetched
-        ready = prefetched[1] if prefetched is not None and prefetched[0] == epoch else {}
-        for chunk in split_microbatches(list(indices), max_microbatch):
-            samples = [ready[i].result() if i in ready else self.load(epoch, i) for i in map(int, chunk)]
-            yield self.collate_fn(samples)
+        """Collated micro-batches of at most ``max_microbatch`` samples covering ``indices`` in order.
+
+        Prefetched samples are used, prefetched samples not in ``indices`` are
+        dropped, and the others are loaded now.
+        """
+        keys = _keys(epoch, indices)
+        chunks = split_microbatches(keys, max_microbatch)
+        self._check_open()
+        return self._collated(keys, chunks)
 
     def close(self) -> None:
-        """Stop the prefetch thread."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        """Stop the prefetch thread or the worker processes; the loader cannot be used afterwards."""
+        if not self._closed:
+            self._closed = True
+            self._source.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the ElasticLoader is closed")
+
+    def _collated(self, keys: list[Key], chunks: list[list[Key]]) -> Iterator[Any]:
+        self._source.request(keys)
+        for chunk in chunks:
+            yield self.collate_fn([self._source.take(key) for key in chunk])
+
+
+def _keys(epoch: int, indices: Sequence[int]) -> list[Key]:
+    """Checked ``(epoch, index)`` keys; indices must be distinct non-negative integers."""
+    epoch = check_int("epoch", epoch, minimum=0)
+    if isinstance(indices, (str, bytes)) or not isinstance(indices, (Sequence, np.ndarray)):
+        raise TypeError(f"indices must be a sequence of ints, got {type(indices).__name__}")
+    keys: list[Key] = []
+    for index in indices:
+        if isinstance(index, bool) or not isinstance(index, numbers.Integral) or index < 0:
+            raise ValueError(f"indices must be non-negative ints, got {index!r}")
+        keys.append((epoch, int(index)))
+    if len(set(keys)) != len(keys):
+        repeated = sorted(index for (_, index), count in Counter(keys).items() if count > 1)
+        raise ValueError(f"indices must be distinct (a share holds each sample once), got repeated {repeated}")
+    return keys
