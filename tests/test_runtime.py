@@ -59,7 +59,7 @@ def long_reference() -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def lighthouse() -> Iterator[Lighthouse]:
-    server = Lighthouse(PLAN, min_replicas=1, heartbeat_timeout=1.0, join_timeout=3.0)
+    server = Lighthouse(PLAN, min_replicas=1, start_replicas=WORKERS, heartbeat_timeout=1.0, join_timeout=10.0)
     server.start()
     yield server
     server.stop()
@@ -129,12 +129,17 @@ def test_sigkill_at_each_point_of_a_step(
     assert min(record["world_size"] for record in committed_steps(tmp_path)) == WORKERS - 1
 
 
-def test_two_workers_killed_at_once(tmp_path: Path, lighthouse: Lighthouse, reference: dict[str, torch.Tensor]) -> None:
-    cluster = LocalCluster(lighthouse.url, tmp_path, worker_args())
-    for worker in range(WORKERS + 1):
-        cluster.start(worker, ["--kill-at", "3:during_backward"] if worker in (1, 2) else None)
-    wait_for(cluster)
+def test_two_workers_killed_at_once(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
+    with Lighthouse(
+        PLAN, min_replicas=1, start_replicas=WORKERS + 1, heartbeat_timeout=1.0, join_timeout=10.0
+    ) as server:
+        cluster = LocalCluster(server.url, tmp_path, worker_args())
+        for worker in range(WORKERS + 1):
+            cluster.start(worker, ["--kill-at", "3:during_backward"] if worker in (1, 2) else None)
+        wait_for(cluster)
     check_job(tmp_path, reference, finishers=WORKERS - 1)
+    world_sizes = [record["world_size"] for record in committed_steps(tmp_path)]
+    assert world_sizes[0] == WORKERS + 1 and world_sizes[-1] == WORKERS - 1
 
 
 def test_killed_worker_restarts_and_is_healed(
@@ -173,7 +178,7 @@ def test_lighthouse_killed_and_restarted_mid_run(tmp_path: Path, long_reference:
     state = tmp_path / "lighthouse.sqlite"
     command = [
         sys.executable, "-m", "stalwart", "lighthouse", "--min-replicas", "1", "--state", str(state),
-        "--heartbeat-timeout", "3", "--join-timeout", "3",
+        "--start-replicas", str(WORKERS), "--heartbeat-timeout", "3", "--join-timeout", "10",
         "--dataset-size", str(PLAN.dataset_size), "--global-batch", str(GLOBAL_BATCH), "--seed", "0",
     ]  # fmt: skip
 

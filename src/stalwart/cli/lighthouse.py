@@ -27,6 +27,12 @@ _PLAN_OPTIONS = {
 
 @click.command("lighthouse")
 @click.option("--min-replicas", type=click.IntRange(min=1), required=True, help="Fewest members a quorum may have.")
+@click.option(
+    "--start-replicas",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Members the first quorum waits for, up to --join-timeout (default: --min-replicas).",
+)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (HTTP and TCPStore).")
 @click.option("--port", type=click.IntRange(0, 65535), default=0, show_default=True, help="HTTP port (0: a free one).")
 @click.option("--store-port", type=click.IntRange(0, 65535), default=0, show_default=True, help="TCPStore port.")
@@ -59,6 +65,7 @@ _PLAN_OPTIONS = {
 @click.option("--no-shuffle", is_flag=True, help="Keep the dataset's order.")
 def lighthouse_command(
     min_replicas: int,
+    start_replicas: int | None,
     host: str,
     port: int,
     store_port: int,
@@ -79,6 +86,7 @@ def lighthouse_command(
         lighthouse = Lighthouse(
             plan,
             min_replicas=min_replicas,
+            start_replicas=start_replicas,
             host=host,
             port=port,
             state_path=state_path,

@@ -15,9 +15,11 @@ Quorums
     is dead (or ``join_timeout`` passed since the first of them asked: the
     others are *excluded*), the askers from the quorum are a majority of its
     members that are not dead, and the new quorum has ``min_replicas``
-    members. A *failure* quorum (a survivor at the target step asked with
-    ``failure``) keeps the survivors only: they take the dead members'
-    in-flight positions of that step. A *boundary* quorum (and the first one)
+    members. The first quorum also waits for ``start_replicas`` members (the
+    fleet being launched), up to ``join_timeout`` after the first request. A
+    *failure* quorum (a survivor at the target step asked with ``failure``)
+    keeps the survivors only: they take the dead members' in-flight positions
+    of that step. A *boundary* quorum (and the first one)
     also admits joiners, in order of arrival, after waiting up to
     ``join_timeout`` for every live member to ask.
 
@@ -248,12 +250,16 @@ class LighthouseState:
         heartbeat_timeout: float = 2.0,
         join_timeout: float = 5.0,
         *,
+        start_replicas: int | None = None,
         on_commit: CommitListener | None = None,
     ) -> None:
         if not isinstance(plan, EpochPlan):
             raise TypeError(f"plan must be an EpochPlan, got {type(plan).__name__}")
         self.plan = plan
         self.min_replicas = check_int("min_replicas", min_replicas, minimum=1)
+        self.start_replicas = check_int(
+            "start_replicas", min_replicas if start_replicas is None else start_replicas, minimum=self.min_replicas
+        )
         self.heartbeat_timeout = check_seconds("heartbeat_timeout", heartbeat_timeout)
         self.join_timeout = check_seconds("join_timeout", join_timeout)
         self.on_commit = on_commit
@@ -426,6 +432,8 @@ class LighthouseState:
         )
         members = survivors if failure else survivors + joiners
         if not members or len(members) < self.min_replicas:
+            return None
+        if self._quorum is None and len(members) < self.start_replicas and not timed_out:
             return None
         if not failure and not timed_out and any(r.alive and m not in pending for m, r in self._members.items()):
             return None
@@ -728,6 +736,7 @@ class LighthouseState:
         *,
         now: float,
         min_replicas: int = 1,
+        start_replicas: int | None = None,
         heartbeat_timeout: float = 2.0,
         join_timeout: float = 5.0,
         on_commit: CommitListener | None = None,
@@ -736,7 +745,14 @@ class LighthouseState:
         if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
             raise ValueError(f"state must be a lighthouse state_dict of version {STATE_VERSION}")
         ledger = DataLedger.from_state_dict(state["ledger"])
-        restored = cls(ledger.plan, min_replicas, heartbeat_timeout, join_timeout, on_commit=on_commit)
+        restored = cls(
+            ledger.plan,
+            min_replicas,
+            heartbeat_timeout,
+            join_timeout,
+            start_replicas=start_replicas,
+            on_commit=on_commit,
+        )
         restored._ledger = ledger
         restored._record = None if state["record"] is None else StepRecord.from_json(state["record"])
         restored._snapshot = state["snapshot"]

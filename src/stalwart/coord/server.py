@@ -69,6 +69,7 @@ class Lighthouse:
         plan: EpochPlan,
         *,
         min_replicas: int = 1,
+        start_replicas: int | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
         state_path: str | os.PathLike[str] | None = None,
@@ -92,7 +93,9 @@ class Lighthouse:
         self.tick_interval = check_seconds("tick_interval", tick_interval)
         self._database = StateStore(state_path) if state_path is not None else None
         try:
-            self.state = self._load_state(plan, state_path, min_replicas, heartbeat_timeout, join_timeout)
+            self.state = self._load_state(
+                plan, state_path, min_replicas, start_replicas, heartbeat_timeout, join_timeout
+            )
         except BaseException:
             if self._database is not None:
                 self._database.close()
@@ -115,17 +118,19 @@ class Lighthouse:
         plan: EpochPlan,
         state_path: object,
         min_replicas: int,
+        start_replicas: int | None,
         heartbeat_timeout: float,
         join_timeout: float,
     ) -> LighthouseState:
         """The persisted state when there is one (its plan must equal ``plan``), else a fresh one."""
         persisted = self._database.load() if self._database is not None else None
         if persisted is None:
-            return LighthouseState(plan, min_replicas, heartbeat_timeout, join_timeout)
+            return LighthouseState(plan, min_replicas, heartbeat_timeout, join_timeout, start_replicas=start_replicas)
         state = LighthouseState.from_state_dict(
             persisted,
             now=time.time(),
             min_replicas=min_replicas,
+            start_replicas=start_replicas,
             heartbeat_timeout=heartbeat_timeout,
             join_timeout=join_timeout,
         )
