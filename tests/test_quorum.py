@@ -533,3 +533,23 @@ def check_partition(formation: Formation) -> None:
     assert set(in_flight) <= set(formation.members)
     flat = union(in_flight)
     assert len(flat) == len(set(flat))
+
+
+def test_first_quorum_waits_for_start_replicas_up_to_the_join_timeout() -> None:
+    state = LighthouseState(PLAN, min_replicas=1, heartbeat_timeout=5.0, join_timeout=3.0, start_replicas=3)
+    for member in ("a", "b"):
+        state.connected(member, 0.0)
+        state.request(QuorumRequest(member, 0, None, "join"), 0.0)
+    assert state.tick(1.0) is None, "two of the three the fleet starts with: wait"
+    state.connected("c", 1.5)
+    state.request(QuorumRequest("c", 0, None, "join"), 1.5)
+    formation = state.tick(1.5)
+    assert formation is not None and formation.members == ("a", "b", "c")
+    late = LighthouseState(PLAN, min_replicas=1, heartbeat_timeout=5.0, join_timeout=3.0, start_replicas=3)
+    late.connected("a", 0.0)
+    late.request(QuorumRequest("a", 0, None, "join"), 0.0)
+    assert late.tick(2.9) is None
+    formation = late.tick(3.1)
+    assert formation is not None and formation.members == ("a",), "after the join timeout, min_replicas is enough"
+    with pytest.raises(ValueError, match=r"start_replicas must be in \[2, "):
+        LighthouseState(PLAN, min_replicas=2, start_replicas=1)
