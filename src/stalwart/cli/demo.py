@@ -119,10 +119,14 @@ def _drive(
     timeout: float,
     console: Console,
 ) -> None:
-    """Run the workers to the end, firing the chaos schedule; bounded by ``timeout`` seconds."""
+    """Run the workers to the end, firing the chaos schedule; bounded by ``timeout`` seconds.
+
+    Random failures (``mtbf``) are timed from the first committed step, so that none hits the start-up.
+    """
     rng = random.Random(seed)
     start = time.time()
     random_times = random_kill_times(mtbf, timeout, rng) if mtbf else []
+    training_since: float | None = None
     revivals: list[tuple[float, int]] = []
     for worker in range(workers):
         cluster.start(worker)
@@ -135,7 +139,10 @@ def _drive(
             due = [kill for kill in planned if kill.step <= committed] if committed < steps else []
             victims = [kill.worker for kill in due]
             planned[:] = [kill for kill in planned if kill not in due]
-            while random_times and random_times[0] <= now - start and committed < steps:
+            if training_since is None and committed > 0:
+                training_since = now
+            clock = now - training_since if training_since is not None else -1.0
+            while random_times and random_times[0] <= clock and committed < steps:
                 random_times.pop(0)
                 if len(cluster.alive()) > 1:
                     victims.append(rng.choice(cluster.alive()))
