@@ -58,3 +58,42 @@ def test_unknown_argument_is_rejected() -> None:
     completed = _run_benchmark("--no-such-option")
     assert completed.returncode == 2
     assert "--no-such-option" in completed.stderr
+
+
+def test_runtime_quick_run_prints_every_table_and_goal() -> None:
+    env = {**os.environ, "COLUMNS": "240"}
+    completed = subprocess.run(
+        [sys.executable, "-m", "benchmarks.runtime", "--quick"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    output = completed.stdout
+    for title in (
+        "1. Per-step time without failures",
+        "1b. Where a step's time goes",
+        "2. Recovery: signal to the next step committed by a new quorum",
+        "3. Work lost per failure",
+        "Goals",
+    ):
+        assert title in output
+    for header in (
+        "median (ms)",
+        "vs plain",
+        "added (ms)",
+        "CPU vs plain",
+        "all-reduce (ms)",
+        "failure to quorum (s)",
+        "sample-gradients recomputed",
+        "samples lost (never trained)",
+    ):
+        assert header in output
+    for row in ("plain", "stalwart", "torchft", "SIGKILL", "SIGSTOP", "checkpoint-restart, K=10"):
+        assert row in output
+    statuses = ("met:", "MISSED:", "not measured:")
+    goal_lines = [line for line in output.splitlines() if line.lstrip().startswith(statuses)]
+    assert len(goal_lines) == 6

@@ -46,7 +46,6 @@ The loader is used from one thread (the training loop's).
 from __future__ import annotations
 
 import numbers
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -107,31 +106,44 @@ class _Requests:
 
 
 class _ThreadSource:
-    """Loads prefetched samples in one background thread, others on the spot in the caller's thread."""
+    """Loads a prefetched request in one background task, other samples on the spot in the caller's thread.
+
+    One task per request, not per sample: a future per sample costs more to
+    submit than loading an in-memory sample does.
+    """
 
     def __init__(self, samples: _KeyedSamples) -> None:
         self._samples = samples
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stalwart-prefetch")
-        self._futures: dict[Key, Future[Any]] = {}
+        self._prefetched: Future[dict[Key, Any]] | None = None
+        self._prefetched_keys: frozenset[Key] = frozenset()
 
     def prefetch(self, keys: list[Key]) -> None:
-        self._drop(set())
-        self._futures = {key: self._executor.submit(self._samples.load, key) for key in keys}
+        self._drop()
+        self._prefetched_keys = frozenset(keys)
+        self._prefetched = self._executor.submit(self._load_all, keys)
 
     def request(self, keys: list[Key]) -> None:
-        self._drop(set(keys))
+        if self._prefetched_keys.isdisjoint(keys):
+            self._drop()
 
     def take(self, key: Key) -> Any:
-        future = self._futures.pop(key, None)
-        return self._samples.load(key) if future is None else future.result()
+        if self._prefetched is not None and key in self._prefetched_keys:
+            return self._prefetched.result()[key]
+        return self._samples.load(key)
 
     def close(self) -> None:
-        self._drop(set())
+        self._drop()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    def _drop(self, keep: set[Key]) -> None:
-        for key in [key for key in self._futures if key not in keep]:
-            self._futures.pop(key).cancel()
+    def _load_all(self, keys: list[Key]) -> dict[Key, Any]:
+        return {key: self._samples.load(key) for key in keys}
+
+    def _drop(self) -> None:
+        if self._prefetched is not None:
+            self._prefetched.cancel()
+        self._prefetched = None
+        self._prefetched_keys = frozenset()
 
 
 class _WorkerSource:
@@ -277,12 +289,16 @@ def _keys(epoch: int, indices: Sequence[int]) -> list[Key]:
     epoch = check_int("epoch", epoch, minimum=0)
     if isinstance(indices, (str, bytes)) or not isinstance(indices, (Sequence, np.ndarray)):
         raise TypeError(f"indices must be a sequence of ints, got {type(indices).__name__}")
-    keys: list[Key] = []
-    for index in indices:
-        if isinstance(index, bool) or not isinstance(index, numbers.Integral) or index < 0:
-            raise ValueError(f"indices must be non-negative ints, got {index!r}")
-        keys.append((epoch, int(index)))
-    if len(set(keys)) != len(keys):
-        repeated = sorted(index for (_, index), count in Counter(keys).items() if count > 1)
-        raise ValueError(f"indices must be distinct (a share holds each sample once), got repeated {repeated}")
-    return keys
+    array = np.asarray(indices)
+    if array.size == 0:
+        return []
+    has_bool = not isinstance(indices, np.ndarray) and any(isinstance(index, bool) for index in indices)
+    if array.ndim != 1 or array.dtype.kind not in "iu" or array.min() < 0 or has_bool:
+        bad = next((i for i in indices if isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0), indices)
+        raise ValueError(f"indices must be non-negative ints, got {bad!r}")
+    values, counts = np.unique(array, return_counts=True)
+    if values.size != array.size:
+        raise ValueError(
+            f"indices must be distinct (a share holds each sample once), got repeated {values[counts > 1].tolist()}"
+        )
+    return [(epoch, index) for index in array.tolist()]

@@ -121,6 +121,7 @@ class Manager:
         self._answer: QuorumAnswer | None = None
         self._ledger: DataLedger | None = None
         self._group_sizes: list[int] = []
+        self._foreseen: tuple[int, np.ndarray, list[int]] | None = None
         self._group_done = _NO_POSITIONS
         self._samples = 0
         self._loss_sum = 0.0
@@ -206,8 +207,7 @@ class Manager:
         while True:
             part = self._next_part()
             if part.size:
-                indices = self.ledger.plan.indices_at(self.ledger.epoch, part)
-                yield from loader.microbatches(self.ledger.epoch, indices.tolist(), self.max_microbatch)
+                yield from loader.microbatches(self.ledger.epoch, self._indices(part), self.max_microbatch)
             try:
                 reduced = self._all_reduce()
             except CollectiveError as error:
@@ -362,11 +362,21 @@ class Manager:
             self.optimizer.zero_grad(set_to_none=True)
             self._reset_step()
 
+    def _indices(self, part: np.ndarray) -> list[int]:
+        """Sample indices of ``part``: the prefetched ones when the share is the one foreseen (the usual case)."""
+        foreseen = self._foreseen
+        if foreseen is not None and foreseen[0] == self.ledger.epoch and np.array_equal(foreseen[1], part):
+            return foreseen[2]
+        return self.ledger.plan.indices_at(self.ledger.epoch, part).tolist()
+
     def _prefetch_next(self, loader: ElasticLoader) -> None:
+        """Foresee the next step's share assuming the quorum holds, and start loading it."""
         preview = copy.deepcopy(self.ledger)
         group_share = preview.begin_step(self._answer_members()).get(self.member, _NO_POSITIONS)
         part = split_group_share(group_share, self._group.size, self._group.rank, preview.plan.local_batch_multiple)
-        loader.prefetch(preview.epoch, preview.plan.indices_at(preview.epoch, part).tolist())
+        indices = preview.plan.indices_at(preview.epoch, part).tolist()
+        self._foreseen = (preview.epoch, part, indices)
+        loader.prefetch(preview.epoch, indices)
 
 
 class TrainStep:

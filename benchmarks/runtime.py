@@ -1,0 +1,961 @@
+"""Runtime benchmark: what fault tolerance costs per step, how fast it recovers, and how much work a failure loses.
+
+Run from the repository root, with the virtual environment active::
+
+    python -m benchmarks.runtime           # full run, several minutes
+    python -m benchmarks.runtime --quick   # tiny model, three variants, one failure of each kind: under a minute
+
+torchft is optional (``pip install torchft==0.2.0``); without it its rows say
+why they were not run. Three measurements, each printed as a table, then a
+summary of the goals:
+
+1. **Per-step time without failures.** Three worker processes
+   (:mod:`benchmarks._runtime_workers`) train the same MLP on the same plan:
+   ``plain`` (Gloo all-reduce of one flat gradient buffer, no fault
+   tolerance), ``stalwart`` (the Manager and ElasticLoader against an embedded
+   lighthouse), ``stalwart, no prefetch`` (the same with the loader's
+   background prefetch off: what the prefetch thread costs) and ``torchft``
+   (torchft's Manager and all-reduce against its lighthouse). Two sizes: a
+   tiny MLP where fixed per-step costs dominate, and a larger one whose step
+   takes about 100 ms here. Rank 0 times every step (top of one loop
+   iteration to the next) and its phases, and the CPU time its process used;
+   medians after warm-up are reported, variants run in turn, in a rotating
+   order, over several rounds. Goals, judged on wall time and on CPU time:
+   stalwart at most 3% over plain on the ~100 ms step, and less than 1 ms
+   added per step on the tiny model. With three workers on two cores and
+   other jobs on the machine, wall time depends on how the scheduler
+   interleaves the workers; CPU time per step is the steadier measure of the
+   work a step costs.
+2. **Recovery.** The digits job (``stalwart.launch.worker`` on a
+   :class:`~stalwart.launch.cluster.LocalCluster`, embedded lighthouse with
+   a heartbeat timeout of 1 s, collective timeout 1 s, 0.05 s of simulated
+   compute per step) loses a worker to SIGKILL or SIGSTOP several times;
+   recovery is the time from the signal to the first step committed by a new
+   quorum. Goals: SIGKILL under 1 s, SIGSTOP under the heartbeat timeout + 1 s.
+   In the full run torchft's survivors are also watched through one SIGKILL
+   of a peer (torchft's DDP wrapper, then its all-reduce).
+3. **Work lost per failure.** Sample-gradients recomputed and samples never
+   trained, per failure: stalwart (the dead member's share of the step in
+   flight, replayed from the lighthouse's quorum history with the real
+   ledger), torchft (from its SIGKILL run when it ran) and checkpoint-restart
+   every K steps (K/2 steps of the global batch recomputed on average, plus a
+   restart measured as launch to first step of a three-worker job).
+
+The benchmark reports; it never fails because a goal is missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
+from rich.table import Column
+
+from benchmarks._measure import REPO_ROOT, make_console, print_table
+from benchmarks._runtime_workers import MODELS, ModelSpec, build_model
+from stalwart.coord.server import Lighthouse
+from stalwart.data.ledger import DataLedger
+from stalwart.data.plan import EpochPlan
+from stalwart.launch.cluster import LocalCluster
+from stalwart.launch.digits import digits_dataset
+
+WORKERS = 3
+HEARTBEAT_TIMEOUT = 1.0
+COLLECTIVE_TIMEOUT = 1.0
+RECOVERY_STEP_SECONDS = 0.05
+DIGITS_GLOBAL_BATCH = 48
+CHECKPOINT_INTERVALS = (10, 50)
+LARGE_GOAL_RATIO = 1.03
+TINY_GOAL_MS = 1.0
+SIGKILL_GOAL_S = 1.0
+SIGSTOP_GOAL_S = HEARTBEAT_TIMEOUT + 1.0
+RUN_TIMEOUT_S = 240.0
+POLL_S = 0.05
+PHASES = ("total", "cpu", "compute", "before", "reduce", "after")
+VARIANTS = {
+    "plain": ("plain", ()),
+    "stalwart": ("stalwart", ()),
+    "stalwart, no prefetch": ("stalwart", ("--no-prefetch",)),
+    "torchft": ("torchft", ()),
+}
+"""Each variant's worker loop (:mod:`benchmarks._runtime_workers`) and extra arguments."""
+_WORKER_MODULE = "benchmarks._runtime_workers"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Sizes, step counts and failure counts of one run (full or ``--quick``)."""
+
+    models: tuple[str, ...]
+    variants: tuple[str, ...]
+    steps: dict[str, int]
+    warmup: dict[str, int]
+    rounds: int
+    failures_per_signal: int
+    torchft_kill_trial: bool
+
+
+FULL = Settings(
+    models=("tiny", "large"),
+    variants=tuple(VARIANTS),
+    steps={"tiny": 300, "large": 30},
+    warmup={"tiny": 50, "large": 5},
+    rounds=3,
+    failures_per_signal=5,
+    torchft_kill_trial=True,
+)
+QUICK = Settings(
+    models=("tiny",),
+    variants=("plain", "stalwart", "torchft"),
+    steps={"tiny": 100},
+    warmup={"tiny": 20},
+    rounds=1,
+    failures_per_signal=1,
+    torchft_kill_trial=False,
+)
+
+
+# Launching worker processes and reading what they wrote.
+
+
+def worker_env() -> dict[str, str]:
+    """The workers' environment: one-thread pools, Gloo on the loopback interface."""
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+    if sys.platform.startswith("linux"):
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    return env
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines of ``path`` (a torn last line, from a killed writer, is skipped)."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+class WorkerGroup:
+    """Three worker processes of one variant, logging to ``run_dir``; waits are bounded."""
+
+    def __init__(self, run_dir: Path, name: str) -> None:
+        self.run_dir = run_dir
+        self.name = name
+        self.launched_at = time.time()
+        self.processes: list[subprocess.Popen[bytes]] = []
+
+    def start(self, variant: str, model: str, steps: int, rank: int, extra: Sequence[str]) -> None:
+        """Start rank ``rank`` of ``variant``."""
+        command = [
+            sys.executable, "-m", _WORKER_MODULE, variant,
+            "--model", model, "--steps", str(steps), "--rank", str(rank), "--world", str(WORKERS),
+            "--out", str(self.run_dir / self.name), "--launched-at", repr(self.launched_at), *extra,
+        ]  # fmt: skip
+        with open(self.run_dir / f"{self.name}-worker-{rank}.log", "ab") as log:
+            self.processes.append(
+                subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=worker_env())
+            )
+
+    def records(self, rank: int) -> list[dict[str, Any]]:
+        """What rank ``rank`` wrote so far."""
+        return read_records(self.run_dir / f"{self.name}-worker-{rank}.jsonl")
+
+    def wait(self, timeout: float, tick: Callable[[], None] = lambda: None) -> bool:
+        """Wait until every process exited (True) or ``timeout`` passed (False: they are killed)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(process.poll() is not None for process in self.processes):
+                return True
+            tick()
+            time.sleep(POLL_S)
+        self.kill()
+        return False
+
+    def kill(self) -> None:
+        """SIGKILL every process still running (stopped ones included) and reap it."""
+        for process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGCONT)
+                process.kill()
+                process.wait(timeout=10)
+
+    def log_tail(self, rank: int, lines: int = 4) -> str:
+        """The last lines of rank ``rank``'s log, for error notes."""
+        path = self.run_dir / f"{self.name}-worker-{rank}.log"
+        text = path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
+        return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
+
+
+# 1. Per-step time without failures.
+
+
+@dataclass
+class OverheadRow:
+    """Rank 0's step times (ms) of one variant on one model, pooled over rounds; ``note`` says why if not run."""
+
+    model: str
+    variant: str
+    phases: dict[str, list[float]] = field(default_factory=lambda: {phase: [] for phase in PHASES})
+    round_medians: dict[int, float] = field(default_factory=dict)
+    first_step_s: list[float] = field(default_factory=list)
+    note: str = ""
+
+    @property
+    def measured(self) -> bool:
+        """True when some steps were timed."""
+        return bool(self.phases["total"])
+
+    def median(self, phase: str = "total") -> float:
+        """Median milliseconds of ``phase`` (one of ``PHASES``)."""
+        return statistics.median(self.phases[phase])
+
+
+def torchft_missing() -> str | None:
+    """Why torchft cannot run here (None when it can)."""
+    os.environ.setdefault("RUST_LOG", "warn")  # read as torchft loads; else its lighthouse logs each quorum to stderr
+    try:
+        import torchft  # noqa: F401
+    except ImportError as error:
+        return f"not run: torchft is not installed ({error.name}); pip install torchft==0.2.0"
+    return None
+
+
+class TorchftLighthouse:
+    """torchft's own lighthouse (its Rust server), bound to 127.0.0.1."""
+
+    def __init__(self, min_replicas: int, heartbeat_timeout_ms: int = 5000, join_timeout_ms: int = 5000) -> None:
+        from torchft.coordination import LighthouseServer
+
+        self._server = LighthouseServer(
+            bind="127.0.0.1:0",
+            min_replicas=min_replicas,
+            join_timeout_ms=join_timeout_ms,
+            heartbeat_timeout_ms=heartbeat_timeout_ms,
+        )
+        port = self._server.address().rsplit(":", 1)[1]
+        self.address = f"http://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        self._server.shutdown()
+
+
+def run_variant(
+    variant: str, spec: ModelSpec, steps: int, run_dir: Path, name: str, store: dist.TCPStore, tick: Callable[[], None]
+) -> tuple[WorkerGroup, str]:
+    """Run ``variant`` on ``spec`` for ``steps`` steps; returns the group and an error note ('' if it went well)."""
+    loop, variant_args = VARIANTS[variant]
+    group = WorkerGroup(run_dir, name)
+    ours: Lighthouse | None = None
+    theirs: TorchftLighthouse | None = None
+    if loop == "plain":
+        extra = ["--store-port", str(store.port), "--prefix", f"{name}/"]
+    elif loop == "stalwart":
+        ours = Lighthouse(spec.plan(), min_replicas=WORKERS, heartbeat_timeout=2.0, join_timeout=30.0)
+        ours.start()
+        extra = ["--lighthouse", ours.url]
+    else:
+        try:
+            theirs = TorchftLighthouse(min_replicas=WORKERS)
+        except RuntimeError as error:
+            return group, f"torchft's lighthouse did not start: {error}"
+        extra = ["--lighthouse", theirs.address, "--min-replicas", str(WORKERS)]
+    extra += variant_args
+    try:
+        for rank in range(WORKERS):
+            group.start(loop, spec.name, steps, rank, extra)
+        finished = group.wait(RUN_TIMEOUT_S, tick)
+    finally:
+        group.kill()
+        for server in (ours, theirs):
+            if server is not None:
+                server.stop()
+    codes = [process.returncode for process in group.processes]
+    if not finished:
+        return group, f"timed out after {RUN_TIMEOUT_S:.0f} s: {group.log_tail(0)}"
+    if any(codes):
+        failed = next(rank for rank, code in enumerate(codes) if code)
+        return group, f"exit codes {codes}: {group.log_tail(failed)}"
+    return group, ""
+
+
+def measure_overhead(settings: Settings, run_dir: Path, progress: Progress, task: TaskID) -> list[OverheadRow]:
+    """Every variant on every model, ``rounds`` times in a rotating order; rank 0's steps after warm-up."""
+    rows = {(model, variant): OverheadRow(model, variant) for model in settings.models for variant in settings.variants}
+    skip_torchft = torchft_missing()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    for model in settings.models:
+        spec = MODELS[model]
+        steps, warmup = settings.steps[model], settings.warmup[model]
+        for round_number in range(settings.rounds):
+            names = list(settings.variants)
+            shift = round_number % len(names)
+            for variant in names[shift:] + names[:shift]:
+                row = rows[model, variant]
+                label = f"per-step time: {model} model, {variant} (round {round_number + 1}/{settings.rounds})"
+                progress.update(task, description=label)
+                if VARIANTS[variant][0] == "torchft" and skip_torchft:
+                    row.note = skip_torchft
+                elif not row.note:
+                    name = f"{variant.replace(', ', '-').replace(' ', '-')}-{model}-{round_number}"
+                    group, error = run_variant(variant, spec, steps, run_dir, name, store, progress.refresh)
+                    records = group.records(0)
+                    if error or len(records) < steps:
+                        row.note = f"not run: {error or f'rank 0 wrote {len(records)} of {steps} steps'}"
+                        row.phases = {phase: [] for phase in PHASES}
+                    else:
+                        kept = records[warmup:-1]  # after warm-up; the last step also times the shutdown
+                        for phase, values in row.phases.items():
+                            values += [record[phase] * 1e3 for record in kept]
+                        row.round_medians[round_number] = statistics.median(r["total"] * 1e3 for r in kept)
+                        row.first_step_s.append(records[0]["since_launch"])
+                progress.advance(task)
+    return list(rows.values())
+
+
+# 2. Recovery and 3. work lost, on the digits job.
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """One injected failure: the signal, when, and how long until the next step committed by a new quorum."""
+
+    signal: str
+    worker: int
+    seconds: float | None
+    detect_s: float | None
+    quorum_s: float | None
+
+
+@dataclass
+class RecoveryResult:
+    """The failures of the digits run, the step time without failures, and the work each failure reassigned."""
+
+    recoveries: list[Recovery]
+    step_s: float | None
+    reassigned: list[int]
+    global_batch: int
+    note: str = ""
+
+
+class StepTail:
+    """Reads the digits workers' step records incrementally (no re-reading of whole files while polling)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self._offsets: dict[Path, int] = {}
+        self.records: list[dict[str, Any]] = []
+
+    def poll(self) -> list[dict[str, Any]]:
+        """Records written since the last poll."""
+        new = []
+        for path in sorted(self.run_dir.glob("steps-*.jsonl")):
+            with open(path, "rb") as handle:
+                handle.seek(self._offsets.get(path, 0))
+                data = handle.read()
+            complete = data[: data.rfind(b"\n") + 1]
+            self._offsets[path] = self._offsets.get(path, 0) + len(complete)
+            for line in complete.splitlines():
+                try:
+                    new.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+        self.records += new
+        return new
+
+    def wait_for(self, condition: Callable[[dict[str, Any]], bool], timeout: float) -> dict[str, Any] | None:
+        """The first new record meeting ``condition`` (bounded by ``timeout`` seconds)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for record in self.poll():
+                if condition(record):
+                    return record
+            time.sleep(POLL_S / 5)
+        return None
+
+
+def failure_schedule(failures_per_signal: int) -> list[str]:
+    """STOP and KILL in turn, so that a SIGKILLed worker (slow to restart) is last when there is one of each."""
+    return [name for _ in range(failures_per_signal) for name in ("STOP", "KILL")]
+
+
+def measure_recovery(settings: Settings, run_dir: Path, progress: Progress, task: TaskID) -> RecoveryResult:
+    """Inject the failures one after another into one digits job; each waits until the quorum is whole again."""
+    plan = EpochPlan(len(digits_dataset()), DIGITS_GLOBAL_BATCH, seed=0)
+    lighthouse = Lighthouse(plan, min_replicas=1, heartbeat_timeout=HEARTBEAT_TIMEOUT, join_timeout=5.0)
+    lighthouse.start()
+    worker_args = [
+        "--max-steps", "1000000", "--max-microbatch", "16", "--step-seconds", str(RECOVERY_STEP_SECONDS),
+        "--collective-timeout", str(COLLECTIVE_TIMEOUT),
+    ]  # fmt: skip
+    cluster = LocalCluster(lighthouse.url, run_dir / "digits", worker_args)
+    tail = StepTail(cluster.run_dir)
+    schedule = failure_schedule(settings.failures_per_signal)
+    recoveries: list[Recovery] = []
+    note = ""
+    try:
+        progress.update(task, description="recovery: starting the digits job")
+        for worker in range(WORKERS):
+            cluster.start(worker)
+        if tail.wait_for(lambda r: r["world_size"] == WORKERS and r["step"] >= 5, 120.0) is None:
+            raise TimeoutError("the digits job did not reach 5 steps with 3 workers in 120 s")
+        for number, signal_name in enumerate(schedule):
+            progress.update(task, description=f"recovery: failure {number + 1}/{len(schedule)} (SIG{signal_name})")
+            victim = number % WORKERS
+            recoveries.append(_inject_failure(cluster, lighthouse, tail, victim, signal_name))
+            progress.advance(task)
+            if number == len(schedule) - 1:
+                break
+            cluster.revive(victim)
+            if not _whole_again(tail, RUN_TIMEOUT_S / 2):
+                note = f"worker-{victim} did not rejoin in {RUN_TIMEOUT_S / 2:.0f} s; stopped after {number + 1}"
+                break
+        status = lighthouse.status()
+    except TimeoutError as error:
+        note, status = str(error), lighthouse.status()
+    finally:
+        cluster.terminate()
+        lighthouse.stop()
+    tail.poll()
+    return RecoveryResult(
+        recoveries, _failure_free_step_s(tail.records), reassigned_shares(plan, status), DIGITS_GLOBAL_BATCH, note
+    )
+
+
+def _inject_failure(
+    cluster: LocalCluster, lighthouse: Lighthouse, tail: StepTail, victim: int, signal_name: str
+) -> Recovery:
+    """Send ``signal_name`` to ``victim`` and wait (bounded) for the first step a new quorum commits."""
+    quorum_before = max(record["quorum_id"] for record in tail.records)
+    status_before = lighthouse.status()
+    killed_at = time.time()
+    cluster.kill(victim, signal_name, max(record["step"] for record in tail.records))
+    first = tail.wait_for(lambda record: record["quorum_id"] > quorum_before and record["time"] > killed_at, 30.0)
+    detect_s, quorum_s = _lighthouse_times(status_before, lighthouse.status(), f"worker-{victim}", killed_at)
+    seconds = None if first is None else first["time"] - killed_at
+    return Recovery(signal_name, victim, seconds, detect_s, quorum_s)
+
+
+def _whole_again(tail: StepTail, timeout: float) -> bool:
+    """Wait (bounded) until steps are committed by all workers again, five steps on."""
+    start_step = max(record["step"] for record in tail.records)
+    return tail.wait_for(lambda r: r["world_size"] == WORKERS and r["step"] >= start_step + 5, timeout) is not None
+
+
+def _lighthouse_times(
+    before: dict[str, Any], after: dict[str, Any], member: str, killed_at: float
+) -> tuple[float | None, float | None]:
+    """(signal to the lighthouse's failure record, that record to the next quorum) for the new failure of ``member``."""
+    known = len(before["recoveries"])
+    new = [r for r in after["recoveries"][known:] if r["member"] == member]
+    if not new:
+        return None, None
+    return new[0]["failed_at"] - killed_at, new[0]["seconds"]
+
+
+def _failure_free_step_s(records: list[dict[str, Any]]) -> float | None:
+    """Median time between consecutive commits of one quorum at full size (the job's step time)."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for record in records:
+        by_step.setdefault(record["step"], record)
+    gaps = [
+        by_step[step]["time"] - by_step[step - 1]["time"]
+        for step in by_step
+        if step - 1 in by_step
+        and by_step[step]["world_size"] == by_step[step - 1]["world_size"] == WORKERS
+        and by_step[step]["quorum_id"] == by_step[step - 1]["quorum_id"]
+    ]
+    return statistics.median(gaps) if gaps else None
+
+
+def reassigned_shares(plan: EpochPlan, status: dict[str, Any]) -> list[int]:
+    """Positions reassigned to survivors at each failure quorum: the dead members' shares of the step in flight.
+
+    Replays the lighthouse's quorum history with a real :class:`DataLedger`:
+    each quorum's members run the steps up to the next quorum's
+    ``applied_step``; at a failure quorum, the old members began the step, the
+    missing ones failed and their positions are reassigned to the survivors. A
+    rolled-back step (a member applied it and died before anyone else did)
+    makes the replay stop: its count would be a whole step, which the history
+    does not show directly.
+    """
+    ledger = DataLedger(plan)
+    members: list[str] = []
+    reassigned = []
+    for entry in status["quorums"]:
+        target, failure = entry["applied_step"], entry["reason"] == "failure"
+        if target < ledger.step or (ledger.in_step and target == ledger.step and not failure):
+            break  # a rolled-back or restarted step: the history does not say what was recomputed
+        while ledger.step < target:
+            if not ledger.in_step:
+                ledger.begin_step(members)
+            ledger.commit()
+        if failure:
+            if not ledger.in_step:
+                ledger.begin_step(members)
+            failed = False
+            for member in ledger.members:
+                if member not in entry["members"]:
+                    failed |= ledger.member_failed(member)
+            extra = ledger.reassign(entry["members"])
+            if failed:
+                reassigned.append(sum(int(positions.size) for positions in extra.values()))
+        members = list(entry["members"])
+    return reassigned
+
+
+# torchft's survivors through one SIGKILL.
+
+
+@dataclass(frozen=True)
+class TorchftKill:
+    """What torchft's survivors did after a peer was SIGKILLed (mode: ``ddp`` or ``allreduce``)."""
+
+    mode: str
+    observed: str
+    recovery_s: float | None
+    lost_samples: int | None
+    uncommitted_steps: int | None
+
+
+def torchft_kill_trial(mode: str, run_dir: Path, tick: Callable[[], None]) -> TorchftKill:
+    """Three torchft replicas on the tiny model; SIGKILL replica 1 at step 30 and watch the other two for 30 steps."""
+    steps, kill_step, watch_steps, victim = 200, 30, 30, 1
+    survivors = [rank for rank in range(WORKERS) if rank != victim]
+    try:
+        server = TorchftLighthouse(2, heartbeat_timeout_ms=int(HEARTBEAT_TIMEOUT * 1000), join_timeout_ms=1000)
+    except RuntimeError as error:
+        return TorchftKill(mode, f"torchft's lighthouse did not start: {error}", None, None, None)
+    group = WorkerGroup(run_dir, f"torchft-kill-{mode}")
+    extra = ["--lighthouse", server.address, "--min-replicas", "2", "--mode", mode]
+    extra += ["--collective-timeout", str(COLLECTIVE_TIMEOUT), "--step-seconds", str(RECOVERY_STEP_SECONDS)]
+    killed_at: float | None = None
+    try:
+        for rank in range(WORKERS):
+            group.start("torchft", "tiny", steps, rank, extra)
+        deadline = time.monotonic() + RUN_TIMEOUT_S / 2
+        while time.monotonic() < deadline and killed_at is None:
+            if len(group.records(victim)) >= kill_step:
+                group.processes[victim].kill()
+                killed_at = time.time()
+            elif any(process.poll() is not None for process in group.processes):
+                break
+            tick()
+            time.sleep(POLL_S / 5)
+        deadline = time.monotonic() + 60.0
+        while killed_at is not None and time.monotonic() < deadline:
+            running = [rank for rank in survivors if group.processes[rank].poll() is None]
+            if not running or all(len(group.records(rank)) >= kill_step + watch_steps for rank in running):
+                break
+            tick()
+            time.sleep(POLL_S)
+        codes = {rank: group.processes[rank].poll() for rank in survivors}
+    finally:
+        group.kill()
+        server.stop()
+    if killed_at is None:
+        return TorchftKill(mode, f"did not reach step {kill_step}: {group.log_tail(0)}", None, None, None)
+    after = [r for rank in survivors for r in group.records(rank) if r.get("committed_at", 0) > killed_at]
+    recovered = [r["committed_at"] for r in after if r["committed"] and r["participants"] < WORKERS]
+    uncommitted = [r for r in after if not r["committed"]]
+    crashed = [rank for rank, code in codes.items() if code is not None]
+    if crashed:
+        observed = f"survivor(s) {crashed} crashed (exit {codes[crashed[0]]}): {_assertion_line(group, crashed[0])}"
+    else:
+        observed = f"both survivors went on; {len(uncommitted)} step(s) of theirs not committed after the kill"
+    dead_share = MODELS["tiny"].global_batch // WORKERS
+    lost = None if crashed else dead_share + sum(r["share"] for r in uncommitted)
+    recovery = min(recovered) - killed_at if recovered else None
+    return TorchftKill(mode, observed, recovery, lost, len(uncommitted))
+
+
+def _assertion_line(group: WorkerGroup, rank: int) -> str:
+    """The most telling line of a crashed worker's log: the assertion or error, else its last line."""
+    path = group.run_dir / f"{group.name}-worker-{rank}.log"
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines() if path.exists() else []
+    telling = [line.strip() for line in lines if "Error" in line or "assert" in line]
+    return (telling[-1] if telling else (lines[-1].strip() if lines else "no log"))[:200]
+
+
+# Goals and tables.
+
+
+@dataclass(frozen=True)
+class Goal:
+    """One goal: whether it was met (None: not measured in this run) and the numbers behind it."""
+
+    description: str
+    met: bool | None
+    detail: str
+
+
+def _find(rows: Sequence[OverheadRow], model: str, variant: str) -> OverheadRow | None:
+    return next((row for row in rows if row.model == model and row.variant == variant and row.measured), None)
+
+
+def overhead_goals(rows: Sequence[OverheadRow]) -> list[Goal]:
+    """The per-step goals, judged on wall time and on CPU time: ratio on the large model, ms added on the tiny one."""
+    goals = []
+    for phase, what in (("total", "wall time"), ("cpu", "CPU time")):
+        plain, ours = _find(rows, "large", "plain"), _find(rows, "large", "stalwart")
+        description = f"~100 ms step: stalwart at most {(LARGE_GOAL_RATIO - 1) * 100:.0f}% over plain ({what})"
+        if plain is None or ours is None:
+            goals.append(Goal(description, None, "the large model was not measured in this run"))
+        else:
+            ratio = ours.median(phase) / plain.median(phase)
+            detail = f"{ratio:.3f}x: {_ms(ours.median(phase))} vs {_ms(plain.median(phase))} ms"
+            goals.append(Goal(description, ratio <= LARGE_GOAL_RATIO, detail))
+    for phase, what in (("total", "wall time"), ("cpu", "CPU time")):
+        plain, ours = _find(rows, "tiny", "plain"), _find(rows, "tiny", "stalwart")
+        description = f"tiny model: stalwart adds less than {TINY_GOAL_MS:.0f} ms per step ({what})"
+        if plain is None or ours is None:
+            goals.append(Goal(description, None, "not measured"))
+        else:
+            added = ours.median(phase) - plain.median(phase)
+            detail = f"{added:+.2f} ms: {_ms(ours.median(phase))} vs {_ms(plain.median(phase))} ms"
+            goals.append(Goal(description, added < TINY_GOAL_MS, detail))
+    return goals
+
+
+def recovery_goals(result: RecoveryResult) -> list[Goal]:
+    """SIGKILL and SIGSTOP recovery medians against their budgets."""
+    goals = []
+    for name, budget in (("KILL", SIGKILL_GOAL_S), ("STOP", SIGSTOP_GOAL_S)):
+        times = [r.seconds for r in result.recoveries if r.signal == name and r.seconds is not None]
+        description = f"SIG{name} recovery (signal to next committed step) under {budget:.1f} s"
+        if not times:
+            goals.append(Goal(description, None, result.note or "no failure of this kind recovered"))
+            continue
+        median = statistics.median(times)
+        goals.append(Goal(description, median < budget, f"median {median:.3f} s over {len(times)} failure(s)"))
+    return goals
+
+
+def print_overhead(console: Console, rows: Sequence[OverheadRow], settings: Settings) -> None:
+    """Tables 1 and 1b: the variants of each model side by side, then where each step's time goes."""
+    comparison, phases = [], []
+    for model in MODELS:
+        plain = _find(rows, model, "plain")
+        for variant in VARIANTS:
+            row = next((r for r in rows if r.model == model and r.variant == variant), None)
+            if row is None or not row.measured:
+                note = row.note if row is not None and row.note else "not measured in this run"
+                comparison.append([model, variant, *["-"] * 8, note])
+                continue
+            totals = row.phases["total"]
+            p90 = statistics.quantiles(totals, n=10)[-1] if len(totals) > 1 else row.median()
+            versus = ["-"] * 5
+            if plain is not None:
+                versus = [
+                    f"{row.median() / plain.median():.3f}x",
+                    _ratio_range(row, plain),
+                    f"{row.median() - plain.median():+.2f}",
+                    f"{row.median('cpu') / plain.median('cpu'):.3f}x",
+                    f"{row.median('cpu') - plain.median('cpu'):+.2f}",
+                ]
+            ratio, spread, added, cpu_ratio, cpu_added = versus
+            median, cpu = _ms(row.median()), _ms(row.median("cpu"))
+            comparison.append([model, variant, median, _ms(p90), ratio, spread, added, cpu, cpu_ratio, cpu_added, ""])
+            phases.append([model, variant, str(len(totals)), *(_ms(row.median(phase)) for phase in PHASES[2:])])
+    spec_text = "; ".join(
+        f"{s.name}: MLP {s.in_features}-{'-'.join([str(s.hidden)] * s.layers)}-{s.classes} "
+        f"({_parameters(s):,} parameters), global batch {s.global_batch}, micro-batches of {s.max_microbatch}"
+        for s in MODELS.values()
+    )
+    print_table(
+        console,
+        "1. Per-step time without failures: 3 workers, rank 0, median after warm-up",
+        [
+            Column("model", justify="left"),
+            Column("variant", justify="left"),
+            "median (ms)",
+            "p90 (ms)",
+            "vs plain",
+            "by round",
+            "added (ms)",
+            "CPU (ms)",
+            "CPU vs plain",
+            "CPU added (ms)",
+            Column("note", justify="left", max_width=60),
+        ],
+        comparison,
+        caption=(
+            f"{spec_text}. Rank 0's steps pooled over {settings.rounds} round(s), variants in a rotating order. "
+            "'vs plain' = ratio of the medians; 'by round' = the lowest and highest ratio of one round's medians "
+            "(this machine's noise); 'added' = median minus plain's. CPU = CPU time of rank 0's process (all its "
+            "threads) per step: the work a step costs, whatever the scheduler does with 3 workers on this "
+            "machine's cores. 'stalwart, no prefetch' = ElasticLoader(prefetch=False)."
+        ),
+    )
+    print_table(
+        console,
+        "1b. Where a step's time goes: median ms of each phase on rank 0",
+        [
+            Column("model", justify="left"),
+            Column("variant", justify="left"),
+            "steps",
+            "compute (ms)",
+            "before reduce (ms)",
+            "all-reduce (ms)",
+            "after reduce (ms)",
+        ],
+        phases,
+        caption=(
+            "compute = forward + backward; before reduce = loading, flattening, quorum calls (torchft: waiting for "
+            "the step's quorum); all-reduce = start to done (stalwart: its polled wait); after reduce = applying, "
+            "optimizer, commit, next share and prefetch, ledger. Each phase's median is taken on its own."
+        ),
+    )
+
+
+def print_recovery(console: Console, result: RecoveryResult, torchft_runs: Sequence[TorchftKill]) -> None:
+    """Table 2: each signal's recovery times, the lighthouse's share of them, and torchft's SIGKILL when run."""
+    lines = []
+    for name, budget in (("KILL", SIGKILL_GOAL_S), ("STOP", SIGSTOP_GOAL_S)):
+        chosen = [r for r in result.recoveries if r.signal == name]
+        times = [r.seconds for r in chosen if r.seconds is not None]
+        detects = [r.detect_s for r in chosen if r.detect_s is not None]
+        quorums = [r.quorum_s for r in chosen if r.quorum_s is not None]
+        lines.append(
+            [
+                "stalwart",
+                f"SIG{name}",
+                f"{len(times)}/{len(chosen)}",
+                _s(statistics.median(times)) if times else "-",
+                _s(min(times)) if times else "-",
+                _s(max(times)) if times else "-",
+                _s(statistics.median(detects)) if detects else "-",
+                _s(statistics.median(quorums)) if quorums else "-",
+                f"< {budget:.1f}",
+                ", ".join(_s(t) for t in times) or result.note or "-",
+            ]
+        )
+    for run in torchft_runs:
+        recovered = run.recovery_s is not None
+        lines.append(
+            [
+                f"torchft ({run.mode})",
+                "SIGKILL",
+                f"{int(recovered)}/1",
+                _s(run.recovery_s) if recovered else "-",
+                *["-"] * 4,
+                "-",
+                run.observed,
+            ]
+        )
+    print_table(
+        console,
+        "2. Recovery: signal to the next step committed by a new quorum",
+        [
+            Column("system", justify="left"),
+            Column("signal", justify="left"),
+            "recovered",
+            "median (s)",
+            "min (s)",
+            "max (s)",
+            "to failure record (s)",
+            "failure to quorum (s)",
+            "goal (s)",
+            Column("each failure (s) / what happened", justify="left", max_width=70),
+        ],
+        lines,
+        caption=(
+            f"Digits job, 3 workers, {RECOVERY_STEP_SECONDS} s of simulated compute per step, lighthouse heartbeat "
+            f"timeout {HEARTBEAT_TIMEOUT} s, collective timeout {COLLECTIVE_TIMEOUT} s; failures one after another "
+            "in one job, each once the quorum is whole again. 'to failure record' and 'failure to quorum' come from "
+            "the lighthouse's /v1/status; the rest of a recovery is the new group's rendezvous, the survivors' "
+            "extra share and the all-reduce. torchft: 3 replica groups of one, tiny model, same pacing, min 2 "
+            "replicas, its lighthouse's heartbeat timeout 1 s."
+        ),
+    )
+
+
+def print_work_lost(
+    console: Console,
+    result: RecoveryResult,
+    overhead: Sequence[OverheadRow],
+    torchft_runs: Sequence[TorchftKill],
+) -> None:
+    """Table 3: sample-gradients recomputed and samples never trained, per failure."""
+    batch = result.global_batch
+    medians = []
+    for name in ("KILL", "STOP"):
+        times = [r.seconds for r in result.recoveries if r.signal == name and r.seconds is not None]
+        if times:
+            medians.append(f"{statistics.median(times):.3f} ({name})")
+    lines = [
+        [
+            "stalwart",
+            _count(statistics.median(result.reassigned)) if result.reassigned else "-",
+            "0",
+            ", ".join(medians) or "-",
+            f"measured: the dead member's share reassigned at each of {len(result.reassigned)} failure quorum(s) "
+            f"(each: {', '.join(map(str, result.reassigned)) or '-'}); an upper bound on what is recomputed",
+        ]
+    ]
+    for run in torchft_runs:
+        lost = "-" if run.lost_samples is None else str(run.lost_samples)
+        lines.append(
+            [
+                f"torchft ({run.mode})",
+                "0",
+                lost,
+                _s(run.recovery_s) if run.recovery_s is not None else "-",
+                f"measured, tiny model (global batch {MODELS['tiny'].global_batch}): the dead group's share of the "
+                f"step in flight + the shares of {run.uncommitted_steps} uncommitted survivor step(s)"
+                if run.lost_samples is not None
+                else f"survivors crashed: {run.observed[:80]}",
+            ]
+        )
+    lines.append(
+        [
+            "torchft (model)",
+            "0",
+            f">= {batch // WORKERS}",
+            "-",
+            "the dead group's share of the step in flight is dropped, not recomputed; the global batch shrinks "
+            "until the group is back",
+        ]
+    )
+    plain_tiny = _find(overhead, "tiny", "plain")
+    restart_s = statistics.median(plain_tiny.first_step_s) if plain_tiny else None
+    for interval in CHECKPOINT_INTERVALS:
+        recomputed = interval / 2 * batch
+        time_lost = None if restart_s is None or result.step_s is None else restart_s + interval / 2 * result.step_s
+        lines.append(
+            [
+                f"checkpoint-restart, K={interval}",
+                _count(recomputed),
+                "0",
+                _s(time_lost) if time_lost is not None else "-",
+                f"model: K/2 = {interval / 2:g} steps x global batch {batch} recomputed; restart "
+                + (f"{restart_s:.1f} s (measured: launch to first step, 3 workers)" if restart_s else "not measured")
+                + (f" + K/2 x {result.step_s * 1e3:.0f} ms steps" if result.step_s else ""),
+            ]
+        )
+    print_table(
+        console,
+        "3. Work lost per failure",
+        [
+            Column("approach", justify="left"),
+            "sample-gradients recomputed",
+            "samples lost (never trained)",
+            "time lost (s)",
+            Column("basis", justify="left", max_width=90),
+        ],
+        lines,
+        caption=f"Digits job, global batch {batch}, 3 workers (one worker's share: {batch // WORKERS} samples).",
+    )
+
+
+def print_goals(console: Console, goals: Sequence[Goal]) -> None:
+    """The goals summary: met, MISSED or not measured, with the numbers behind each."""
+    status = {True: "[green]met[/green]", False: "[red]MISSED[/red]", None: "[yellow]not measured[/yellow]"}
+    console.print("[bold]Goals[/bold]")
+    for goal in goals:
+        console.print(f"  {status[goal.met]}: {goal.description} ({goal.detail})", highlight=False)
+
+
+def _ratio_range(row: OverheadRow, plain: OverheadRow) -> str:
+    """Lowest and highest ratio of ``row``'s median to plain's over the rounds both ran."""
+    ratios = [row.round_medians[r] / plain.round_medians[r] for r in row.round_medians if r in plain.round_medians]
+    return f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-"
+
+
+def _parameters(spec: ModelSpec) -> int:
+    return sum(param.numel() for param in build_model(spec).parameters())
+
+
+def _ms(value: float) -> str:
+    return f"{value:.2f}" if abs(value) < 100 else f"{value:.1f}"
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _count(value: float) -> str:
+    return f"{value:g}"
+
+
+def run_all(
+    settings: Settings, run_dir: Path, console: Console
+) -> tuple[list[OverheadRow], RecoveryResult, list[TorchftKill]]:
+    """The three measurements (and torchft's SIGKILL runs), under a progress display."""
+    overhead_units = len(settings.models) * settings.rounds * len(settings.variants)
+    recovery_units = 2 * settings.failures_per_signal
+    trials = ("ddp", "allreduce") if settings.torchft_kill_trial and not torchft_missing() else ()
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as progress:
+        task = progress.add_task("starting", total=overhead_units + recovery_units + len(trials))
+        overhead = measure_overhead(settings, run_dir, progress, task)
+        recovery = measure_recovery(settings, run_dir, progress, task)
+        torchft_runs = []
+        for mode in trials:
+            progress.update(task, description=f"torchft ({mode}): SIGKILL of a peer")
+            torchft_runs.append(torchft_kill_trial(mode, run_dir, progress.refresh))
+            progress.advance(task)
+    return overhead, recovery, torchft_runs
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark, print its tables and the goals; return the exit status (0 unless it crashed)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.runtime", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the tiny model and one failure of each kind")
+    parser.add_argument("--run-dir", type=Path, default=None, help="keep worker logs and step records here")
+    args = parser.parse_args(argv)
+    settings = QUICK if args.quick else FULL
+    console = make_console()
+    load = f", load average {os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else ""
+    quick = " (quick run: indicative only)" if args.quick else ""
+    torchft_note = "torchft not installed" if torchft_missing() else f"torchft {_torchft_version()}"
+    console.print(f"torch {torch.__version__}, {torchft_note}, {os.cpu_count()} CPUs{load}{quick}")
+    if args.run_dir is not None:
+        args.run_dir.mkdir(parents=True, exist_ok=True)
+        overhead, recovery, torchft_runs = run_all(settings, args.run_dir, console)
+        console.print(f"worker logs and step records: {args.run_dir}", highlight=False)
+    else:
+        with tempfile.TemporaryDirectory(prefix="stalwart-bench-runtime-") as scratch:
+            overhead, recovery, torchft_runs = run_all(settings, Path(scratch), console)
+    print_overhead(console, overhead, settings)
+    print_recovery(console, recovery, torchft_runs)
+    print_work_lost(console, recovery, overhead, torchft_runs)
+    print_goals(console, [*overhead_goals(overhead), *recovery_goals(recovery)])
+    return 0
+
+
+def _torchft_version() -> str:
+    from importlib.metadata import version
+
+    return version("torchft")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
