@@ -7,7 +7,7 @@ Run by :mod:`benchmarks.runtime` as ``python -m benchmarks._runtime_workers VARI
   one flat buffer ``[gradient sums..., sample count]`` and steps.
 - ``stalwart``: the same loop under :class:`stalwart.runtime.manager.Manager`
   and :class:`~stalwart.runtime.loader.ElasticLoader`, against a lighthouse;
-  ``--no-prefetch`` turns the loader's background prefetch off.
+  ``--prefetch`` turns the loader's background prefetch on.
 - ``torchft``: torchft 0.2.0's Manager on its Gloo process group, against its
   own lighthouse, each process a replica group of one; ``--mode allreduce``
   all-reduces the same flat buffer through ``manager.allreduce``, ``--mode
@@ -261,7 +261,7 @@ def run_stalwart(args: argparse.Namespace, spec: ModelSpec, log: StepLog) -> Non
         collective_timeout=args.collective_timeout,
         on_event=log.reduce_event,
     )
-    loader = ElasticLoader(synthetic_dataset(spec), prefetch=not args.no_prefetch)
+    loader = ElasticLoader(synthetic_dataset(spec), prefetch=args.prefetch)
     for step in manager.steps(loader, max_steps=args.steps):
         log.top(step=manager.ledger.step, world=manager.world_size, quorum=manager.quorum_id)
         _pace(args.step_seconds)
@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--collective-timeout", type=float, default=5.0)
     parser.add_argument("--min-replicas", type=int, default=1, help="torchft: min_replica_size")
     parser.add_argument("--mode", choices=("allreduce", "ddp"), default="allreduce", help="torchft only")
-    parser.add_argument("--no-prefetch", action="store_true", help="stalwart: ElasticLoader(prefetch=False)")
+    parser.add_argument("--prefetch", action="store_true", help="stalwart: ElasticLoader(prefetch=True)")
     parser.add_argument("--step-seconds", type=float, default=0.0, help="Sleep at the start of every step.")
     parser.add_argument("--launched-at", type=float, default=None, help="time.time() when the driver started us")
     args = parser.parse_args(argv)

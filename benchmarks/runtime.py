@@ -13,8 +13,8 @@ summary of the goals:
    (:mod:`benchmarks._runtime_workers`) train the same MLP on the same plan:
    ``plain`` (Gloo all-reduce of one flat gradient buffer, no fault
    tolerance), ``stalwart`` (the Manager and ElasticLoader against an embedded
-   lighthouse), ``stalwart, no prefetch`` (the same with the loader's
-   background prefetch off: what the prefetch thread costs) and ``torchft``
+   lighthouse; the loader's defaults, prefetch off), ``stalwart, prefetch``
+   (the same with the background prefetch on: what the thread costs here) and ``torchft``
    (torchft's Manager and all-reduce against its lighthouse). Two sizes: a
    tiny MLP where fixed per-step costs dominate, and a larger one whose step
    takes about 100 ms here. Rank 0 times every step (top of one loop
@@ -91,7 +91,7 @@ PHASES = ("total", "cpu", "compute", "before", "reduce", "after")
 VARIANTS = {
     "plain": ("plain", ()),
     "stalwart": ("stalwart", ()),
-    "stalwart, no prefetch": ("stalwart", ("--no-prefetch",)),
+    "stalwart, prefetch": ("stalwart", ("--prefetch",)),
     "torchft": ("torchft", ()),
 }
 """Each variant's worker loop (:mod:`benchmarks._runtime_workers`) and extra arguments."""
@@ -704,7 +704,7 @@ def print_overhead(console: Console, rows: Sequence[OverheadRow], settings: Sett
             "'vs plain' = ratio of the medians; 'by round' = the lowest and highest ratio of one round's medians "
             "(this machine's noise); 'added' = median minus plain's. CPU = CPU time of rank 0's process (all its "
             "threads) per step: the work a step costs, whatever the scheduler does with 3 workers on this "
-            "machine's cores. 'stalwart, no prefetch' = ElasticLoader(prefetch=False)."
+            "machine's cores. 'stalwart, prefetch' = ElasticLoader(prefetch=True); the default is off."
         ),
     )
     print_table(

@@ -97,7 +97,7 @@ def test_prefetched_share_then_the_grown_share_after_a_failure(num_workers: int)
     ledger.reassign(["w0", "w1"])
     real = ledger.in_flight["w1"]
     assert real.size > guess.size and np.array_equal(real[: guess.size], guess)
-    elastic = ElasticLoader(DATASET, transform=noisy, seed=1, num_workers=num_workers)
+    elastic = ElasticLoader(DATASET, transform=noisy, seed=1, num_workers=num_workers, prefetch=True)
     try:
         elastic.prefetch(ledger.epoch, plan.indices_at(ledger.epoch, guess).tolist())
         indices = plan.indices_at(ledger.epoch, real).tolist()
@@ -143,7 +143,7 @@ def wait_until_loaded(dataset: LoadLog, indices: list[int]) -> dict[int, int]:
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_prefetch_loads_in_the_background_once_and_extra_samples_on_demand(tmp_path: Path, num_workers: int) -> None:
     dataset = LoadLog(tmp_path)
-    elastic = ElasticLoader(dataset, num_workers=num_workers)
+    elastic = ElasticLoader(dataset, num_workers=num_workers, prefetch=True)
     try:
         prefetched = [5, 9, 2, 40, 33, 17]
         elastic.prefetch(0, prefetched)

@@ -212,7 +212,7 @@ class _WorkerSource:
 
 
 class ElasticLoader:
-    """Loads the samples of a share, prefetching the next one in the background (see the module docstring)."""
+    """Loads the samples of a share, optionally prefetching the next one (see the module docstring)."""
 
     def __init__(
         self,
@@ -221,9 +221,12 @@ class ElasticLoader:
         collate_fn: Callable[[list[Any]], Any] = default_collate,
         transform: Transform | None = None,
         seed: int = 0,
-        prefetch: bool = True,
+        prefetch: bool = False,
         num_workers: int = 0,
     ) -> None:
+        """``prefetch`` loads the next step's foreseen share in the background: worth it when loading waits on
+        I/O or runs in worker processes (``num_workers``); for in-memory data on few cores it costs more than it
+        saves (see ``benchmarks/runtime.py``), hence off by default."""
         if not hasattr(dataset, "__getitem__"):
             raise TypeError(f"dataset must support indexing (a map-style dataset), got {type(dataset).__name__}")
         if not callable(collate_fn):

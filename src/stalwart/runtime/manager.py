@@ -173,6 +173,7 @@ class Manager:
             if self._reconfigure or self._ledger is None:
                 self._join(reason="join" if self._ledger is None else "reconfigure")
             if self.ledger.step >= max_steps:
+                self._farewell()
                 return
             if not self.ledger.in_step:
                 self.ledger.begin_step(self._answer_members())
@@ -181,6 +182,21 @@ class Manager:
             if not step.committed:
                 raise RuntimeError("a TrainStep must be iterated to its end before the next step starts")
             self._prefetch_next(loader)
+
+    def _farewell(self) -> None:
+        """One last tiny all-reduce, so that no member leaves while another still waits on the final step's.
+
+        Without it a member that finished the last all-reduce first could leave,
+        and the lighthouse's broken-quorum push would make a slower member give
+        up a collective that was about to complete. A failure here is harmless:
+        the last step is already applied.
+        """
+        if self._comm is None:
+            return
+        try:
+            self._comm.start_all_reduce_sum(torch.zeros(1, device=self.device))()
+        except CollectiveError as error:
+            log.info("%s: farewell all-reduce ended early (%s); the last step is applied", self.member, error)
 
     def close(self) -> None:
         """Leave the quorum cleanly and stop the heartbeat."""
