@@ -136,3 +136,20 @@ def _child_main() -> None:
 
 if __name__ == "__main__":
     _child_main()
+
+
+@dataclass(frozen=True)
+class Goal:
+    """One goal of an issue: whether it was met (None: not measured in this run) and the numbers behind it."""
+
+    description: str
+    met: bool | None
+    detail: str
+
+
+def print_goals(console: Console, goals: Sequence[Goal]) -> None:
+    """The goals summary: met, MISSED or not measured, with the numbers behind each."""
+    status = {True: "[green]met[/green]", False: "[red]MISSED[/red]", None: "[yellow]not measured[/yellow]"}
+    console.print("[bold]Goals[/bold]")
+    for goal in goals:
+        console.print(f"  {status[goal.met]}: {goal.description} ({goal.detail})", highlight=False)

@@ -46,7 +46,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Column
 from torch.utils.data import DistributedSampler
 
-from benchmarks._measure import make_console, median_of_repeats, print_table, run_isolated
+from benchmarks._measure import Goal, make_console, median_of_repeats, print_goals, print_table, run_isolated
 from stalwart.data import DataLedger, EpochPlan, FeistelPermutation
 
 FIRST_BATCH_SIZE = 1024
@@ -194,15 +194,6 @@ class ThroughputRow:
     chunk_size: int
     indices_per_second: float
     cores: int | None
-
-
-@dataclass(frozen=True)
-class Goal:
-    """One goal of the issue: whether it was met (None: not measured in this run) and the numbers behind it."""
-
-    description: str
-    met: bool | None
-    detail: str
 
 
 def _isolated_medians(
@@ -425,14 +416,6 @@ def print_throughput(console: Console, rows: Sequence[ThroughputRow]) -> None:
         ],
         caption="A fresh process pinned to one CPU, thread pools limited to one thread; median over repeats.",
     )
-
-
-def print_goals(console: Console, goals: Sequence[Goal]) -> None:
-    """The goals summary: met, MISSED or not measured, with the numbers behind each."""
-    status = {True: "[green]met[/green]", False: "[red]MISSED[/red]", None: "[yellow]not measured[/yellow]"}
-    console.print("[bold]Goals[/bold]")
-    for goal in goals:
-        console.print(f"  {status[goal.met]}: {goal.description} ({goal.detail})", highlight=False)
 
 
 def _number(value: float) -> str:

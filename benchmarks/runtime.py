@@ -67,7 +67,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Column
 
-from benchmarks._measure import REPO_ROOT, make_console, print_table
+from benchmarks._measure import REPO_ROOT, Goal, make_console, print_goals, print_table
 from benchmarks._runtime_workers import MODELS, ModelSpec, build_model
 from stalwart.coord.server import Lighthouse
 from stalwart.data.ledger import DataLedger
@@ -600,15 +600,6 @@ def _assertion_line(group: WorkerGroup, rank: int) -> str:
 # Goals and tables.
 
 
-@dataclass(frozen=True)
-class Goal:
-    """One goal: whether it was met (None: not measured in this run) and the numbers behind it."""
-
-    description: str
-    met: bool | None
-    detail: str
-
-
 def _find(rows: Sequence[OverheadRow], model: str, variant: str) -> OverheadRow | None:
     return next((row for row in rows if row.model == model and row.variant == variant and row.measured), None)
 
@@ -866,14 +857,6 @@ def print_work_lost(
         lines,
         caption=f"Digits job, global batch {batch}, 3 workers (one worker's share: {batch // WORKERS} samples).",
     )
-
-
-def print_goals(console: Console, goals: Sequence[Goal]) -> None:
-    """The goals summary: met, MISSED or not measured, with the numbers behind each."""
-    status = {True: "[green]met[/green]", False: "[red]MISSED[/red]", None: "[yellow]not measured[/yellow]"}
-    console.print("[bold]Goals[/bold]")
-    for goal in goals:
-        console.print(f"  {status[goal.met]}: {goal.description} ({goal.detail})", highlight=False)
 
 
 def _ratio_range(row: OverheadRow, plain: OverheadRow) -> str:
