@@ -36,7 +36,7 @@ TIMEOUT = 180.0
 
 @pytest.fixture
 def lighthouse() -> Iterator[Lighthouse]:
-    server = Lighthouse(PLAN, min_replicas=1, start_replicas=2, heartbeat_timeout=1.0, join_timeout=10.0)
+    server = Lighthouse(PLAN, min_replicas=1, start_replicas=2, heartbeat_timeout=1.0, join_timeout=30.0)
     server.start()
     yield server
     server.stop()

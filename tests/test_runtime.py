@@ -59,7 +59,7 @@ def long_reference() -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def lighthouse() -> Iterator[Lighthouse]:
-    server = Lighthouse(PLAN, min_replicas=1, start_replicas=WORKERS, heartbeat_timeout=1.0, join_timeout=10.0)
+    server = Lighthouse(PLAN, min_replicas=1, start_replicas=WORKERS, heartbeat_timeout=1.0, join_timeout=30.0)
     server.start()
     yield server
     server.stop()
@@ -131,7 +131,7 @@ def test_sigkill_at_each_point_of_a_step(
 
 def test_two_workers_killed_at_once(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
     with Lighthouse(
-        PLAN, min_replicas=1, start_replicas=WORKERS + 1, heartbeat_timeout=1.0, join_timeout=10.0
+        PLAN, min_replicas=1, start_replicas=WORKERS + 1, heartbeat_timeout=1.0, join_timeout=30.0
     ) as server:
         cluster = LocalCluster(server.url, tmp_path, worker_args())
         for worker in range(WORKERS + 1):
@@ -178,7 +178,7 @@ def test_lighthouse_killed_and_restarted_mid_run(tmp_path: Path, long_reference:
     state = tmp_path / "lighthouse.sqlite"
     command = [
         sys.executable, "-m", "stalwart", "lighthouse", "--min-replicas", "1", "--state", str(state),
-        "--start-replicas", str(WORKERS), "--heartbeat-timeout", "3", "--join-timeout", "10",
+        "--start-replicas", str(WORKERS), "--heartbeat-timeout", "3", "--join-timeout", "30",
         "--dataset-size", str(PLAN.dataset_size), "--global-batch", str(GLOBAL_BATCH), "--seed", "0",
     ]  # fmt: skip
 

@@ -78,7 +78,12 @@ def demo_command(
     lighthouse = None
     if lighthouse_url is None:
         lighthouse = Lighthouse(
-            plan, min_replicas=1, token=token, heartbeat_timeout=heartbeat_timeout, join_timeout=5.0
+            plan,
+            min_replicas=1,
+            start_replicas=workers,
+            token=token,
+            heartbeat_timeout=heartbeat_timeout,
+            join_timeout=30.0,
         )
         lighthouse.start()
         lighthouse_url = lighthouse.url
