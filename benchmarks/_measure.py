@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Column, Table
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -153,3 +154,16 @@ def print_goals(console: Console, goals: Sequence[Goal]) -> None:
     console.print("[bold]Goals[/bold]")
     for goal in goals:
         console.print(f"  {status[goal.met]}: {goal.description} ({goal.detail})", highlight=False)
+
+
+def progress_display(console: Console) -> Progress:
+    """The benchmarks' progress display: what runs, a bar, done/total and elapsed time; gone when finished."""
+    return Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )

@@ -42,11 +42,19 @@ from typing import Any
 import numpy as np
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
+from rich.progress import Progress, TaskID
 from rich.table import Column
 from torch.utils.data import DistributedSampler
 
-from benchmarks._measure import Goal, make_console, median_of_repeats, print_goals, print_table, run_isolated
+from benchmarks._measure import (
+    Goal,
+    make_console,
+    median_of_repeats,
+    print_goals,
+    print_table,
+    progress_display,
+    run_isolated,
+)
 from stalwart.data import DataLedger, EpochPlan, FeistelPermutation
 
 FIRST_BATCH_SIZE = 1024
@@ -448,15 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     first_batch_units = repeats * (1 + 2 * len(settings.compared_sizes) + len(settings.stalwart_only_sizes))
     ledger_units = len(settings.ledger_members) * len(settings.ledger_batches)
     throughput_units = len(settings.throughput_sizes) * len(settings.throughput_chunks)
-    with Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    ) as progress:
+    with progress_display(console) as progress:
         task = progress.add_task("starting", total=first_batch_units + ledger_units + throughput_units)
         first_batch = measure_first_batch(settings, progress, task)
         ledger = measure_ledger(settings, progress, task)

@@ -64,10 +64,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
+from rich.progress import Progress, TaskID
 from rich.table import Column
 
-from benchmarks._measure import REPO_ROOT, Goal, make_console, print_goals, print_table
+from benchmarks._measure import REPO_ROOT, Goal, make_console, print_goals, print_table, progress_display
 from benchmarks._runtime_workers import MODELS, ModelSpec, build_model
 from stalwart.coord.server import Lighthouse
 from stalwart.data.ledger import DataLedger
@@ -888,15 +888,7 @@ def run_all(
     overhead_units = len(settings.models) * settings.rounds * len(settings.variants)
     recovery_units = 2 * settings.failures_per_signal
     trials = ("ddp", "allreduce") if settings.torchft_kill_trial and not torchft_missing() else ()
-    with Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    ) as progress:
+    with progress_display(console) as progress:
         task = progress.add_task("starting", total=overhead_units + recovery_units + len(trials))
         overhead = measure_overhead(settings, run_dir, progress, task)
         recovery = measure_recovery(settings, run_dir, progress, task)

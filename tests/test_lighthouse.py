@@ -11,16 +11,16 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+from support import wait_until
 
 from stalwart.coord.client import HealPlan, LighthouseClient, QuorumAnswer
 from stalwart.coord.server import Lighthouse
@@ -39,16 +39,6 @@ answer = client.quorum(0, None, "join", timeout=30)
 print(json.dumps({"quorum_id": answer.quorum_id, "rank": answer.rank}), flush=True)
 time.sleep(120)
 """
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float = 15.0, what: str = "condition") -> Any:
-    """Poll ``predicate`` every 20 ms until it is truthy; fail after ``timeout`` seconds."""
-    for _ in range(int(timeout / 0.02)):
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def http(url: str, method: str = "GET", body: Any = None, token: str | None = None, raw: bytes | None = None):

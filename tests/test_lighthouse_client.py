@@ -4,28 +4,19 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support import wait_until
 
 from stalwart.coord.client import HealPlan, LighthouseClient, LighthouseError, QuorumAnswer
 from stalwart.coord.server import Lighthouse
 from stalwart.data.plan import EpochPlan
 
 PLAN = EpochPlan(64, 8, seed=2)
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float = 15.0, what: str = "condition") -> Any:
-    """Poll ``predicate`` every 20 ms until it is truthy; fail after ``timeout`` seconds."""
-    for _ in range(int(timeout / 0.02)):
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
