@@ -223,6 +223,7 @@ def test_bad_requests_get_4xx_naming_the_problem_and_change_nothing(lighthouse: 
             (quorum, "POST", None, b"x" * 100_000, 413, "Too Large"),
             (leave, "POST", {"member": "ghost"}, None, 404, "ghost"),
             (leave, "POST", {"who": "a"}, None, 400, "member"),
+            (leave, "POST", {"member": "a", "applied_step": "x"}, None, 400, "applied_step"),
             (url + "/v1/heartbeat?member=bad%20id", "GET", None, None, 400, "bad id"),
             (url + "/v1/heartbeat?member=a", "GET", None, None, 400, ""),
             (url + "/v1/nowhere", "GET", None, None, 404, "Not Found"),

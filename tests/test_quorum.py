@@ -358,6 +358,17 @@ def test_heartbeat_timeout_and_leave_mark_members_dead_and_a_heartbeat_revives()
     assert refused.value.status == 404
 
 
+def test_a_leaving_member_s_last_step_is_committed() -> None:
+    """A short job can end between two heartbeats: the step reported on leaving still commits."""
+    cluster = Cluster()
+    cluster.start(2)
+    assert cluster.state.step == 0
+    for member in cluster.members:
+        cluster.state.leave(member, cluster.now, applied_step=3)
+    assert cluster.state.step == 3
+    assert all(cluster.state.member_state(member) == "dead" for member in cluster.members)
+
+
 def test_a_retried_request_gets_the_same_answer_and_a_changed_one_waits() -> None:
     cluster = Cluster()
     member = cluster.spawn()

@@ -197,9 +197,16 @@ class LighthouseClient:
         """The lighthouse's ``/v1/status`` JSON."""
         return self._run(self._request("GET", "/v1/status"))
 
-    def leave(self) -> None:
-        """Tell the lighthouse this member exits cleanly (it is counted as dead at once)."""
-        self._run(self._request("POST", "/v1/leave", {"member": self.member}))
+    def leave(self, applied_step: int | None = None) -> None:
+        """Tell the lighthouse this member exits cleanly (it is counted as dead at once).
+
+        ``applied_step`` reports the member's last step first: a short job can
+        end between two heartbeats, and the ledger must still commit its steps.
+        """
+        body: dict[str, Any] = {"member": self.member}
+        if applied_step is not None:
+            body["applied_step"] = applied_step
+        self._run(self._request("POST", "/v1/leave", body))
 
     def close(self) -> None:
         """Stop the heartbeat (its socket closes) and the client's thread; safe to call twice."""

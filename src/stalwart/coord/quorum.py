@@ -370,11 +370,13 @@ class LighthouseState:
         record.applied_step = applied_step
         self._progress(member, applied_step)
 
-    def leave(self, member: str, now: float) -> None:
-        """A clean exit: ``member`` is dead at once."""
+    def leave(self, member: str, now: float, applied_step: int | None = None) -> None:
+        """A clean exit: ``member`` is dead at once, after its last ``applied_step`` counts as a heartbeat."""
         record = self._members.get(parse_member(member))
         if record is None:
             raise RequestError(404, f"member {member!r} is not known to the lighthouse", field="member")
+        if applied_step is not None and record.alive:
+            self.heartbeat(member, applied_step, now)
         record.connected = False
         if record.alive:
             self._mark_dead(member, now, "left")

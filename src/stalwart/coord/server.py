@@ -45,6 +45,7 @@ from stalwart.coord.quorum import (
     check_seconds,
     parse_heartbeat,
     parse_member,
+    parse_step,
 )
 from stalwart.data.plan import EpochPlan
 
@@ -424,10 +425,11 @@ class Lighthouse:
 
     async def _leave(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
-        if not isinstance(body, dict) or set(body) != {"member"}:
-            raise RequestError(400, f'the body must be {{"member": str}}, got {body!r}')
+        if not isinstance(body, dict) or "member" not in body or not set(body) <= {"member", "applied_step"}:
+            raise RequestError(400, f'the body must be {{"member": str, "applied_step"?: int}}, got {body!r}')
         member = parse_member(body["member"])
-        self.state.leave(member, time.time())
+        applied_step = parse_step(body["applied_step"]) if "applied_step" in body else None
+        self.state.leave(member, time.time(), applied_step)
         self._advance()
         for waiter in self._waiters.get(member, []):
             if not waiter.done():

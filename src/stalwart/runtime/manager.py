@@ -203,7 +203,7 @@ class Manager:
         if self._comm is not None:
             self._comm.abort()
         if self._client is not None:
-            self._client.leave()
+            self._client.leave(self.applied_step)
             self._client.close()
 
     def _answer_members(self) -> list[str]:
