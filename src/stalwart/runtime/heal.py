@@ -31,7 +31,7 @@ def transfer_state(
 ) -> int:
     """Broadcast the source's state; targets load it. Returns the source's ``applied_step``."""
     if comm.rank == source_rank:
-        meta, tensors = _flatten(model, optimizer, applied_step)
+        meta, tensors = _flatten(model, optimizer, applied_step, comm.device)
         comm.store.set(_META_KEY, json.dumps(meta))
     else:
         meta = json.loads(comm.store.get(_META_KEY))
@@ -45,7 +45,7 @@ def transfer_state(
 
 
 def _flatten(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, applied_step: int
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, applied_step: int, device: torch.device
 ) -> tuple[dict[str, Any], list[torch.Tensor]]:
     tensors: list[torch.Tensor] = []
 
@@ -67,7 +67,7 @@ def _flatten(
     optimizer_state = placeholder(optimizer.state_dict())
     specs = [{"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch.")} for tensor in tensors]
     meta = {"applied_step": applied_step, "model": model_state, "optimizer": optimizer_state, "tensors": specs}
-    return meta, [tensor.to(next(iter(model.parameters())).device) for tensor in tensors]
+    return meta, [tensor.to(device) for tensor in tensors]
 
 
 def _load(
