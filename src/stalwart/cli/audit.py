@@ -14,8 +14,14 @@ EXIT_VIOLATION = 1
 EXIT_UNREADABLE = 2
 
 
+class UnreadableAudit(click.ClickException):
+    """The audit directory cannot be read: one line through click, exit status :data:`EXIT_UNREADABLE`."""
+
+    exit_code = EXIT_UNREADABLE
+
+
 @click.command("audit")
-@click.argument("directory", type=click.Path(path_type=Path))
+@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
 def audit_command(directory: Path) -> None:
     """Check the audit files in DIRECTORY: each epoch's samples consumed exactly once.
 
@@ -23,12 +29,11 @@ def audit_command(directory: Path) -> None:
     progress repeats a sample, 1 on any violation, 2 when the directory cannot
     be read.
     """
-    console = Console()
     try:
         report = audit_directory(directory)
     except (OSError, AuditFileError) as error:
-        Console(stderr=True).print(f"[bold red]cannot audit {directory}:[/] {error}", highlight=False, soft_wrap=True)
-        raise SystemExit(EXIT_UNREADABLE) from error
+        raise UnreadableAudit(f"cannot audit {directory}: {error}") from error
+    console = Console()
     for epoch in report.epochs:
         console.print(_epoch_table(epoch))
         console.print(_epoch_summary(epoch), highlight=False, soft_wrap=True)

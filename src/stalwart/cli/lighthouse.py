@@ -5,6 +5,8 @@ Also runnable as ``python -m stalwart.cli.lighthouse``.
 
 from __future__ import annotations
 
+import errno
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,24 @@ _PLAN_OPTIONS = {
     "drop_last": ("--drop-last", "drop_last"),
     "no_shuffle": ("--no-shuffle", "shuffle"),
 }
+_MALFORMED_STATE = (sqlite3.Error, AttributeError, KeyError, TypeError, ValueError)
+"""What reading a file that is not a lighthouse state, or a damaged one, raises."""
+_TOKEN_HINT = 'python -c "import secrets; print(secrets.token_urlsafe(32))"'
+
+
+def _existing_parent(context: click.Context, parameter: click.Parameter, path: Path | None) -> Path | None:
+    """Refuse a state file in a directory that does not exist, before SQLite fails on it."""
+    if path is not None and not path.parent.is_dir():
+        raise click.BadParameter(f"the directory {path.parent} of {path} does not exist")
+    return path
+
+
+def _non_empty(context: click.Context, parameter: click.Parameter, value: str | None) -> str | None:
+    """Refuse an empty string, which would otherwise mean a different thing (no token) or fail later (no host)."""
+    if value is not None and not value.strip():
+        hint = f"; generate a token with {_TOKEN_HINT}" if parameter.name == "token" else ""
+        raise click.BadParameter(f"must not be empty{hint}")
+    return value
 
 
 @click.command("lighthouse")
@@ -33,16 +53,29 @@ _PLAN_OPTIONS = {
     default=None,
     help="Members the first quorum waits for, up to --join-timeout (default: --min-replicas).",
 )
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (HTTP and TCPStore).")
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    callback=_non_empty,
+    help="Address to bind (HTTP and TCPStore).",
+)
 @click.option("--port", type=click.IntRange(0, 65535), default=0, show_default=True, help="HTTP port (0: a free one).")
 @click.option("--store-port", type=click.IntRange(0, 65535), default=0, show_default=True, help="TCPStore port.")
 @click.option(
     "--state",
     "state_path",
     type=click.Path(dir_okay=False, path_type=Path),
-    help="SQLite file holding the state; a restarted lighthouse resumes from it.",
+    callback=_existing_parent,
+    help="SQLite file holding the state, created when missing; a restarted lighthouse resumes from it.",
 )
-@click.option("--token", envvar="STALWART_LIGHTHOUSE_TOKEN", help="Bearer token every request must carry.")
+@click.option(
+    "--token",
+    envvar="STALWART_LIGHTHOUSE_TOKEN",
+    callback=_non_empty,
+    help="Bearer token every request must carry, else taken from the STALWART_LIGHTHOUSE_TOKEN environment variable; "
+    f"with neither, requests are not checked. Generate one with: {_TOKEN_HINT}",
+)
 @click.option(
     "--heartbeat-timeout",
     type=click.FloatRange(min=0, min_open=True),
@@ -60,7 +93,13 @@ _PLAN_OPTIONS = {
 @click.option("--dataset-size", type=click.IntRange(min=1), help="Samples in the dataset.")
 @click.option("--global-batch", type=click.IntRange(min=1), help="Samples per step.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Shuffle seed.")
-@click.option("--multiple", type=click.IntRange(min=1), default=1, show_default=True, help="local_batch_multiple.")
+@click.option(
+    "--multiple",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="local_batch_multiple: members' shares of a step are dealt in chunks of this many samples.",
+)
 @click.option("--drop-last", is_flag=True, help="Skip the tail shorter than a step.")
 @click.option("--no-shuffle", is_flag=True, help="Keep the dataset's order.")
 def lighthouse_command(
@@ -81,6 +120,12 @@ def lighthouse_command(
     holds a persisted state, its plan is used and an option that contradicts
     it is an error.
     """
+    if start_replicas is not None and start_replicas < min_replicas:
+        raise click.BadParameter(
+            f"must be at least --min-replicas ({min_replicas}), got {start_replicas}", param_hint="'--start-replicas'"
+        )
+    if port and port == store_port:
+        raise click.BadParameter(f"must differ from --port, both are {port}", param_hint="'--store-port'")
     plan = _plan(click.get_current_context(), state_path, plan_options)
     try:
         lighthouse = Lighthouse(
@@ -95,8 +140,16 @@ def lighthouse_command(
             join_timeout=join_timeout,
             store_port=store_port,
         )
+    except _MALFORMED_STATE as error:
+        # The arguments are checked above: what is left to fail is reading the persisted state.
+        if state_path is None:
+            raise click.ClickException(str(error)) from error
+        raise _unusable_state(state_path, error) from error
+    try:
         lighthouse.start()
-    except (OSError, ValueError, RuntimeError) as error:
+    except OSError as error:
+        raise _listen_error(error, host, {"--port": port, "--store-port": store_port}) from error
+    except RuntimeError as error:
         raise click.ClickException(str(error)) from error
     click.echo(f"lighthouse listening on {lighthouse.url} store {host}:{lighthouse.store_port}")
     lighthouse.serve_forever()
@@ -106,7 +159,7 @@ def _plan(context: click.Context, state_path: Path | None, options: dict[str, An
     """The persisted plan (checked against options given explicitly), else the plan the options describe."""
     wanted = {field: options[name] for name, (_, field) in _PLAN_OPTIONS.items()}
     wanted["shuffle"] = not options["no_shuffle"]
-    persisted = read_plan(state_path) if state_path is not None else None
+    persisted = _persisted_plan(state_path) if state_path is not None else None
     if persisted is None:
         if options["dataset_size"] is None or options["global_batch"] is None:
             raise click.UsageError("--dataset-size and --global-batch are required unless --state holds a state")
@@ -122,6 +175,33 @@ def _plan(context: click.Context, state_path: Path | None, options: dict[str, An
                 f"{flag} says {field}={wanted[field]!r} but the state in {state_path} has {field}={saved[field]!r}"
             )
     return persisted
+
+
+def _persisted_plan(path: Path) -> EpochPlan | None:
+    """The plan persisted in ``path`` (None when it holds no state); a file that is no lighthouse state is refused."""
+    try:
+        return read_plan(path)
+    except _MALFORMED_STATE as error:
+        raise _unusable_state(path, error) from error
+
+
+def _unusable_state(path: Path, error: Exception) -> click.ClickException:
+    """One sentence: which file, why it cannot be resumed from, and what to do instead."""
+    return click.ClickException(
+        f"{path} is not a stalwart lighthouse state or cannot be read ({type(error).__name__}: {error}); "
+        "point --state at a new file, or remove this one if its state is not needed"
+    )
+
+
+def _listen_error(error: OSError, host: str, ports: dict[str, int]) -> click.ClickException:
+    """One sentence naming the address that could not be bound (the one in the error when both ports are given)."""
+    given = {flag: port for flag, port in ports.items() if port}
+    named = {flag: port for flag, port in given.items() if str(port) in str(error)} or given
+    shown = f"[{host}]" if ":" in host else host
+    where = " or ".join(f"{shown}:{port} ({flag})" for flag, port in named.items()) or host
+    if error.errno == errno.EADDRINUSE:
+        return click.ClickException(f"{where} is already in use; choose another port, or 0 for a free one")
+    return click.ClickException(f"cannot listen on {where}: {error.strerror or error}")
 
 
 if __name__ == "__main__":
