@@ -18,6 +18,7 @@ fault-tolerance scheme does) moves the parameters far beyond it.
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -37,7 +38,6 @@ from stalwart.launch.report import audit_steps, committed_steps, planned_total
 
 STEPS = 10
 LONG_STEPS = 24
-STEP_SECONDS = 0.25
 WORKERS = 3
 GLOBAL_BATCH = 48
 PARAM_TOLERANCE = 1e-4
@@ -142,36 +142,68 @@ def test_two_workers_killed_at_once(tmp_path: Path, reference: dict[str, torch.T
     assert world_sizes[0] == WORKERS + 1 and world_sizes[-1] == WORKERS - 1
 
 
+def wait_until_asking(lighthouse: Lighthouse, member: str, cluster: LocalCluster) -> None:
+    """Wait (bounded, on the lighthouse's state) until ``member`` asks to join or is in the quorum."""
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while time.monotonic() < deadline:
+        entry = next((m for m in lighthouse.status()["members"] if m["member"] == member), None)
+        if entry is not None and (entry["asking"] == "join" or entry["state"] == "alive"):
+            return
+        time.sleep(0.05)
+    cluster.terminate()
+    pytest.fail(f"{member} did not ask to join within {JOB_TIMEOUT} s")
+
+
 def test_killed_worker_restarts_and_is_healed(
     tmp_path: Path, lighthouse: Lighthouse, long_reference: dict[str, torch.Tensor]
 ) -> None:
-    cluster = LocalCluster(lighthouse.url, tmp_path, worker_args(LONG_STEPS, STEP_SECONDS))
+    """Worker 2 dies at step 2; the others are held before step 6 until its new process asks to rejoin.
+
+    The hold makes the test independent of how long the restarted process
+    takes to start (seconds on a busy machine): the job cannot end first.
+    """
+    cluster = LocalCluster(lighthouse.url, tmp_path, worker_args(LONG_STEPS))
+    cluster.hold(from_step=6)
     for worker in range(WORKERS):
         cluster.start(worker, ["--kill-at", "2:before_forward"] if worker == 2 else None)
     deadline = time.monotonic() + JOB_TIMEOUT
     while cluster.processes[2].poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert cluster.processes[2].returncode == -signal.SIGKILL
     cluster.start(2)
+    wait_until_asking(lighthouse, "worker-2", cluster)
+    cluster.release()
     wait_for(cluster)
     check_job(tmp_path, long_reference, finishers=WORKERS, steps_run=LONG_STEPS)
     world_sizes = [record["world_size"] for record in committed_steps(tmp_path)]
     assert min(world_sizes) == WORKERS - 1 and world_sizes[-1] == WORKERS
+    events = [json.loads(line) for line in (tmp_path / "events-worker-2.jsonl").read_text().splitlines()]
+    restarted = [event for event in events if event["pid"] == cluster.processes[2].pid]
+    assert [event["event"] for event in restarted][:3] == ["started", "healed", "joined"]
 
 
 def test_hung_worker_is_excluded_then_rejoins(
     tmp_path: Path, lighthouse: Lighthouse, long_reference: dict[str, torch.Tensor]
 ) -> None:
-    cluster = LocalCluster(lighthouse.url, tmp_path, worker_args(LONG_STEPS, STEP_SECONDS))
+    """Worker 1 is SIGSTOPped at step 3, the others go on to step 5 without it, then it resumes and rejoins.
+
+    Holds pin each phase to a step, so no phase depends on how fast the machine is.
+    """
+    cluster = LocalCluster(lighthouse.url, tmp_path, worker_args(LONG_STEPS))
+    cluster.hold(from_step=3)
     for worker in range(WORKERS):
         cluster.start(worker)
     wait_for(cluster, until_step=3)
     cluster.kill(1, "STOP", step=3)
+    cluster.hold(from_step=5)
     wait_for(cluster, until_step=5)
     cluster.revive(1)
+    wait_until_asking(lighthouse, "worker-1", cluster)
+    cluster.release()
     wait_for(cluster)
     check_job(tmp_path, long_reference, finishers=WORKERS, steps_run=LONG_STEPS)
     world_sizes = [record["world_size"] for record in committed_steps(tmp_path)]
-    assert min(world_sizes) == WORKERS - 1 and world_sizes[-1] == WORKERS
+    assert world_sizes[:3] == [WORKERS] * 3 and world_sizes[3] == WORKERS - 1 and world_sizes[-1] == WORKERS
 
 
 def test_lighthouse_killed_and_restarted_mid_run(tmp_path: Path, long_reference: dict[str, torch.Tensor]) -> None:
@@ -196,16 +228,17 @@ def test_lighthouse_killed_and_restarted_mid_run(tmp_path: Path, long_reference:
 
     server, url, store_port = start_lighthouse()
     port = int(url.rpartition(":")[2])
-    cluster = LocalCluster(url, tmp_path / "run", worker_args(LONG_STEPS, STEP_SECONDS))
+    cluster = LocalCluster(url, tmp_path / "run", worker_args(LONG_STEPS))
+    cluster.hold(from_step=8)  # the job cannot end before the lighthouse is back
     try:
         for worker in range(WORKERS):
             cluster.start(worker)
         wait_for(cluster, until_step=3)
         server.send_signal(signal.SIGKILL)
         server.wait(timeout=10)
-        time.sleep(0.5)
         server, _, _ = start_lighthouse(port, store_port)
         lighthouse_restarted_before_the_end = latest_step(cluster.run_dir)[0] < LONG_STEPS
+        cluster.release()
         wait_for(cluster)
     finally:
         cluster.terminate()

@@ -5,7 +5,14 @@ the aiohttp server (:class:`Lighthouse`) and ``client`` what each worker runs
 (:class:`LighthouseClient`). The wire protocol is ``docs/protocol.md``.
 """
 
-from stalwart.coord.client import HealPlan, LighthouseClient, LighthouseError, QuorumAnswer, StoreAddress
+from stalwart.coord.client import (
+    HealPlan,
+    LighthouseClient,
+    LighthouseError,
+    LighthouseUnreachable,
+    QuorumAnswer,
+    StoreAddress,
+)
 from stalwart.coord.quorum import Formation, LighthouseState, QuorumRequest, RequestError
 from stalwart.coord.server import Lighthouse
 
@@ -16,6 +23,7 @@ __all__ = [
     "LighthouseClient",
     "LighthouseError",
     "LighthouseState",
+    "LighthouseUnreachable",
     "QuorumAnswer",
     "QuorumRequest",
     "RequestError",

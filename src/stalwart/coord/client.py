@@ -44,6 +44,10 @@ class LighthouseError(RuntimeError):
         self.body = dict(body)
 
 
+class LighthouseUnreachable(ConnectionError):
+    """Nothing answered at the lighthouse's address within the time allowed (the message names both)."""
+
+
 @dataclass(frozen=True)
 class StoreAddress:
     """Where the quorum's process group rendezvouses: a TCPStore and the quorum's key prefix."""
@@ -160,6 +164,16 @@ class LighthouseClient:
         """True once the lighthouse reported a member of this member's quorum dead (cleared by ``quorum()``)."""
         return self._broken.is_set()
 
+    def wait_reachable(self, timeout: float = 60.0) -> None:
+        """Return once the lighthouse answers ``GET /healthz``; :class:`LighthouseUnreachable` after ``timeout`` s.
+
+        Workers call it first, so that a wrong address or a lighthouse that is
+        not running is reported with the address and the refusal, not as a
+        quorum that never forms.
+        """
+        timeout = check_seconds("timeout", timeout)
+        self._run(self._wait_reachable(time.monotonic() + timeout, timeout), timeout + self.request_timeout)
+
     def start_heartbeat(self, get_applied_step: Callable[[], int]) -> None:
         """Keep the heartbeat websocket open, reporting ``get_applied_step()`` (called on the client's thread)."""
         if not callable(get_applied_step):
@@ -249,11 +263,38 @@ class LighthouseClient:
                 raise LighthouseError(response.status, data)
             return data
 
+    async def _wait_reachable(self, deadline: float, timeout: float) -> None:
+        backoff = MIN_BACKOFF
+        warned = False
+        while True:
+            try:
+                async with self._session.get(self.url + "/healthz") as response:
+                    await response.read()
+                    return
+            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as error:
+                reason = str(error) or type(error).__name__
+                if time.monotonic() + backoff >= deadline:
+                    raise LighthouseUnreachable(
+                        f"cannot reach the lighthouse at {self.url} ({reason}); gave up after {timeout:g} s"
+                    ) from None
+                if not warned:
+                    logger.warning(
+                        "lighthouse at %s unreachable (%s); retrying for up to %g s", self.url, reason, timeout
+                    )
+                    warned = True
+            await asyncio.sleep(backoff)
+            backoff = min(2 * backoff, MAX_BACKOFF)
+
     async def _ask_quorum(self, body: dict[str, Any], deadline: float) -> QuorumAnswer:
         backoff = MIN_BACKOFF
+        unreachable: str | None = None
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                if unreachable is not None:
+                    raise LighthouseUnreachable(
+                        f"cannot reach the lighthouse at {self.url} ({unreachable}) to ask for a quorum"
+                    )
                 raise TimeoutError(f"no quorum formed for {self.member!r} before the timeout")
             try:
                 async with self._session.post(
@@ -263,13 +304,16 @@ class LighthouseClient:
                     timeout=aiohttp.ClientTimeout(total=remaining),
                 ) as response:
                     data = await _json(response)
+                    unreachable = None
                     if response.status == 200:
                         return QuorumAnswer.from_json(data)
                     if response.status not in _RETRIED_STATUSES:
                         raise LighthouseError(response.status, data)
                     continue
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as error:
-                logger.debug("quorum request for %s failed (%s); retrying", self.member, error)
+                if unreachable is None:
+                    logger.warning("lighthouse at %s unreachable (%s); retrying", self.url, error)
+                unreachable = str(error) or type(error).__name__
             await asyncio.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
             backoff = min(2 * backoff, MAX_BACKOFF)
 

@@ -6,21 +6,31 @@ mean time between failures (``--mtbf``). A killed worker is started again
 after ``restart_after`` seconds with the same member name (it rejoins and is
 healed); a stopped one is sent SIGCONT (it finds itself excluded, rejoins and
 is healed).
+
+Workers get ``--hold-file RUN_DIR/hold``: :meth:`LocalCluster.hold` makes them
+wait before their next step and :meth:`LocalCluster.release` lets them go, so
+a driver can keep the job alive until a restarted worker has asked to rejoin,
+however long its start-up takes on a busy machine.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}
+HOLD_FILE = "hold"
+_KILL_ITEM = re.compile(r"(\d+):(\d+)")
 
 
 @dataclass(frozen=True)
@@ -31,14 +41,19 @@ class PlannedKill:
     worker: int
 
 
-def parse_kills(text: str, workers: int) -> list[PlannedKill]:
-    """Parse ``STEP:WORKER,...``; workers are numbered from 0."""
+def parse_kills(text: str, workers: int, steps: int | None = None) -> list[PlannedKill]:
+    """Parse ``STEP:WORKER,...`` (workers from 0, steps below ``steps``); ``ValueError`` names the bad item."""
     kills = []
     for item in filter(None, (part.strip() for part in text.split(","))):
-        step_text, _, worker_text = item.partition(":")
-        if not (step_text.isdigit() and worker_text.isdigit()) or int(worker_text) >= workers:
-            raise ValueError(f"--kill items must be STEP:WORKER with WORKER in [0, {workers - 1}], got {item!r}")
-        kills.append(PlannedKill(int(step_text), int(worker_text)))
+        match = _KILL_ITEM.fullmatch(item)
+        if match is None:
+            raise ValueError(f"expected STEP:WORKER items separated by commas (e.g. 30:1,60:2), got {item!r}")
+        step, worker = int(match[1]), int(match[2])
+        if worker >= workers:
+            raise ValueError(f"worker {worker} in {item!r} is not one of the {workers} workers (0 to {workers - 1})")
+        if steps is not None and step >= steps:
+            raise ValueError(f"step {step} in {item!r} is past the run's last step {steps - 1}")
+        kills.append(PlannedKill(step, worker))
     return sorted(kills, key=lambda kill: kill.step)
 
 
@@ -52,7 +67,9 @@ class LocalCluster:
         self.processes: dict[int, subprocess.Popen[bytes]] = {}
         self.stopped: set[int] = set()
         self.failures: list[dict[str, Any]] = []
+        self.restarts: list[dict[str, Any]] = []
         run_dir.mkdir(parents=True, exist_ok=True)
+        self.hold_file = run_dir / HOLD_FILE
 
     def start(self, worker: int, extra_args: list[str] | None = None) -> None:
         """Start worker ``worker`` (member ``worker-N``), logging to ``RUN_DIR/worker-N.log``."""
@@ -61,6 +78,7 @@ class LocalCluster:
             "--lighthouse", self.lighthouse_url,
             "--member", f"worker-{worker}",
             "--run-dir", str(self.run_dir),
+            "--hold-file", str(self.hold_file),
             *self.worker_args,
             *(extra_args or []),
         ]  # fmt: skip
@@ -78,13 +96,32 @@ class LocalCluster:
             self.stopped.add(worker)
         self.failures.append({"worker": worker, "signal": signal_name, "step": step, "time": time.time()})
 
-    def revive(self, worker: int) -> None:
-        """Bring a failed worker back: SIGCONT if stopped, else start it again."""
+    def revive(self, worker: int) -> bool:
+        """Bring a failed worker back: SIGCONT if stopped, else start it again; False if it was running."""
         if worker in self.stopped:
             self.stopped.discard(worker)
             self.processes[worker].send_signal(signal.SIGCONT)
+            how = "SIGCONT"
         elif self.processes[worker].poll() is not None:
             self.start(worker)
+            how = "restart"
+        else:
+            return False
+        self.restarts.append({"worker": worker, "how": how, "time": time.time(), "pid": self.processes[worker].pid})
+        return True
+
+    def hold(self, from_step: int = 0) -> None:
+        """Make the workers wait before any step >= ``from_step`` until :meth:`release`."""
+        self.hold_file.write_text(str(from_step), encoding="utf-8")
+
+    def release(self) -> None:
+        """Let held workers go on."""
+        self.hold_file.unlink(missing_ok=True)
+
+    @property
+    def holding(self) -> bool:
+        """True while a hold is set."""
+        return self.hold_file.exists()
 
     def alive(self) -> list[int]:
         """Workers whose process is running and not stopped."""
@@ -118,6 +155,29 @@ def latest_step(run_dir: Path) -> tuple[int, float | None, int]:
                 best = (record["step"] + 1, record["loss"], record["world_size"])
             break
     return best
+
+
+def worker_events(run_dir: Path, worker: int) -> list[dict[str, Any]]:
+    """The life events worker ``worker`` recorded (see :mod:`stalwart.launch.worker`), oldest first."""
+    path = run_dir / f"events-worker-{worker}.jsonl"
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return events
+
+
+def read_status(url: str, token: str | None = None, timeout: float = 10.0) -> dict[str, Any]:
+    """The lighthouse's ``GET /v1/status`` JSON (``OSError`` when it does not answer)."""
+    headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+    request = urllib.request.Request(url.rstrip("/") + "/v1/status", headers=headers)
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        status: dict[str, Any] = json.loads(response.read())
+    return status
 
 
 def random_kill_times(mtbf: float, horizon: float, rng: random.Random) -> list[float]:

@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from stalwart.data.audit import coverage
+from stalwart.data.audit import AuditWriter, coverage
 from stalwart.data.plan import EpochPlan
 
 
@@ -40,6 +40,14 @@ class RunReport:
     reference_final_loss: float | None = None
     max_param_diff_vs_reference: float | None = None
     failures: list[dict[str, Any]] = field(default_factory=list)
+    restarts: int = 0
+    rejoins: int = 0
+    failed_rejoins: list[dict[str, Any]] = field(default_factory=list)
+    world_size_history: list[tuple[int, int]] = field(default_factory=list)
+    """``(step, world size)`` at the first step and wherever the world size changed."""
+    reference_losses: list[float] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    """Failures, restarts, rejoins, heals and failed rejoins, each with its worker and step."""
 
     def to_json(self) -> str:
         """The report as indented JSON."""
@@ -87,16 +95,27 @@ def build_report(
     run_dir: Path,
     failures: list[dict[str, Any]],
     reference: tuple[dict[str, torch.Tensor], list[float]] | None,
+    events: list[dict[str, Any]] | None = None,
 ) -> RunReport:
-    """Assemble the report from the workers' records, the injected failures and the reference run."""
+    """Assemble the report from the workers' records, the injected failures, the driver's events and the reference.
+
+    A failure's recovery time runs from the signal to the next committed
+    step, less the time the driver held the job for a restarted worker.
+    ``max_param_diff_vs_reference`` is the largest over every worker that
+    finished, restarted and healed ones included.
+    """
+    events = events or []
     steps = committed_steps(run_dir)
     exactly_once, duplicates, missing = audit_steps(plan, steps)
     times = [record["time"] for record in steps]
+    holds = [(event["time"], event["end"]) for event in events if event["kind"] == "hold"]
     recovery = []
     for failure in failures:
         after = [t for t in times if t > failure["time"]]
         if after:
-            recovery.append(round(min(after) - failure["time"], 4))
+            start, end = failure["time"], min(after)
+            held = sum(max(0.0, min(end, hold_end) - max(start, hold_start)) for hold_start, hold_end in holds)
+            recovery.append(round(end - start - held, 4))
     report = RunReport(
         steps_committed=len(steps),
         failures_injected=len(failures),
@@ -111,9 +130,19 @@ def build_report(
         world_sizes=[record["world_size"] for record in steps],
         final_loss=steps[-1]["loss"] if steps else None,
         failures=failures,
+        restarts=sum(event["kind"] == "restart" for event in events),
+        rejoins=sum(event["kind"] == "rejoin" for event in events),
+        failed_rejoins=[
+            {"worker": event["worker"], "step": event["step"], "reason": event["reason"]}
+            for event in events
+            if event["kind"] == "failed_rejoin"
+        ],
+        world_size_history=world_size_history([record["world_size"] for record in steps]),
+        events=events,
     )
     if reference is not None:
         parameters, losses = reference
+        report.reference_losses = losses
         report.reference_final_loss = losses[-1] if losses else None
         diffs = [
             max(
@@ -126,30 +155,90 @@ def build_report(
     return report
 
 
+def world_size_history(world_sizes: list[int]) -> list[tuple[int, int]]:
+    """``(step, size)`` for the first step and each step whose world size differs from the step before."""
+    return [(step, size) for step, size in enumerate(world_sizes) if step == 0 or world_sizes[step - 1] != size]
+
+
+def write_audit(plan: EpochPlan, directory: Path, steps: list[dict[str, Any]]) -> None:
+    """Write the committed steps' samples as an audit directory that ``stalwart audit`` reads."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with AuditWriter(directory, 0, expected={"plan": plan.to_dict()}) as writer:
+        for record in steps:
+            positions = np.asarray(record["positions"], dtype=np.int64)
+            writer.write(record["epoch"], record["step"], plan.indices_at(record["epoch"], positions))
+
+
 def planned_total(plan: EpochPlan, step: int) -> int:
     """The samples of global step ``step`` in a run whose steps all follow the plan (no re-queued steps)."""
     return plan.step_total(step % plan.steps_per_epoch)
 
 
+_SIGNAL_STYLES: dict[str, tuple[str, Literal["-", "--"]]] = {"KILL": ("tab:red", "-"), "STOP": ("tab:orange", "--")}
+
+
 def plot_report(report: RunReport, path: Path) -> None:
-    """Write a PNG of the loss and the world size per step."""
+    """Write a PNG: loss (and the failure-free reference's), world size, and the run's events per step.
+
+    Failures are vertical lines (red solid: SIGKILL, orange dashed: SIGSTOP);
+    rejoins and heals are markers on the world-size axis; failed rejoins are
+    black crosses.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
-    figure, loss_axis = plt.subplots(figsize=(9, 4.5))
+    figure, loss_axis = plt.subplots(figsize=(10, 5))
     steps = range(len(report.losses))
     loss_axis.plot(steps, report.losses, color="tab:blue", label="loss")
+    if report.reference_losses:
+        reference_steps = range(len(report.reference_losses))
+        loss_axis.plot(
+            reference_steps, report.reference_losses, color="black", linestyle=":", label="loss without failures"
+        )
     loss_axis.set_xlabel("step")
     loss_axis.set_ylabel("loss", color="tab:blue")
     world_axis = loss_axis.twinx()
-    world_axis.step(steps, report.world_sizes, where="post", color="tab:red", label="world size")
-    world_axis.set_ylabel("world size", color="tab:red")
+    world_axis.step(steps, report.world_sizes, where="post", color="tab:green", label="world size")
+    world_axis.set_ylabel("world size", color="tab:green")
     world_axis.set_ylim(0, max(report.world_sizes, default=1) + 1)
+    handles = [Line2D([], [], color="tab:blue", label="loss")]
+    if report.reference_losses:
+        handles.append(Line2D([], [], color="black", linestyle=":", label="loss without failures"))
+    handles.append(Line2D([], [], color="tab:green", label="world size"))
+    seen: set[str] = set()
+    for event in report.events:
+        kind, step = event["kind"], event["step"]
+        if kind == "failure":
+            color, style = _SIGNAL_STYLES.get(event.get("signal", "KILL"), _SIGNAL_STYLES["KILL"])
+            loss_axis.axvline(step, color=color, linestyle=style, alpha=0.8)
+            label = f"failure (SIG{event.get('signal', 'KILL')})"
+            if label not in seen:
+                handles.append(Line2D([], [], color=color, linestyle=style, label=label))
+        elif kind in _EVENT_MARKERS:
+            color, marker, label = _EVENT_MARKERS[kind]
+            level = report.world_sizes[min(step, len(report.world_sizes) - 1)] if report.world_sizes else 0
+            level += 0.25 if kind == "heal" else 0.0
+            world_axis.plot([step], [level], marker=marker, color=color, markersize=9, linestyle="none")
+            if label not in seen:
+                handles.append(Line2D([], [], color=color, marker=marker, linestyle="none", label=label))
+        else:
+            continue
+        seen.add(label)
+    loss_axis.legend(handles=handles, loc="upper right", fontsize="small")
     loss_axis.set_title(
-        f"{report.steps_committed} steps, {report.failures_injected} failures, exactly once: {report.exactly_once}"
+        f"{report.steps_committed} steps, {report.failures_injected} failures, {report.rejoins} rejoins, "
+        f"exactly once: {report.exactly_once}"
     )
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
+
+
+_EVENT_MARKERS = {
+    "rejoin": ("tab:green", "^", "rejoin"),
+    "heal": ("tab:purple", "o", "heal"),
+    "failed_rejoin": ("black", "x", "failed rejoin"),
+}

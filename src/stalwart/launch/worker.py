@@ -9,9 +9,24 @@ with the step's number, epoch, quorum, world size, samples, loss, wall time and
 the positions the whole quorum committed (the audit's input); at the end it
 saves its parameters to ``RUN_DIR/final-MEMBER.pt``.
 
+It also appends its life events to ``RUN_DIR/events-MEMBER.jsonl`` (``started``,
+``joined``, ``healed``, ``finished``, ``joined_after_end``, ``error``), each
+with its process id, so that a report can tell a restarted incarnation's
+rejoin from the first one's steps.
+
 ``--kill-at STEP:POINT`` makes the worker SIGKILL itself at a named point of a
 step, for tests: ``before_forward``, ``during_backward``, ``during_reduce``
 (the all-reduce is in flight) or ``after_reduce`` (reduced, not applied).
+
+``--hold-file PATH``: while PATH exists and holds a step number ``S``, the
+worker waits before starting any step ``>= S`` (bounded by ``HOLD_LIMIT``).
+The demo and the tests hold the job this way while a restarted worker starts,
+so that it rejoins before the job ends, however slow the machine is.
+
+Errors a user can fix (a lighthouse that does not answer, a wrong token, a
+plan that does not fit the dataset) end the process with one line on stderr
+and exit status 2; a worker that joins after the job ended prints one line
+and exits 0.
 """
 
 from __future__ import annotations
@@ -21,18 +36,56 @@ import json
 import logging
 import os
 import signal
+import sys
 import time
 from pathlib import Path
+from typing import Any, TextIO
 
 import torch
 
+from stalwart.coord.client import LighthouseError, LighthouseUnreachable
 from stalwart.data.world import WorldInfo
 from stalwart.launch.digits import digits_dataset, digits_model, digits_optimizer, summed_loss
 from stalwart.runtime.loader import ElasticLoader
-from stalwart.runtime.manager import Manager
+from stalwart.runtime.manager import Manager, PlanMismatchError
 
 KILL_POINTS = ("before_forward", "during_backward", "during_reduce", "after_reduce")
 _MANAGER_EVENTS = {"reduce_started": "during_reduce", "reduce_finished": "after_reduce"}
+HOLD_LIMIT = 600.0
+"""Seconds a worker waits at most on a hold file (a bound, should the holder die)."""
+EXIT_USER_ERROR = 2
+
+
+def held_until(hold_file: Path | None, step: int) -> None:
+    """Wait while ``hold_file`` exists and holds a step number <= ``step`` (at most ``HOLD_LIMIT`` s)."""
+    if hold_file is None:
+        return
+    deadline = time.monotonic() + HOLD_LIMIT
+    while time.monotonic() < deadline:
+        try:
+            hold_from = int(hold_file.read_text(encoding="utf-8").strip() or 0)
+        except (FileNotFoundError, ValueError):
+            return
+        if step < hold_from:
+            return
+        time.sleep(0.05)
+
+
+class EventLog:
+    """Appends this process's life events, one JSON line each, to ``RUN_DIR/events-NAME.jsonl``."""
+
+    def __init__(self, path: Path) -> None:
+        self._file: TextIO = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    def write(self, event: str, **details: Any) -> None:
+        """Append ``event`` with the process id, the wall time and ``details``."""
+        record = {"event": event, "pid": os.getpid(), "time": time.time(), **details}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        """Close the file."""
+        self._file.close()
 
 
 def parse_kill_at(text: str | None) -> tuple[int, str] | None:
@@ -48,29 +101,59 @@ def parse_kill_at(text: str | None) -> tuple[int, str] | None:
 def main(argv: list[str] | None = None) -> None:
     """Join the lighthouse and train until the job has committed ``--max-steps`` steps."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lighthouse", required=True)
-    parser.add_argument("--member", required=True)
-    parser.add_argument("--run-dir", type=Path, required=True)
-    parser.add_argument("--max-steps", type=int, required=True)
-    parser.add_argument("--max-microbatch", type=int, default=16)
-    parser.add_argument("--token", default=None)
+    parser.add_argument("--lighthouse", required=True, help="The lighthouse's URL, e.g. http://127.0.0.1:29510.")
+    parser.add_argument("--member", required=True, help="This worker's (or replica group's) member name.")
+    parser.add_argument("--run-dir", type=Path, required=True, help="Where step records, events and results go.")
+    parser.add_argument("--max-steps", type=int, required=True, help="Steps the job commits before it ends.")
+    parser.add_argument("--max-microbatch", type=int, default=16, help="Largest micro-batch (gradient accumulation).")
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("STALWART_LIGHTHOUSE_TOKEN"),
+        help="The lighthouse's bearer token (default: $STALWART_LIGHTHOUSE_TOKEN).",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="The address other workers reach this one on.")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--collective-timeout", type=float, default=2.0)
-    parser.add_argument("--kill-at", type=parse_kill_at, default=None)
+    parser.add_argument("--seed", type=int, default=0, help="Model initialisation and sample transform seed.")
+    parser.add_argument("--lr", type=float, default=0.1, help="Learning rate.")
+    parser.add_argument("--collective-timeout", type=float, default=2.0, help="Seconds before a collective fails.")
+    parser.add_argument(
+        "--connect-timeout", type=float, default=60.0, help="Seconds to wait for the lighthouse to answer at start."
+    )
+    parser.add_argument("--kill-at", type=parse_kill_at, default=None, help="STEP:POINT to SIGKILL itself (tests).")
+    parser.add_argument("--hold-file", type=Path, default=None, help="Wait before steps >= the number it holds.")
     parser.add_argument(
         "--step-seconds", type=float, default=0.0, help="Extra seconds of simulated compute at the start of each step."
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(1)
+    group = WorldInfo.from_env()
+    name = args.member if group.world_size == 1 else f"{args.member}.{group.rank}"
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    events = EventLog(args.run_dir / f"events-{name}.jsonl")
+    events.write("started")
+    try:
+        _train(args, group, name, events)
+    except (LighthouseError, LighthouseUnreachable, PlanMismatchError) as error:
+        events.write("error", message=str(error))
+        print(f"stalwart worker {name}: {error}", file=sys.stderr)
+        raise SystemExit(EXIT_USER_ERROR) from None
+    finally:
+        events.close()
+
+
+def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventLog) -> None:
+    """Train under a Manager until the job has committed ``--max-steps`` steps."""
 
     def kill_if(point: str, step: int) -> None:
         if args.kill_at == (step, point):
             os.kill(os.getpid(), signal.SIGKILL)
 
-    group = WorldInfo.from_env()
+    def on_event(event: str, step: int) -> None:
+        if event in _MANAGER_EVENTS:
+            kill_if(_MANAGER_EVENTS[event], step)
+        else:
+            events.write(event, step=step, quorum_id=manager.quorum_id, world_size=manager.world_size)
+
     loader = ElasticLoader(digits_dataset(), seed=args.seed)
     model = digits_model(args.seed)
     optimizer = digits_optimizer(model, args.lr)
@@ -82,39 +165,51 @@ def main(argv: list[str] | None = None) -> None:
         token=args.token,
         max_microbatch=args.max_microbatch,
         collective_timeout=args.collective_timeout,
+        connect_timeout=args.connect_timeout,
         host=args.host,
         group=group,
-        on_event=lambda event, step: kill_if(_MANAGER_EVENTS[event], step),
+        on_event=on_event,
     )
-    args.run_dir.mkdir(parents=True, exist_ok=True)
-    name = args.member if group.world_size == 1 else f"{args.member}.{group.rank}"
-    with open(args.run_dir / f"steps-{name}.jsonl", "a", encoding="utf-8") as steps_file:
-        for step in manager.steps(loader, max_steps=args.max_steps):
-            number = manager.ledger.step
-            time.sleep(args.step_seconds)
-            for batch in step:
-                kill_if("before_forward", number)
-                loss = summed_loss(model, batch)  # type: ignore[arg-type]
-                if args.kill_at == (number, "during_backward"):
-                    loss.register_hook(lambda grad, step_number=number: kill_if("during_backward", step_number))
-                step.backward(loss)
-            report = step.report
-            record = {
-                "member": args.member,
-                "step": report.step,
-                "epoch": report.epoch,
-                "quorum_id": report.quorum_id,
-                "world_size": report.world_size,
-                "samples": report.samples,
-                "loss": report.loss,
-                "time": time.time(),
-                "positions": sorted(report.positions.tolist()),
-            }
-            steps_file.write(json.dumps(record) + "\n")
-            steps_file.flush()
-    torch.save(model.state_dict(), args.run_dir / f"final-{name}.pt")
-    manager.close()
-    loader.close()
+    try:
+        with open(args.run_dir / f"steps-{name}.jsonl", "a", encoding="utf-8") as steps_file:
+            for step in manager.steps(loader, max_steps=args.max_steps):
+                number = manager.ledger.step
+                held_until(args.hold_file, number)
+                time.sleep(args.step_seconds)
+                for batch in step:
+                    kill_if("before_forward", number)
+                    loss = summed_loss(model, batch)  # type: ignore[arg-type]
+                    if args.kill_at == (number, "during_backward"):
+                        loss.register_hook(lambda grad, step_number=number: kill_if("during_backward", step_number))
+                    step.backward(loss)
+                report = step.report
+                record = {
+                    "member": args.member,
+                    "pid": os.getpid(),
+                    "step": report.step,
+                    "epoch": report.epoch,
+                    "quorum_id": report.quorum_id,
+                    "world_size": report.world_size,
+                    "samples": report.samples,
+                    "loss": report.loss,
+                    "time": time.time(),
+                    "positions": sorted(report.positions.tolist()),
+                }
+                steps_file.write(json.dumps(record) + "\n")
+                steps_file.flush()
+        if manager.joined_after_end:
+            events.write("joined_after_end", step=manager.ledger.step)
+            print(
+                f"stalwart worker {name}: the job had already committed its {manager.ledger.step} steps "
+                "when this worker joined; nothing to do",
+                file=sys.stderr,
+            )
+            return
+        torch.save(model.state_dict(), args.run_dir / f"final-{name}.pt")
+        events.write("finished", step=manager.ledger.step)
+    finally:
+        manager.close()
+        loader.close()
 
 
 if __name__ == "__main__":

@@ -47,6 +47,10 @@ log = logging.getLogger(__name__)
 _NO_POSITIONS = np.zeros(0, dtype=np.int64)
 
 
+class PlanMismatchError(ValueError):
+    """The lighthouse's plan does not fit this worker's data (for example another dataset length)."""
+
+
 @dataclass(frozen=True)
 class StepReport:
     """What one committed step did, for progress displays and reports."""
@@ -68,9 +72,14 @@ class Manager:
     when ``group`` says this process is one of several in a group launched
     together (see :mod:`stalwart.runtime.group`); the group's share is then
     split among its processes by intra-group rank. ``on_event(event, step)`` is
-    called at ``"reduce_started"`` (the all-reduce is in flight) and
-    ``"reduce_finished"`` (reduced, not yet applied), for tracing and for
-    tests that kill a worker at those points.
+    called at ``"joined"`` (this member is in a new quorum, at ``step``),
+    ``"healed"`` (it loaded a peer's state at ``step``), ``"reduce_started"``
+    (the all-reduce is in flight) and ``"reduce_finished"`` (reduced, not yet
+    applied), for tracing and for tests that kill a worker at those points.
+
+    A member that joins after the job committed its last step (every other
+    member left) is not healed: ``steps()`` yields nothing and
+    :attr:`joined_after_end` is True.
     """
 
     def __init__(
@@ -86,6 +95,7 @@ class Manager:
         group_store: dist.Store | None = None,
         collective_timeout: float = 2.0,
         quorum_timeout: float = 120.0,
+        connect_timeout: float = 60.0,
         heartbeat_interval: float = 0.1,
         host: str = "127.0.0.1",
         device: torch.device | None = None,
@@ -97,7 +107,12 @@ class Manager:
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if not isinstance(member, str) or not member:
             raise ValueError(f"member must be a non-empty string, got {member!r}")
-        for name, value in (("collective_timeout", collective_timeout), ("quorum_timeout", quorum_timeout)):
+        timeouts = {
+            "collective_timeout": collective_timeout,
+            "quorum_timeout": quorum_timeout,
+            "connect_timeout": connect_timeout,
+        }
+        for name, value in timeouts.items():
             if not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
         self.model = model
@@ -111,11 +126,14 @@ class Manager:
         self.applied_step = 0
         self.recoveries = 0
         self.last_report: StepReport | None = None
+        self.joined_after_end = False
+        self._max_steps: int | None = None
         self._group = GroupLink(group or WorldInfo(rank=0, world_size=1), group_store, timeout=quorum_timeout)
         self._params = [param for param in model.parameters() if param.requires_grad]
         self._client: LighthouseClient | None = None
         if self._group.is_leader:
             self._client = LighthouseClient(lighthouse, member, token=token, heartbeat_interval=heartbeat_interval)
+            self._client.wait_reachable(connect_timeout)
             self._client.start_heartbeat(lambda: self.applied_step)
         self._comm: Communicator | None = None
         self._answer: QuorumAnswer | None = None
@@ -167,11 +185,18 @@ class Manager:
         )
 
     def steps(self, loader: ElasticLoader, *, max_steps: int) -> Iterator[TrainStep]:
-        """Yield one :class:`TrainStep` per step until the job has committed ``max_steps`` steps."""
-        max_steps = check_int("max_steps", max_steps, minimum=0)
+        """Yield one :class:`TrainStep` per step until the job has committed ``max_steps`` steps.
+
+        Raises :class:`PlanMismatchError` when the lighthouse's plan does not
+        fit the loader's dataset (checked when this member first joins).
+        """
+        self._max_steps = check_int("max_steps", max_steps, minimum=0)
         while True:
             if self._reconfigure or self._ledger is None:
-                self._join(reason="join" if self._ledger is None else "reconfigure")
+                first = self._ledger is None
+                self._join(reason="join" if first else "reconfigure")
+                if first:
+                    _check_dataset(loader, self.ledger)
             if self.ledger.step >= max_steps:
                 self._farewell()
                 return
@@ -342,6 +367,7 @@ class Manager:
                 self._comm = None
                 continue
             self._reconfigure = False
+            self._notify("joined")
             return
 
     def _connect(self, answer: QuorumAnswer) -> Communicator:
@@ -365,6 +391,9 @@ class Manager:
         """Take part in the broadcast of the source's state; load it if this member is behind."""
         assert answer.heal is not None and self._comm is not None
         if answer.heal.source_rank is None:
+            if self._max_steps is not None and answer.applied_step >= self._max_steps:
+                self.joined_after_end = True
+                return
             raise RuntimeError(
                 f"no live member holds step {answer.applied_step}: the state is lost; "
                 "restart the job from its last checkpoint"
@@ -377,6 +406,7 @@ class Manager:
         if is_target:
             self.optimizer.zero_grad(set_to_none=True)
             self._reset_step()
+            self._notify("healed")
 
     def _indices(self, part: np.ndarray) -> list[int]:
         """Sample indices of ``part``: the prefetched ones when the share is the one foreseen (the usual case)."""
@@ -393,6 +423,19 @@ class Manager:
         indices = preview.plan.indices_at(preview.epoch, part).tolist()
         self._foreseen = (preview.epoch, part, indices)
         loader.prefetch(preview.epoch, indices)
+
+
+def _check_dataset(loader: ElasticLoader, ledger: DataLedger) -> None:
+    """Refuse a plan whose dataset size differs from the loader's dataset (it would index past its end)."""
+    try:
+        length = len(loader.dataset)  # type: ignore[arg-type]
+    except TypeError:
+        return
+    if length != ledger.plan.dataset_size:
+        raise PlanMismatchError(
+            f"the lighthouse's plan has dataset_size={ledger.plan.dataset_size} but this worker's dataset has "
+            f"{length} samples: start the lighthouse with --dataset-size {length}, or give the worker that dataset"
+        )
 
 
 class TrainStep:

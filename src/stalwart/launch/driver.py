@@ -1,0 +1,242 @@
+"""The demo's chaos driver: fires failures at a local cluster and sees every restarted worker back in.
+
+A failed worker (SIGKILL or SIGSTOP) is revived after ``restart_after``
+seconds: started again, or sent SIGCONT. From then on the job is *held*
+(workers wait before their next step, see :class:`~stalwart.launch.cluster.LocalCluster`)
+until the revived worker asks the lighthouse to join, so that it rejoins
+however long its start-up takes; the hold is bounded by ``rejoin_limit``.
+Random failures (``mtbf``) are timed on a clock that runs only while the job
+trains (not during start-up or holds), and hit workers that are in the
+quorum, so that a worker is never killed again while it is still starting.
+
+Every failure, restart, rejoin, heal and failed rejoin is kept in
+:attr:`ChaosDriver.events` (for the report and the plot) and announced with
+``say``, one line each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from stalwart.launch.cluster import LocalCluster, PlannedKill, latest_step, worker_events
+
+REJOIN_LIMIT = 300.0
+"""Seconds the job is held at most for one revived worker to ask to rejoin."""
+_STATUS_INTERVAL = 0.2
+_POLL_INTERVAL = 0.05
+
+
+@dataclass
+class _Revival:
+    """A revived worker the driver waits for: it asks to join, then joins (and is healed)."""
+
+    worker: int
+    since: float
+    pid: int
+    asked: bool = False
+
+
+@dataclass
+class Progress:
+    """What the driver last saw: steps committed, last loss, world size, and what it waits for."""
+
+    committed: int = 0
+    loss: float | None = None
+    world: int = 0
+    waiting_for: str = ""
+
+
+@dataclass
+class ChaosDriver:
+    """Runs a local cluster to the end of the job while injecting failures; see the module docstring."""
+
+    cluster: LocalCluster
+    workers: int
+    steps: int
+    planned: list[PlannedKill]
+    random_times: list[float]
+    restart_after: float
+    signal_name: str
+    status: Callable[[], dict[str, Any]]
+    say: Callable[[str], None]
+    rng: random.Random = field(default_factory=random.Random)
+    rejoin_limit: float = REJOIN_LIMIT
+    events: list[dict[str, Any]] = field(default_factory=list)
+    progress: Progress = field(default_factory=Progress)
+    _revivals_due: list[tuple[float, int]] = field(default_factory=list)
+    _waiting: dict[int, _Revival] = field(default_factory=dict)
+    _status_cache: dict[str, Any] = field(default_factory=dict)
+    _status_time: float = 0.0
+    _training_clock: float = 0.0
+    _hold_since: float | None = None
+
+    def run(self, timeout: float, on_progress: Callable[[Progress], None] = lambda progress: None) -> bool:
+        """Start every worker and drive the job until all exited; False when ``timeout`` s passed first."""
+        deadline = time.monotonic() + timeout
+        for worker in range(self.workers):
+            self.cluster.start(worker)
+        last = time.monotonic()
+        while self.cluster.running() and time.monotonic() < deadline:
+            now = time.monotonic()
+            self._tick(now - last)
+            last = now
+            on_progress(self.progress)
+            time.sleep(_POLL_INTERVAL)
+        self._settle()
+        return not self.cluster.running()
+
+    def _tick(self, elapsed: float) -> None:
+        committed, loss, world = latest_step(self.cluster.run_dir)
+        self.progress.committed, self.progress.loss, self.progress.world = committed, loss, world
+        running = committed < self.steps
+        if committed > 0 and running and not self.cluster.holding:
+            self._training_clock += elapsed
+        if running:
+            self._fire_planned(committed)
+            self._fire_random(committed)
+        self._revive_due(committed)
+        self._follow_revivals(committed)
+        if not running:
+            for worker in list(self.cluster.stopped):
+                self.cluster.revive(worker)
+        self.progress.waiting_for = self._waiting_text(committed)
+
+    def _waiting_text(self, committed: int) -> str:
+        if committed == 0:
+            return f"waiting for {self.workers} workers to start and join the first quorum"
+        if self._waiting and self.cluster.holding:
+            names = ", ".join(f"worker-{worker}" for worker in sorted(self._waiting))
+            return f"holding the job until {names} asks to rejoin"
+        return ""
+
+    # --- failures --------------------------------------------------------------------------------
+
+    def _fire_planned(self, committed: int) -> None:
+        due = [kill for kill in self.planned if kill.step <= committed]
+        self.planned[:] = [kill for kill in self.planned if kill not in due]
+        for kill in due:
+            self._kill(kill.worker, committed)
+
+    def _fire_random(self, committed: int) -> None:
+        while self.random_times and self.random_times[0] <= self._training_clock:
+            self.random_times.pop(0)
+            candidates = [w for w in self._in_quorum() if w in self.cluster.alive() and w not in self._waiting]
+            if len(candidates) > 1:
+                self._kill(self.rng.choice(candidates), committed)
+
+    def _kill(self, worker: int, committed: int) -> None:
+        if worker not in self.cluster.alive():
+            return
+        self.cluster.kill(worker, self.signal_name, committed)
+        self._record("failure", worker, committed, signal=self.signal_name)
+        self.say(f"step {committed}: SIG{self.signal_name} worker-{worker}")
+        self._revivals_due.append((time.monotonic() + self.restart_after, worker))
+
+    # --- revivals and rejoins --------------------------------------------------------------------
+
+    def _revive_due(self, committed: int) -> None:
+        now = time.monotonic()
+        for when, worker in [item for item in self._revivals_due if item[0] <= now]:
+            self._revivals_due.remove((when, worker))
+            if committed >= self.steps and worker not in self.cluster.stopped:
+                self.say(f"worker-{worker} is not restarted: the job has ended")
+                continue
+            if not self.cluster.revive(worker):
+                continue
+            how = self.cluster.restarts[-1]["how"]
+            self._record("restart", worker, committed, how=how)
+            self._waiting[worker] = _Revival(worker, time.time(), self.cluster.processes[worker].pid)
+            if committed < self.steps:
+                self._hold(committed)
+                self.say(f"step {committed}: {how} worker-{worker}; holding the job until it asks to rejoin")
+
+    def _follow_revivals(self, committed: int) -> None:
+        if not self._waiting:
+            return
+        members = {entry["member"]: entry for entry in self._status().get("members", [])}
+        for worker, revival in list(self._waiting.items()):
+            joined = [e for e in worker_events(self.cluster.run_dir, worker) if e["time"] >= revival.since]
+            join = next((e for e in joined if e["event"] == "joined" and e["pid"] == revival.pid), None)
+            if join is not None:
+                self._rejoined(revival, join, joined)
+                continue
+            entry = members.get(f"worker-{worker}")
+            if not revival.asked and entry is not None and (entry["asking"] == "join" or entry["state"] == "alive"):
+                revival.asked = True
+                self.say(f"worker-{worker} asks to rejoin")
+            process = self.cluster.processes[worker]
+            if process.poll() is not None:
+                self._failed(revival, committed, _exit_reason(joined, process.returncode))
+            elif time.time() - revival.since > self.rejoin_limit:
+                self._failed(revival, committed, f"did not ask to join within {self.rejoin_limit:g} s")
+        if self.cluster.holding and all(revival.asked for revival in self._waiting.values()):
+            self._release(committed)
+
+    def _rejoined(self, revival: _Revival, join: dict[str, Any], events: list[dict[str, Any]]) -> None:
+        worker = revival.worker
+        del self._waiting[worker]
+        self._record("rejoin", worker, join["step"], quorum_id=join["quorum_id"], world_size=join["world_size"])
+        heal = next((e for e in events if e["event"] == "healed" and e["pid"] == revival.pid), None)
+        if heal is not None:
+            self._record("heal", worker, heal["step"])
+        healed = ", healed from a live peer" if heal is not None else ""
+        where = f"quorum {join['quorum_id']}, world {join['world_size']}"
+        self.say(f"step {join['step']}: worker-{worker} rejoined ({where}){healed}")
+
+    def _failed(self, revival: _Revival, committed: int, reason: str) -> None:
+        del self._waiting[revival.worker]
+        self._record("failed_rejoin", revival.worker, committed, reason=reason)
+        self.say(f"step {committed}: worker-{revival.worker} did not rejoin: {reason}")
+
+    def _settle(self) -> None:
+        """After the job: revivals still waiting either joined at the very end or failed."""
+        self._release(self.progress.committed)
+        if self._waiting:
+            self._follow_revivals(self.progress.committed)
+        for revival in list(self._waiting.values()):
+            self._failed(revival, self.progress.committed, "the job ended before it joined")
+
+    def _hold(self, committed: int) -> None:
+        self.cluster.hold()
+        if self._hold_since is None:
+            self._hold_since = time.time()
+
+    def _release(self, committed: int) -> None:
+        """Let the workers go on; the hold is kept as an event (the report leaves it out of recovery times)."""
+        self.cluster.release()
+        if self._hold_since is not None:
+            self.events.append({"kind": "hold", "step": committed, "time": self._hold_since, "end": time.time()})
+            self._hold_since = None
+
+    # --- helpers ---------------------------------------------------------------------------------
+
+    def _in_quorum(self) -> list[int]:
+        """Workers the lighthouse has in the current quorum."""
+        quorum = self._status().get("quorum") or {}
+        return [int(m.removeprefix("worker-")) for m in quorum.get("members", []) if m.startswith("worker-")]
+
+    def _status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        if now - self._status_time >= _STATUS_INTERVAL:
+            with contextlib.suppress(OSError):
+                self._status_cache = self.status()
+            self._status_time = now
+        return self._status_cache
+
+    def _record(self, kind: str, worker: int, step: int, **details: Any) -> None:
+        self.events.append({"kind": kind, "worker": worker, "step": step, "time": time.time(), **details})
+
+
+def _exit_reason(events: list[dict[str, Any]], returncode: int | None) -> str:
+    """Why a revived worker exited without joining: its own last word, else its exit status."""
+    for event in reversed(events):
+        if event["event"] == "error":
+            return str(event["message"])
+        if event["event"] == "joined_after_end":
+            return f"it joined after the job had committed its {event['step']} steps"
+    return f"it exited with status {returncode} before joining (see its log)"
