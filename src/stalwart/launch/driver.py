@@ -1,10 +1,14 @@
 """The demo's chaos driver: fires failures at a local cluster and sees every restarted worker back in.
 
 A failed worker (SIGKILL or SIGSTOP) is revived after ``restart_after``
-seconds: started again, or sent SIGCONT. From then on the job is *held*
+seconds: started again, or sent SIGCONT (once the lighthouse has excluded
+it, so that a short stop still shows as a failure and a rejoin). The
+survivors train ``HOLD_LEAD`` more steps without it, then the job is *held*
 (workers wait before their next step, see :class:`~stalwart.launch.cluster.LocalCluster`)
 until the revived worker asks the lighthouse to join, so that it rejoins
 however long its start-up takes; the hold is bounded by ``rejoin_limit``.
+The job is also held at each planned failure's step until the signal is
+sent, so that ``--kill STEP:WORKER`` lands at that step however fast steps are.
 Random failures (``mtbf``) are timed on a clock that runs only while the job
 trains (not during start-up or holds), and hit workers that are in the
 quorum, so that a worker is never killed again while it is still starting.
@@ -25,6 +29,8 @@ from typing import Any
 
 from stalwart.launch.cluster import LocalCluster, PlannedKill, latest_step, worker_events
 
+HOLD_LEAD = 3
+"""Steps the survivors train after a failure before the job waits for the failed worker to rejoin."""
 REJOIN_LIMIT = 300.0
 """Seconds the job is held at most for one revived worker to ask to rejoin."""
 _STATUS_INTERVAL = 0.2
@@ -73,6 +79,8 @@ class ChaosDriver:
     _status_cache: dict[str, Any] = field(default_factory=dict)
     _status_time: float = 0.0
     _training_clock: float = 0.0
+    _failure_holds: dict[int, int] = field(default_factory=dict)
+    _hold_step: int | None = None
     _hold_since: float | None = None
 
     def run(self, timeout: float, on_progress: Callable[[Progress], None] = lambda progress: None) -> bool:
@@ -94,13 +102,14 @@ class ChaosDriver:
         committed, loss, world = latest_step(self.cluster.run_dir)
         self.progress.committed, self.progress.loss, self.progress.world = committed, loss, world
         running = committed < self.steps
-        if committed > 0 and running and not self.cluster.holding:
+        if committed > 0 and running and self._hold_since is None:
             self._training_clock += elapsed
         if running:
             self._fire_planned(committed)
             self._fire_random(committed)
         self._revive_due(committed)
         self._follow_revivals(committed)
+        self._update_hold(committed)
         if not running:
             for worker in list(self.cluster.stopped):
                 self.cluster.revive(worker)
@@ -109,8 +118,8 @@ class ChaosDriver:
     def _waiting_text(self, committed: int) -> str:
         if committed == 0:
             return f"waiting for {self.workers} workers to start and join the first quorum"
-        if self._waiting and self.cluster.holding:
-            names = ", ".join(f"worker-{worker}" for worker in sorted(self._waiting))
+        if self._hold_since is not None and self._failure_holds:
+            names = ", ".join(f"worker-{worker}" for worker in sorted(self._failure_holds))
             return f"holding the job until {names} asks to rejoin"
         return ""
 
@@ -136,12 +145,15 @@ class ChaosDriver:
         self._record("failure", worker, committed, signal=self.signal_name)
         self.say(f"step {committed}: SIG{self.signal_name} worker-{worker}")
         self._revivals_due.append((time.monotonic() + self.restart_after, worker))
+        self._failure_holds[worker] = committed + HOLD_LEAD
 
     # --- revivals and rejoins --------------------------------------------------------------------
 
     def _revive_due(self, committed: int) -> None:
         now = time.monotonic()
         for when, worker in [item for item in self._revivals_due if item[0] <= now]:
+            if self._still_in_quorum(worker) and now - when < self.rejoin_limit and committed < self.steps:
+                continue
             self._revivals_due.remove((when, worker))
             if committed >= self.steps and worker not in self.cluster.stopped:
                 self.say(f"worker-{worker} is not restarted: the job has ended")
@@ -152,34 +164,34 @@ class ChaosDriver:
             self._record("restart", worker, committed, how=how)
             self._waiting[worker] = _Revival(worker, time.time(), self.cluster.processes[worker].pid)
             if committed < self.steps:
-                self._hold(committed)
-                self.say(f"step {committed}: {how} worker-{worker}; holding the job until it asks to rejoin")
+                self.say(f"step {committed}: {how} worker-{worker}; the job waits for it to ask to rejoin")
 
     def _follow_revivals(self, committed: int) -> None:
-        if not self._waiting:
-            return
-        members = {entry["member"]: entry for entry in self._status().get("members", [])}
+        members = {entry["member"]: entry for entry in self._status().get("members", [])} if self._waiting else {}
         for worker, revival in list(self._waiting.items()):
             joined = [e for e in worker_events(self.cluster.run_dir, worker) if e["time"] >= revival.since]
             join = next((e for e in joined if e["event"] == "joined" and e["pid"] == revival.pid), None)
+            if join is not None and join["step"] >= self.steps:
+                self._failed(revival, committed, f"it joined after the job had committed its {join['step']} steps")
+                continue
             if join is not None:
                 self._rejoined(revival, join, joined)
                 continue
             entry = members.get(f"worker-{worker}")
             if not revival.asked and entry is not None and (entry["asking"] == "join" or entry["state"] == "alive"):
                 revival.asked = True
+                self._failure_holds.pop(worker, None)
                 self.say(f"worker-{worker} asks to rejoin")
             process = self.cluster.processes[worker]
             if process.poll() is not None:
                 self._failed(revival, committed, _exit_reason(joined, process.returncode))
             elif time.time() - revival.since > self.rejoin_limit:
                 self._failed(revival, committed, f"did not ask to join within {self.rejoin_limit:g} s")
-        if self.cluster.holding and all(revival.asked for revival in self._waiting.values()):
-            self._release(committed)
 
     def _rejoined(self, revival: _Revival, join: dict[str, Any], events: list[dict[str, Any]]) -> None:
         worker = revival.worker
         del self._waiting[worker]
+        self._failure_holds.pop(worker, None)
         self._record("rejoin", worker, join["step"], quorum_id=join["quorum_id"], world_size=join["world_size"])
         heal = next((e for e in events if e["event"] == "healed" and e["pid"] == revival.pid), None)
         if heal is not None:
@@ -190,30 +202,48 @@ class ChaosDriver:
 
     def _failed(self, revival: _Revival, committed: int, reason: str) -> None:
         del self._waiting[revival.worker]
+        self._failure_holds.pop(revival.worker, None)
         self._record("failed_rejoin", revival.worker, committed, reason=reason)
         self.say(f"step {committed}: worker-{revival.worker} did not rejoin: {reason}")
 
     def _settle(self) -> None:
         """After the job: revivals still waiting either joined at the very end or failed."""
-        self._release(self.progress.committed)
+        self._failure_holds.clear()
+        self.planned.clear()
+        self._update_hold(self.progress.committed)
         if self._waiting:
             self._follow_revivals(self.progress.committed)
         for revival in list(self._waiting.values()):
             self._failed(revival, self.progress.committed, "the job ended before it joined")
 
-    def _hold(self, committed: int) -> None:
-        self.cluster.hold()
-        if self._hold_since is None:
-            self._hold_since = time.time()
+    # --- holds -----------------------------------------------------------------------------------
 
-    def _release(self, committed: int) -> None:
-        """Let the workers go on; the hold is kept as an event (the report leaves it out of recovery times)."""
-        self.cluster.release()
-        if self._hold_since is not None:
+    def _update_hold(self, committed: int) -> None:
+        """Hold the job at the earliest of the next planned failure and each failed worker's rejoin step.
+
+        The time workers actually wait is kept as a ``hold`` event, which the
+        report leaves out of recovery times.
+        """
+        wanted = [kill.step for kill in self.planned] + list(self._failure_holds.values())
+        target = min(wanted) if wanted and committed < self.steps else None
+        biting = target is not None and committed >= target
+        if biting and self._hold_since is None:
+            self._hold_since = time.time()
+        if not biting and self._hold_since is not None:
             self.events.append({"kind": "hold", "step": committed, "time": self._hold_since, "end": time.time()})
             self._hold_since = None
+        if target != self._hold_step:
+            if target is None:
+                self.cluster.release()
+            else:
+                self.cluster.hold(target)
+            self._hold_step = target
 
     # --- helpers ---------------------------------------------------------------------------------
+
+    def _still_in_quorum(self, worker: int) -> bool:
+        """A stopped worker the lighthouse has not excluded yet: resuming it now would show no failure."""
+        return worker in self.cluster.stopped and worker in self._in_quorum()
 
     def _in_quorum(self) -> list[int]:
         """Workers the lighthouse has in the current quorum."""

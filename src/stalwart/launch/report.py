@@ -174,15 +174,47 @@ def planned_total(plan: EpochPlan, step: int) -> int:
     return plan.step_total(step % plan.steps_per_epoch)
 
 
-_SIGNAL_STYLES: dict[str, tuple[str, Literal["-", "--"]]] = {"KILL": ("tab:red", "-"), "STOP": ("tab:orange", "--")}
+@dataclass(frozen=True)
+class EventMark:
+    """How the plot shows one event: a vertical line (failures) or a marker on the world-size axis."""
+
+    kind: str
+    step: int
+    label: str
+    color: str
+    line_style: Literal["-", "--", ""] = ""
+    marker: str = ""
 
 
-def plot_report(report: RunReport, path: Path) -> None:
-    """Write a PNG: loss (and the failure-free reference's), world size, and the run's events per step.
+_FAILURE_STYLES: dict[str, tuple[str, Literal["-", "--"]]] = {"KILL": ("tab:red", "-"), "STOP": ("tab:orange", "--")}
+_EVENT_MARKERS = {
+    "rejoin": ("tab:green", "^", "rejoin"),
+    "heal": ("tab:purple", "o", "heal"),
+    "failed_rejoin": ("black", "x", "failed rejoin"),
+}
+
+
+def event_marks(report: RunReport) -> list[EventMark]:
+    """The plot's marks for the report's failures (by signal), rejoins, heals and failed rejoins, in order."""
+    marks = []
+    for event in report.events:
+        kind, step = event["kind"], int(event["step"])
+        if kind == "failure":
+            signal = event.get("signal", "KILL")
+            color, style = _FAILURE_STYLES.get(signal, _FAILURE_STYLES["KILL"])
+            marks.append(EventMark(kind, step, f"failure (SIG{signal})", color, line_style=style))
+        elif kind in _EVENT_MARKERS:
+            color, marker, label = _EVENT_MARKERS[kind]
+            marks.append(EventMark(kind, step, label, color, marker=marker))
+    return marks
+
+
+def plot_report(report: RunReport, path: Path) -> list[str]:
+    """Write a PNG of the loss (and the failure-free reference's), the world size and the events per step.
 
     Failures are vertical lines (red solid: SIGKILL, orange dashed: SIGSTOP);
-    rejoins and heals are markers on the world-size axis; failed rejoins are
-    black crosses.
+    rejoins, heals and failed rejoins are markers on the world-size axis.
+    Returns the legend's labels.
     """
     import matplotlib
 
@@ -192,41 +224,31 @@ def plot_report(report: RunReport, path: Path) -> None:
 
     figure, loss_axis = plt.subplots(figsize=(10, 5))
     steps = range(len(report.losses))
-    loss_axis.plot(steps, report.losses, color="tab:blue", label="loss")
+    handles = [Line2D([], [], color="tab:blue", label="loss")]
+    loss_axis.plot(steps, report.losses, color="tab:blue")
     if report.reference_losses:
-        reference_steps = range(len(report.reference_losses))
-        loss_axis.plot(
-            reference_steps, report.reference_losses, color="black", linestyle=":", label="loss without failures"
-        )
+        loss_axis.plot(range(len(report.reference_losses)), report.reference_losses, color="black", linestyle=":")
+        handles.append(Line2D([], [], color="black", linestyle=":", label="loss without failures"))
     loss_axis.set_xlabel("step")
     loss_axis.set_ylabel("loss", color="tab:blue")
     world_axis = loss_axis.twinx()
-    world_axis.step(steps, report.world_sizes, where="post", color="tab:green", label="world size")
+    world_axis.step(steps, report.world_sizes, where="post", color="tab:green")
+    handles.append(Line2D([], [], color="tab:green", label="world size"))
     world_axis.set_ylabel("world size", color="tab:green")
     world_axis.set_ylim(0, max(report.world_sizes, default=1) + 1)
-    handles = [Line2D([], [], color="tab:blue", label="loss")]
-    if report.reference_losses:
-        handles.append(Line2D([], [], color="black", linestyle=":", label="loss without failures"))
-    handles.append(Line2D([], [], color="tab:green", label="world size"))
-    seen: set[str] = set()
-    for event in report.events:
-        kind, step = event["kind"], event["step"]
-        if kind == "failure":
-            color, style = _SIGNAL_STYLES.get(event.get("signal", "KILL"), _SIGNAL_STYLES["KILL"])
-            loss_axis.axvline(step, color=color, linestyle=style, alpha=0.8)
-            label = f"failure (SIG{event.get('signal', 'KILL')})"
-            if label not in seen:
-                handles.append(Line2D([], [], color=color, linestyle=style, label=label))
-        elif kind in _EVENT_MARKERS:
-            color, marker, label = _EVENT_MARKERS[kind]
-            level = report.world_sizes[min(step, len(report.world_sizes) - 1)] if report.world_sizes else 0
-            level += 0.25 if kind == "heal" else 0.0
-            world_axis.plot([step], [level], marker=marker, color=color, markersize=9, linestyle="none")
-            if label not in seen:
-                handles.append(Line2D([], [], color=color, marker=marker, linestyle="none", label=label))
+    labels = [str(handle.get_label()) for handle in handles]
+    for mark in event_marks(report):
+        if mark.line_style:
+            loss_axis.axvline(mark.step, color=mark.color, linestyle=mark.line_style, alpha=0.8)
+            handle = Line2D([], [], color=mark.color, linestyle=mark.line_style, label=mark.label)
         else:
-            continue
-        seen.add(label)
+            level: float = report.world_sizes[min(mark.step, len(report.world_sizes) - 1)] if report.world_sizes else 0
+            level += 0.25 if mark.kind == "heal" else 0.0
+            world_axis.plot([mark.step], [level], marker=mark.marker, color=mark.color, markersize=9, linestyle="none")
+            handle = Line2D([], [], color=mark.color, marker=mark.marker, linestyle="none", label=mark.label)
+        if mark.label not in labels:
+            handles.append(handle)
+            labels.append(mark.label)
     loss_axis.legend(handles=handles, loc="upper right", fontsize="small")
     loss_axis.set_title(
         f"{report.steps_committed} steps, {report.failures_injected} failures, {report.rejoins} rejoins, "
@@ -235,10 +257,4 @@ def plot_report(report: RunReport, path: Path) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
-
-
-_EVENT_MARKERS = {
-    "rejoin": ("tab:green", "^", "rejoin"),
-    "heal": ("tab:purple", "o", "heal"),
-    "failed_rejoin": ("black", "x", "failed rejoin"),
-}
+    return labels

@@ -133,7 +133,11 @@ class Manager:
         self._client: LighthouseClient | None = None
         if self._group.is_leader:
             self._client = LighthouseClient(lighthouse, member, token=token, heartbeat_interval=heartbeat_interval)
-            self._client.wait_reachable(connect_timeout)
+            try:
+                self._client.wait_reachable(connect_timeout)
+            except BaseException:
+                self._client.close()
+                raise
             self._client.start_heartbeat(lambda: self.applied_step)
         self._comm: Communicator | None = None
         self._answer: QuorumAnswer | None = None
