@@ -242,3 +242,29 @@ def test_plot_marks_failures_by_signal_rejoins_and_heals(tmp_path: Path) -> None
     ]
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert report.world_size_history == [(0, 3), (3, 2), (5, 1), (6, 3)]
+
+
+def test_readme_training_example_runs_as_written(tmp_path: Path) -> None:
+    """``examples/train.py`` (the README's script) with two workers and a token, as the README launches it."""
+    script = Path(__file__).resolve().parent.parent / "examples" / "train.py"
+    token = "a-shared-secret"
+    with Lighthouse(
+        EpochPlan(1024, 64), min_replicas=2, start_replicas=2, token=token, join_timeout=60.0
+    ) as lighthouse:
+        environment = {**os.environ, "STALWART_LIGHTHOUSE": lighthouse.url, "STALWART_LIGHTHOUSE_TOKEN": token}
+        workers = [
+            subprocess.Popen(
+                [sys.executable, str(script)],
+                env={**environment, "WORKER_NAME": f"w{index}"},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for index in range(2)
+        ]
+        outputs = [worker.communicate(timeout=PROCESS_TIMEOUT) for worker in workers]
+        status = lighthouse.status()
+    for worker, (stdout, stderr) in zip(workers, outputs, strict=True):
+        assert worker.returncode == 0, stderr
+        assert "step 80: loss" in stdout and "world 2" in stdout
+    assert status["ledger"]["step"] == 100
