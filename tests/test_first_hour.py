@@ -268,3 +268,15 @@ def test_readme_training_example_runs_as_written(tmp_path: Path) -> None:
         assert worker.returncode == 0, stderr
         assert "step 80: loss" in stdout and "world 2" in stdout
     assert status["ledger"]["step"] == 100
+
+
+def test_demo_against_a_lighthouse_whose_plan_does_not_fit_says_why(tmp_path: Path) -> None:
+    with Lighthouse(EpochPlan(2000, 64), min_replicas=1, join_timeout=30.0) as lighthouse:
+        result = CliRunner().invoke(
+            demo_command,
+            ["--workers", "1", "--steps", "4", "--lighthouse", lighthouse.url, "--run-dir", str(tmp_path / "run")],
+        )
+    assert result.exit_code == 1
+    assert "the workers stopped after 0 of 4 steps" in result.output
+    assert "worker-0: the lighthouse's plan has dataset_size=2000" in result.output
+    assert "Traceback" not in result.output

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 import signal
@@ -173,6 +174,11 @@ def demo_command(
         if lighthouse is not None:
             lighthouse.stop()
         _restore(previous_handlers)
+    errors = _worker_errors(run_dir)
+    if errors and driver.progress.committed < steps:
+        for line in errors:
+            console.print(f"[red]{line}[/]", highlight=False)
+        raise click.ClickException(f"the workers stopped after {driver.progress.committed} of {steps} steps")
     reference = reference_run(plan, steps, seed) if compare else None
     report = build_report(plan, run_dir, cluster.failures, reference, driver.events)
     write_audit(plan, run_dir / "audit", committed_steps(run_dir))
@@ -269,6 +275,21 @@ def _drive(driver: ChaosDriver, plan: EpochPlan, steps: int, timeout: float, con
         finished = driver.run(timeout, show)
     if not finished:
         console.print(f"[red]gave up after {timeout:.0f} s")
+
+
+def _worker_errors(run_dir: Path) -> list[str]:
+    """Each worker's last error (a lighthouse it could not reach, a wrong token, a plan mismatch), one line each."""
+    lines = []
+    for path in sorted(run_dir.glob("events-*.jsonl")):
+        for line in reversed(path.read_text(encoding="utf-8").splitlines()):
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if event.get("event") == "error":
+                lines.append(f"{path.stem.removeprefix('events-')}: {event['message']}")
+                break
+    return lines
 
 
 def _samples_committed(plan: EpochPlan, steps: int) -> int:
