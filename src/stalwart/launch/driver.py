@@ -140,6 +140,7 @@ class ChaosDriver:
 
     def _kill(self, worker: int, committed: int) -> None:
         if worker not in self.cluster.alive():
+            self.say(f"step {committed}: worker-{worker} is not running; no signal sent")
             return
         self.cluster.kill(worker, self.signal_name, committed)
         self._record("failure", worker, committed, signal=self.signal_name)
