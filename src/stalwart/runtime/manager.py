@@ -38,10 +38,11 @@ from stalwart.coord.client import LighthouseClient, LighthouseError, QuorumAnswe
 from stalwart.data.info import DataLoadingInfo, split_group_share
 from stalwart.data.ledger import DataLedger
 from stalwart.data.world import WorldInfo
-from stalwart.runtime.comm import CollectiveError, Communicator, default_device, quorum_store
+from stalwart.runtime.comm import CollectiveError, Communicator, default_device, device_rng_states, quorum_store
 from stalwart.runtime.group import GroupLink
 from stalwart.runtime.heal import transfer_state
 from stalwart.runtime.loader import ElasticLoader
+from stalwart.runtime.state import Stateful, check_state_name, host_rng_states
 
 log = logging.getLogger(__name__)
 _NO_POSITIONS = np.zeros(0, dtype=np.int64)
@@ -71,6 +72,12 @@ class Manager:
     called at ``"reduce_started"`` (the all-reduce is in flight) and
     ``"reduce_finished"`` (reduced, not yet applied), for tracing and for
     tests that kill a worker at those points.
+
+    A member's state, healed as one, is the model, the optimizer, what
+    :meth:`register_state` added and the random generators (see
+    :mod:`stalwart.runtime.state`: torch's CPU generator, CUDA's when present,
+    numpy's global and python ``random``'s). ``max_heal_bytes`` bounds what a
+    heal may allocate (default: a few times this member's own state).
     """
 
     def __init__(
@@ -90,6 +97,7 @@ class Manager:
         host: str = "127.0.0.1",
         device: torch.device | None = None,
         on_event: Callable[[str, int], None] | None = None,
+        max_heal_bytes: int | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -127,6 +135,32 @@ class Manager:
         self._loss_sum = 0.0
         self._reconfigure = True
         self._on_event = on_event
+        self.max_heal_bytes = None if max_heal_bytes is None else check_int("max_heal_bytes", max_heal_bytes, minimum=1)
+        self._user_states: dict[str, Stateful] = {}
+        self._rng_states: dict[str, Stateful] = {**host_rng_states(), **device_rng_states()}
+        self._started = False
+        self._heals = 0
+
+    def register_state(self, name: str, obj: Stateful) -> None:
+        """Make ``obj`` part of this member's state, healed with the model and optimizer under ``name``.
+
+        ``obj`` needs ``state_dict()`` and ``load_state_dict()`` (an LR
+        scheduler, a ``GradScaler``, an EMA module, a counters object); its state
+        may hold nested dicts, lists, tuples, JSON scalars and tensors. Every
+        member must register the same names in the same order, before
+        ``manager.steps()`` starts.
+        """
+        if self._started:
+            raise RuntimeError(f"register_state({name!r}) must be called before manager.steps() starts")
+        name = check_state_name(name, set(self._user_states))
+        if not callable(getattr(obj, "state_dict", None)) or not callable(getattr(obj, "load_state_dict", None)):
+            raise TypeError(f"obj must have state_dict() and load_state_dict(), got {type(obj).__name__}")
+        self._user_states[name] = obj
+
+    @property
+    def states(self) -> dict[str, Stateful]:
+        """Everything a heal copies, in order: model, optimizer, registered states, random generators."""
+        return {"model": self.model, "optimizer": self.optimizer, **self._user_states, **self._rng_states}
 
     @property
     def ledger(self) -> DataLedger:
@@ -169,6 +203,7 @@ class Manager:
     def steps(self, loader: ElasticLoader, *, max_steps: int) -> Iterator[TrainStep]:
         """Yield one :class:`TrainStep` per step until the job has committed ``max_steps`` steps."""
         max_steps = check_int("max_steps", max_steps, minimum=0)
+        self._started = True
         while True:
             if self._reconfigure or self._ledger is None:
                 self._join(reason="join" if self._ledger is None else "reconfigure")
@@ -334,6 +369,7 @@ class Manager:
             self._ledger = DataLedger.from_state_dict(answer.ledger)
             try:
                 self._comm = self._connect(answer)
+                self._heals = 0  # heal keys count from 0 in each quorum's store, the same on every member
                 if answer.heal is not None:
                     self._heal(answer)
             except CollectiveError as error:
@@ -371,12 +407,24 @@ class Manager:
             )
         is_target = self.member in answer.heal.targets
         source = sum(self._group_sizes[: answer.heal.source_rank])
-        self.applied_step = transfer_state(
-            self._comm, source, self.model, self.optimizer, self.applied_step, is_target=is_target
-        )
+        self.applied_step = self._transfer(source, is_target=is_target)
         if is_target:
             self.optimizer.zero_grad(set_to_none=True)
             self._reset_step()
+
+    def _transfer(self, source: int, *, is_target: bool) -> int:
+        """Broadcast the whole state from process rank ``source``; load it if ``is_target``."""
+        assert self._comm is not None
+        self._heals += 1
+        return transfer_state(
+            self._comm,
+            source,
+            self.states,
+            self.applied_step,
+            is_target=is_target,
+            key=f"heal/{self._heals}",
+            max_bytes=self.max_heal_bytes,
+        )
 
     def _indices(self, part: np.ndarray) -> list[int]:
         """Sample indices of ``part``: the prefetched ones when the share is the one foreseen (the usual case)."""
