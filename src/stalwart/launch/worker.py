@@ -12,6 +12,9 @@ saves its parameters to ``RUN_DIR/final-MEMBER.pt``.
 ``--kill-at STEP:POINT`` makes the worker SIGKILL itself at a named point of a
 step, for tests: ``before_forward``, ``during_backward``, ``during_reduce``
 (the all-reduce is in flight) or ``after_reduce`` (reduced, not applied).
+``--corrupt-at STEP`` adds noise to this worker's parameters at the start of
+step STEP, for tests of the replica-consistency check (the Manager must heal
+it from the others before the step is applied).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--collective-timeout", type=float, default=2.0)
     parser.add_argument("--kill-at", type=parse_kill_at, default=None)
+    parser.add_argument("--corrupt-at", type=int, default=None, help="Perturb the parameters at this step (tests).")
     parser.add_argument(
         "--step-seconds", type=float, default=0.0, help="Extra seconds of simulated compute at the start of each step."
     )
@@ -92,6 +96,11 @@ def main(argv: list[str] | None = None) -> None:
         for step in manager.steps(loader, max_steps=args.max_steps):
             number = manager.ledger.step
             time.sleep(args.step_seconds)
+            if args.corrupt_at == number:
+                args.corrupt_at = None
+                with torch.no_grad():
+                    for param in model.parameters():
+                        param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(number)) * 1e-2)
             for batch in step:
                 kill_if("before_forward", number)
                 loss = summed_loss(model, batch)  # type: ignore[arg-type]
@@ -107,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
                 "world_size": report.world_size,
                 "samples": report.samples,
                 "loss": report.loss,
+                "drift_heals": report.drift_heals,
                 "time": time.time(),
                 "positions": sorted(report.positions.tolist()),
             }

@@ -39,6 +39,19 @@ from stalwart.data.info import DataLoadingInfo, split_group_share
 from stalwart.data.ledger import DataLedger
 from stalwart.data.world import WorldInfo
 from stalwart.runtime.comm import CollectiveError, Communicator, default_device, device_rng_states, quorum_store
+from stalwart.runtime.consistency import (
+    AUDIT_PIECES,
+    DRIFT_SLOTS,
+    AuditError,
+    ReplicaDriftError,
+    audit_pieces,
+    audit_value,
+    default_check_every,
+    drift_plan,
+    drift_slots,
+    index_checksum,
+    parameter_checksum,
+)
 from stalwart.runtime.group import GroupLink
 from stalwart.runtime.heal import transfer_state
 from stalwart.runtime.loader import ElasticLoader
@@ -60,6 +73,7 @@ class StepReport:
     quorum_id: int
     recoveries: int
     positions: np.ndarray
+    drift_heals: int = 0
 
 
 class Manager:
@@ -78,6 +92,14 @@ class Manager:
     :mod:`stalwart.runtime.state`: torch's CPU generator, CUDA's when present,
     numpy's global and python ``random``'s). ``max_heal_bytes`` bounds what a
     heal may allocate (default: a few times this member's own state).
+
+    Every step's all-reduce also carries two checks (see
+    :mod:`stalwart.runtime.consistency`): a checksum of each process's
+    parameters and applied step every ``check_every`` steps (default: every
+    step for models up to 2**20 parameters, less often for larger ones), after
+    which replicas that drifted are healed from the majority before the step is
+    applied; and a checksum of the samples each loader produced, which must
+    match the ledger's positions for the step, else :class:`AuditError`.
     """
 
     def __init__(
@@ -98,6 +120,7 @@ class Manager:
         device: torch.device | None = None,
         on_event: Callable[[str, int], None] | None = None,
         max_heal_bytes: int | None = None,
+        check_every: int | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -140,6 +163,13 @@ class Manager:
         self._rng_states: dict[str, Stateful] = {**host_rng_states(), **device_rng_states()}
         self._started = False
         self._heals = 0
+        parameters = sum(param.numel() for param in self._params)
+        self.check_every = (
+            default_check_every(parameters) if check_every is None else check_int("check_every", check_every, minimum=1)
+        )
+        self.drift_heals = 0
+        self._step_drift_heals = 0
+        self._index_sum = 0
 
     def register_state(self, name: str, obj: Stateful) -> None:
         """Make ``obj`` part of this member's state, healed with the model and optimizer under ``name``.
@@ -212,6 +242,7 @@ class Manager:
                 return
             if not self.ledger.in_step:
                 self.ledger.begin_step(self._answer_members())
+            loader.take_produced()  # anything produced outside a step is not this step's
             step = TrainStep(self, loader)
             yield step
             if not step.committed:
@@ -259,8 +290,11 @@ class Manager:
             part = self._next_part()
             if part.size:
                 yield from loader.microbatches(self.ledger.epoch, self._indices(part), self.max_microbatch)
+            self._index_sum = (self._index_sum + _produced_checksum(loader)) % (1 << 64)
             try:
                 reduced = self._all_reduce()
+                if self._heal_drift(reduced):
+                    continue
             except CollectiveError as error:
                 log.warning(
                     "%s: step %d all-reduce failed (%s); asking for a new quorum", self.member, self.ledger.step, error
@@ -278,13 +312,71 @@ class Manager:
             for param in self._params
         ]
         flag = 1.0 if self._client is not None and self._client.reconfigure_requested else 0.0
-        tail = torch.tensor([float(self._samples), self._loss_sum, flag], device=self.device)
+        if self._check_step():
+            s1, s2 = parameter_checksum(self._params)
+            drift = drift_slots(self._comm.rank, self._comm.world_size, s1, s2, self.applied_step)
+        else:
+            drift = torch.zeros(DRIFT_SLOTS * self._comm.world_size)
+        tail = torch.cat(
+            [drift, audit_pieces(self._index_sum), torch.tensor([float(self._samples), self._loss_sum, flag])]
+        ).to(self.device)
         flat = torch.cat([*(piece.to(torch.float32) for piece in pieces), tail])
         wait = self._comm.start_all_reduce_sum(flat)
         self._notify("reduce_started")
         wait()
         self._notify("reduce_finished")
         return flat
+
+    def _check_step(self) -> bool:
+        """Whether this step's all-reduce carries the replica-consistency check (the same on every member)."""
+        return self.ledger.step % self.check_every == 0
+
+    def _heal_drift(self, reduced: torch.Tensor) -> bool:
+        """If the replicas' checksums differ, heal the odd ones out from the majority and return True."""
+        assert self._comm is not None
+        if not self._check_step():
+            return False
+        world = self._comm.world_size
+        end = -(AUDIT_PIECES + 3)
+        plan = drift_plan(reduced[end - DRIFT_SLOTS * world : end].cpu(), world)
+        if plan is None:
+            return False
+        if self._step_drift_heals >= 2:
+            raise ReplicaDriftError(
+                f"step {self.ledger.step}: processes {list(plan.targets)} still differ from process {plan.source} "
+                "after two heals; is the training step deterministic across replicas?"
+            )
+        self._step_drift_heals += 1
+        self.drift_heals += 1
+        is_target = self._comm.rank in plan.targets
+        log.warning(
+            "%s: step %d replicas drifted: healing processes %s from process %d%s",
+            self.member,
+            self.ledger.step,
+            list(plan.targets),
+            plan.source,
+            " (this one)" if is_target else "",
+        )
+        applied = self._transfer(plan.source, is_target=is_target)
+        if is_target:
+            self.applied_step = applied
+            self.optimizer.zero_grad(set_to_none=True)
+            self._reset_step()  # recompute this process's whole part with the healed parameters
+        return True
+
+    def _audit(self, reduced: torch.Tensor) -> None:
+        """Refuse the step unless the samples the quorum loaded are those of the ledger's positions."""
+        ledger = self.ledger
+        positions = [share for share in ledger.in_flight.values() if share.size]
+        everything = np.concatenate(positions) if positions else _NO_POSITIONS
+        expected = index_checksum(ledger.epoch, ledger.plan.indices_at(ledger.epoch, everything))
+        loaded = audit_value(reduced[-(AUDIT_PIECES + 3) : -3].cpu())
+        if loaded != expected:
+            raise AuditError(
+                f"step {ledger.step}: the samples the quorum loaded (checksum {loaded:#018x}) are not those of the "
+                f"ledger's {everything.size} positions (checksum {expected:#018x}): a member's loader produced "
+                "other samples than its share"
+            )
 
     def _apply(self, reduced: torch.Tensor) -> None:
         samples = round(float(reduced[-3]))
@@ -293,6 +385,7 @@ class Manager:
             raise RuntimeError(
                 f"step {self.ledger.step}: the quorum reduced {samples} samples, the ledger holds {expected}"
             )
+        self._audit(reduced)
         offset = 0
         for param in self._params:
             count = param.numel()
@@ -313,8 +406,10 @@ class Manager:
             quorum_id=self.quorum_id,
             recoveries=self.recoveries,
             positions=committed,
+            drift_heals=self.drift_heals,
         )
         self.applied_step += 1
+        self._step_drift_heals = 0
         self._reset_step()
         self._reconfigure = float(reduced[-1]) > 0
 
@@ -322,6 +417,7 @@ class Manager:
         self._group_done = _NO_POSITIONS
         self._samples = 0
         self._loss_sum = 0.0
+        self._index_sum = 0
 
     def _notify(self, event: str) -> None:
         """Tell the ``on_event`` hook (tracing, chaos tests) that ``event`` happened in the current step."""
@@ -441,6 +537,15 @@ class Manager:
         indices = preview.plan.indices_at(preview.epoch, part).tolist()
         self._foreseen = (preview.epoch, part, indices)
         loader.prefetch(preview.epoch, indices)
+
+
+def _produced_checksum(loader: ElasticLoader) -> int:
+    """The audit checksum of the samples ``loader`` produced since it was last asked."""
+    produced = loader.take_produced()
+    if not produced:
+        return 0
+    keys = np.asarray(produced, dtype=np.int64)
+    return index_checksum(keys[:, 0], keys[:, 1])
 
 
 class TrainStep:
