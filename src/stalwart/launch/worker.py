@@ -60,7 +60,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="The address other workers reach this one on.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--collective-timeout", type=float, default=2.0)
+    parser.add_argument("--collective-timeout", type=float, default=None, help="Default: STALWART_COLLECTIVE_TIMEOUT.")
+    parser.add_argument("--rendezvous-timeout", type=float, default=None, help="Default: STALWART_RENDEZVOUS_TIMEOUT.")
+    parser.add_argument("--heal-timeout", type=float, default=None, help="Default: STALWART_HEAL_TIMEOUT.")
     parser.add_argument("--kill-at", type=parse_kill_at, default=None)
     parser.add_argument("--corrupt-at", type=int, default=None, help="Perturb the parameters at this step (tests).")
     parser.add_argument(
@@ -86,6 +88,8 @@ def main(argv: list[str] | None = None) -> None:
         token=args.token,
         max_microbatch=args.max_microbatch,
         collective_timeout=args.collective_timeout,
+        rendezvous_timeout=args.rendezvous_timeout,
+        heal_timeout=args.heal_timeout,
         host=args.host,
         group=group,
         on_event=lambda event, step: kill_if(_MANAGER_EVENTS[event], step),

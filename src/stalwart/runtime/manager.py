@@ -56,8 +56,15 @@ from stalwart.runtime.group import GroupLink
 from stalwart.runtime.heal import transfer_state
 from stalwart.runtime.loader import ElasticLoader
 from stalwart.runtime.state import Stateful, check_state_name, host_rng_states
+from stalwart.runtime.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
+
+
+class JoinError(RuntimeError):
+    """This member could not get into a working quorum within ``max_join_attempts`` attempts."""
+
+
 _NO_POSITIONS = np.zeros(0, dtype=np.int64)
 
 
@@ -87,6 +94,12 @@ class Manager:
     ``"reduce_finished"`` (reduced, not yet applied), for tracing and for
     tests that kill a worker at those points.
 
+    Rendezvous, collectives and heals have their own timeouts, each from the
+    argument, else an environment variable, else a default (see
+    :mod:`stalwart.runtime.timeouts`); a heal's deadline grows with the bytes
+    it moves. Joining a quorum gives up after ``max_join_attempts`` quorums
+    that could not start (or exclusions) in a row, with :class:`JoinError`.
+
     A member's state, healed as one, is the model, the optimizer, what
     :meth:`register_state` added and the random generators (see
     :mod:`stalwart.runtime.state`: torch's CPU generator, CUDA's when present,
@@ -113,7 +126,11 @@ class Manager:
         token: str | None = None,
         group: WorldInfo | None = None,
         group_store: dist.Store | None = None,
-        collective_timeout: float = 2.0,
+        collective_timeout: float | None = None,
+        rendezvous_timeout: float | None = None,
+        heal_timeout: float | None = None,
+        heal_min_bandwidth: float | None = None,
+        max_join_attempts: int = 20,
         quorum_timeout: float = 120.0,
         heartbeat_interval: float = 0.1,
         host: str = "127.0.0.1",
@@ -128,14 +145,20 @@ class Manager:
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if not isinstance(member, str) or not member:
             raise ValueError(f"member must be a non-empty string, got {member!r}")
-        for name, value in (("collective_timeout", collective_timeout), ("quorum_timeout", quorum_timeout)):
-            if not value > 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
+        if not quorum_timeout > 0:
+            raise ValueError(f"quorum_timeout must be > 0 seconds, got {quorum_timeout!r}")
+        self.timeouts = Timeouts.resolve(
+            rendezvous_timeout=rendezvous_timeout,
+            collective_timeout=collective_timeout,
+            heal_timeout=heal_timeout,
+            heal_min_bandwidth=heal_min_bandwidth,
+        )
+        self.max_join_attempts = check_int("max_join_attempts", max_join_attempts, minimum=1)
         self.model = model
         self.optimizer = optimizer
         self.member = member
         self.max_microbatch = check_int("max_microbatch", max_microbatch, minimum=1)
-        self.collective_timeout = collective_timeout
+        self.collective_timeout = self.timeouts.collective_timeout
         self.quorum_timeout = quorum_timeout
         self.host = host
         self.device = device or default_device()
@@ -433,34 +456,36 @@ class Manager:
             return True
         return False
 
-    def _next_answer(self, reason: str) -> QuorumAnswer:
-        """The next quorum this member is in: asked by the leader, relayed to the rest of the group."""
+    def _next_answer(self, reason: str) -> QuorumAnswer | None:
+        """The next quorum this member is in (asked by the leader, relayed to the group); None if excluded."""
         if self._client is None:
             return QuorumAnswer.from_json(self._group.receive())
-        while True:
-            try:
-                answer = self._client.quorum(
-                    applied_step=self.applied_step,
-                    quorum_id=self.quorum_id if self._answer else None,
-                    reason=reason,
-                    timeout=self.quorum_timeout,
-                )
-            except LighthouseError as error:
-                if error.status != 409:
-                    raise
-                log.warning("%s: excluded from the quorum (%s); joining again", self.member, error)
-                reason = "join"
-                continue
-            self._group.publish(dataclasses.asdict(answer))
-            return answer
+        try:
+            answer = self._client.quorum(
+                applied_step=self.applied_step,
+                quorum_id=self.quorum_id if self._answer else None,
+                reason=reason,
+                timeout=self.quorum_timeout,
+            )
+        except LighthouseError as error:
+            if error.status != 409:
+                raise
+            log.warning("%s: excluded from the quorum (%s); joining again", self.member, error)
+            return None
+        self._group.publish(dataclasses.asdict(answer))
+        return answer
 
     def _join(self, reason: str) -> None:
-        """Ask for a quorum until this member is in one, its group is up and it is healed."""
-        while True:
+        """Ask for a quorum until this member is in one, its group is up and it is healed (bounded attempts)."""
+        last_failure = "none"
+        for attempt in range(1, self.max_join_attempts + 1):
             if self._comm is not None:
                 self._comm.abort()
                 self._comm = None
             answer = self._next_answer(reason)
+            if answer is None:
+                reason, last_failure = "join", "excluded from the quorum"
+                continue
             self._answer = answer
             self._ledger = DataLedger.from_state_dict(answer.ledger)
             try:
@@ -469,16 +494,29 @@ class Manager:
                 if answer.heal is not None:
                     self._heal(answer)
             except CollectiveError as error:
-                log.warning("%s: quorum %d could not start (%s); asking again", self.member, answer.quorum_id, error)
+                log.warning(
+                    "%s: quorum %d could not start (%s); asking again (attempt %d of %d)",
+                    self.member,
+                    answer.quorum_id,
+                    error,
+                    attempt,
+                    self.max_join_attempts,
+                )
                 reason = "failure" if self._group_done.size else "reconfigure"
                 self._comm = None
+                last_failure = str(error)
                 continue
             self._reconfigure = False
             return
+        raise JoinError(
+            f"{self.member}: no working quorum after {self.max_join_attempts} attempts "
+            f"(max_join_attempts={self.max_join_attempts}); last failure: {last_failure}"
+        )
 
     def _connect(self, answer: QuorumAnswer) -> Communicator:
         """Build the quorum's process group over every process of every member group."""
-        store = quorum_store(answer.store.host, answer.store.port, answer.store.prefix, self.collective_timeout)
+        timeout = self.timeouts.rendezvous_timeout
+        store = quorum_store(answer.store.host, answer.store.port, answer.store.prefix, timeout)
         if self._group.is_leader:
             store.set(f"group_size/{self.member}", str(self._group.size))
         self._group_sizes = [int(store.get(f"group_size/{member}")) for member in answer.members]
@@ -487,7 +525,8 @@ class Manager:
             store,
             offset + self._group.rank,
             sum(self._group_sizes),
-            timeout=self.collective_timeout,
+            timeout=self.timeouts.collective_timeout,
+            rendezvous_timeout=self.timeouts.rendezvous_timeout,
             device=self.device,
             host=self.host,
             abandon=self._abandon,
@@ -520,6 +559,8 @@ class Manager:
             is_target=is_target,
             key=f"heal/{self._heals}",
             max_bytes=self.max_heal_bytes,
+            timeout=self.timeouts.heal_timeout,
+            min_bandwidth=self.timeouts.heal_min_bandwidth,
         )
 
     def _indices(self, part: np.ndarray) -> list[int]:
