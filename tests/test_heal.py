@@ -1,27 +1,35 @@
-"""Healing over a real Gloo group: a target receives the source's model and Adam state exactly; others keep theirs.
+"""Healing over a real Gloo group: a target receives the source's whole state exactly; others keep theirs.
 
 Three spawned processes rendezvous on a TCPStore started by the test: rank 0
 (the source) has trained a few steps, rank 1 (the target) is fresh, rank 2
-(a bystander) has trained differently. Each saves its state before and after
-``transfer_state`` and after one more identical step; the test compares them.
+(a bystander) has trained differently. The state is the model, Adam, a StepLR
+scheduler, a small custom stateful object and the RNG states. Each saves its
+state before and after ``transfer_state`` and after one more identical step;
+the test compares them. Planted metadata (a huge shape, a wrong dtype, swapped
+names, a total over budget) is refused before anything is allocated.
 """
 
 from __future__ import annotations
 
 import copy
 import datetime
+import json
 import multiprocessing
+import random
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
+from stalwart.runtime import heal
 from stalwart.runtime.comm import Communicator, quorum_store
-from stalwart.runtime.heal import transfer_state
+from stalwart.runtime.heal import HealError, flatten_states, transfer_state
+from stalwart.runtime.state import host_rng_states
 
 HOST = "127.0.0.1"
 TIMEOUT = 20.0
@@ -36,34 +44,100 @@ def model_and_optimizer(seed: int) -> tuple[torch.nn.Module, torch.optim.Adam]:
     return model, torch.optim.Adam(model.parameters(), lr=0.01)
 
 
-def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, seed: int) -> None:
+class Counters:
+    """A user's stateful object: python values, int-keyed dicts, a tuple and a tensor."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+        self.losses: list[float] = []
+        self.by_step: dict[int, str] = {}
+        self.window = (0, 0)
+        self.ema = torch.zeros(3)
+
+    def update(self, loss: float) -> None:
+        self.seen += 16
+        self.losses.append(loss)
+        self.by_step[len(self.losses)] = f"loss {loss:.3f}"
+        self.window = (self.window[1], self.seen)
+        self.ema = 0.9 * self.ema + 0.1 * loss
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "seen": self.seen,
+            "losses": list(self.losses),
+            "by_step": dict(self.by_step),
+            "window": self.window,
+            "ema": self.ema.clone(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.seen = state["seen"]
+        self.losses = list(state["losses"])
+        self.by_step = dict(state["by_step"])
+        self.window = state["window"]
+        self.ema = state["ema"].clone()
+
+
+def make_states(seed: int) -> dict[str, Any]:
+    model, optimizer = model_and_optimizer(seed)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    return {
+        "model": model,
+        "optimizer": optimizer,
+        "scheduler": scheduler,
+        "counters": Counters(),
+        **host_rng_states(),
+    }
+
+
+def train(states: dict[str, Any], steps: int, seed: int) -> None:
+    model, optimizer = states["model"], states["optimizer"]
     generator = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         inputs = torch.randn(16, 4, generator=generator)
         optimizer.zero_grad()
-        model(inputs).pow(2).sum().backward()
+        loss = model(inputs).pow(2).sum()
+        loss.backward()
         optimizer.step()
+        states["scheduler"].step()
+        states["counters"].update(float(loss.detach()))
 
 
-def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    return {"model": copy.deepcopy(model.state_dict()), "optimizer": copy.deepcopy(optimizer.state_dict())}
+def snapshot(states: dict[str, Any]) -> dict[str, Any]:
+    return {name: copy.deepcopy(states[name].state_dict()) for name in ("model", "optimizer", "scheduler", "counters")}
+
+
+def draws() -> list[float]:
+    """One draw from each global generator a heal carries."""
+    return [float(torch.rand(())), float(np.random.rand()), random.random()]
 
 
 def heal_peer(rank: int, port: int, prefix: str, out: str) -> None:
     """One member: build its state by role, take part in the transfer from rank 0, then step once more."""
     torch.set_num_threads(1)
     role = ROLES[rank]
-    model, optimizer = model_and_optimizer(seed=rank)
+    states = make_states(seed=rank)
     steps = {"source": SOURCE_STEPS, "target": 0, "bystander": BYSTANDER_STEPS}[role]
-    train(model, optimizer, steps, seed=100 + rank)
+    train(states, steps, seed=100 + rank)
+    torch.manual_seed(10 + rank)
+    np.random.seed(20 + rank)
+    random.seed(30 + rank)
     store = quorum_store(HOST, port, prefix, TIMEOUT)
     comm = Communicator(store, rank, len(ROLES), timeout=TIMEOUT, device=torch.device("cpu"))
     try:
-        before = snapshot(model, optimizer)
-        applied = transfer_state(comm, 0, model, optimizer, steps, is_target=role == "target")
-        after = snapshot(model, optimizer)
-        train(model, optimizer, 1, seed=999)
-        result = {"before": before, "after": after, "next": copy.deepcopy(model.state_dict()), "applied": applied}
+        before = snapshot(states)
+        applied = transfer_state(comm, 0, states, steps, is_target=role == "target")
+        after = snapshot(states)
+        drawn = draws()
+        train(states, 1, seed=999)
+        result = {
+            "before": before,
+            "after": after,
+            "next": snapshot(states),
+            "applied": applied,
+            "draws": drawn,
+            "lr": states["optimizer"].param_groups[0]["lr"],
+        }
         torch.save(result, Path(out) / f"{role}.pt")
     finally:
         comm.abort()
@@ -120,24 +194,117 @@ def test_the_target_gets_the_source_state_exactly_and_steps_the_same(store: dist
     assert differs(source["before"]["model"], target["before"]["model"])
     assert target["before"]["optimizer"]["state"] == {}
     assert set(source["before"]["optimizer"]["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert source["before"]["scheduler"]["last_epoch"] == SOURCE_STEPS
+    assert target["before"]["scheduler"]["last_epoch"] == 0
+    assert list(source["before"]["counters"]["by_step"]) == [1, 2, 3]  # int keys survive the JSON
+    assert target["before"]["counters"]["seen"] == 0
     assert_same(source["after"], source["before"], "source")
     assert_same(target["after"], source["after"], "target")
     assert_same(target["next"], source["next"], "next step")
-    assert differs(source["next"], source["after"]["model"])
+    assert target["lr"] == source["lr"] == 0.01 * 0.5**2
+    assert target["draws"] == source["draws"]
+    assert differs(source["next"]["model"], source["after"]["model"])
 
     assert_same(bystander["after"], bystander["before"], "bystander")
     assert differs(bystander["after"]["model"], source["after"]["model"])
+    assert bystander["draws"] != source["draws"]
     assert [peer["applied"] for peer in (source, target, bystander)] == [SOURCE_STEPS] * 3
 
 
 def test_optimizer_state_that_is_not_json_raises_a_clear_type_error(store: dist.TCPStore) -> None:
-    model, optimizer = model_and_optimizer(seed=0)
-    train(model, optimizer, 1, seed=0)
-    optimizer.param_groups[0]["schedule"] = {0.1, 0.01}
+    states = make_states(seed=0)
+    train(states, 1, seed=0)
+    states["optimizer"].param_groups[0]["schedule"] = {0.1, 0.01}
     alone = quorum_store(HOST, store.port, f"json-{uuid.uuid4().hex}/", TIMEOUT)
     comm = Communicator(alone, 0, 1, timeout=TIMEOUT, device=torch.device("cpu"))
     try:
-        with pytest.raises(TypeError, match=r"set.*cannot be sent as JSON"):
-            transfer_state(comm, 0, model, optimizer, 1, is_target=False)
+        with pytest.raises(TypeError, match=r"optimizer/param_groups/0/schedule.*set.*cannot be sent as JSON"):
+            transfer_state(comm, 0, states, 1, is_target=False)
     finally:
         comm.abort()
+
+
+class Receiver:
+    """A receiving member's communicator as transfer_state sees it, without a group: a broadcast is a failure."""
+
+    rank = 1
+    world_size = 2
+    device = torch.device("cpu")
+
+    def __init__(self, meta: dict[str, Any]) -> None:
+        self.store = dist.HashStore()
+        self.store.set(heal.META_KEY, json.dumps(meta))
+
+    def broadcast(self, tensors: list[torch.Tensor], source_rank: int, *, timeout: float | None = None) -> None:
+        raise AssertionError("a refused heal must not reach the broadcast")
+
+
+def twin_layers(seed: int) -> dict[str, Any]:
+    """A model with two layers of the same shape (a permutation between them keeps every shape)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    return {"model": model, "optimizer": optimizer}
+
+
+def source_meta() -> dict[str, Any]:
+    states = twin_layers(seed=0)
+    states["model"](torch.ones(2, 4)).sum().backward()
+    states["optimizer"].step()
+    meta, _ = flatten_states(states, applied_step=1)
+    return meta
+
+
+def plant_huge_shape(meta: dict[str, Any]) -> str:
+    meta["tensors"][0]["shape"] = [1 << 20, 1 << 20]  # 4 TiB of float32
+    return r"#0 'model/0.weight' is \[1048576, 1048576\] torch.float32; this member's is \[4, 4\]"
+
+
+def plant_wrong_dtype(meta: dict[str, Any]) -> str:
+    meta["tensors"][1]["dtype"] = "float64"
+    return r"#1 'model/0.bias' is \[4\] torch.float64; this member's is \[4\] torch.float32"
+
+
+def plant_swapped_names(meta: dict[str, Any]) -> str:
+    first, third = meta["tensors"][0], meta["tensors"][2]
+    first["name"], third["name"] = third["name"], first["name"]
+    return r"#0 'model/2.weight' is out of order: this member expects 'model/0.weight' here"
+
+
+def plant_unknown_tensor(meta: dict[str, Any]) -> str:
+    meta["tensors"].append({"name": "model/extra", "shape": [1 << 40], "dtype": "uint8"})
+    return r"'model/extra' is not part of this member's state"
+
+
+@pytest.mark.parametrize("plant", [plant_huge_shape, plant_wrong_dtype, plant_swapped_names, plant_unknown_tensor])
+def test_planted_metadata_is_refused_before_anything_is_allocated(plant: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    allocations: list[Any] = []
+    monkeypatch.setattr(heal, "_allocate", lambda specs, device: allocations.append(specs) or [])
+    meta = source_meta()
+    expected = plant(meta)
+    target = twin_layers(seed=1)
+    with pytest.raises(HealError, match=expected):
+        transfer_state(Receiver(meta), 0, target, 0, is_target=True)  # type: ignore[arg-type]
+    assert allocations == []
+
+
+def test_a_heal_over_its_byte_budget_is_refused_and_a_fitting_one_allocates(monkeypatch: pytest.MonkeyPatch) -> None:
+    allocations: list[Any] = []
+    monkeypatch.setattr(heal, "_allocate", lambda specs, device: allocations.append(specs) or [])
+    meta = source_meta()
+    with pytest.raises(HealError, match=r"#1 'model/0.bias' brings the heal to 80 bytes, over the budget of 64"):
+        transfer_state(Receiver(meta), 0, twin_layers(seed=1), 0, is_target=True, max_bytes=64)  # type: ignore[arg-type]
+    assert allocations == []
+
+    specs = heal.check_heal_meta(meta, twin_layers(seed=1))
+    names = [spec.name for spec in specs]
+    assert names[:4] == ["model/0.weight", "model/0.bias", "model/2.weight", "model/2.bias"]
+    assert "optimizer/state/0/exp_avg" in names  # Adam state the fresh target has not created yet is allowed
+
+
+def test_states_registered_differently_are_refused() -> None:
+    meta = source_meta()
+    target = twin_layers(seed=1)
+    target["scheduler"] = torch.optim.lr_scheduler.StepLR(target["optimizer"], step_size=1)
+    with pytest.raises(HealError, match=r"the source's states \['model', 'optimizer'\] differ"):
+        heal.check_heal_meta(meta, target)

@@ -27,6 +27,10 @@ Errors a user can fix (a lighthouse that does not answer, a wrong token, a
 plan that does not fit the dataset) end the process with one line on stderr
 and exit status 2; a worker that joins after the job ended prints one line
 and exits 0.
+
+``--corrupt-at STEP`` adds noise to this worker's parameters at the start of
+step STEP, for tests of the replica-consistency check (the Manager must heal
+it from the others before the step is applied).
 """
 
 from __future__ import annotations
@@ -114,11 +118,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="The address other workers reach this one on.")
     parser.add_argument("--seed", type=int, default=0, help="Model initialisation and sample transform seed.")
     parser.add_argument("--lr", type=float, default=0.1, help="Learning rate.")
-    parser.add_argument("--collective-timeout", type=float, default=2.0, help="Seconds before a collective fails.")
+    parser.add_argument("--collective-timeout", type=float, default=None, help="Default: STALWART_COLLECTIVE_TIMEOUT.")
+    parser.add_argument("--rendezvous-timeout", type=float, default=None, help="Default: STALWART_RENDEZVOUS_TIMEOUT.")
+    parser.add_argument("--heal-timeout", type=float, default=None, help="Default: STALWART_HEAL_TIMEOUT.")
     parser.add_argument(
         "--connect-timeout", type=float, default=60.0, help="Seconds to wait for the lighthouse to answer at start."
     )
     parser.add_argument("--kill-at", type=parse_kill_at, default=None, help="STEP:POINT to SIGKILL itself (tests).")
+    parser.add_argument("--corrupt-at", type=int, default=None, help="Perturb the parameters at this step (tests).")
     parser.add_argument("--hold-file", type=Path, default=None, help="Wait before steps >= the number it holds.")
     parser.add_argument(
         "--step-seconds", type=float, default=0.0, help="Extra seconds of simulated compute at the start of each step."
@@ -166,6 +173,8 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
         max_microbatch=args.max_microbatch,
         collective_timeout=args.collective_timeout,
         connect_timeout=args.connect_timeout,
+        rendezvous_timeout=args.rendezvous_timeout,
+        heal_timeout=args.heal_timeout,
         host=args.host,
         group=group,
         on_event=on_event,
@@ -176,6 +185,12 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
                 number = manager.ledger.step
                 held_until(args.hold_file, number)
                 time.sleep(args.step_seconds)
+                if args.corrupt_at == number:
+                    args.corrupt_at = None
+                    with torch.no_grad():
+                        for param in model.parameters():
+                            noise = torch.randn(param.shape, generator=torch.Generator().manual_seed(number))
+                            param.add_(noise * 1e-2)
                 for batch in step:
                     kill_if("before_forward", number)
                     loss = summed_loss(model, batch)  # type: ignore[arg-type]
@@ -192,6 +207,7 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
                     "world_size": report.world_size,
                     "samples": report.samples,
                     "loss": report.loss,
+                    "drift_heals": report.drift_heals,
                     "time": time.time(),
                     "positions": sorted(report.positions.tolist()),
                 }

@@ -4,7 +4,8 @@ A quorum's process group is created from the lighthouse's TCPStore under the
 quorum's prefix, so that every quorum rendezvouses afresh and a dead quorum's
 group is simply abandoned (and aborted). Collectives have a timeout: a peer
 that was SIGKILLed makes Gloo raise at once (its sockets close), a hung
-(SIGSTOPped) peer makes it raise after ``timeout``; both surface as
+(SIGSTOPped) peer makes it raise after the collective's timeout (the
+communicator's ``timeout``, or a heal's own deadline); both surface as
 :class:`CollectiveError`, which the Manager answers by asking for a new quorum.
 
 Everything above this module is device-agnostic: it hands over tensors on
@@ -25,6 +26,8 @@ import torch.distributed as dist
 _FIRST_POLL = 20e-6
 _LAST_POLL = 1e-3
 """Polling a collective starts every 20 us (a small model's all-reduce is done in ~100 us) and backs off to 1 ms."""
+_GRACE = 1.0
+"""Seconds past a collective's timeout before the Communicator gives up itself (the backend should have first)."""
 
 
 class CollectiveError(RuntimeError):
@@ -44,8 +47,12 @@ class Communicator:
         device: torch.device,
         host: str = "127.0.0.1",
         abandon: Callable[[], bool] = lambda: False,
+        rendezvous_timeout: float | None = None,
     ) -> None:
         """Rendezvous as ``rank`` of ``world_size`` on ``store`` (see :func:`quorum_store`).
+
+        The rendezvous may take ``rendezvous_timeout`` seconds (default
+        ``timeout``); each collective ``timeout`` seconds unless given its own.
 
         ``host`` is the address peers reach this process on. While a collective
         runs, ``abandon()`` is polled: when it turns true (the lighthouse reports
@@ -58,8 +65,10 @@ class Communicator:
         self.device = device
         self.store = store
         self._abandon = abandon
+        self.timeout = timeout
+        group_timeout = datetime.timedelta(seconds=timeout if rendezvous_timeout is None else rendezvous_timeout)
         try:
-            self._group: Any = _new_group(store, rank, world_size, datetime.timedelta(seconds=timeout), device, host)
+            self._group: Any = _new_group(store, rank, world_size, group_timeout, device, host)
         except (RuntimeError, dist.DistError) as error:
             raise CollectiveError(f"rendezvous of rank {rank}/{world_size} failed: {error}") from error
 
@@ -68,26 +77,38 @@ class Communicator:
 
         On failure the waiting raises :class:`CollectiveError` and the tensor's content is undefined.
         """
-        work = self._group.allreduce([tensor])
-        return lambda: self._wait(work, "all-reduce")
+        options = dist.AllreduceOptions()
+        options.timeout = datetime.timedelta(seconds=self.timeout)
+        work = self._group.allreduce([tensor], options)
+        deadline = time.monotonic() + self.timeout + _GRACE
+        return lambda: self._wait(work, "all-reduce", deadline)
 
-    def broadcast(self, tensors: list[torch.Tensor], source_rank: int) -> None:
-        """Overwrite ``tensors`` on every rank with the source rank's."""
+    def broadcast(self, tensors: list[torch.Tensor], source_rank: int, *, timeout: float | None = None) -> None:
+        """Overwrite ``tensors`` on every rank with the source rank's, all within ``timeout`` seconds.
+
+        ``timeout`` defaults to the communicator's collective timeout; a heal
+        passes one that fits the bytes it moves.
+        """
+        total = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + total
         for tensor in tensors:
             options = dist.BroadcastOptions()
             options.rootRank = source_rank
-            self._wait(self._group.broadcast([tensor], options), "broadcast")
+            options.timeout = datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3))
+            self._wait(self._group.broadcast([tensor], options), "broadcast", deadline + _GRACE)
 
     def abort(self) -> None:
         """Abandon the group: pending collectives end, sockets close."""
         with contextlib.suppress(RuntimeError):
             self._group.abort()
 
-    def _wait(self, work: dist.Work, name: str) -> None:
+    def _wait(self, work: dist.Work, name: str, deadline: float) -> None:
         delay = _FIRST_POLL
         while not work.is_completed():
             if self._abandon():
                 raise CollectiveError(f"{name} abandoned on rank {self.rank}: a member of this quorum is dead")
+            if time.monotonic() > deadline:
+                raise CollectiveError(f"{name} on rank {self.rank}/{self.world_size} passed its deadline")
             time.sleep(delay)
             delay = min(2 * delay, _LAST_POLL)
         try:
@@ -110,6 +131,23 @@ def default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def device_rng_states() -> dict[str, Any]:
+    """The accelerator's generators as stateful objects under reserved names: ``rng/cuda`` when CUDA is available."""
+    if torch.cuda.is_available():
+        return {"rng/cuda": _CudaRNGState()}
+    return {}
+
+
+class _CudaRNGState:
+    """Every CUDA device's default generator (``torch.cuda.get_rng_state_all()``)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"states": torch.cuda.get_rng_state_all()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        torch.cuda.set_rng_state_all([state.cpu() for state in state_dict["states"]])
 
 
 def _new_group(

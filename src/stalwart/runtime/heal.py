@@ -1,9 +1,20 @@
-"""Healing: copy a live member's model, optimizer state and step to members that are behind.
+"""Healing: copy a live member's whole state and step to members that are behind.
 
-The source's tensors travel by broadcast over the quorum's process group; the
-non-tensor structure of the optimizer state (hyper-parameters, which state
-each parameter holds, shapes and dtypes) travels as JSON through the quorum's
-store. Nothing is pickled, so a peer cannot make another run code.
+A member's state is a list of named stateful objects (the model, the
+optimizer, what the user registered, the RNG states: see
+:mod:`stalwart.runtime.state`). The source's tensors travel by broadcast over
+the quorum's process group; the non-tensor structure (hyper-parameters,
+counters, which state each parameter holds, the tensors' names, shapes and
+dtypes) travels as JSON through the quorum's store. Nothing is pickled, so a
+peer cannot make another run code.
+
+Nothing a peer claims is allocated unchecked: every member that receives
+validates the metadata against its own state first (:func:`check_heal_meta`):
+the same state names, the same tensor names in the same order with the same
+shapes and dtypes (optimizer state this member has not created yet is allowed
+when it has its parameter's shape), and a total within a byte budget. A
+mismatch raises :class:`HealError` naming the first offending tensor.
+
 Every member of the quorum takes part (a broadcast is collective); only the
 targets load what they received.
 """
@@ -11,87 +22,280 @@ targets load what they received.
 from __future__ import annotations
 
 import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from stalwart.runtime.comm import Communicator
+from stalwart.runtime.state import Stateful
 
-_META_KEY = "heal/meta"
+META_KEY = "heal/meta"
+BUDGET_FACTOR = 4
+"""Default byte budget: this many times the receiver's own state bytes, plus ``BUDGET_SLACK``.
+
+A fresh Adam target holds only its parameters; the source also holds two
+moment buffers per parameter (3x), hence 4.
+"""
+BUDGET_SLACK = 1 << 20
+DEFAULT_HEAL_TIMEOUT = 30.0
+"""Seconds a heal may take on top of moving its bytes at ``DEFAULT_MIN_BANDWIDTH``."""
+DEFAULT_MIN_BANDWIDTH = 50e6
+"""Bytes per second a heal is assumed to move at least (a slow shared network)."""
+_MAX_DIMS = 64
+_SCALAR_DTYPES = frozenset({torch.float32, torch.float64, torch.int64})
+_OPTIMIZER_STATE = re.compile(r"^(?P<state>.+)/state/(?P<index>\d+)/[^/]+$")
+
+
+class HealError(RuntimeError):
+    """The heal metadata does not fit this member's state (or its byte budget): nothing was allocated."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor's place in a state: its path name, shape and dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the tensor holds (exact python ints: a claimed shape cannot overflow)."""
+        return math.prod(self.shape) * _itemsize(self.dtype)
+
+    def to_json(self) -> dict[str, Any]:
+        """The spec as it travels in the metadata."""
+        return {"name": self.name, "shape": list(self.shape), "dtype": str(self.dtype).removeprefix("torch.")}
 
 
 def transfer_state(
     comm: Communicator,
     source_rank: int,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    states: Mapping[str, Stateful],
     applied_step: int,
     *,
     is_target: bool,
+    key: str = META_KEY,
+    max_bytes: int | None = None,
+    timeout: float = DEFAULT_HEAL_TIMEOUT,
+    min_bandwidth: float = DEFAULT_MIN_BANDWIDTH,
 ) -> int:
-    """Broadcast the source's state; targets load it. Returns the source's ``applied_step``."""
+    """Broadcast the source's ``states``; targets load them. Returns the source's ``applied_step``.
+
+    ``states`` maps names to stateful objects, in the same order on every
+    member. ``key`` names the metadata in the quorum's store (a fresh key per
+    heal within one quorum). Receivers check the metadata with
+    :func:`check_heal_meta` (``max_bytes``: the byte budget, default
+    ``BUDGET_FACTOR`` times their own state bytes) before allocating; the
+    broadcast must end within ``timeout + bytes / min_bandwidth`` seconds.
+    """
     if comm.rank == source_rank:
-        meta, tensors = _flatten(model, optimizer, applied_step, comm.device)
-        comm.store.set(_META_KEY, json.dumps(meta))
+        meta, tensors = flatten_states(states, applied_step)
+        comm.store.set(key, json.dumps(meta))
+        total = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+        tensors = [tensor.to(comm.device) for tensor in tensors]
     else:
-        meta = json.loads(comm.store.get(_META_KEY))
-        tensors = [
-            torch.empty(spec["shape"], dtype=_dtype(spec["dtype"]), device=comm.device) for spec in meta["tensors"]
-        ]
-    comm.broadcast(tensors, source_rank)
+        meta = _decode_json(comm.store.get(key))
+        specs = check_heal_meta(meta, states, max_bytes=max_bytes)
+        total = sum(spec.nbytes for spec in specs)
+        tensors = _allocate(specs, comm.device)
+    comm.broadcast(tensors, source_rank, timeout=heal_deadline(total, timeout, min_bandwidth))
     if is_target and comm.rank != source_rank:
-        _load(model, optimizer, meta, tensors)
+        _load(states, meta, tensors)
     return int(meta["applied_step"])
 
 
-def _flatten(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, applied_step: int, device: torch.device
-) -> tuple[dict[str, Any], list[torch.Tensor]]:
+def flatten_states(states: Mapping[str, Stateful], applied_step: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """The JSON metadata of ``states`` (tensors replaced by their index) and the tensors, in order."""
     tensors: list[torch.Tensor] = []
-
-    def placeholder(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            tensors.append(value.detach().contiguous())
-            return {"__tensor__": len(tensors) - 1}
-        if isinstance(value, dict):
-            return {str(key): placeholder(item) for key, item in value.items()}
-        if isinstance(value, tuple):
-            return {"__tuple__": [placeholder(item) for item in value]}
-        if isinstance(value, list):
-            return [placeholder(item) for item in value]
-        if value is None or isinstance(value, (bool, int, float, str)):
-            return value
-        raise TypeError(f"optimizer state holds a {type(value).__name__}, which cannot be sent as JSON: {value!r}")
-
-    model_state = {name: placeholder(tensor) for name, tensor in model.state_dict().items()}
-    optimizer_state = placeholder(optimizer.state_dict())
-    specs = [{"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch.")} for tensor in tensors]
-    meta = {"applied_step": applied_step, "model": model_state, "optimizer": optimizer_state, "tensors": specs}
-    return meta, [tensor.to(device) for tensor in tensors]
+    names: list[str] = []
+    encoded = [_encode(obj.state_dict(), name, tensors, names) for name, obj in states.items()]
+    pairs = zip(names, tensors, strict=True)
+    specs = [TensorSpec(name, tuple(tensor.shape), tensor.dtype).to_json() for name, tensor in pairs]
+    meta = {"applied_step": applied_step, "names": list(states), "states": encoded, "tensors": specs}
+    return meta, tensors
 
 
-def _load(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str, Any], tensors: list[torch.Tensor]
-) -> None:
-    def restore(value: Any) -> Any:
-        if isinstance(value, dict):
-            if set(value) == {"__tensor__"}:
-                return tensors[int(value["__tensor__"])]
-            if set(value) == {"__tuple__"}:
-                return tuple(restore(item) for item in value["__tuple__"])
-            return {key: restore(item) for key, item in value.items()}
-        if isinstance(value, list):
-            return [restore(item) for item in value]
-        return value
-
-    model.load_state_dict(restore(meta["model"]))
-    optimizer_state = restore(meta["optimizer"])
-    optimizer_state["state"] = {int(key): value for key, value in optimizer_state["state"].items()}
-    optimizer.load_state_dict(optimizer_state)
+def state_specs(states: Mapping[str, Stateful]) -> list[TensorSpec]:
+    """The tensors of this member's own ``states``: what heal metadata must match."""
+    tensors: list[torch.Tensor] = []
+    names: list[str] = []
+    for name, obj in states.items():
+        _encode(obj.state_dict(), name, tensors, names)
+    return [TensorSpec(name, tuple(tensor.shape), tensor.dtype) for name, tensor in zip(names, tensors, strict=True)]
 
 
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
+def check_heal_meta(meta: Any, states: Mapping[str, Stateful], *, max_bytes: int | None = None) -> list[TensorSpec]:
+    """The tensor specs of ``meta`` once checked against this member's ``states``; :class:`HealError` if not.
+
+    Checked, in the metadata's order: every tensor is well formed, has a name
+    this member's state has (in the same order as this member's), with the same
+    shape and dtype; a tensor of a registered optimizer's per-parameter state
+    (``NAME/state/I/KEY``) that this member has not created yet is allowed when
+    it has parameter ``I``'s shape and dtype (or is a scalar step count). Every
+    tensor this member has, except its optimizers' per-parameter state, must be
+    present, and the total must fit ``max_bytes`` (default: ``BUDGET_FACTOR``
+    times this member's own state bytes plus ``BUDGET_SLACK``).
+    """
+    if not isinstance(meta, dict) or not {"applied_step", "names", "states", "tensors"} <= set(meta):
+        raise HealError("heal metadata is not an object with applied_step, names, states and tensors")
+    if meta["names"] != list(states):
+        raise HealError(f"the source's states {meta['names']!r} differ from this member's {list(states)!r}")
+    if isinstance(meta["applied_step"], bool) or not isinstance(meta["applied_step"], int):
+        raise HealError(f"heal metadata's applied_step must be an int, got {meta['applied_step']!r}")
+    if not isinstance(meta["tensors"], list):
+        raise HealError("heal metadata's tensors must be a list")
+    own = state_specs(states)
+    own_by_name = {spec.name: spec for spec in own}
+    optional = _optimizer_parameters(states)
+    budget = max_bytes if max_bytes is not None else BUDGET_FACTOR * sum(spec.nbytes for spec in own) + BUDGET_SLACK
+    specs: list[TensorSpec] = []
+    seen: set[str] = set()
+    next_own = 0
+    total = 0
+    for number, raw in enumerate(meta["tensors"]):
+        spec = _parse_spec(raw, number)
+        if spec.name in seen:
+            raise HealError(f"heal metadata tensor #{number} {spec.name!r} appears twice")
+        seen.add(spec.name)
+        expected = own_by_name.get(spec.name) or _optional_spec(spec, optional)
+        if expected is None:
+            raise HealError(f"heal metadata tensor #{number} {spec.name!r} is not part of this member's state")
+        if spec.shape != expected.shape or spec.dtype != expected.dtype:
+            raise HealError(
+                f"heal metadata tensor #{number} {spec.name!r} is {list(spec.shape)} {spec.dtype}; "
+                f"this member's is {list(expected.shape)} {expected.dtype}"
+            )
+        if spec.name in own_by_name:
+            while (
+                next_own < len(own)
+                and own[next_own].name != spec.name
+                and _optional_spec(own[next_own], optional) is not None
+            ):
+                next_own += 1  # optimizer state this member has and the source does not: skipped
+            if next_own >= len(own) or own[next_own].name != spec.name:
+                here = "nothing more" if next_own >= len(own) else repr(own[next_own].name)
+                raise HealError(
+                    f"heal metadata tensor #{number} {spec.name!r} is out of order: this member expects "
+                    f"{here} here (are tensors permuted?)"
+                )
+            next_own += 1
+        total += spec.nbytes
+        if total > budget:
+            raise HealError(
+                f"heal metadata tensor #{number} {spec.name!r} brings the heal to {total} bytes, over the budget of "
+                f"{budget} bytes (max_heal_bytes)"
+            )
+        specs.append(spec)
+    for spec in own:
+        if spec.name not in seen and _optional_spec(spec, optional) is None:
+            raise HealError(f"heal metadata lacks tensor {spec.name!r} of this member's state")
+    return specs
+
+
+def _optimizer_parameters(states: Mapping[str, Stateful]) -> dict[str, list[torch.Tensor]]:
+    """For each registered optimizer, its parameters in ``state_dict()`` index order."""
+    return {
+        name: [param for group in obj.param_groups for param in group["params"]]
+        for name, obj in states.items()
+        if isinstance(obj, torch.optim.Optimizer)
+    }
+
+
+def _optional_spec(spec: TensorSpec, optional: dict[str, list[torch.Tensor]]) -> TensorSpec | None:
+    """What an optimizer's per-parameter state tensor named like ``spec`` may be, or None if it is no such tensor."""
+    match = _OPTIMIZER_STATE.match(spec.name)
+    if match is None or match["state"] not in optional:
+        return None
+    params = optional[match["state"]]
+    index = int(match["index"])
+    if index >= len(params):
+        return None
+    if spec.shape == () and spec.dtype in _SCALAR_DTYPES:
+        return spec
+    return TensorSpec(spec.name, tuple(params[index].shape), params[index].dtype)
+
+
+def _parse_spec(raw: Any, number: int) -> TensorSpec:
+    if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
+        raise HealError(f"heal metadata tensor #{number} is not an object with a name: {str(raw)[:200]}")
+    name, shape, dtype_name = raw["name"], raw.get("shape"), raw.get("dtype")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > _MAX_DIMS
+        or any(isinstance(size, bool) or not isinstance(size, int) or size < 0 for size in shape)
+    ):
+        raise HealError(f"heal metadata tensor #{number} {name!r} has a malformed shape {str(shape)[:200]}")
+    dtype = getattr(torch, dtype_name, None) if isinstance(dtype_name, str) else None
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"heal metadata names an unknown dtype {name!r}")
-    return dtype
+        raise HealError(f"heal metadata tensor #{number} {name!r} names an unknown dtype {dtype_name!r}")
+    return TensorSpec(name, tuple(shape), dtype)
+
+
+def _allocate(specs: list[TensorSpec], device: torch.device) -> list[torch.Tensor]:
+    """Receive buffers for checked specs (the only place a heal allocates)."""
+    return [torch.empty(spec.shape, dtype=spec.dtype, device=device) for spec in specs]
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _encode(value: Any, path: str, tensors: list[torch.Tensor], names: list[str]) -> Any:
+    """JSON for ``value``: tensors become ``{"__tensor__": i}``, dicts keep their keys' types, tuples stay tuples."""
+    if isinstance(value, torch.Tensor):
+        tensors.append(value.detach().contiguous())
+        names.append(path)
+        return {"__tensor__": len(tensors) - 1}
+    if isinstance(value, dict):
+        items = []
+        for key, item in value.items():
+            if key is not None and not isinstance(key, (bool, int, float, str)):
+                raise TypeError(f"state {path!r} has a {type(key).__name__} key, which cannot be sent as JSON: {key!r}")
+            items.append([key, _encode(item, f"{path}/{key}", tensors, names)])
+        return {"__dict__": items}
+    if isinstance(value, tuple):
+        return {"__tuple__": [_encode(item, f"{path}/{i}", tensors, names) for i, item in enumerate(value)]}
+    if isinstance(value, list):
+        return [_encode(item, f"{path}/{i}", tensors, names) for i, item in enumerate(value)]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"state {path!r} holds a {type(value).__name__}, which cannot be sent as JSON: {value!r}")
+
+
+def _decode(value: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {"__tensor__"}:
+            index = value["__tensor__"]
+            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(tensors):
+                raise HealError(f"heal metadata refers to tensor {index!r} of {len(tensors)}")
+            return tensors[index]
+        if set(value) == {"__tuple__"}:
+            return tuple(_decode(item, tensors) for item in value["__tuple__"])
+        if set(value) == {"__dict__"}:
+            return {key: _decode(item, tensors) for key, item in value["__dict__"]}
+        raise HealError(f"heal metadata holds an object with unexpected keys {sorted(value)[:5]}")
+    if isinstance(value, list):
+        return [_decode(item, tensors) for item in value]
+    return value
+
+
+def _decode_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError as error:
+        raise HealError(f"heal metadata is not JSON: {error}") from error
+
+
+def _load(states: Mapping[str, Stateful], meta: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+    for name, encoded in zip(meta["names"], meta["states"], strict=True):
+        states[name].load_state_dict(_decode(encoded, tensors))
+
+
+def heal_deadline(total_bytes: int, timeout: float, min_bandwidth: float) -> float:
+    """Seconds a heal of ``total_bytes`` may take: ``timeout + total_bytes / min_bandwidth``."""
+    return timeout + total_bytes / min_bandwidth

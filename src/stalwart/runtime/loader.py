@@ -246,6 +246,16 @@ class ElasticLoader:
         else:
             self._source = _ThreadSource(self._samples)
         self._closed = False
+        self._produced: list[Key] = []
+
+    def take_produced(self) -> list[Key]:
+        """The ``(epoch, index)`` of every sample in the micro-batches produced since the last call (then forgotten).
+
+        What the loader actually handed out, not what it was asked for: the
+        Manager's data audit sums a hash of these.
+        """
+        produced, self._produced = self._produced, []
+        return produced
 
     def load(self, epoch: int, index: int) -> Any:
         """One sample, transformed with its own generator, loaded in the calling process."""
@@ -284,7 +294,9 @@ class ElasticLoader:
     def _collated(self, keys: list[Key], chunks: list[list[Key]]) -> Iterator[Any]:
         self._source.request(keys)
         for chunk in chunks:
-            yield self.collate_fn([self._source.take(key) for key in chunk])
+            batch = self.collate_fn([self._source.take(key) for key in chunk])
+            self._produced.extend(chunk)
+            yield batch
 
 
 def _keys(epoch: int, indices: Sequence[int]) -> list[Key]:

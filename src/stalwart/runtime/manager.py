@@ -38,12 +38,33 @@ from stalwart.coord.client import LighthouseClient, LighthouseError, QuorumAnswe
 from stalwart.data.info import DataLoadingInfo, split_group_share
 from stalwart.data.ledger import DataLedger
 from stalwart.data.world import WorldInfo
-from stalwart.runtime.comm import CollectiveError, Communicator, default_device, quorum_store
+from stalwart.runtime.comm import CollectiveError, Communicator, default_device, device_rng_states, quorum_store
+from stalwart.runtime.consistency import (
+    AUDIT_PIECES,
+    DRIFT_SLOTS,
+    AuditError,
+    ReplicaDriftError,
+    audit_pieces,
+    audit_value,
+    default_check_every,
+    drift_plan,
+    drift_slots,
+    index_checksum,
+    parameter_checksum,
+)
 from stalwart.runtime.group import GroupLink
 from stalwart.runtime.heal import transfer_state
 from stalwart.runtime.loader import ElasticLoader
+from stalwart.runtime.state import Stateful, check_state_name, host_rng_states
+from stalwart.runtime.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
+
+
+class JoinError(RuntimeError):
+    """This member could not get into a working quorum within ``max_join_attempts`` attempts."""
+
+
 _NO_POSITIONS = np.zeros(0, dtype=np.int64)
 
 
@@ -63,6 +84,7 @@ class StepReport:
     quorum_id: int
     recoveries: int
     positions: np.ndarray
+    drift_heals: int = 0
 
 
 class Manager:
@@ -80,6 +102,26 @@ class Manager:
     A member that joins after the job committed its last step (every other
     member left) is not healed: ``steps()`` yields nothing and
     :attr:`joined_after_end` is True.
+
+    Rendezvous, collectives and heals have their own timeouts, each from the
+    argument, else an environment variable, else a default (see
+    :mod:`stalwart.runtime.timeouts`); a heal's deadline grows with the bytes
+    it moves. Joining a quorum gives up after ``max_join_attempts`` quorums
+    that could not start (or exclusions) in a row, with :class:`JoinError`.
+
+    A member's state, healed as one, is the model, the optimizer, what
+    :meth:`register_state` added and the random generators (see
+    :mod:`stalwart.runtime.state`: torch's CPU generator, CUDA's when present,
+    numpy's global and python ``random``'s). ``max_heal_bytes`` bounds what a
+    heal may allocate (default: a few times this member's own state).
+
+    Every step's all-reduce also carries two checks (see
+    :mod:`stalwart.runtime.consistency`): a checksum of each process's
+    parameters and applied step every ``check_every`` steps (default: every
+    step for models up to 2**20 parameters, less often for larger ones), after
+    which replicas that drifted are healed from the majority before the step is
+    applied; and a checksum of the samples each loader produced, which must
+    match the ledger's positions for the step, else :class:`AuditError`.
     """
 
     def __init__(
@@ -93,13 +135,19 @@ class Manager:
         token: str | None = None,
         group: WorldInfo | None = None,
         group_store: dist.Store | None = None,
-        collective_timeout: float = 2.0,
+        collective_timeout: float | None = None,
+        rendezvous_timeout: float | None = None,
+        heal_timeout: float | None = None,
+        heal_min_bandwidth: float | None = None,
+        max_join_attempts: int = 20,
         quorum_timeout: float = 120.0,
         connect_timeout: float = 60.0,
         heartbeat_interval: float = 0.1,
         host: str = "127.0.0.1",
         device: torch.device | None = None,
         on_event: Callable[[str, int], None] | None = None,
+        max_heal_bytes: int | None = None,
+        check_every: int | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -107,19 +155,21 @@ class Manager:
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if not isinstance(member, str) or not member:
             raise ValueError(f"member must be a non-empty string, got {member!r}")
-        timeouts = {
-            "collective_timeout": collective_timeout,
-            "quorum_timeout": quorum_timeout,
-            "connect_timeout": connect_timeout,
-        }
-        for name, value in timeouts.items():
+        for name, value in (("quorum_timeout", quorum_timeout), ("connect_timeout", connect_timeout)):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
+        self.timeouts = Timeouts.resolve(
+            rendezvous_timeout=rendezvous_timeout,
+            collective_timeout=collective_timeout,
+            heal_timeout=heal_timeout,
+            heal_min_bandwidth=heal_min_bandwidth,
+        )
+        self.max_join_attempts = check_int("max_join_attempts", max_join_attempts, minimum=1)
         self.model = model
         self.optimizer = optimizer
         self.member = member
         self.max_microbatch = check_int("max_microbatch", max_microbatch, minimum=1)
-        self.collective_timeout = collective_timeout
+        self.collective_timeout = self.timeouts.collective_timeout
         self.quorum_timeout = quorum_timeout
         self.host = host
         self.device = device or default_device()
@@ -149,6 +199,39 @@ class Manager:
         self._loss_sum = 0.0
         self._reconfigure = True
         self._on_event = on_event
+        self.max_heal_bytes = None if max_heal_bytes is None else check_int("max_heal_bytes", max_heal_bytes, minimum=1)
+        self._user_states: dict[str, Stateful] = {}
+        self._rng_states: dict[str, Stateful] = {**host_rng_states(), **device_rng_states()}
+        self._started = False
+        self._heals = 0
+        parameters = sum(param.numel() for param in self._params)
+        self.check_every = (
+            default_check_every(parameters) if check_every is None else check_int("check_every", check_every, minimum=1)
+        )
+        self.drift_heals = 0
+        self._step_drift_heals = 0
+        self._index_sum = 0
+
+    def register_state(self, name: str, obj: Stateful) -> None:
+        """Make ``obj`` part of this member's state, healed with the model and optimizer under ``name``.
+
+        ``obj`` needs ``state_dict()`` and ``load_state_dict()`` (an LR
+        scheduler, a ``GradScaler``, an EMA module, a counters object); its state
+        may hold nested dicts, lists, tuples, JSON scalars and tensors. Every
+        member must register the same names in the same order, before
+        ``manager.steps()`` starts.
+        """
+        if self._started:
+            raise RuntimeError(f"register_state({name!r}) must be called before manager.steps() starts")
+        name = check_state_name(name, set(self._user_states))
+        if not callable(getattr(obj, "state_dict", None)) or not callable(getattr(obj, "load_state_dict", None)):
+            raise TypeError(f"obj must have state_dict() and load_state_dict(), got {type(obj).__name__}")
+        self._user_states[name] = obj
+
+    @property
+    def states(self) -> dict[str, Stateful]:
+        """Everything a heal copies, in order: model, optimizer, registered states, random generators."""
+        return {"model": self.model, "optimizer": self.optimizer, **self._user_states, **self._rng_states}
 
     @property
     def ledger(self) -> DataLedger:
@@ -195,6 +278,7 @@ class Manager:
         fit the loader's dataset (checked when this member first joins).
         """
         self._max_steps = check_int("max_steps", max_steps, minimum=0)
+        self._started = True
         while True:
             if self._reconfigure or self._ledger is None:
                 first = self._ledger is None
@@ -206,6 +290,7 @@ class Manager:
                 return
             if not self.ledger.in_step:
                 self.ledger.begin_step(self._answer_members())
+            loader.take_produced()  # anything produced outside a step is not this step's
             step = TrainStep(self, loader)
             yield step
             if not step.committed:
@@ -253,8 +338,11 @@ class Manager:
             part = self._next_part()
             if part.size:
                 yield from loader.microbatches(self.ledger.epoch, self._indices(part), self.max_microbatch)
+            self._index_sum = (self._index_sum + _produced_checksum(loader)) % (1 << 64)
             try:
                 reduced = self._all_reduce()
+                if self._heal_drift(reduced):
+                    continue
             except CollectiveError as error:
                 log.warning(
                     "%s: step %d all-reduce failed (%s); asking for a new quorum", self.member, self.ledger.step, error
@@ -272,13 +360,71 @@ class Manager:
             for param in self._params
         ]
         flag = 1.0 if self._client is not None and self._client.reconfigure_requested else 0.0
-        tail = torch.tensor([float(self._samples), self._loss_sum, flag], device=self.device)
+        if self._check_step():
+            s1, s2 = parameter_checksum(self._params)
+            drift = drift_slots(self._comm.rank, self._comm.world_size, s1, s2, self.applied_step)
+        else:
+            drift = torch.zeros(DRIFT_SLOTS * self._comm.world_size)
+        tail = torch.cat(
+            [drift, audit_pieces(self._index_sum), torch.tensor([float(self._samples), self._loss_sum, flag])]
+        ).to(self.device)
         flat = torch.cat([*(piece.to(torch.float32) for piece in pieces), tail])
         wait = self._comm.start_all_reduce_sum(flat)
         self._notify("reduce_started")
         wait()
         self._notify("reduce_finished")
         return flat
+
+    def _check_step(self) -> bool:
+        """Whether this step's all-reduce carries the replica-consistency check (the same on every member)."""
+        return self.ledger.step % self.check_every == 0
+
+    def _heal_drift(self, reduced: torch.Tensor) -> bool:
+        """If the replicas' checksums differ, heal the odd ones out from the majority and return True."""
+        assert self._comm is not None
+        if not self._check_step():
+            return False
+        world = self._comm.world_size
+        end = -(AUDIT_PIECES + 3)
+        plan = drift_plan(reduced[end - DRIFT_SLOTS * world : end].cpu(), world)
+        if plan is None:
+            return False
+        if self._step_drift_heals >= 2:
+            raise ReplicaDriftError(
+                f"step {self.ledger.step}: processes {list(plan.targets)} still differ from process {plan.source} "
+                "after two heals; is the training step deterministic across replicas?"
+            )
+        self._step_drift_heals += 1
+        self.drift_heals += 1
+        is_target = self._comm.rank in plan.targets
+        log.warning(
+            "%s: step %d replicas drifted: healing processes %s from process %d%s",
+            self.member,
+            self.ledger.step,
+            list(plan.targets),
+            plan.source,
+            " (this one)" if is_target else "",
+        )
+        applied = self._transfer(plan.source, is_target=is_target)
+        if is_target:
+            self.applied_step = applied
+            self.optimizer.zero_grad(set_to_none=True)
+            self._reset_step()  # recompute this process's whole part with the healed parameters
+        return True
+
+    def _audit(self, reduced: torch.Tensor) -> None:
+        """Refuse the step unless the samples the quorum loaded are those of the ledger's positions."""
+        ledger = self.ledger
+        positions = [share for share in ledger.in_flight.values() if share.size]
+        everything = np.concatenate(positions) if positions else _NO_POSITIONS
+        expected = index_checksum(ledger.epoch, ledger.plan.indices_at(ledger.epoch, everything))
+        loaded = audit_value(reduced[-(AUDIT_PIECES + 3) : -3].cpu())
+        if loaded != expected:
+            raise AuditError(
+                f"step {ledger.step}: the samples the quorum loaded (checksum {loaded:#018x}) are not those of the "
+                f"ledger's {everything.size} positions (checksum {expected:#018x}): a member's loader produced "
+                "other samples than its share"
+            )
 
     def _apply(self, reduced: torch.Tensor) -> None:
         samples = round(float(reduced[-3]))
@@ -287,6 +433,7 @@ class Manager:
             raise RuntimeError(
                 f"step {self.ledger.step}: the quorum reduced {samples} samples, the ledger holds {expected}"
             )
+        self._audit(reduced)
         offset = 0
         for param in self._params:
             count = param.numel()
@@ -307,8 +454,10 @@ class Manager:
             quorum_id=self.quorum_id,
             recoveries=self.recoveries,
             positions=committed,
+            drift_heals=self.drift_heals,
         )
         self.applied_step += 1
+        self._step_drift_heals = 0
         self._reset_step()
         self._reconfigure = float(reduced[-1]) > 0
 
@@ -316,6 +465,7 @@ class Manager:
         self._group_done = _NO_POSITIONS
         self._samples = 0
         self._loss_sum = 0.0
+        self._index_sum = 0
 
     def _notify(self, event: str) -> None:
         """Tell the ``on_event`` hook (tracing, chaos tests) that ``event`` happened in the current step."""
@@ -331,52 +481,68 @@ class Manager:
             return True
         return False
 
-    def _next_answer(self, reason: str) -> QuorumAnswer:
-        """The next quorum this member is in: asked by the leader, relayed to the rest of the group."""
+    def _next_answer(self, reason: str) -> QuorumAnswer | None:
+        """The next quorum this member is in (asked by the leader, relayed to the group); None if excluded."""
         if self._client is None:
             return QuorumAnswer.from_json(self._group.receive())
-        while True:
-            try:
-                answer = self._client.quorum(
-                    applied_step=self.applied_step,
-                    quorum_id=self.quorum_id if self._answer else None,
-                    reason=reason,
-                    timeout=self.quorum_timeout,
-                )
-            except LighthouseError as error:
-                if error.status != 409:
-                    raise
-                log.warning("%s: excluded from the quorum (%s); joining again", self.member, error)
-                reason = "join"
-                continue
-            self._group.publish(dataclasses.asdict(answer))
-            return answer
+        try:
+            answer = self._client.quorum(
+                applied_step=self.applied_step,
+                quorum_id=self.quorum_id if self._answer else None,
+                reason=reason,
+                timeout=self.quorum_timeout,
+            )
+        except LighthouseError as error:
+            if error.status != 409:
+                raise
+            log.warning("%s: excluded from the quorum (%s); joining again", self.member, error)
+            return None
+        self._group.publish(dataclasses.asdict(answer))
+        return answer
 
     def _join(self, reason: str) -> None:
-        """Ask for a quorum until this member is in one, its group is up and it is healed."""
-        while True:
+        """Ask for a quorum until this member is in one, its group is up and it is healed (bounded attempts)."""
+        last_failure = "none"
+        for attempt in range(1, self.max_join_attempts + 1):
             if self._comm is not None:
                 self._comm.abort()
                 self._comm = None
             answer = self._next_answer(reason)
+            if answer is None:
+                reason, last_failure = "join", "excluded from the quorum"
+                continue
             self._answer = answer
             self._ledger = DataLedger.from_state_dict(answer.ledger)
             try:
                 self._comm = self._connect(answer)
+                self._heals = 0  # heal keys count from 0 in each quorum's store, the same on every member
                 if answer.heal is not None:
                     self._heal(answer)
             except CollectiveError as error:
-                log.warning("%s: quorum %d could not start (%s); asking again", self.member, answer.quorum_id, error)
+                log.warning(
+                    "%s: quorum %d could not start (%s); asking again (attempt %d of %d)",
+                    self.member,
+                    answer.quorum_id,
+                    error,
+                    attempt,
+                    self.max_join_attempts,
+                )
                 reason = "failure" if self._group_done.size else "reconfigure"
                 self._comm = None
+                last_failure = str(error)
                 continue
             self._reconfigure = False
             self._notify("joined")
             return
+        raise JoinError(
+            f"{self.member}: no working quorum after {self.max_join_attempts} attempts "
+            f"(max_join_attempts={self.max_join_attempts}); last failure: {last_failure}"
+        )
 
     def _connect(self, answer: QuorumAnswer) -> Communicator:
         """Build the quorum's process group over every process of every member group."""
-        store = quorum_store(answer.store.host, answer.store.port, answer.store.prefix, self.collective_timeout)
+        timeout = self.timeouts.rendezvous_timeout
+        store = quorum_store(answer.store.host, answer.store.port, answer.store.prefix, timeout)
         if self._group.is_leader:
             store.set(f"group_size/{self.member}", str(self._group.size))
         self._group_sizes = [int(store.get(f"group_size/{member}")) for member in answer.members]
@@ -385,7 +551,8 @@ class Manager:
             store,
             offset + self._group.rank,
             sum(self._group_sizes),
-            timeout=self.collective_timeout,
+            timeout=self.timeouts.collective_timeout,
+            rendezvous_timeout=self.timeouts.rendezvous_timeout,
             device=self.device,
             host=self.host,
             abandon=self._abandon,
@@ -404,13 +571,27 @@ class Manager:
             )
         is_target = self.member in answer.heal.targets
         source = sum(self._group_sizes[: answer.heal.source_rank])
-        self.applied_step = transfer_state(
-            self._comm, source, self.model, self.optimizer, self.applied_step, is_target=is_target
-        )
+        self.applied_step = self._transfer(source, is_target=is_target)
         if is_target:
             self.optimizer.zero_grad(set_to_none=True)
             self._reset_step()
             self._notify("healed")
+
+    def _transfer(self, source: int, *, is_target: bool) -> int:
+        """Broadcast the whole state from process rank ``source``; load it if ``is_target``."""
+        assert self._comm is not None
+        self._heals += 1
+        return transfer_state(
+            self._comm,
+            source,
+            self.states,
+            self.applied_step,
+            is_target=is_target,
+            key=f"heal/{self._heals}",
+            max_bytes=self.max_heal_bytes,
+            timeout=self.timeouts.heal_timeout,
+            min_bandwidth=self.timeouts.heal_min_bandwidth,
+        )
 
     def _indices(self, part: np.ndarray) -> list[int]:
         """Sample indices of ``part``: the prefetched ones when the share is the one foreseen (the usual case)."""
@@ -440,6 +621,15 @@ def _check_dataset(loader: ElasticLoader, ledger: DataLedger) -> None:
             f"the lighthouse's plan has dataset_size={ledger.plan.dataset_size} but this worker's dataset has "
             f"{length} samples: start the lighthouse with --dataset-size {length}, or give the worker that dataset"
         )
+
+
+def _produced_checksum(loader: ElasticLoader) -> int:
+    """The audit checksum of the samples ``loader`` produced since it was last asked."""
+    produced = loader.take_produced()
+    if not produced:
+        return 0
+    keys = np.asarray(produced, dtype=np.int64)
+    return index_checksum(keys[:, 0], keys[:, 1])
 
 
 class TrainStep:

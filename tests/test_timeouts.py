@@ -1,0 +1,91 @@
+"""Timeouts resolve argument > environment > default, bad values name themselves, and joining gives up."""
+
+from __future__ import annotations
+
+import pytest
+
+from stalwart.coord.server import Lighthouse
+from stalwart.data.plan import EpochPlan
+from stalwart.launch.digits import digits_dataset, digits_model, digits_optimizer
+from stalwart.runtime.comm import CollectiveError
+from stalwart.runtime.heal import heal_deadline
+from stalwart.runtime.loader import ElasticLoader
+from stalwart.runtime.manager import JoinError, Manager
+from stalwart.runtime.timeouts import DEFAULTS, ENVIRONMENT, Timeouts
+
+PLAN = EpochPlan(1797, 48, seed=0)
+
+
+def test_defaults_apply_without_arguments_or_environment() -> None:
+    timeouts = Timeouts.resolve(environ={})
+    assert (timeouts.rendezvous_timeout, timeouts.collective_timeout) == (10.0, 2.0)
+    assert (timeouts.heal_timeout, timeouts.heal_min_bandwidth) == (DEFAULTS["heal_timeout"], 50e6)
+
+
+@pytest.mark.parametrize("name", sorted(DEFAULTS))
+def test_the_argument_wins_over_the_environment_which_wins_over_the_default(name: str) -> None:
+    environ = {ENVIRONMENT[name]: "7.5"}
+    assert getattr(Timeouts.resolve(environ=environ), name) == 7.5
+    assert getattr(Timeouts.resolve(environ=environ, **{name: 3}), name) == 3.0
+    assert getattr(Timeouts.resolve(environ={ENVIRONMENT[name]: "  "}), name) == DEFAULTS[name]
+    others = set(DEFAULTS) - {name}
+    resolved = Timeouts.resolve(environ=environ)
+    assert all(getattr(resolved, other) == DEFAULTS[other] for other in others)
+
+
+@pytest.mark.parametrize("raw", ["soon", "0", "-1", "nan", "inf"])
+def test_a_bad_environment_value_names_the_variable_and_the_value(raw: str) -> None:
+    with pytest.raises(ValueError, match=rf"STALWART_HEAL_TIMEOUT='{raw}' must be a positive finite number"):
+        Timeouts.resolve(environ={"STALWART_HEAL_TIMEOUT": raw})
+
+
+@pytest.mark.parametrize("value", [0, -2.0, float("inf"), "3", True])
+def test_a_bad_argument_names_the_parameter_and_the_value(value: object) -> None:
+    with pytest.raises(ValueError, match=r"collective_timeout must be a positive finite number, got"):
+        Timeouts.resolve(environ={}, collective_timeout=value)  # type: ignore[arg-type]
+
+
+def test_a_heal_deadline_grows_with_its_bytes() -> None:
+    assert heal_deadline(0, 30.0, 50e6) == 30.0
+    assert heal_deadline(10**9, 30.0, 50e6) == 50.0
+
+
+def test_the_manager_reads_the_environment_and_gives_up_joining_after_its_attempts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("STALWART_RENDEZVOUS_TIMEOUT", "4")
+    monkeypatch.setenv("STALWART_COLLECTIVE_TIMEOUT", "bad")
+    with Lighthouse(PLAN, min_replicas=1, start_replicas=1, heartbeat_timeout=2.0, join_timeout=10.0) as server:
+        model = digits_model(0)
+        with pytest.raises(ValueError, match=r"STALWART_COLLECTIVE_TIMEOUT='bad'"):
+            Manager(model, digits_optimizer(model), lighthouse=server.url, member="m", max_microbatch=8)
+        monkeypatch.delenv("STALWART_COLLECTIVE_TIMEOUT")
+        with pytest.raises(ValueError, match=r"max_join_attempts must be in \[1, inf\], got 0"):
+            Manager(
+                model, digits_optimizer(model), lighthouse=server.url, member="m", max_microbatch=8, max_join_attempts=0
+            )
+        manager = Manager(
+            model,
+            digits_optimizer(model),
+            lighthouse=server.url,
+            member="m",
+            max_microbatch=8,
+            heal_timeout=5.0,
+            max_join_attempts=3,
+        )
+        assert manager.timeouts == Timeouts(4.0, 2.0, 5.0, DEFAULTS["heal_min_bandwidth"])
+        attempts = []
+
+        def no_group(answer: object) -> None:
+            attempts.append(answer)
+            raise CollectiveError("rendezvous failed (test)")
+
+        monkeypatch.setattr(manager, "_connect", no_group)
+        loader = ElasticLoader(digits_dataset())
+        try:
+            with pytest.raises(JoinError, match=r"m: no working quorum after 3 attempts.*rendezvous failed \(test\)"):
+                next(iter(manager.steps(loader, max_steps=2)))
+        finally:
+            manager.close()
+            loader.close()
+        assert len(attempts) == 3
