@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from stalwart.coord.quorum import QuorumRequest, RequestError, check_seconds, parse_member
+from stalwart.coord.wire import QuorumRequest, RequestError, check_seconds, parse_member
 from stalwart.data.ledger import DataLedger
 
 logger = logging.getLogger(__name__)
