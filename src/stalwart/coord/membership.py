@@ -22,6 +22,14 @@ class MemberRecord:
     connected: bool = False
     last_seen: float = 0.0
     applied_step: int | None = None
+    waited_since: float | None = None
+    """Since when live peers of its quorum are ahead of it (they wait on it); None while they are not."""
+
+    def report(self, applied_step: int) -> None:
+        """Record a reported ``applied_step``; progress ends any wait on this member."""
+        if applied_step != self.applied_step:
+            self.waited_since = None
+        self.applied_step = applied_step
 
 
 class Membership:

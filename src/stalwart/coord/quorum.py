@@ -60,6 +60,7 @@ Refusals (``RequestError``, nothing changes)
 from __future__ import annotations
 
 import dataclasses
+import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +68,7 @@ from typing import Any
 from stalwart._validate import check_int
 from stalwart.coord.history import HISTORY_LIMIT, History
 from stalwart.coord.hosted_ledger import HostedLedger, StepRecord
+from stalwart.coord.identity import Identities, parse_incarnation
 from stalwart.coord.membership import MemberRecord, Membership
 from stalwart.coord.wire import (
     REASONS,
@@ -98,6 +100,8 @@ __all__ = [
 ]
 
 STATE_VERSION = 1
+MAX_MEMBERS = 4096
+"""Default cap on live members (``max_members``)."""
 MAX_CATCH_UP = 100_000
 """How far a quorum member's ``applied_step`` may run ahead of the ledger (a bound on catch-up work)."""
 
@@ -125,6 +129,8 @@ class Formation:
     time: float
     timed_out: bool
     rolled_back: bool
+    store_prefix: str = ""
+    """The quorum's TCPStore key prefix, ``q{quorum_id}-{128 random bits}/``: told only to its members."""
 
     def to_json(self) -> dict[str, Any]:
         """JSON form (for persistence)."""
@@ -145,6 +151,7 @@ class Formation:
             "applied_step": self.applied_step,
             "heal": self.heal,
             "ledger": self.ledger,
+            "store": {"prefix": self.store_prefix or f"q{self.quorum_id}/"},
         }
 
 
@@ -171,6 +178,7 @@ class LighthouseState:
         *,
         start_replicas: int | None = None,
         on_commit: CommitListener | None = None,
+        max_members: int = MAX_MEMBERS,
     ) -> None:
         if not isinstance(plan, EpochPlan):
             raise TypeError(f"plan must be an EpochPlan, got {type(plan).__name__}")
@@ -182,6 +190,10 @@ class LighthouseState:
         self.heartbeat_timeout = check_seconds("heartbeat_timeout", heartbeat_timeout)
         self.join_timeout = check_seconds("join_timeout", join_timeout)
         self.on_commit = on_commit
+        self.max_members = check_int("max_members", max_members, minimum=1)
+        self._identities = Identities()
+        self._evicted: set[str] = set()
+        """Members of the current quorum that no longer count for it (``hung``, ``restarted``) until the next one."""
         self.revision = 0
         """Grows with every change that must be persisted (commits, quorums, history)."""
         self._hosted = HostedLedger(plan)
@@ -256,7 +268,11 @@ class LighthouseState:
     def quorum_broken(self) -> bool:
         """True while a member of the current quorum is dead: its collectives cannot complete."""
         quorum = self._quorum
-        return quorum is not None and any(not self._members[member].alive for member in quorum.members)
+        return quorum is not None and any(not self._counts(member) for member in quorum.members)
+
+    def _counts(self, member: str) -> bool:
+        """Whether a member of the current quorum still counts for it: alive and neither hung nor restarted."""
+        return self._members[member].alive and member not in self._evicted
 
     def should_reconfigure(self, member: str) -> bool:
         """Whether ``member``'s heartbeat should be answered with ``{"type": "reconfigure"}``."""
@@ -277,6 +293,47 @@ class LighthouseState:
         ``heartbeat_timeout`` to reconnect their heartbeat sockets."""
         for member in self._quorum.members if self._quorum else ():
             self._members.expect(member, now)
+
+    # --- identity --------------------------------------------------------------------------------
+
+    def register(self, member: str, incarnation: str, now: float) -> str:
+        """Register ``incarnation`` of ``member`` and return its new secret.
+
+        A first registration counts as a sign of life (the process heartbeats
+        next). A new incarnation of a member still recorded alive marks the old
+        one dead at once (failure reason ``restarted``); the old secret stops
+        working. ``RequestError`` 429 when ``max_members`` live members are
+        already registered, 409 for a replaced or already registered incarnation.
+        """
+        member = parse_member(member)
+        incarnation = parse_incarnation(incarnation)
+        if member not in self._identities:
+            live = sum(record.alive for record in self._members.records.values())
+            if not self._members.alive(member) and live >= self.max_members:
+                raise RequestError(
+                    429,
+                    f"max_members={self.max_members} live members are registered: member {member!r} is refused",
+                    field="member",
+                    cap="max_members",
+                )
+        secret, replaced = self._identities.register(member, incarnation)
+        self.revision += 1
+        if replaced is not None and self._members.alive(member):
+            self._mark_dead(member, now, "restarted")
+        if replaced is not None and self._quorum is not None and member in self._quorum.members:
+            self._evicted.add(member)
+        elif replaced is None:
+            self._touch(member, now)
+        return secret
+
+    def authenticate(self, member: str, incarnation: object, secret: object) -> None:
+        """``RequestError`` 403 unless ``incarnation`` and ``secret`` are ``member``'s current ones."""
+        self._identities.check(member, incarnation, secret)
+
+    def incarnation(self, member: str) -> str | None:
+        """The registered incarnation of ``member`` (None if none)."""
+        identity = self._identities.current.get(member)
+        return None if identity is None else identity.incarnation
 
     # --- events ----------------------------------------------------------------------------------
 
@@ -299,7 +356,7 @@ class LighthouseState:
         applied_step = parse_step(applied_step)
         self._check_catch_up(member, applied_step)
         record = self._touch(member, now)
-        record.applied_step = applied_step
+        record.report(applied_step)
         self._progress(member, applied_step)
 
     def leave(self, member: str, now: float, applied_step: int | None = None) -> None:
@@ -326,7 +383,7 @@ class LighthouseState:
         self._check_request(request)
         record = self._touch(request.member, now)
         if request.reason != "join":
-            record.applied_step = request.applied_step
+            record.report(request.applied_step)
             self._progress(request.member, request.applied_step)
         previous = self._pending.get(request.member)
         if previous is None or previous.request != request:
@@ -338,7 +395,37 @@ class LighthouseState:
         """Expire heartbeats and join timeouts; form the next quorum when the rules allow."""
         for name in self._members.expired(now):
             self._mark_dead(name, now, "heartbeat timeout")
+        self._detect_hung(now)
         return self._try_form(now)
+
+    def _detect_hung(self, now: float) -> None:
+        """Evict quorum members that live peers wait on (they are ahead) with no progress for ``join_timeout``.
+
+        The member's heartbeat lives but its main loop does not: its peers are
+        blocked in a collective on it. Evicting it breaks the quorum, so the
+        peers are told at once and re-form without it (failure reason ``hung``).
+        """
+        quorum = self._quorum
+        if quorum is None:
+            return
+        steps = {
+            m: self._members[m].applied_step
+            for m in quorum.members
+            if self._counts(m) and m not in self._healing and self._members[m].applied_step is not None
+        }
+        if not steps:
+            return
+        ahead = max(step for step in steps.values() if step is not None)
+        for member, step in steps.items():
+            record = self._members[member]
+            if step is None or step >= ahead or member in self._pending:
+                record.waited_since = None
+                continue
+            if record.waited_since is None:
+                record.waited_since = now
+            elif now - record.waited_since > self.join_timeout:
+                self._evicted.add(member)
+                self._record_failure(member, now, "hung", in_quorum=True)
 
     # --- quorum formation ------------------------------------------------------------------------
 
@@ -347,17 +434,20 @@ class LighthouseState:
         if not pending:
             return None
         quorum_members = list(self._quorum.members) if self._quorum else []
-        asked = [m for m in quorum_members if m in pending]
-        not_dead = [m for m in quorum_members if self._members[m].alive]
+        not_dead = [m for m in quorum_members if self._counts(m)]
+        asked = [m for m in not_dead if m in pending]
         unaccounted = [m for m in not_dead if m not in pending]
         clock = min(pending[m].time for m in (asked or pending))
         timed_out = now - clock >= self.join_timeout
         if unaccounted and not timed_out:
             return None
-        if not_dead and 2 * len(asked) <= len(not_dead):
+        # After the join timeout the members that did not ask are excluded: they no longer count for the
+        # majority rule, so the askers are the majority of what counts; some member of the quorum must ask.
+        if not_dead and not asked:
             return None
         survivors = [m for m in asked if pending[m].request.reason != "join"]
         joiners = sorted((m for m in pending if m not in survivors), key=lambda m: pending[m].order)
+        # a restarted or hung member of the quorum may come back only as a joiner
         trusted = [m for m in survivors if m not in self._healing]
         target, mode = self._target_step(trusted)
         failure = any(
@@ -371,7 +461,7 @@ class LighthouseState:
         if (
             not failure
             and not timed_out
-            and any(r.alive and m not in pending for m, r in self._members.records.items())
+            and any(r.alive and m not in pending and m not in self._evicted for m, r in self.members.items())
         ):
             return None
         return self._form(now, members, target, mode, failure, timed_out, unaccounted, clock)
@@ -427,6 +517,9 @@ class LighthouseState:
         self._hosted.snapshot = None
         quorum_id = previous.quorum_id + 1 if previous else 1
         self._quorum = Quorum(quorum_id, tuple(members))
+        self._evicted = set()
+        for seen in self._members.records.values():
+            seen.waited_since = None
         for member in excluded:
             self._record_failure(member, since, "excluded", in_quorum=True)
         reason = "start-up" if previous is None else "failure" if failure else "boundary"
@@ -440,6 +533,7 @@ class LighthouseState:
             now,
             timed_out,
             mode == "rollback",
+            f"q{quorum_id}-{secrets.token_hex(16)}/",
         )
         self._formation = formation
         self._answered = requests
@@ -508,10 +602,11 @@ class LighthouseState:
             raise RequestError(
                 409, f"no quorum has formed yet: ask with reason 'join', not {request.reason!r}", field="reason"
             )
-        if request.member not in quorum.members:
+        if request.member not in quorum.members or request.member in self._evicted:
             raise RequestError(
                 409,
-                f"member {request.member!r} is not in quorum {quorum.quorum_id}: ask again with reason 'join'",
+                f"member {request.member!r} is not (or no longer) in quorum {quorum.quorum_id}: "
+                "ask again with reason 'join'",
                 field="member",
                 quorum_id=quorum.quorum_id,
                 members=list(quorum.members),
@@ -541,7 +636,8 @@ class LighthouseState:
             self.revision += 1
         else:
             self._record_failure(member, now, reason, in_quorum=in_quorum)
-        self._members.forget_dead(self._quorum.members if self._quorum else ())
+        for forgotten in self._members.forget_dead(self._quorum.members if self._quorum else ()):
+            self._identities.forget(forgotten)
 
     def _record_failure(self, member: str, now: float, reason: str, *, in_quorum: bool) -> None:
         self.history.failure(member, now, reason, in_quorum=in_quorum)
@@ -613,6 +709,7 @@ class LighthouseState:
             "healing": dict(self._healing),
             "heal_step": self._heal_step,
             "history": self.history.to_json(),
+            "identities": self._identities.to_json(),
         }
 
     @classmethod
@@ -626,6 +723,7 @@ class LighthouseState:
         heartbeat_timeout: float = 2.0,
         join_timeout: float = 5.0,
         on_commit: CommitListener | None = None,
+        max_members: int = MAX_MEMBERS,
     ) -> LighthouseState:
         """Resume from ``state_dict()``: the quorum's members count as alive (seen at ``now``), others as dead."""
         if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
@@ -638,6 +736,7 @@ class LighthouseState:
             join_timeout,
             start_replicas=start_replicas,
             on_commit=on_commit,
+            max_members=max_members,
         )
         restored._hosted = hosted
         if state["quorum"] is not None:
@@ -656,4 +755,6 @@ class LighthouseState:
         restored._healing = {name: bool(ahead) for name, ahead in state["healing"].items()}
         restored._heal_step = check_int("state['heal_step']", state["heal_step"], minimum=0)
         restored.history = History.from_json(state["history"])
+        if state.get("identities") is not None:
+            restored._identities = Identities.from_json(state["identities"])
         return restored

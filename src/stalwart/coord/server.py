@@ -1,8 +1,10 @@
 """The lighthouse HTTP server: aiohttp around :class:`~stalwart.coord.quorum.LighthouseState`.
 
 Endpoints (``docs/protocol.md``): ``GET /healthz``, ``GET /v1/status``,
-``GET /v1/heartbeat?member=ID`` (websocket), ``POST /v1/quorum`` (long poll)
-and ``POST /v1/leave``. Every event is handed to the pure state with the
+``POST /v1/register``, ``GET /v1/heartbeat?member=ID`` (websocket),
+``POST /v1/quorum`` (long poll) and ``POST /v1/leave``; all but the first two
+and register carry the member's incarnation and secret in the
+``X-Stalwart-Incarnation`` and ``X-Stalwart-Secret`` headers. Every event is handed to the pure state with the
 wall-clock time; a periodic task (every ``tick_interval``) expires heartbeats
 and join timeouts and forms quorums. The state is persisted
 (:mod:`stalwart.coord.persist`) before any quorum answer leaves, so a
@@ -12,7 +14,8 @@ lost with the process is replayed identically from the members' next
 heartbeats).
 
 The lighthouse also hosts the ``torch.distributed.TCPStore`` on which each
-quorum's process group rendezvouses, under the prefix ``q{quorum_id}/``.
+quorum's process group rendezvouses, under the prefix
+``q{quorum_id}-{128 random bits}/`` told only to the quorum's members.
 
 :class:`Lighthouse` runs the server in a background thread with its own event
 loop (``start``/``stop``), so tests and launchers can embed it, or in the
@@ -38,6 +41,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from stalwart._validate import check_int
 from stalwart.coord.persist import StateStore
 from stalwart.coord.quorum import (
+    MAX_MEMBERS,
     Formation,
     LighthouseState,
     QuorumRequest,
@@ -52,6 +56,10 @@ from stalwart.data.plan import EpochPlan
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 * 1024
+MAX_WAITERS = 4096
+"""Default cap on pending quorum long polls (``max_waiters``)."""
+INCARNATION_HEADER = "X-Stalwart-Incarnation"
+SECRET_HEADER = "X-Stalwart-Secret"
 _PUBLIC_PATHS = frozenset({"/healthz"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -79,6 +87,8 @@ class Lighthouse:
         join_timeout: float = 5.0,
         store_port: int = 0,
         tick_interval: float = 0.05,
+        max_members: int = MAX_MEMBERS,
+        max_waiters: int = MAX_WAITERS,
     ) -> None:
         if not isinstance(plan, EpochPlan):
             raise TypeError(f"plan must be an EpochPlan, got {type(plan).__name__}")
@@ -92,10 +102,12 @@ class Lighthouse:
         self._token = token
         self.join_timeout = check_seconds("join_timeout", join_timeout)
         self.tick_interval = check_seconds("tick_interval", tick_interval)
+        self.max_waiters = check_int("max_waiters", max_waiters, minimum=1)
+        check_int("max_members", max_members, minimum=1)
         self._database = StateStore(state_path) if state_path is not None else None
         try:
             self.state = self._load_state(
-                plan, state_path, min_replicas, start_replicas, heartbeat_timeout, join_timeout
+                plan, state_path, min_replicas, start_replicas, heartbeat_timeout, join_timeout, max_members
             )
         except BaseException:
             if self._database is not None:
@@ -122,11 +134,19 @@ class Lighthouse:
         start_replicas: int | None,
         heartbeat_timeout: float,
         join_timeout: float,
+        max_members: int,
     ) -> LighthouseState:
         """The persisted state when there is one (its plan must equal ``plan``), else a fresh one."""
         persisted = self._database.load() if self._database is not None else None
         if persisted is None:
-            return LighthouseState(plan, min_replicas, heartbeat_timeout, join_timeout, start_replicas=start_replicas)
+            return LighthouseState(
+                plan,
+                min_replicas,
+                heartbeat_timeout,
+                join_timeout,
+                start_replicas=start_replicas,
+                max_members=max_members,
+            )
         state = LighthouseState.from_state_dict(
             persisted,
             now=time.time(),
@@ -134,6 +154,7 @@ class Lighthouse:
             start_replicas=start_replicas,
             heartbeat_timeout=heartbeat_timeout,
             join_timeout=join_timeout,
+            max_members=max_members,
         )
         _check_same_plan(plan, state.plan, state_path)
         return state
@@ -244,6 +265,7 @@ class Lighthouse:
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/v1/status", self._get_status)
         app.router.add_get("/status", self._get_status)  # the short name people and scripts type
+        app.router.add_post("/v1/register", self._register)
         app.router.add_get("/v1/heartbeat", self._heartbeat)
         app.router.add_post("/v1/quorum", self._quorum)
         app.router.add_post("/v1/leave", self._leave)
@@ -359,6 +381,7 @@ class Lighthouse:
 
     async def _heartbeat(self, request: web.Request) -> web.WebSocketResponse:
         member = parse_member(request.query.get("member"))
+        self._authenticate(request, member)
         ws = web.WebSocketResponse(max_msg_size=4096, timeout=1.0)
         await ws.prepare(request)
         previous = self._sockets.get(member)
@@ -372,7 +395,7 @@ class Lighthouse:
         self._advance()
         try:
             async for message in ws:
-                if self._stopping:
+                if self._stopping or self._sockets.get(member) is not ws:
                     break
                 if message.type != WSMsgType.TEXT:
                     await ws.send_json({"type": "error", "error": "heartbeats must be JSON text messages"})
@@ -399,6 +422,14 @@ class Lighthouse:
     async def _quorum(self, request: web.Request) -> web.Response:
         quorum_request = QuorumRequest.from_json(await _json_body(request))
         member = quorum_request.member
+        self._authenticate(request, member)
+        waiting = sum(len(waiters) for waiters in self._waiters.values())
+        if waiting >= self.max_waiters:
+            raise RequestError(
+                503,
+                f"max_waiters={self.max_waiters} quorum requests are already pending; ask again later",
+                cap="max_waiters",
+            )
         answer = self.state.request(quorum_request, time.time())
         if answer is None:
             self._advance()
@@ -420,7 +451,7 @@ class Lighthouse:
                     408, f"no quorum formed within join_timeout={self.join_timeout} s; ask again", member=member
                 )
             answer = result
-        store = {"host": self._store_host(request), "port": self.store_port, "prefix": f"q{answer['quorum_id']}/"}
+        store = {"host": self._store_host(request), "port": self.store_port, "prefix": answer["store"]["prefix"]}
         return web.json_response({**answer, "store": store})
 
     async def _leave(self, request: web.Request) -> web.Response:
@@ -429,12 +460,40 @@ class Lighthouse:
             raise RequestError(400, f'the body must be {{"member": str, "applied_step"?: int}}, got {body!r}')
         member = parse_member(body["member"])
         applied_step = parse_step(body["applied_step"]) if "applied_step" in body else None
+        self._authenticate(request, member)
         self.state.leave(member, time.time(), applied_step)
         self._advance()
         for waiter in self._waiters.get(member, []):
             if not waiter.done():
                 waiter.set_result(RequestError(410, f"member {member!r} left", member=member))
         return web.json_response({"ok": True})
+
+    async def _register(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        if not isinstance(body, dict) or set(body) != {"member", "incarnation"}:
+            raise RequestError(400, f'the body must be {{"member": str, "incarnation": str}}, got {body!r}')
+        member = parse_member(body["member"])
+        previous = self.state.incarnation(member)
+        secret = self.state.register(member, body["incarnation"], time.time())
+        if previous is not None:
+            self._retire(member, previous)
+        self._advance()
+        return web.json_response({"member": member, "incarnation": body["incarnation"], "secret": secret})
+
+    def _retire(self, member: str, incarnation: str) -> None:
+        """Close the replaced incarnation's socket and refuse its pending quorum requests."""
+        socket = self._sockets.pop(member, None)
+        if socket is not None and not socket.closed:
+            message = b"replaced by a new incarnation"
+            asyncio.get_running_loop().create_task(socket.close(code=WSCloseCode.POLICY_VIOLATION, message=message))
+        refused = RequestError(403, f"incarnation {incarnation} of member {member!r} was replaced", code="superseded")
+        for waiter in self._waiters.get(member, []):
+            if not waiter.done():
+                waiter.set_result(refused)
+
+    def _authenticate(self, request: web.Request, member: str) -> None:
+        """403 unless the request carries ``member``'s current incarnation and secret."""
+        self.state.authenticate(member, request.headers.get(INCARNATION_HEADER), request.headers.get(SECRET_HEADER))
 
     def _store_host(self, request: web.Request) -> str:
         """The store's address as the caller can reach it: the bound host, or the one it called when wildcard."""
