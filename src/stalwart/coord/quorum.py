@@ -67,6 +67,7 @@ from typing import Any
 
 from stalwart._validate import check_int
 from stalwart.coord.history import HISTORY_LIMIT, History
+from stalwart.coord.history import KINDS as HISTORY_KINDS
 from stalwart.coord.hosted_ledger import HostedLedger, StepRecord
 from stalwart.coord.identity import Identities, parse_incarnation
 from stalwart.coord.membership import MemberRecord, Membership
@@ -711,6 +712,12 @@ class LighthouseState:
             "history": self.history.to_json(),
             "identities": self._identities.to_json(),
         }
+
+    def core_state_dict(self) -> dict[str, Any]:
+        """``state_dict()`` without the history's event lists (kept as append-only rows by the store)."""
+        state = self.state_dict()
+        state["history"] = {key: value for key, value in state["history"].items() if key not in HISTORY_KINDS}
+        return state
 
     @classmethod
     def from_state_dict(

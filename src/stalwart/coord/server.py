@@ -7,11 +7,13 @@ and register carry the member's incarnation and secret in the
 ``X-Stalwart-Incarnation`` and ``X-Stalwart-Secret`` headers. Every event is handed to the pure state with the
 wall-clock time; a periodic task (every ``tick_interval``) expires heartbeats
 and join timeouts and forms quorums. The state is persisted
-(:mod:`stalwart.coord.persist`) before any quorum answer leaves, so a
-restarted lighthouse never forgets a quorum it announced, and within one tick
-of a ledger commit reported by heartbeats (commits are coalesced: a commit
-lost with the process is replayed identically from the members' next
-heartbeats).
+(:mod:`stalwart.coord.persist`) on a single save thread, off the event loop,
+and the save is awaited before any quorum answer or registration leaves, so a
+restarted lighthouse never forgets a quorum it announced; it fails closed: an
+answer whose state could not be saved is not handed out (503, asked again),
+until a save succeeds. Ledger commits reported by heartbeats are saved within
+one tick (coalesced: a commit lost with the process is replayed identically
+from the members' next heartbeats).
 
 The lighthouse also hosts the ``torch.distributed.TCPStore`` on which each
 quorum's process group rendezvouses, under the prefix
@@ -34,6 +36,7 @@ import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from aiohttp import WSCloseCode, WSMsgType, web
@@ -114,6 +117,9 @@ class Lighthouse:
                 self._database.close()
             raise
         self._saved_revision = -1
+        self._save_failing = False
+        self._save_lock: asyncio.Lock | None = None
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="stalwart-lighthouse-save")
         self._port: int | None = None
         self._store_port: int | None = None
         self._thread: threading.Thread | None = None
@@ -275,7 +281,8 @@ class Lighthouse:
         await site.start()
         self._port = int(self._runner.addresses[0][1])
         self.state.expect_quorum(time.time())
-        self._persist(time.time())
+        self._save_lock = asyncio.Lock()
+        await self._durable()
         self._ticker = asyncio.create_task(self._tick_forever())
 
     async def _stop(self) -> None:
@@ -290,7 +297,8 @@ class Lighthouse:
         await asyncio.gather(*closing, return_exceptions=True)
         if self._runner is not None:
             await self._runner.cleanup()
-        self._persist(time.time())
+        await self._durable()
+        self._saver.shutdown(wait=True)
         if self._database is not None:
             self._database.close()
         self._tcp_store = None
@@ -302,16 +310,16 @@ class Lighthouse:
             await asyncio.sleep(self.tick_interval)
             try:
                 self._advance()
+                await self._durable()
             except Exception:
                 logger.exception("lighthouse tick failed")
 
     def _advance(self, now: float | None = None) -> None:
-        """Expire timeouts, form a quorum if due, persist, then answer the waiting members."""
+        """Expire timeouts, form a quorum if due and wake its waiting members (each awaits the save)."""
         if self._stopping:
             return
         now = time.time() if now is None else now
         formation = self.state.tick(now)
-        self._persist(now)
         if formation is not None:
             self._answer_waiters(formation)
         self._push_broken_quorum()
@@ -333,10 +341,41 @@ class Lighthouse:
             if socket is not None and not socket.closed:
                 asyncio.get_running_loop().create_task(socket.send_json(message))
 
-    def _persist(self, now: float) -> None:
-        if self._database is not None and self.state.revision != self._saved_revision:
-            self._database.save(self.state.state_dict(), self.state.revision, now)
-            self._saved_revision = self.state.revision
+    async def _durable(self) -> bool:
+        """Save the state if it changed (on the save thread); False when the save failed.
+
+        The core row and the new history events are taken on the loop, so the
+        save is a consistent snapshot; events of a failed save are queued again.
+        """
+        assert self._save_lock is not None
+        async with self._save_lock:
+            revision = self.state.revision
+            events = self.state.history.drain()
+            if self._database is None or (revision == self._saved_revision and not events):
+                self._saved_revision = revision
+                return True
+            core = self.state.core_state_dict()
+            loop = asyncio.get_running_loop()
+            try:
+                await loop.run_in_executor(self._saver, self._database.save, core, events, revision, time.time())
+            except Exception as error:
+                self.state.history.journal[:0] = events
+                if not self._save_failing:
+                    logger.error("the lighthouse cannot save its state to %s: %s", self._database.path, error)
+                self._save_failing = True
+                return False
+            if self._save_failing:
+                logger.warning("the lighthouse saves its state to %s again", self._database.path)
+            self._save_failing = False
+            self._saved_revision = revision
+            return True
+
+    async def _require_durable(self, what: str) -> None:
+        """503 (the client asks again) unless the state, ``what`` included, is saved."""
+        if not await self._durable():
+            raise RequestError(
+                503, f"the lighthouse could not persist {what}; it is not handed out, ask again", retry=True
+            )
 
     def _answer_waiters(self, formation: Formation) -> None:
         for member in formation.members:
@@ -451,6 +490,7 @@ class Lighthouse:
                     408, f"no quorum formed within join_timeout={self.join_timeout} s; ask again", member=member
                 )
             answer = result
+        await self._require_durable(f"quorum {answer['quorum_id']}")
         store = {"host": self._store_host(request), "port": self.store_port, "prefix": answer["store"]["prefix"]}
         return web.json_response({**answer, "store": store})
 
@@ -478,6 +518,7 @@ class Lighthouse:
         if previous is not None:
             self._retire(member, previous)
         self._advance()
+        await self._require_durable(f"the registration of member {member!r}")
         return web.json_response({"member": member, "incarnation": body["incarnation"], "secret": secret})
 
     def _retire(self, member: str, incarnation: str) -> None:
