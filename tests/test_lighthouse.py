@@ -22,7 +22,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from support import wait_until
+from support import remember, report, wait_until
 
 from stalwart.coord.client import HealPlan, LighthouseClient, QuorumAnswer
 from stalwart.coord.server import Lighthouse
@@ -72,7 +72,7 @@ def free_port() -> int:
 def ask_all(clients: dict[str, LighthouseClient], requests: dict[str, tuple]) -> dict[str, QuorumAnswer]:
     with ThreadPoolExecutor(len(requests)) as pool:
         futures = {m: pool.submit(clients[m].quorum, *args) for m, args in requests.items()}
-        return {m: future.result(timeout=40) for m, future in futures.items()}
+        return {m: remember(future.result(timeout=40)) for m, future in futures.items()}
 
 
 def shares_of_step(step: int, members: list[str]) -> list[int]:
@@ -106,7 +106,7 @@ def test_start_up_sigkill_failure_and_join(lighthouse: Lighthouse) -> None:
         assert worker.stdout.readline().strip() == "ready"
         clients = {m: LighthouseClient(lighthouse.url, m, heartbeat_interval=0.05) for m in steps}
         for member, client in clients.items():
-            client.start_heartbeat(lambda member=member: steps[member])
+            client.start_heartbeat(lambda member=member: report(member, steps[member]))
         wait_until(lambda: len(lighthouse.status()["members"]) == 4, what="four heartbeats")
         worker.stdin.write("go\n")
         worker.stdin.flush()
@@ -210,8 +210,8 @@ def test_bad_requests_get_4xx_naming_the_problem_and_change_nothing(lighthouse: 
     url = lighthouse.url
     clients = {m: LighthouseClient(url, m, heartbeat_interval=0.05) for m in ("a", "b")}
     try:
-        for client in clients.values():
-            client.start_heartbeat(lambda: 1)
+        for member, client in clients.items():
+            client.start_heartbeat(lambda member=member: report(member, 1))
         ask_all(clients, {m: (0, None, "join", 30) for m in clients})
         wait_until(lambda: lighthouse.status()["ledger"]["step"] == 1, what="step 1")
         assert asyncio.run(_bad_heartbeats(url, register(url, "probe"))) == ["error", "error", "error"]
@@ -339,7 +339,7 @@ def test_cli_lighthouse_killed_and_restarted_resumes_the_ledger(tmp_path: Path) 
     clients = {m: LighthouseClient(url, m, heartbeat_interval=0.05) for m in steps}
     try:
         for member, client in clients.items():
-            client.start_heartbeat(lambda member=member: steps[member])
+            client.start_heartbeat(lambda member=member: report(member, steps[member]))
         answers = ask_all(clients, {m: (0, None, "join", 30) for m in steps})
         assert answers["a"].quorum_id == 1 and answers["a"].store.port == store_port
         steps.update(a=3, b=3)

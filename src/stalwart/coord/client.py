@@ -42,6 +42,8 @@ INCARNATION_HEADER = "X-Stalwart-Incarnation"
 SECRET_HEADER = "X-Stalwart-Secret"
 
 T = TypeVar("T")
+Report = int | tuple[int, str | None]
+"""What ``start_heartbeat``'s callable returns: ``applied_step``, or ``(applied_step, ledger digest or None)``."""
 
 
 class LighthouseError(RuntimeError):
@@ -154,7 +156,7 @@ class LighthouseClient:
         self._register_lock: asyncio.Lock | None = None
         self._superseded: LighthouseError | None = None
         self._quorum_id: int | None = None
-        self._get_applied_step: Callable[[], int] | None = None
+        self._get_applied_step: Callable[[], Report] | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._closed = False
         self._loop = asyncio.new_event_loop()
@@ -174,8 +176,14 @@ class LighthouseClient:
         """True once the lighthouse reported a member of this member's quorum dead (cleared by ``quorum()``)."""
         return self._broken.is_set()
 
-    def start_heartbeat(self, get_applied_step: Callable[[], int]) -> None:
-        """Keep the heartbeat websocket open, reporting ``get_applied_step()`` (called on the client's thread)."""
+    def start_heartbeat(self, get_applied_step: Callable[[], Report]) -> None:
+        """Keep the heartbeat websocket open, reporting ``get_applied_step()`` (called on the client's thread).
+
+        It returns the applied step, or ``(applied_step, digest)`` with the
+        member's ``ledger_digest`` at that step: the lighthouse commits steps
+        only on a matching digest. Quorum requests and ``leave`` for the same
+        step carry the same digest.
+        """
         if not callable(get_applied_step):
             raise TypeError(f"get_applied_step must be callable, got {get_applied_step!r}")
         if self._heartbeat_task is not None:
@@ -195,6 +203,9 @@ class LighthouseClient:
         (``status`` 409 with ``body["quorum_id"]``: stale, ask with ``join``).
         """
         body = {"member": self.member, "applied_step": applied_step, "quorum_id": quorum_id, "reason": reason}
+        digest = self._digest_at(applied_step)
+        if digest is not None:
+            body["digest"] = digest
         try:
             QuorumRequest.from_json(body)
         except RequestError as error:
@@ -220,7 +231,25 @@ class LighthouseClient:
         body: dict[str, Any] = {"member": self.member}
         if applied_step is not None:
             body["applied_step"] = applied_step
+            digest = self._digest_at(applied_step)
+            if digest is not None:
+                body["digest"] = digest
         self._run(self._authenticated_request("POST", "/v1/leave", body))
+
+    def _report(self) -> tuple[int, str | None]:
+        """The heartbeat callable's ``(applied_step, digest)``."""
+        assert self._get_applied_step is not None
+        report = self._get_applied_step()
+        if isinstance(report, tuple):
+            return int(report[0]), report[1]
+        return int(report), None
+
+    def _digest_at(self, applied_step: int) -> str | None:
+        """The reported digest when the heartbeat reports ``applied_step`` too, else None."""
+        if self._get_applied_step is None:
+            return None
+        step, digest = self._report()
+        return digest if step == applied_step else None
 
     def identity_headers(self) -> dict[str, str]:
         """The headers that authenticate this incarnation (registering first if needed), for tools and tests."""
@@ -374,7 +403,11 @@ class LighthouseClient:
         receiver = asyncio.create_task(self._receive(socket))
         try:
             while not receiver.done():
-                await socket.send_json({"applied_step": int(self._get_applied_step())})
+                applied_step, digest = self._report()
+                message: dict[str, Any] = {"applied_step": applied_step}
+                if digest is not None:
+                    message["digest"] = digest
+                await socket.send_json(message)
                 await asyncio.wait({receiver}, timeout=self.heartbeat_interval)
         finally:
             receiver.cancel()

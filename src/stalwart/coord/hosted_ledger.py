@@ -11,12 +11,24 @@ every member does on the fast path.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from stalwart.data.ledger import DataLedger, Positions
 from stalwart.data.plan import EpochPlan
+
+
+def ledger_digest(state: Mapping[str, Any]) -> str:
+    """The digest of a ledger ``state_dict()``: SHA-256 of its canonical JSON, first 16 bytes in hex.
+
+    A member reports it with its ``applied_step`` (its ledger after the
+    commit); the lighthouse commits the step only if its own replay agrees.
+    """
+    text = json.dumps(state, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 @dataclass
@@ -77,6 +89,13 @@ class HostedLedger:
         self.snapshot = snapshot
         self.record = None
         return epoch, step, positions
+
+    def digest_after(self, members: list[str], step: int) -> str:
+        """The digest of the ledger committed through ``step`` (a replay on a copy; nothing changes)."""
+        trial = HostedLedger.from_json(self.to_json())
+        while trial.step < step:
+            trial.commit_one(members)
+        return ledger_digest(trial.ledger.state_dict())
 
     def rollback(self) -> None:
         """Return to the state before the last commit (its step is in progress again)."""

@@ -60,15 +60,16 @@ Refusals (``RequestError``, nothing changes)
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from stalwart._validate import check_int
+from stalwart._validate import check_bool, check_int
 from stalwart.coord.history import HISTORY_LIMIT, History
 from stalwart.coord.history import KINDS as HISTORY_KINDS
-from stalwart.coord.hosted_ledger import HostedLedger, StepRecord
+from stalwart.coord.hosted_ledger import HostedLedger, StepRecord, ledger_digest
 from stalwart.coord.identity import Identities, parse_incarnation
 from stalwart.coord.membership import MemberRecord, Membership
 from stalwart.coord.wire import (
@@ -76,8 +77,10 @@ from stalwart.coord.wire import (
     QuorumRequest,
     RequestError,
     check_seconds,
+    parse_digest,
     parse_heartbeat,
     parse_member,
+    parse_report,
     parse_step,
 )
 from stalwart.data.ledger import Positions
@@ -95,8 +98,11 @@ __all__ = [
     "RequestError",
     "StepRecord",
     "check_seconds",
+    "ledger_digest",
+    "parse_digest",
     "parse_heartbeat",
     "parse_member",
+    "parse_report",
     "parse_step",
 ]
 
@@ -180,6 +186,7 @@ class LighthouseState:
         start_replicas: int | None = None,
         on_commit: CommitListener | None = None,
         max_members: int = MAX_MEMBERS,
+        require_digest: bool = False,
     ) -> None:
         if not isinstance(plan, EpochPlan):
             raise TypeError(f"plan must be an EpochPlan, got {type(plan).__name__}")
@@ -192,6 +199,8 @@ class LighthouseState:
         self.join_timeout = check_seconds("join_timeout", join_timeout)
         self.on_commit = on_commit
         self.max_members = check_int("max_members", max_members, minimum=1)
+        self.require_digest = check_bool("require_digest", require_digest)
+        """Refuse reports that would commit steps without a ledger digest (the server sets it)."""
         self._identities = Identities()
         self._evicted: set[str] = set()
         """Members of the current quorum that no longer count for it (``hung``, ``restarted``) until the next one."""
@@ -351,22 +360,31 @@ class LighthouseState:
         if record.alive:
             self._mark_dead(member, now, "socket closed")
 
-    def heartbeat(self, member: str, applied_step: int, now: float) -> None:
-        """``member`` reports ``applied_step``; the ledger commits through the largest a quorum member reports."""
+    def heartbeat(self, member: str, applied_step: int, now: float, digest: str | None = None) -> None:
+        """``member`` reports ``applied_step``; the ledger commits through the largest a quorum member reports.
+
+        ``digest`` is the member's ``ledger_digest`` at ``applied_step``: a
+        report that would commit steps is refused (``RequestError`` 422,
+        nothing changes) when the lighthouse's replay disagrees, or when it is
+        missing and ``require_digest`` is set.
+        """
         member = parse_member(member)
         applied_step = parse_step(applied_step)
+        digest = parse_digest(digest)
         self._check_catch_up(member, applied_step)
+        self._check_digest(member, applied_step, digest)
         record = self._touch(member, now)
         record.report(applied_step)
         self._progress(member, applied_step)
 
-    def leave(self, member: str, now: float, applied_step: int | None = None) -> None:
-        """A clean exit: ``member`` is dead at once, after its last ``applied_step`` counts as a heartbeat."""
+    def leave(self, member: str, now: float, applied_step: int | None = None, digest: str | None = None) -> None:
+        """A clean exit: ``member`` is dead at once, after its last ``applied_step`` (and ``digest``) count as a
+        heartbeat."""
         record = self._members.get(parse_member(member))
         if record is None:
             raise RequestError(404, f"member {member!r} is not known to the lighthouse", field="member")
         if applied_step is not None and record.alive:
-            self.heartbeat(member, applied_step, now)
+            self.heartbeat(member, applied_step, now, digest)
         record.connected = False
         if record.alive:
             self._mark_dead(member, now, "left")
@@ -551,9 +569,43 @@ class LighthouseState:
         if self.on_commit is not None:
             self.on_commit(epoch, step, positions)
 
+    def _would_commit(self, member: str, applied_step: int) -> bool:
+        """Whether ``member``'s report of ``applied_step`` would commit steps (see ``_progress``)."""
+        if self._quorum is None or member not in self._quorum.members or member in self._evicted:
+            return False
+        if member in self._healing:
+            ahead = self._healing[member]
+            if not (applied_step == self._heal_step if ahead else applied_step >= self._heal_step):
+                return False
+        return applied_step > self._hosted.step
+
+    def _check_digest(self, member: str, applied_step: int, digest: str | None) -> None:
+        """Refuse (422) a report that would commit steps the lighthouse's own replay does not reach."""
+        if not self._would_commit(member, applied_step):
+            return
+        committed = self._hosted.step
+        if digest is None:
+            if self.require_digest:
+                raise RequestError(
+                    422,
+                    f"applied_step {applied_step} is ahead of the ledger's step {committed}: a digest of the "
+                    "member's ledger is required to commit it",
+                    field="digest",
+                )
+            return
+        assert self._quorum is not None
+        ours = self._hosted.digest_after(list(self._quorum.members), applied_step)
+        if not hmac.compare_digest(ours, digest):
+            raise RequestError(
+                422,
+                f"digest {digest} of member {member!r} at applied_step {applied_step} does not match the "
+                f"lighthouse's replay ({ours}): the steps are not committed; the ledger stays at step {committed}",
+                field="digest",
+            )
+
     def _progress(self, member: str, applied_step: int) -> None:
         """Commit through ``applied_step`` if ``member`` is a quorum member whose reports count."""
-        if self._quorum is None or member not in self._quorum.members:
+        if self._quorum is None or member not in self._quorum.members or member in self._evicted:
             return
         if member in self._healing:
             ahead = self._healing[member]
@@ -621,6 +673,7 @@ class LighthouseState:
                 members=list(quorum.members),
             )
         self._check_catch_up(request.member, request.applied_step)
+        self._check_digest(request.member, request.applied_step, request.digest)
 
     # --- liveness and history --------------------------------------------------------------------
 
@@ -731,6 +784,7 @@ class LighthouseState:
         join_timeout: float = 5.0,
         on_commit: CommitListener | None = None,
         max_members: int = MAX_MEMBERS,
+        require_digest: bool = False,
     ) -> LighthouseState:
         """Resume from ``state_dict()``: the quorum's members count as alive (seen at ``now``), others as dead."""
         if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
@@ -744,6 +798,7 @@ class LighthouseState:
             start_replicas=start_replicas,
             on_commit=on_commit,
             max_members=max_members,
+            require_digest=require_digest,
         )
         restored._hosted = hosted
         if state["quorum"] is not None:

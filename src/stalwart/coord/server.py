@@ -50,8 +50,9 @@ from stalwart.coord.quorum import (
     QuorumRequest,
     RequestError,
     check_seconds,
-    parse_heartbeat,
+    parse_digest,
     parse_member,
+    parse_report,
     parse_step,
 )
 from stalwart.data.plan import EpochPlan
@@ -152,6 +153,7 @@ class Lighthouse:
                 join_timeout,
                 start_replicas=start_replicas,
                 max_members=max_members,
+                require_digest=True,
             )
         state = LighthouseState.from_state_dict(
             persisted,
@@ -161,6 +163,7 @@ class Lighthouse:
             heartbeat_timeout=heartbeat_timeout,
             join_timeout=join_timeout,
             max_members=max_members,
+            require_digest=True,
         )
         _check_same_plan(plan, state.plan, state_path)
         return state
@@ -440,7 +443,8 @@ class Lighthouse:
                     await ws.send_json({"type": "error", "error": "heartbeats must be JSON text messages"})
                     continue
                 try:
-                    self.state.heartbeat(member, parse_heartbeat(json.loads(message.data)), time.time())
+                    applied_step, digest = parse_report(json.loads(message.data))
+                    self.state.heartbeat(member, applied_step, time.time(), digest)
                 except (ValueError, RecursionError, RequestError) as error:
                     text = error.message if isinstance(error, RequestError) else f"not JSON: {error}"
                     await ws.send_json({"type": "error", "error": text})
@@ -496,12 +500,16 @@ class Lighthouse:
 
     async def _leave(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
-        if not isinstance(body, dict) or "member" not in body or not set(body) <= {"member", "applied_step"}:
-            raise RequestError(400, f'the body must be {{"member": str, "applied_step"?: int}}, got {body!r}')
+        allowed = {"member", "applied_step", "digest"}
+        if not isinstance(body, dict) or "member" not in body or not set(body) <= allowed:
+            raise RequestError(
+                400, f'the body must be {{"member": str, "applied_step"?: int, "digest"?: str}}, got {body!r}'
+            )
         member = parse_member(body["member"])
         applied_step = parse_step(body["applied_step"]) if "applied_step" in body else None
+        digest = parse_digest(body.get("digest"))
         self._authenticate(request, member)
-        self.state.leave(member, time.time(), applied_step)
+        self.state.leave(member, time.time(), applied_step, digest)
         self._advance()
         for waiter in self._waiters.get(member, []):
             if not waiter.done():

@@ -15,6 +15,7 @@ from typing import Any
 
 REASONS = ("join", "failure", "reconfigure")
 _MEMBER_PATTERN = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")
+_DIGEST_PATTERN = re.compile(r"[0-9a-f]{32}")
 
 
 class RequestError(ValueError):
@@ -45,11 +46,28 @@ def parse_step(value: Any, name: str = "applied_step") -> int:
     return value
 
 
-def parse_heartbeat(body: Any) -> int:
-    """Return ``applied_step`` from a heartbeat message ``{"applied_step": int}``."""
+def parse_digest(value: Any, name: str = "digest") -> str | None:
+    """Return a ledger digest (32 lowercase hex digits) or None; else ``RequestError`` 400 naming the field."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _DIGEST_PATTERN.fullmatch(value):
+        raise RequestError(400, f"{name} must be 32 lowercase hex digits or null, got {value!r}", field=name)
+    return value
+
+
+def parse_report(body: Any) -> tuple[int, str | None]:
+    """Return ``(applied_step, digest)`` from a heartbeat message ``{"applied_step": int, "digest"?: str}``."""
     if not isinstance(body, Mapping) or "applied_step" not in body:
-        raise RequestError(400, f'a heartbeat must be an object {{"applied_step": int}}, got {body!r}')
-    return parse_step(body["applied_step"])
+        raise RequestError(400, f'a heartbeat must be an object {{"applied_step": int, "digest"?: str}}, got {body!r}')
+    unknown = sorted(set(body) - {"applied_step", "digest"})
+    if unknown:
+        raise RequestError(400, f"unknown heartbeat fields {unknown}", field=unknown[0])
+    return parse_step(body["applied_step"]), parse_digest(body.get("digest"))
+
+
+def parse_heartbeat(body: Any) -> int:
+    """Return ``applied_step`` from a heartbeat message (see :func:`parse_report`)."""
+    return parse_report(body)[0]
 
 
 @dataclass(frozen=True)
@@ -60,13 +78,15 @@ class QuorumRequest:
     applied_step: int
     quorum_id: int | None
     reason: str
+    digest: str | None = None
+    """The member's ledger digest at ``applied_step`` (see ``ledger_digest``); needed to commit steps."""
 
     @classmethod
     def from_json(cls, body: Any) -> QuorumRequest:
         """Validate a decoded JSON body; ``RequestError`` 400 names the bad field and value."""
         if not isinstance(body, Mapping):
             raise RequestError(400, f"the body must be a JSON object, got {type(body).__name__}")
-        unknown = sorted(set(body) - {"member", "applied_step", "quorum_id", "reason"})
+        unknown = sorted(set(body) - {"member", "applied_step", "quorum_id", "reason", "digest"})
         if unknown:
             raise RequestError(400, f"unknown fields {unknown}", field=unknown[0])
         for name in ("member", "applied_step", "reason"):
@@ -82,7 +102,7 @@ class QuorumRequest:
             quorum_id = parse_step(quorum_id, "quorum_id")
         elif reason != "join":
             raise RequestError(400, f"quorum_id must be an int for reason {reason!r}, got None", field="quorum_id")
-        return cls(member, applied_step, quorum_id, reason)
+        return cls(member, applied_step, quorum_id, reason, parse_digest(body.get("digest")))
 
 
 def check_seconds(name: str, value: Any) -> float:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from stalwart._validate import check_int
 from stalwart.coord.client import LighthouseClient, LighthouseError, QuorumAnswer
+from stalwart.coord.hosted_ledger import ledger_digest
 from stalwart.data.info import DataLoadingInfo, split_group_share
 from stalwart.data.ledger import DataLedger
 from stalwart.data.world import WorldInfo
@@ -114,9 +115,11 @@ class Manager:
         self._group = GroupLink(group or WorldInfo(rank=0, world_size=1), group_store, timeout=quorum_timeout)
         self._params = [param for param in model.parameters() if param.requires_grad]
         self._client: LighthouseClient | None = None
+        self._report: tuple[int, str | None] = (0, None)
+        """``(applied_step, ledger digest)`` for the heartbeat: the lighthouse commits only on a matching digest."""
         if self._group.is_leader:
             self._client = LighthouseClient(lighthouse, member, token=token, heartbeat_interval=heartbeat_interval)
-            self._client.start_heartbeat(lambda: self.applied_step)
+            self._client.start_heartbeat(lambda: self._report)
         self._comm: Communicator | None = None
         self._answer: QuorumAnswer | None = None
         self._ledger: DataLedger | None = None
@@ -280,6 +283,7 @@ class Manager:
             positions=committed,
         )
         self.applied_step += 1
+        self._report = (self.applied_step, ledger_digest(self.ledger.state_dict()))
         self._reset_step()
         self._reconfigure = float(reduced[-1]) > 0
 
@@ -374,6 +378,7 @@ class Manager:
         self.applied_step = transfer_state(
             self._comm, source, self.model, self.optimizer, self.applied_step, is_target=is_target
         )
+        self._report = (self.applied_step, None)
         if is_target:
             self.optimizer.zero_grad(set_to_none=True)
             self._reset_step()
