@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -13,6 +14,7 @@ import sys
 import threading
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,7 +22,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from support import wait_until
+from support import remember, report, wait_until
 
 from stalwart.coord.client import HealPlan, LighthouseClient, QuorumAnswer
 from stalwart.coord.server import Lighthouse
@@ -41,10 +43,17 @@ time.sleep(120)
 """
 
 
-def http(url: str, method: str = "GET", body: Any = None, token: str | None = None, raw: bytes | None = None):
+def http(
+    url: str,
+    method: str = "GET",
+    body: Any = None,
+    token: str | None = None,
+    raw: bytes | None = None,
+    headers: dict[str, str] | None = None,
+):
     """One HTTP request; returns (status, decoded JSON body)."""
     data = raw if raw is not None else None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method)
+    request = urllib.request.Request(url, data=data, method=method, headers=headers or {})
     if token is not None:
         request.add_header("Authorization", f"Bearer {token}")
     try:
@@ -63,7 +72,7 @@ def free_port() -> int:
 def ask_all(clients: dict[str, LighthouseClient], requests: dict[str, tuple]) -> dict[str, QuorumAnswer]:
     with ThreadPoolExecutor(len(requests)) as pool:
         futures = {m: pool.submit(clients[m].quorum, *args) for m, args in requests.items()}
-        return {m: future.result(timeout=40) for m, future in futures.items()}
+        return {m: remember(future.result(timeout=40)) for m, future in futures.items()}
 
 
 def shares_of_step(step: int, members: list[str]) -> list[int]:
@@ -97,7 +106,7 @@ def test_start_up_sigkill_failure_and_join(lighthouse: Lighthouse) -> None:
         assert worker.stdout.readline().strip() == "ready"
         clients = {m: LighthouseClient(lighthouse.url, m, heartbeat_interval=0.05) for m in steps}
         for member, client in clients.items():
-            client.start_heartbeat(lambda member=member: steps[member])
+            client.start_heartbeat(lambda member=member: report(member, steps[member]))
         wait_until(lambda: len(lighthouse.status()["members"]) == 4, what="four heartbeats")
         worker.stdin.write("go\n")
         worker.stdin.flush()
@@ -110,9 +119,10 @@ def test_start_up_sigkill_failure_and_join(lighthouse: Lighthouse) -> None:
             start_up_heal = HealPlan(source_rank=0, targets=tuple(order[1:]))
             assert (answer.store.port, answer.store.prefix, answer.heal) == (
                 lighthouse.store_port,
-                "q1/",
+                answers["a"].store.prefix,
                 start_up_heal,
             )
+            assert re.fullmatch(r"q1-[0-9a-f]{32}/", answer.store.prefix), "128 random bits in the prefix"
 
         for member in steps:
             steps[member] = 2
@@ -147,7 +157,7 @@ def test_start_up_sigkill_failure_and_join(lighthouse: Lighthouse) -> None:
         for answer in answers.values():
             assert (answer.quorum_id, answer.members, answer.applied_step) == (3, (*survivors, "late"), 3)
             assert answer.heal is not None and (answer.heal.source_rank, answer.heal.targets) == (0, ("late",))
-        assert answers["late"].rank == 3 and answers["late"].store.prefix == "q3/"
+        assert answers["late"].rank == 3 and answers["late"].store.prefix.startswith("q3-")
         ledger = answers["late"].data_ledger()
         assert ledger.step == 3 and ledger.members == [*survivors, "late"]
 
@@ -200,36 +210,49 @@ def test_bad_requests_get_4xx_naming_the_problem_and_change_nothing(lighthouse: 
     url = lighthouse.url
     clients = {m: LighthouseClient(url, m, heartbeat_interval=0.05) for m in ("a", "b")}
     try:
-        for client in clients.values():
-            client.start_heartbeat(lambda: 1)
+        for member, client in clients.items():
+            client.start_heartbeat(lambda member=member: report(member, 1))
         ask_all(clients, {m: (0, None, "join", 30) for m in clients})
         wait_until(lambda: lighthouse.status()["ledger"]["step"] == 1, what="step 1")
-        assert asyncio.run(_bad_heartbeats(url)) == ["error", "error", "error"]
+        assert asyncio.run(_bad_heartbeats(url, register(url, "probe"))) == ["error", "error", "error"]
         probe = [m for m in _observable(lighthouse.status())[3] if m[0] == "probe"]
         assert probe == [("probe", "dead", None, None)], "bad heartbeats record no step"
+        zed, a = register(url, "zed"), clients["a"].identity_headers()
         before = _observable(lighthouse.status())
         quorum = url + "/v1/quorum"
         join, leave = {"reason": "join"}, url + "/v1/leave"
         survivor = {"reason": "failure", "quorum_id": 1}
+        wrong = {**a, "X-Stalwart-Secret": "not-the-secret"}
+        register_path = url + "/v1/register"
         cases = [
             (quorum, "POST", None, b"not json", 400, "JSON"),
             (quorum, "POST", [1, 2], None, 400, "object"),
             (quorum, "POST", {"member": "a", "applied_step": "1", **survivor}, None, 400, "'1'"),
             (quorum, "POST", {"member": "a", "applied_step": 1, **survivor, "reason": "boom"}, None, 400, "boom"),
             (quorum, "POST", {"member": "a b", "applied_step": 1, **join}, None, 400, "'a b'"),
-            (quorum, "POST", {"member": "zed", "applied_step": 1, **survivor}, None, 409, "zed"),
-            (quorum, "POST", {"member": "a", "applied_step": 1, **survivor, "quorum_id": 9}, None, 409, "9"),
-            (quorum, "POST", {"member": "zed", "applied_step": 50, **join}, None, 422, "50"),
+            (quorum, "POST", {"member": "zed", "applied_step": 1, **survivor}, zed, 409, "zed"),
+            (quorum, "POST", {"member": "a", "applied_step": 1, **survivor, "quorum_id": 9}, a, 409, "9"),
+            (quorum, "POST", {"member": "zed", "applied_step": 50, **join}, zed, 422, "50"),
+            (quorum, "POST", {"member": "a", "applied_step": 1, **survivor}, None, 403, "X-Stalwart-Incarnation"),
+            (quorum, "POST", {"member": "a", "applied_step": 1, **survivor}, wrong, 403, "wrong secret"),
+            (quorum, "POST", {"member": "a", "applied_step": 1, **survivor}, zed, 403, "not registered"),
             (quorum, "POST", None, b"x" * 100_000, 413, "Too Large"),
-            (leave, "POST", {"member": "ghost"}, None, 404, "ghost"),
+            (leave, "POST", {"member": "ghost"}, zed, 403, "ghost"),
+            (leave, "POST", {"member": "a"}, zed, 403, "'a'"),
             (leave, "POST", {"who": "a"}, None, 400, "member"),
-            (leave, "POST", {"member": "a", "applied_step": "x"}, None, 400, "applied_step"),
+            (leave, "POST", {"member": "a", "applied_step": "x"}, a, 400, "applied_step"),
+            (register_path, "POST", {"member": "n", "incarnation": "xyz"}, None, 400, "'xyz'"),
+            (register_path, "POST", {"member": "n"}, None, 400, "incarnation"),
+            (register_path, "POST", {"member": "a", "incarnation": a["X-Stalwart-Incarnation"]}, None, 409, "already"),
             (url + "/v1/heartbeat?member=bad%20id", "GET", None, None, 400, "bad id"),
-            (url + "/v1/heartbeat?member=a", "GET", None, None, 400, ""),
+            (url + "/v1/heartbeat?member=a", "GET", None, None, 403, "X-Stalwart-Incarnation"),
+            (url + "/v1/heartbeat?member=a", "GET", None, a, 400, ""),
             (url + "/v1/nowhere", "GET", None, None, 404, "Not Found"),
         ]
-        for target, method, body, raw, expected, mention in cases:
-            status, answer = http(target, method, body, raw=raw)
+        for target, method, body, extra, expected, mention in cases:
+            raw = extra if isinstance(extra, bytes) else None
+            headers = extra if isinstance(extra, dict) else None
+            status, answer = http(target, method, body, raw=raw, headers=headers)
             assert status == expected, (body, raw, answer)
             assert mention in answer["error"], answer
         assert http(url + "/healthz") == (200, {"ok": True})
@@ -241,12 +264,20 @@ def test_bad_requests_get_4xx_naming_the_problem_and_change_nothing(lighthouse: 
             client.close()
 
 
-async def _bad_heartbeats(url: str) -> list[str]:
+def register(url: str, member: str) -> dict[str, str]:
+    """Register a fresh incarnation of ``member`` over raw HTTP; returns its identity headers."""
+    incarnation = uuid.uuid4().hex
+    status, body = http(url + "/v1/register", "POST", {"member": member, "incarnation": incarnation})
+    assert status == 200, body
+    return {"X-Stalwart-Incarnation": incarnation, "X-Stalwart-Secret": body["secret"]}
+
+
+async def _bad_heartbeats(url: str, headers: dict[str, str]) -> list[str]:
     """Send malformed heartbeats over a websocket; collect the message types the lighthouse answers with."""
     replies = []
     async with (
         aiohttp.ClientSession() as session,
-        session.ws_connect(url + "/v1/heartbeat", params={"member": "probe"}) as ws,
+        session.ws_connect(url + "/v1/heartbeat", params={"member": "probe"}, headers=headers) as ws,
     ):
         for message in ("nope", json.dumps({"applied_step": -1}), json.dumps({"step": 1})):
             await ws.send_str(message)
@@ -308,7 +339,7 @@ def test_cli_lighthouse_killed_and_restarted_resumes_the_ledger(tmp_path: Path) 
     clients = {m: LighthouseClient(url, m, heartbeat_interval=0.05) for m in steps}
     try:
         for member, client in clients.items():
-            client.start_heartbeat(lambda member=member: steps[member])
+            client.start_heartbeat(lambda member=member: report(member, steps[member]))
         answers = ask_all(clients, {m: (0, None, "join", 30) for m in steps})
         assert answers["a"].quorum_id == 1 and answers["a"].store.port == store_port
         steps.update(a=3, b=3)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import wait_until
+from support import remember, report, wait_until
 
 from stalwart.coord.client import HealPlan, LighthouseClient, LighthouseError, QuorumAnswer
 from stalwart.coord.server import Lighthouse
@@ -116,8 +116,8 @@ def test_heartbeat_reconnects_after_the_lighthouse_restarts(tmp_path: Path) -> N
     server.start()
     with LighthouseClient(server.url, "a", heartbeat_interval=0.05) as client:
         try:
-            client.start_heartbeat(lambda: applied["a"])
-            assert client.quorum(0, None, "join", 20).quorum_id == 1
+            client.start_heartbeat(lambda: report("a", applied["a"]))
+            assert remember(client.quorum(0, None, "join", 20)).quorum_id == 1
             applied["a"] = 2
             wait_until(lambda: server.status()["ledger"]["step"] == 2, what="step 2")
         finally:

@@ -274,23 +274,54 @@ def test_joiners_wait_during_a_failure_quorum_and_enter_at_the_next_boundary() -
     assert formation.heal == {"source_rank": 0, "targets": [joiner]}
 
 
-def test_majority_rule_refuses_a_quorum_from_a_minority() -> None:
+def test_two_askers_of_four_form_within_the_join_timeout_without_the_two_that_never_ask() -> None:
     cluster = Cluster()
     cluster.start(4)
     members = cluster.members
     cluster.ask(members[0], "failure")
     cluster.ask(members[1], "failure")
-    for _ in range(3):
-        cluster.now += JOIN_TIMEOUT
-        cluster.heartbeat()
-        assert cluster.state.tick(cluster.now) is None, "2 of 4 live members are not a majority"
-    cluster.ask(members[2], "failure")
-    cluster.now += JOIN_TIMEOUT
+    asked_at = cluster.now
+    cluster.now = asked_at + JOIN_TIMEOUT - 0.01
+    cluster.heartbeat()
+    assert cluster.state.tick(cluster.now) is None, "before the join timeout every live member may still ask"
+    cluster.now = asked_at + JOIN_TIMEOUT
     cluster.heartbeat()
     formation = cluster.state.tick(cluster.now)
-    assert formation is not None and formation.members == tuple(members[:3]) and formation.timed_out
-    assert cluster.state.failures[-1]["member"] == members[3]
-    assert cluster.state.failures[-1]["reason"] == "excluded"
+    assert formation is not None, "members that did not ask by the join timeout no longer count for the majority"
+    assert formation.members == tuple(members[:2]) and formation.timed_out
+    assert [(f["member"], f["reason"]) for f in cluster.state.failures[-2:]] == [
+        (members[2], "excluded"),
+        (members[3], "excluded"),
+    ]
+
+
+def test_a_quorum_member_whose_peers_wait_on_it_without_progress_is_hung() -> None:
+    cluster = Cluster()
+    cluster.start(3)
+    members = cluster.members
+    hung = members[2]
+    cluster.run_steps(2)
+    for member in members[:2]:
+        cluster.applied[member] += 1
+    started = cluster.now
+    while cluster.now < started + JOIN_TIMEOUT:
+        cluster.now += 0.25
+        cluster.heartbeat()
+        assert cluster.state.tick(cluster.now) is None
+        assert not cluster.state.quorum_broken, "a wait shorter than the join timeout is not a hang"
+    cluster.now += 0.5
+    cluster.heartbeat()
+    assert cluster.state.tick(cluster.now) is None
+    assert cluster.state.quorum_broken and cluster.state.should_reconfigure(members[0])
+    assert cluster.state.failures[-1]["member"] == hung and cluster.state.failures[-1]["reason"] == "hung"
+    assert cluster.state.member_state(hung) == "alive", "its heartbeat still lives"
+    with pytest.raises(RequestError) as refused:
+        cluster.ask(hung, "failure")
+    assert refused.value.status == 409 and "ask again with reason 'join'" in refused.value.message
+    for member in members[:2]:
+        cluster.ask(member, "reconfigure")
+    formation = cluster.state.tick(cluster.now)
+    assert formation is not None and formation.members == tuple(members[:2]) and formation.applied_step == 3
 
 
 def test_min_replicas_holds_back_start_up_and_failure_quorums() -> None:
@@ -352,7 +383,9 @@ def test_heartbeat_timeout_and_leave_mark_members_dead_and_a_heartbeat_revives()
     cluster.heartbeat([stopped])
     assert cluster.state.member_state(stopped) == "alive" and not cluster.state.reconfigure_pending
     cluster.state.leave(leaving, cluster.now)
-    assert cluster.state.member_state(leaving) == "dead" and cluster.state.counts["departures"] == 1
+    assert cluster.state.member_state(leaving) == "left" and cluster.state.counts["departures"] == 1
+    cluster.heartbeat([leaving])
+    assert cluster.state.member_state(leaving) == "alive"
     with pytest.raises(RequestError) as refused:
         cluster.state.leave("nobody", cluster.now)
     assert refused.value.status == 404
@@ -366,7 +399,7 @@ def test_a_leaving_member_s_last_step_is_committed() -> None:
     for member in cluster.members:
         cluster.state.leave(member, cluster.now, applied_step=3)
     assert cluster.state.step == 3
-    assert all(cluster.state.member_state(member) == "dead" for member in cluster.members)
+    assert all(cluster.state.member_state(member) == "left" for member in cluster.members)
 
 
 def test_a_retried_request_gets_the_same_answer_and_a_changed_one_waits() -> None:
@@ -459,7 +492,9 @@ def test_state_dict_round_trip_resumes_identically() -> None:
             lighthouse.request(QuorumRequest(member, 4, 2, "reconfigure"), cluster.now + 0.2)
     ours, theirs = cluster.state.tick(cluster.now + 0.3), restored.tick(cluster.now + 0.3)
     assert ours is not None and theirs is not None
-    assert ours.answer("w0") == theirs.answer("w0")
+    ours_answer, theirs_answer = ours.answer("w0"), theirs.answer("w0")
+    assert ours_answer.pop("store")["prefix"] != theirs_answer.pop("store")["prefix"], "128 random bits per quorum"
+    assert ours_answer == theirs_answer
     assert restored.state_dict()["ledger"] == cluster.state.state_dict()["ledger"]
 
 
@@ -564,3 +599,45 @@ def test_first_quorum_waits_for_start_replicas_up_to_the_join_timeout() -> None:
     assert formation is not None and formation.members == ("a",), "after the join timeout, min_replicas is enough"
     with pytest.raises(ValueError, match=r"start_replicas must be in \[2, "):
         LighthouseState(PLAN, min_replicas=2, start_replicas=1)
+
+
+INCARNATIONS = [f"{n:032x}" for n in range(1, 5)]
+
+
+def test_a_new_incarnation_marks_the_old_one_dead_and_only_the_current_secret_works() -> None:
+    cluster = Cluster()
+    cluster.start(2)
+    state, member = cluster.state, cluster.members[1]
+    old_secret = state.register(member, INCARNATIONS[0], cluster.now)
+    state.authenticate(member, INCARNATIONS[0], old_secret)
+    with pytest.raises(RequestError) as wrong:
+        state.authenticate(member, INCARNATIONS[0], old_secret + "x")
+    assert wrong.value.status == 403 and "wrong secret" in wrong.value.message
+    with pytest.raises(RequestError) as other:
+        state.authenticate(cluster.members[0], INCARNATIONS[0], old_secret)
+    assert other.value.status == 403 and other.value.details["code"] == "unregistered", "no speaking for others"
+    new_secret = state.register(member, INCARNATIONS[1], cluster.now + 1)
+    assert state.member_state(member) == "dead" and state.quorum_broken
+    assert state.failures[-1] == {"member": member, "time": cluster.now + 1, "reason": "restarted", "in_quorum": True}
+    with pytest.raises(RequestError) as superseded:
+        state.authenticate(member, INCARNATIONS[0], old_secret)
+    assert superseded.value.status == 403 and superseded.value.details["code"] == "superseded"
+    state.authenticate(member, INCARNATIONS[1], new_secret)
+    with pytest.raises(RequestError) as again:
+        state.register(member, INCARNATIONS[0], cluster.now + 2)
+    assert again.value.status == 409 and again.value.details["code"] == "superseded", "an old process cannot evict"
+    restored = LighthouseState.from_state_dict(json.loads(json.dumps(state.state_dict())), now=cluster.now + 3)
+    restored.authenticate(member, INCARNATIONS[1], new_secret)
+    assert new_secret not in json.dumps(state.state_dict()), "only a hash of the secret is kept"
+
+
+def test_max_members_caps_registrations_naming_the_cap() -> None:
+    state = LighthouseState(PLAN, max_members=2)
+    state.register("a", INCARNATIONS[0], 0.0)
+    state.register("b", INCARNATIONS[1], 0.0)
+    with pytest.raises(RequestError) as refused:
+        state.register("c", INCARNATIONS[2], 0.0)
+    assert refused.value.status == 429 and "max_members=2" in refused.value.message
+    state.register("a", INCARNATIONS[3], 0.0)
+    with pytest.raises(RequestError, match="incarnation must be 32 lowercase hex"):
+        state.register("d", "nope", 0.0)

@@ -1,6 +1,11 @@
 """The lighthouse client each worker runs: heartbeats in the background, quorum requests on demand.
 
-:class:`LighthouseClient` owns an asyncio loop in a daemon thread. The
+:class:`LighthouseClient` owns an asyncio loop in a daemon thread. Each
+client is one *incarnation* of its member (``uuid4().hex``, new per process
+start): before anything else it registers (``POST /v1/register``) and gets a
+secret that authenticates its later calls; when the lighthouse answers that it
+does not know the incarnation (it restarted without its state), the client
+registers again transparently. The
 heartbeat keeps a websocket open (``GET /v1/heartbeat``), sends the worker's
 ``applied_step`` every ``heartbeat_interval`` and reconnects with bounded
 backoff when the lighthouse restarts; a ``{"type": "reconfigure"}`` push sets
@@ -17,13 +22,14 @@ import json
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp
 
-from stalwart.coord.quorum import QuorumRequest, RequestError, check_seconds, parse_member
+from stalwart.coord.wire import QuorumRequest, RequestError, check_seconds, parse_member
 from stalwart.data.ledger import DataLedger
 
 logger = logging.getLogger(__name__)
@@ -32,7 +38,12 @@ MIN_BACKOFF = 0.05
 MAX_BACKOFF = 0.5
 """Reconnection backoff bounds (seconds): well under the default heartbeat timeout of 2 s."""
 _RETRIED_STATUSES = frozenset({408, 503})
+INCARNATION_HEADER = "X-Stalwart-Incarnation"
+SECRET_HEADER = "X-Stalwart-Secret"
+
 T = TypeVar("T")
+Report = int | tuple[int, str | None]
+"""What ``start_heartbeat``'s callable returns: ``applied_step``, or ``(applied_step, ledger digest or None)``."""
 
 
 class LighthouseError(RuntimeError):
@@ -143,8 +154,13 @@ class LighthouseClient:
         self.heartbeat_connected = threading.Event()
         """Set while the heartbeat websocket is open."""
         self._headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+        self.incarnation = uuid.uuid4().hex
+        """This process's incarnation of the member (registered with the lighthouse on first use)."""
+        self._secret: str | None = None
+        self._register_lock: asyncio.Lock | None = None
+        self._superseded: LighthouseError | None = None
         self._quorum_id: int | None = None
-        self._get_applied_step: Callable[[], int] | None = None
+        self._get_applied_step: Callable[[], Report] | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._closed = False
         self._loop = asyncio.new_event_loop()
@@ -174,8 +190,14 @@ class LighthouseClient:
         timeout = check_seconds("timeout", timeout)
         self._run(self._wait_reachable(time.monotonic() + timeout, timeout), timeout + self.request_timeout)
 
-    def start_heartbeat(self, get_applied_step: Callable[[], int]) -> None:
-        """Keep the heartbeat websocket open, reporting ``get_applied_step()`` (called on the client's thread)."""
+    def start_heartbeat(self, get_applied_step: Callable[[], Report]) -> None:
+        """Keep the heartbeat websocket open, reporting ``get_applied_step()`` (called on the client's thread).
+
+        It returns the applied step, or ``(applied_step, digest)`` with the
+        member's ``ledger_digest`` at that step: the lighthouse commits steps
+        only on a matching digest. Quorum requests and ``leave`` for the same
+        step carry the same digest.
+        """
         if not callable(get_applied_step):
             raise TypeError(f"get_applied_step must be callable, got {get_applied_step!r}")
         if self._heartbeat_task is not None:
@@ -195,6 +217,9 @@ class LighthouseClient:
         (``status`` 409 with ``body["quorum_id"]``: stale, ask with ``join``).
         """
         body = {"member": self.member, "applied_step": applied_step, "quorum_id": quorum_id, "reason": reason}
+        digest = self._digest_at(applied_step)
+        if digest is not None:
+            body["digest"] = digest
         try:
             QuorumRequest.from_json(body)
         except RequestError as error:
@@ -220,7 +245,29 @@ class LighthouseClient:
         body: dict[str, Any] = {"member": self.member}
         if applied_step is not None:
             body["applied_step"] = applied_step
-        self._run(self._request("POST", "/v1/leave", body))
+            digest = self._digest_at(applied_step)
+            if digest is not None:
+                body["digest"] = digest
+        self._run(self._authenticated_request("POST", "/v1/leave", body))
+
+    def _report(self) -> tuple[int, str | None]:
+        """The heartbeat callable's ``(applied_step, digest)``."""
+        assert self._get_applied_step is not None
+        report = self._get_applied_step()
+        if isinstance(report, tuple):
+            return int(report[0]), report[1]
+        return int(report), None
+
+    def _digest_at(self, applied_step: int) -> str | None:
+        """The reported digest when the heartbeat reports ``applied_step`` too, else None."""
+        if self._get_applied_step is None:
+            return None
+        step, digest = self._report()
+        return digest if step == applied_step else None
+
+    def identity_headers(self) -> dict[str, str]:
+        """The headers that authenticate this incarnation (registering first if needed), for tools and tests."""
+        return self._run(self._identity_headers())
 
     def close(self) -> None:
         """Stop the heartbeat (its socket closes) and the client's thread; safe to call twice."""
@@ -248,6 +295,7 @@ class LighthouseClient:
     # --- coroutines (the client's loop) ----------------------------------------------------------
 
     async def _open_session(self) -> aiohttp.ClientSession:
+        self._register_lock = asyncio.Lock()
         return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.request_timeout))
 
     async def _shutdown(self) -> None:
@@ -285,6 +333,41 @@ class LighthouseClient:
             await asyncio.sleep(backoff)
             backoff = min(2 * backoff, MAX_BACKOFF)
 
+    async def _identity_headers(self) -> dict[str, str]:
+        """Bearer token, incarnation and secret headers; registers this incarnation first when needed."""
+        assert self._register_lock is not None
+        async with self._register_lock:
+            if self._superseded is not None:
+                raise self._superseded
+            if self._secret is None:
+                body = {"member": self.member, "incarnation": self.incarnation}
+                try:
+                    self._secret = str((await self._request("POST", "/v1/register", body))["secret"])
+                except LighthouseError as error:
+                    if error.body.get("code") == "superseded":
+                        self._superseded = error
+                    raise
+        return {**self._headers, INCARNATION_HEADER: self.incarnation, SECRET_HEADER: self._secret}
+
+    def _forget_secret(self, secret: str | None) -> None:
+        """Register again before the next call (the lighthouse no longer knows ``secret``)."""
+        if self._secret == secret:
+            self._secret = None
+
+    async def _authenticated_request(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
+        """A request with the identity headers; registers again once if the lighthouse forgot the incarnation."""
+        for attempt in range(2):
+            headers = await self._identity_headers()
+            async with self._session.request(method, self.url + path, json=body, headers=headers) as response:
+                data = await _json(response)
+                if response.status == 200:
+                    return data
+                if attempt == 0 and response.status == 403 and data.get("code") == "unregistered":
+                    self._forget_secret(headers[SECRET_HEADER])
+                    continue
+                raise LighthouseError(response.status, data)
+        raise AssertionError("unreachable")
+
     async def _ask_quorum(self, body: dict[str, Any], deadline: float) -> QuorumAnswer:
         backoff = MIN_BACKOFF
         unreachable: str | None = None
@@ -297,19 +380,24 @@ class LighthouseClient:
                     )
                 raise TimeoutError(f"no quorum formed for {self.member!r} before the timeout")
             try:
+                headers = await self._identity_headers()
                 async with self._session.post(
                     self.url + "/v1/quorum",
                     json=body,
-                    headers=self._headers,
+                    headers=headers,
                     timeout=aiohttp.ClientTimeout(total=remaining),
                 ) as response:
                     data = await _json(response)
                     unreachable = None
                     if response.status == 200:
                         return QuorumAnswer.from_json(data)
+                    if response.status == 403 and data.get("code") == "unregistered":
+                        self._forget_secret(headers[SECRET_HEADER])
+                        continue
                     if response.status not in _RETRIED_STATUSES:
                         raise LighthouseError(response.status, data)
-                    continue
+                    if response.status == 408:
+                        continue
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as error:
                 if unreachable is None:
                     logger.warning("lighthouse at %s unreachable (%s); retrying", self.url, error)
@@ -320,11 +408,13 @@ class LighthouseClient:
     async def _heartbeat_forever(self) -> None:
         backoff = MIN_BACKOFF
         while True:
+            headers: dict[str, str] = {}
             try:
+                headers = await self._identity_headers()
                 async with self._session.ws_connect(
                     self.url + "/v1/heartbeat",
                     params={"member": self.member},
-                    headers=self._headers,
+                    headers=headers,
                     heartbeat=None,
                     timeout=aiohttp.ClientWSTimeout(ws_close=1.0),
                 ) as socket:
@@ -333,6 +423,15 @@ class LighthouseClient:
                     await self._beat(socket)
             except asyncio.CancelledError:
                 raise
+            except aiohttp.WSServerHandshakeError as error:
+                if error.status == 403:
+                    self._forget_secret(headers.get(SECRET_HEADER))
+                logger.debug("heartbeat of %s refused (%s); reconnecting", self.member, error)
+            except LighthouseError as error:
+                if self._superseded is not None:
+                    logger.error("%s: a newer process replaced this one; the heartbeat stops (%s)", self.member, error)
+                    return
+                logger.warning("heartbeat of %s cannot register (%s); retrying", self.member, error)
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as error:
                 logger.debug("heartbeat of %s lost (%s); reconnecting", self.member, error)
             except Exception:
@@ -348,7 +447,11 @@ class LighthouseClient:
         receiver = asyncio.create_task(self._receive(socket))
         try:
             while not receiver.done():
-                await socket.send_json({"applied_step": int(self._get_applied_step())})
+                applied_step, digest = self._report()
+                message: dict[str, Any] = {"applied_step": applied_step}
+                if digest is not None:
+                    message["digest"] = digest
+                await socket.send_json(message)
                 await asyncio.wait({receiver}, timeout=self.heartbeat_interval)
         finally:
             receiver.cancel()

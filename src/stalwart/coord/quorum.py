@@ -1,4 +1,10 @@
-"""The lighthouse's state machine: membership, liveness, quorums and the hosted ledger.
+"""The lighthouse's state machine: the quorum formation policy, composing one-job parts.
+
+The parts: :mod:`~stalwart.coord.wire` (request parsing), :mod:`~stalwart.coord.membership`
+(liveness), :mod:`~stalwart.coord.hosted_ledger` (the ledger of record) and
+:mod:`~stalwart.coord.history` (failures, departures, quorums, recoveries);
+:class:`LighthouseState` ties them together and their public names stay
+importable from here.
 
 Pure: no I/O and no clock. Every event carries the time ``now`` (seconds, any
 origin), so the rules of ``docs/protocol.md`` run in microseconds in tests.
@@ -54,92 +60,59 @@ Refusals (``RequestError``, nothing changes)
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
+import hmac
+import secrets
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from stalwart._validate import check_int
-from stalwart.data.ledger import DataLedger, Positions
+from stalwart._validate import check_bool, check_int
+from stalwart.coord.history import HISTORY_LIMIT, History
+from stalwart.coord.history import KINDS as HISTORY_KINDS
+from stalwart.coord.hosted_ledger import HostedLedger, StepRecord, ledger_digest
+from stalwart.coord.identity import Identities, parse_incarnation
+from stalwart.coord.membership import MemberRecord, Membership
+from stalwart.coord.wire import (
+    REASONS,
+    QuorumRequest,
+    RequestError,
+    check_seconds,
+    parse_digest,
+    parse_heartbeat,
+    parse_member,
+    parse_report,
+    parse_step,
+)
+from stalwart.data.ledger import Positions
 from stalwart.data.plan import EpochPlan
 
-REASONS = ("join", "failure", "reconfigure")
+__all__ = [
+    "HISTORY_LIMIT",
+    "MAX_CATCH_UP",
+    "REASONS",
+    "Formation",
+    "LighthouseState",
+    "MemberRecord",
+    "Quorum",
+    "QuorumRequest",
+    "RequestError",
+    "StepRecord",
+    "check_seconds",
+    "ledger_digest",
+    "parse_digest",
+    "parse_heartbeat",
+    "parse_member",
+    "parse_report",
+    "parse_step",
+]
+
 STATE_VERSION = 1
-HISTORY_LIMIT = 1000
+MAX_MEMBERS = 4096
+"""Default cap on live members (``max_members``)."""
 MAX_CATCH_UP = 100_000
 """How far a quorum member's ``applied_step`` may run ahead of the ledger (a bound on catch-up work)."""
 
-_MEMBER_PATTERN = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")
 CommitListener = Callable[[int, int, Positions], None]
-
-
-class RequestError(ValueError):
-    """A request the lighthouse refuses: ``status`` is the HTTP status, ``details`` go into the JSON body."""
-
-    def __init__(self, status: int, message: str, **details: Any) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.details = details
-
-    def to_json(self) -> dict[str, Any]:
-        """The JSON error body: ``{"error": message, **details}``."""
-        return {"error": self.message, **self.details}
-
-
-def parse_member(value: Any, name: str = "member") -> str:
-    """Return a member id: 1-128 characters of ``[A-Za-z0-9_.:@-]``; else ``RequestError`` 400 naming it."""
-    if not isinstance(value, str) or not _MEMBER_PATTERN.fullmatch(value):
-        raise RequestError(400, f"{name} must be 1-128 characters of [A-Za-z0-9_.:@-], got {value!r}", field=name)
-    return value
-
-
-def parse_step(value: Any, name: str = "applied_step") -> int:
-    """Return a non-negative int step; else ``RequestError`` 400 naming the field."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise RequestError(400, f"{name} must be an int >= 0, got {value!r}", field=name)
-    return value
-
-
-def parse_heartbeat(body: Any) -> int:
-    """Return ``applied_step`` from a heartbeat message ``{"applied_step": int}``."""
-    if not isinstance(body, Mapping) or "applied_step" not in body:
-        raise RequestError(400, f'a heartbeat must be an object {{"applied_step": int}}, got {body!r}')
-    return parse_step(body["applied_step"])
-
-
-@dataclass(frozen=True)
-class QuorumRequest:
-    """A member's ``POST /v1/quorum`` body."""
-
-    member: str
-    applied_step: int
-    quorum_id: int | None
-    reason: str
-
-    @classmethod
-    def from_json(cls, body: Any) -> QuorumRequest:
-        """Validate a decoded JSON body; ``RequestError`` 400 names the bad field and value."""
-        if not isinstance(body, Mapping):
-            raise RequestError(400, f"the body must be a JSON object, got {type(body).__name__}")
-        unknown = sorted(set(body) - {"member", "applied_step", "quorum_id", "reason"})
-        if unknown:
-            raise RequestError(400, f"unknown fields {unknown}", field=unknown[0])
-        for name in ("member", "applied_step", "reason"):
-            if name not in body:
-                raise RequestError(400, f"{name} is required", field=name)
-        member = parse_member(body["member"])
-        applied_step = parse_step(body["applied_step"])
-        reason = body["reason"]
-        if reason not in REASONS:
-            raise RequestError(400, f"reason must be one of {list(REASONS)}, got {reason!r}", field="reason")
-        quorum_id = body.get("quorum_id")
-        if quorum_id is not None:
-            quorum_id = parse_step(quorum_id, "quorum_id")
-        elif reason != "join":
-            raise RequestError(400, f"quorum_id must be an int for reason {reason!r}, got None", field="quorum_id")
-        return cls(member, applied_step, quorum_id, reason)
 
 
 @dataclass(frozen=True)
@@ -148,38 +121,6 @@ class Quorum:
 
     quorum_id: int
     members: tuple[str, ...]
-
-
-@dataclass
-class StepRecord:
-    """How the ledger's step in progress began: its members, then ``(failed, reassigned_to)`` events."""
-
-    members: list[str]
-    failures: list[tuple[list[str], list[str]]] = field(default_factory=list)
-
-    @property
-    def live(self) -> list[str]:
-        """The step's members that have not failed, in rank order."""
-        failed = {member for event_failed, _ in self.failures for member in event_failed}
-        return [member for member in self.members if member not in failed]
-
-    def replay(self, ledger: DataLedger) -> int:
-        """Begin the step on ``ledger`` and apply the failures and reassigns; returns the step's epoch."""
-        ledger.begin_step(self.members)
-        for failed, survivors in self.failures:
-            for member in failed:
-                ledger.member_failed(member)
-            ledger.reassign(survivors)
-        return ledger.epoch
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON form."""
-        return {"members": list(self.members), "failures": [[list(f), list(s)] for f, s in self.failures]}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> StepRecord:
-        """Inverse of ``to_json``."""
-        return cls(list(data["members"]), [(list(f), list(s)) for f, s in data["failures"]])
 
 
 @dataclass(frozen=True)
@@ -195,6 +136,8 @@ class Formation:
     time: float
     timed_out: bool
     rolled_back: bool
+    store_prefix: str = ""
+    """The quorum's TCPStore key prefix, ``q{quorum_id}-{128 random bits}/``: told only to its members."""
 
     def to_json(self) -> dict[str, Any]:
         """JSON form (for persistence)."""
@@ -215,18 +158,8 @@ class Formation:
             "applied_step": self.applied_step,
             "heal": self.heal,
             "ledger": self.ledger,
+            "store": {"prefix": self.store_prefix or f"q{self.quorum_id}/"},
         }
-
-
-@dataclass
-class MemberRecord:
-    """What the lighthouse knows of one member."""
-
-    name: str
-    alive: bool = True
-    connected: bool = False
-    last_seen: float = 0.0
-    applied_step: int | None = None
 
 
 @dataclass
@@ -252,6 +185,8 @@ class LighthouseState:
         *,
         start_replicas: int | None = None,
         on_commit: CommitListener | None = None,
+        max_members: int = MAX_MEMBERS,
+        require_digest: bool = False,
     ) -> None:
         if not isinstance(plan, EpochPlan):
             raise TypeError(f"plan must be an EpochPlan, got {type(plan).__name__}")
@@ -263,25 +198,24 @@ class LighthouseState:
         self.heartbeat_timeout = check_seconds("heartbeat_timeout", heartbeat_timeout)
         self.join_timeout = check_seconds("join_timeout", join_timeout)
         self.on_commit = on_commit
+        self.max_members = check_int("max_members", max_members, minimum=1)
+        self.require_digest = check_bool("require_digest", require_digest)
+        """Refuse reports that would commit steps without a ledger digest (the server sets it)."""
+        self._identities = Identities()
+        self._evicted: set[str] = set()
+        """Members of the current quorum that no longer count for it (``hung``, ``restarted``) until the next one."""
         self.revision = 0
         """Grows with every change that must be persisted (commits, quorums, history)."""
-        self._ledger = DataLedger(plan)
-        self._record: StepRecord | None = None
-        self._snapshot: dict[str, Any] | None = None
+        self._hosted = HostedLedger(plan)
         self._quorum: Quorum | None = None
-        self._members: dict[str, MemberRecord] = {}
+        self._members = Membership(self.heartbeat_timeout)
         self._pending: dict[str, _Pending] = {}
         self._arrivals = 0
         self._healing: dict[str, bool] = {}
         self._heal_step = 0
         self._formation: Formation | None = None
         self._answered: dict[str, QuorumRequest] = {}
-        self._unrecovered: list[dict[str, Any]] = []
-        self.failures: list[dict[str, Any]] = []
-        self.departures: list[dict[str, Any]] = []
-        self.quorums: list[dict[str, Any]] = []
-        self.recoveries: list[dict[str, Any]] = []
-        self.counts = {"failures": 0, "recoveries": 0, "quorums": 0, "departures": 0, "rollbacks": 0}
+        self.history = History()
 
     # --- read-only views -------------------------------------------------------------------------
 
@@ -293,12 +227,37 @@ class LighthouseState:
     @property
     def step(self) -> int:
         """Steps the hosted ledger has committed."""
-        return self._ledger.step
+        return self._hosted.step
+
+    @property
+    def failures(self) -> list[dict[str, Any]]:
+        """The latest failures (``HISTORY_LIMIT`` at most)."""
+        return self.history.failures
+
+    @property
+    def departures(self) -> list[dict[str, Any]]:
+        """The latest clean departures."""
+        return self.history.departures
+
+    @property
+    def quorums(self) -> list[dict[str, Any]]:
+        """The latest quorums formed."""
+        return self.history.quorums
+
+    @property
+    def recoveries(self) -> list[dict[str, Any]]:
+        """The latest recoveries (a failure followed by a quorum)."""
+        return self.history.recoveries
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """All-time counts of failures, recoveries, quorums, departures and rollbacks."""
+        return self.history.counts
 
     @property
     def members(self) -> dict[str, MemberRecord]:
         """Every member seen, by id (read-only use)."""
-        return self._members
+        return self._members.records
 
     @property
     def pending(self) -> dict[str, QuorumRequest]:
@@ -319,7 +278,11 @@ class LighthouseState:
     def quorum_broken(self) -> bool:
         """True while a member of the current quorum is dead: its collectives cannot complete."""
         quorum = self._quorum
-        return quorum is not None and any(not self._members[member].alive for member in quorum.members)
+        return quorum is not None and any(not self._counts(member) for member in quorum.members)
+
+    def _counts(self, member: str) -> bool:
+        """Whether a member of the current quorum still counts for it: alive and neither hung nor restarted."""
+        return self._members[member].alive and member not in self._evicted
 
     def should_reconfigure(self, member: str) -> bool:
         """Whether ``member``'s heartbeat should be answered with ``{"type": "reconfigure"}``."""
@@ -327,10 +290,7 @@ class LighthouseState:
 
     def ledger_state(self) -> dict[str, Any]:
         """The ledger as the members see it: in the step in progress when a quorum formed in it, else committed."""
-        ledger = DataLedger.from_state_dict(self._ledger.state_dict())
-        if self._record is not None:
-            self._record.replay(ledger)
-        return ledger.state_dict()
+        return self._hosted.ledger_state()
 
     def answer_for(self, request: QuorumRequest) -> dict[str, Any] | None:
         """The current quorum's answer if it was formed for exactly this request (a retried long poll)."""
@@ -342,9 +302,48 @@ class LighthouseState:
         """Count the quorum's members as alive and seen at ``now``: after a restart they get
         ``heartbeat_timeout`` to reconnect their heartbeat sockets."""
         for member in self._quorum.members if self._quorum else ():
-            record = self._members.setdefault(member, MemberRecord(member))
-            record.alive = True
-            record.last_seen = now
+            self._members.expect(member, now)
+
+    # --- identity --------------------------------------------------------------------------------
+
+    def register(self, member: str, incarnation: str, now: float) -> str:
+        """Register ``incarnation`` of ``member`` and return its new secret.
+
+        A first registration counts as a sign of life (the process heartbeats
+        next). A new incarnation of a member still recorded alive marks the old
+        one dead at once (failure reason ``restarted``); the old secret stops
+        working. ``RequestError`` 429 when ``max_members`` live members are
+        already registered, 409 for a replaced or already registered incarnation.
+        """
+        member = parse_member(member)
+        incarnation = parse_incarnation(incarnation)
+        if member not in self._identities:
+            live = sum(record.alive for record in self._members.records.values())
+            if not self._members.alive(member) and live >= self.max_members:
+                raise RequestError(
+                    429,
+                    f"max_members={self.max_members} live members are registered: member {member!r} is refused",
+                    field="member",
+                    cap="max_members",
+                )
+        secret, replaced = self._identities.register(member, incarnation)
+        self.revision += 1
+        if replaced is not None and self._members.alive(member):
+            self._mark_dead(member, now, "restarted")
+        if replaced is not None and self._quorum is not None and member in self._quorum.members:
+            self._evicted.add(member)
+        elif replaced is None:
+            self._touch(member, now)
+        return secret
+
+    def authenticate(self, member: str, incarnation: object, secret: object) -> None:
+        """``RequestError`` 403 unless ``incarnation`` and ``secret`` are ``member``'s current ones."""
+        self._identities.check(member, incarnation, secret)
+
+    def incarnation(self, member: str) -> str | None:
+        """The registered incarnation of ``member`` (None if none)."""
+        identity = self._identities.current.get(member)
+        return None if identity is None else identity.incarnation
 
     # --- events ----------------------------------------------------------------------------------
 
@@ -361,25 +360,35 @@ class LighthouseState:
         if record.alive:
             self._mark_dead(member, now, "socket closed")
 
-    def heartbeat(self, member: str, applied_step: int, now: float) -> None:
-        """``member`` reports ``applied_step``; the ledger commits through the largest a quorum member reports."""
+    def heartbeat(self, member: str, applied_step: int, now: float, digest: str | None = None) -> None:
+        """``member`` reports ``applied_step``; the ledger commits through the largest a quorum member reports.
+
+        ``digest`` is the member's ``ledger_digest`` at ``applied_step``: a
+        report that would commit steps is refused (``RequestError`` 422,
+        nothing changes) when the lighthouse's replay disagrees, or when it is
+        missing and ``require_digest`` is set.
+        """
         member = parse_member(member)
         applied_step = parse_step(applied_step)
+        digest = parse_digest(digest)
         self._check_catch_up(member, applied_step)
+        self._check_digest(member, applied_step, digest)
         record = self._touch(member, now)
-        record.applied_step = applied_step
+        record.report(applied_step)
         self._progress(member, applied_step)
 
-    def leave(self, member: str, now: float, applied_step: int | None = None) -> None:
-        """A clean exit: ``member`` is dead at once, after its last ``applied_step`` counts as a heartbeat."""
+    def leave(self, member: str, now: float, applied_step: int | None = None, digest: str | None = None) -> None:
+        """A clean exit: ``member`` is dead at once, after its last ``applied_step`` (and ``digest``) count as a
+        heartbeat."""
         record = self._members.get(parse_member(member))
         if record is None:
             raise RequestError(404, f"member {member!r} is not known to the lighthouse", field="member")
         if applied_step is not None and record.alive:
-            self.heartbeat(member, applied_step, now)
+            self.heartbeat(member, applied_step, now, digest)
         record.connected = False
         if record.alive:
             self._mark_dead(member, now, "left")
+            record.left = True
 
     def request(self, request: QuorumRequest, now: float) -> dict[str, Any] | None:
         """Register a quorum request; returns the answer at once if this very request was already answered.
@@ -394,7 +403,7 @@ class LighthouseState:
         self._check_request(request)
         record = self._touch(request.member, now)
         if request.reason != "join":
-            record.applied_step = request.applied_step
+            record.report(request.applied_step)
             self._progress(request.member, request.applied_step)
         previous = self._pending.get(request.member)
         if previous is None or previous.request != request:
@@ -404,10 +413,39 @@ class LighthouseState:
 
     def tick(self, now: float) -> Formation | None:
         """Expire heartbeats and join timeouts; form the next quorum when the rules allow."""
-        for name, record in list(self._members.items()):
-            if record.alive and now - record.last_seen > self.heartbeat_timeout:
-                self._mark_dead(name, now, "heartbeat timeout")
+        for name in self._members.expired(now):
+            self._mark_dead(name, now, "heartbeat timeout")
+        self._detect_hung(now)
         return self._try_form(now)
+
+    def _detect_hung(self, now: float) -> None:
+        """Evict quorum members that live peers wait on (they are ahead) with no progress for ``join_timeout``.
+
+        The member's heartbeat lives but its main loop does not: its peers are
+        blocked in a collective on it. Evicting it breaks the quorum, so the
+        peers are told at once and re-form without it (failure reason ``hung``).
+        """
+        quorum = self._quorum
+        if quorum is None:
+            return
+        steps = {
+            m: self._members[m].applied_step
+            for m in quorum.members
+            if self._counts(m) and m not in self._healing and self._members[m].applied_step is not None
+        }
+        if not steps:
+            return
+        ahead = max(step for step in steps.values() if step is not None)
+        for member, step in steps.items():
+            record = self._members[member]
+            if step is None or step >= ahead or member in self._pending:
+                record.waited_since = None
+                continue
+            if record.waited_since is None:
+                record.waited_since = now
+            elif now - record.waited_since > self.join_timeout:
+                self._evicted.add(member)
+                self._record_failure(member, now, "hung", in_quorum=True)
 
     # --- quorum formation ------------------------------------------------------------------------
 
@@ -416,17 +454,20 @@ class LighthouseState:
         if not pending:
             return None
         quorum_members = list(self._quorum.members) if self._quorum else []
-        asked = [m for m in quorum_members if m in pending]
-        not_dead = [m for m in quorum_members if self._members[m].alive]
+        not_dead = [m for m in quorum_members if self._counts(m)]
+        asked = [m for m in not_dead if m in pending]
         unaccounted = [m for m in not_dead if m not in pending]
         clock = min(pending[m].time for m in (asked or pending))
         timed_out = now - clock >= self.join_timeout
         if unaccounted and not timed_out:
             return None
-        if not_dead and 2 * len(asked) <= len(not_dead):
+        # After the join timeout the members that did not ask are excluded: they no longer count for the
+        # majority rule, so the askers are the majority of what counts; some member of the quorum must ask.
+        if not_dead and not asked:
             return None
         survivors = [m for m in asked if pending[m].request.reason != "join"]
         joiners = sorted((m for m in pending if m not in survivors), key=lambda m: pending[m].order)
+        # a restarted or hung member of the quorum may come back only as a joiner
         trusted = [m for m in survivors if m not in self._healing]
         target, mode = self._target_step(trusted)
         failure = any(
@@ -437,18 +478,22 @@ class LighthouseState:
             return None
         if self._quorum is None and len(members) < self.start_replicas and not timed_out:
             return None
-        if not failure and not timed_out and any(r.alive and m not in pending for m, r in self._members.items()):
+        if (
+            not failure
+            and not timed_out
+            and any(r.alive and m not in pending and m not in self._evicted for m, r in self.members.items())
+        ):
             return None
         return self._form(now, members, target, mode, failure, timed_out, unaccounted, clock)
 
     def _target_step(self, trusted: list[str]) -> tuple[int, str]:
         """``A`` and how the ledger reaches it: ``catch-up``, ``rollback`` or ``keep`` (no survivor holds more)."""
-        committed = self._ledger.step
+        committed = self._hosted.step
         if trusted:
             target = max(self._pending[m].request.applied_step for m in trusted)
             if target >= committed:
                 return target, "catch-up"
-            if target == committed - 1 and self._snapshot is not None:
+            if target == committed - 1 and self._hosted.snapshot is not None:
                 return target, "rollback"
         return committed, "keep"
 
@@ -466,19 +511,20 @@ class LighthouseState:
         """Form the quorum; members of the old one that did not ask by the timeout are excluded as of ``since``."""
         previous = self._quorum
         if mode == "catch-up":
-            while self._ledger.step < target:
+            while self._hosted.step < target:
                 self._commit_one()
         elif mode == "rollback":
-            self._rollback()
+            self._hosted.rollback()
+            self.history.rollback()
         if failure:
             assert previous is not None
-            record = self._record or StepRecord(list(previous.members))
+            record = self._hosted.record or StepRecord(list(previous.members))
             failed = [m for m in record.live if m not in members]
             if failed:
                 record.failures.append((failed, list(members)))
-            self._record = record
+            self._hosted.record = record
         else:
-            self._record = StepRecord(list(members))
+            self._hosted.record = StepRecord(list(members))
         requests = {m: self._pending.pop(m).request for m in members}
         applied = {m: requests[m].applied_step for m in members}
         targets = [m for m in members if applied[m] != target]
@@ -488,9 +534,12 @@ class LighthouseState:
         heal = {"source_rank": at_target[0] if at_target else None, "targets": targets} if targets else None
         self._healing = {m: applied[m] > target for m in targets}
         self._heal_step = target
-        self._snapshot = None
+        self._hosted.snapshot = None
         quorum_id = previous.quorum_id + 1 if previous else 1
         self._quorum = Quorum(quorum_id, tuple(members))
+        self._evicted = set()
+        for seen in self._members.records.values():
+            seen.waited_since = None
         for member in excluded:
             self._record_failure(member, since, "excluded", in_quorum=True)
         reason = "start-up" if previous is None else "failure" if failure else "boundary"
@@ -504,17 +553,11 @@ class LighthouseState:
             now,
             timed_out,
             mode == "rollback",
+            f"q{quorum_id}-{secrets.token_hex(16)}/",
         )
         self._formation = formation
         self._answered = requests
-        for event in self._unrecovered:
-            recovery = {"member": event["member"], "failed_at": event["time"], "recovered_at": now}
-            self._append(self.recoveries, {**recovery, "quorum_id": quorum_id, "seconds": now - event["time"]})
-            self.counts["recoveries"] += 1
-        self._unrecovered = []
-        entry = {"quorum_id": quorum_id, "members": list(members), "reason": reason, "time": now}
-        self._append(self.quorums, {**entry, "applied_step": target, "timed_out": timed_out})
-        self.counts["quorums"] += 1
+        self.history.quorum(quorum_id, list(members), reason, now, target, timed_out=timed_out)
         self.revision += 1
         return formation
 
@@ -522,27 +565,48 @@ class LighthouseState:
 
     def _commit_one(self) -> None:
         assert self._quorum is not None
-        record = self._record or StepRecord(list(self._quorum.members))
-        snapshot = {"ledger": self._ledger.state_dict(), "record": record.to_json()}
-        epoch = record.replay(self._ledger)
-        step = self._ledger.step
-        positions = self._ledger.commit()
-        self._snapshot = snapshot
-        self._record = None
+        epoch, step, positions = self._hosted.commit_one(list(self._quorum.members))
         self.revision += 1
         if self.on_commit is not None:
             self.on_commit(epoch, step, positions)
 
-    def _rollback(self) -> None:
-        assert self._snapshot is not None
-        self._ledger = DataLedger.from_state_dict(self._snapshot["ledger"])
-        self._record = StepRecord.from_json(self._snapshot["record"])
-        self._snapshot = None
-        self.counts["rollbacks"] += 1
+    def _would_commit(self, member: str, applied_step: int) -> bool:
+        """Whether ``member``'s report of ``applied_step`` would commit steps (see ``_progress``)."""
+        if self._quorum is None or member not in self._quorum.members or member in self._evicted:
+            return False
+        if member in self._healing:
+            ahead = self._healing[member]
+            if not (applied_step == self._heal_step if ahead else applied_step >= self._heal_step):
+                return False
+        return applied_step > self._hosted.step
+
+    def _check_digest(self, member: str, applied_step: int, digest: str | None) -> None:
+        """Refuse (422) a report that would commit steps the lighthouse's own replay does not reach."""
+        if not self._would_commit(member, applied_step):
+            return
+        committed = self._hosted.step
+        if digest is None:
+            if self.require_digest:
+                raise RequestError(
+                    422,
+                    f"applied_step {applied_step} is ahead of the ledger's step {committed}: a digest of the "
+                    "member's ledger is required to commit it",
+                    field="digest",
+                )
+            return
+        assert self._quorum is not None
+        ours = self._hosted.digest_after(list(self._quorum.members), applied_step)
+        if not hmac.compare_digest(ours, digest):
+            raise RequestError(
+                422,
+                f"digest {digest} of member {member!r} at applied_step {applied_step} does not match the "
+                f"lighthouse's replay ({ours}): the steps are not committed; the ledger stays at step {committed}",
+                field="digest",
+            )
 
     def _progress(self, member: str, applied_step: int) -> None:
         """Commit through ``applied_step`` if ``member`` is a quorum member whose reports count."""
-        if self._quorum is None or member not in self._quorum.members:
+        if self._quorum is None or member not in self._quorum.members or member in self._evicted:
             return
         if member in self._healing:
             ahead = self._healing[member]
@@ -551,12 +615,12 @@ class LighthouseState:
                 return
             del self._healing[member]
             self.revision += 1
-        while self._ledger.step < applied_step:
+        while self._hosted.step < applied_step:
             self._commit_one()
 
     def _known_step(self) -> int:
         """The furthest step the lighthouse knows of: its ledger or a report of a live quorum member."""
-        known = self._ledger.step
+        known = self._hosted.step
         if self._quorum is not None:
             for member in self._quorum.members:
                 record = self._members[member]
@@ -568,11 +632,11 @@ class LighthouseState:
 
     def _check_catch_up(self, member: str, applied_step: int) -> None:
         quorum = self._quorum
-        if quorum is not None and member in quorum.members and applied_step > self._ledger.step + MAX_CATCH_UP:
+        if quorum is not None and member in quorum.members and applied_step > self._hosted.step + MAX_CATCH_UP:
             raise RequestError(
                 422,
                 f"applied_step {applied_step} is impossible: more than {MAX_CATCH_UP} steps ahead of "
-                f"the ledger's step {self._ledger.step}",
+                f"the ledger's step {self._hosted.step}",
                 field="applied_step",
             )
 
@@ -584,7 +648,7 @@ class LighthouseState:
                 raise RequestError(
                     422,
                     f"applied_step {request.applied_step} is impossible for a join: the ledger is at step "
-                    f"{self._ledger.step} and nothing known is past step {self._known_step()}",
+                    f"{self._hosted.step} and nothing known is past step {self._known_step()}",
                     field="applied_step",
                 )
             return
@@ -592,10 +656,11 @@ class LighthouseState:
             raise RequestError(
                 409, f"no quorum has formed yet: ask with reason 'join', not {request.reason!r}", field="reason"
             )
-        if request.member not in quorum.members:
+        if request.member not in quorum.members or request.member in self._evicted:
             raise RequestError(
                 409,
-                f"member {request.member!r} is not in quorum {quorum.quorum_id}: ask again with reason 'join'",
+                f"member {request.member!r} is not (or no longer) in quorum {quorum.quorum_id}: "
+                "ask again with reason 'join'",
                 field="member",
                 quorum_id=quorum.quorum_id,
                 members=list(quorum.members),
@@ -609,67 +674,46 @@ class LighthouseState:
                 members=list(quorum.members),
             )
         self._check_catch_up(request.member, request.applied_step)
+        self._check_digest(request.member, request.applied_step, request.digest)
 
     # --- liveness and history --------------------------------------------------------------------
 
     def _touch(self, member: str, now: float) -> MemberRecord:
-        record = self._members.get(member)
-        if record is None:
-            record = self._members[member] = MemberRecord(member, last_seen=now)
-        record.last_seen = max(record.last_seen, now)
-        record.alive = True
-        return record
+        return self._members.touch(member, now)
 
     def _mark_dead(self, member: str, now: float, reason: str) -> None:
-        self._members[member].alive = False
+        self._members.mark_dead(member)
         self._pending.pop(member, None)
         self._answered.pop(member, None)
         in_quorum = self._quorum is not None and member in self._quorum.members
         if reason == "left":
-            self._append(self.departures, {"member": member, "time": now, "in_quorum": in_quorum})
-            self.counts["departures"] += 1
+            self.history.departure(member, now, in_quorum=in_quorum)
             self.revision += 1
         else:
             self._record_failure(member, now, reason, in_quorum=in_quorum)
-        self._forget_dead()
-
-    def _forget_dead(self) -> None:
-        """Keep the ``HISTORY_LIMIT`` most recently seen dead members outside the quorum; forget older ones."""
-        quorum = self._quorum.members if self._quorum else ()
-        dead = [r for r in self._members.values() if not r.alive and r.name not in quorum]
-        if len(dead) > HISTORY_LIMIT:
-            for record in sorted(dead, key=lambda r: r.last_seen)[: len(dead) - HISTORY_LIMIT]:
-                del self._members[record.name]
+        for forgotten in self._members.forget_dead(self._quorum.members if self._quorum else ()):
+            self._identities.forget(forgotten)
 
     def _record_failure(self, member: str, now: float, reason: str, *, in_quorum: bool) -> None:
-        event = {"member": member, "time": now, "reason": reason, "in_quorum": in_quorum}
-        self._append(self.failures, event)
-        self.counts["failures"] += 1
-        if in_quorum:
-            self._unrecovered.append(event)
+        self.history.failure(member, now, reason, in_quorum=in_quorum)
         self.revision += 1
-
-    @staticmethod
-    def _append(history: list[dict[str, Any]], event: dict[str, Any]) -> None:
-        history.append(event)
-        del history[:-HISTORY_LIMIT]
 
     # --- status and persistence ------------------------------------------------------------------
 
     def member_state(self, member: str) -> str:
-        """``alive`` (in the quorum), ``joining`` (alive, not in it) or ``dead``."""
+        """``alive`` (in the quorum), ``joining`` (alive, not in it), ``left`` (it finished cleanly) or ``dead``."""
         record = self._members[member]
         if not record.alive:
-            return "dead"
+            return "left" if record.left else "dead"
         return "alive" if self._quorum is not None and member in self._quorum.members else "joining"
 
     def to_status(self, now: float | None = None) -> dict[str, Any]:
         """One JSON-able dict of everything a dashboard shows."""
-        ledger = self._ledger
+        ledger = self._hosted.ledger
         missing = int(ledger.missing_indices.size)
         length = self.plan.epoch_length
         members = []
-        for name, record in self._members.items():
+        for name, record in self._members.records.items():
             pending = self._pending.get(name)
             members.append(
                 {
@@ -697,7 +741,7 @@ class LighthouseState:
                 "missing": missing,
                 "epoch_length": length,
                 "epoch_progress": 1.0 if ledger.epoch_complete else (ledger.base_index - missing) / length,
-                "step_in_progress": self._record is not None,
+                "step_in_progress": self._hosted.record is not None,
             },
             "plan": self.plan.to_dict(),
             "counts": dict(self.counts),
@@ -712,24 +756,22 @@ class LighthouseState:
         quorum = self._quorum
         return {
             "version": STATE_VERSION,
-            "ledger": self._ledger.state_dict(),
-            "record": None if self._record is None else self._record.to_json(),
-            "snapshot": self._snapshot,
+            **self._hosted.to_json(),
             "quorum": None if quorum is None else {"quorum_id": quorum.quorum_id, "members": list(quorum.members)},
-            "members": {name: record.applied_step for name, record in self._members.items()},
+            "members": {name: record.applied_step for name, record in self._members.records.items()},
             "formation": None if self._formation is None else self._formation.to_json(),
             "answered": {member: dataclasses.asdict(request) for member, request in self._answered.items()},
             "healing": dict(self._healing),
             "heal_step": self._heal_step,
-            "history": {
-                "failures": self.failures,
-                "departures": self.departures,
-                "quorums": self.quorums,
-                "recoveries": self.recoveries,
-                "unrecovered": self._unrecovered,
-                "counts": self.counts,
-            },
+            "history": self.history.to_json(),
+            "identities": self._identities.to_json(),
         }
+
+    def core_state_dict(self) -> dict[str, Any]:
+        """``state_dict()`` without the history's event lists (kept as append-only rows by the store)."""
+        state = self.state_dict()
+        state["history"] = {key: value for key, value in state["history"].items() if key not in HISTORY_KINDS}
+        return state
 
     @classmethod
     def from_state_dict(
@@ -742,22 +784,24 @@ class LighthouseState:
         heartbeat_timeout: float = 2.0,
         join_timeout: float = 5.0,
         on_commit: CommitListener | None = None,
+        max_members: int = MAX_MEMBERS,
+        require_digest: bool = False,
     ) -> LighthouseState:
         """Resume from ``state_dict()``: the quorum's members count as alive (seen at ``now``), others as dead."""
         if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
             raise ValueError(f"state must be a lighthouse state_dict of version {STATE_VERSION}")
-        ledger = DataLedger.from_state_dict(state["ledger"])
+        hosted = HostedLedger.from_json(state)
         restored = cls(
-            ledger.plan,
+            hosted.ledger.plan,
             min_replicas,
             heartbeat_timeout,
             join_timeout,
             start_replicas=start_replicas,
             on_commit=on_commit,
+            max_members=max_members,
+            require_digest=require_digest,
         )
-        restored._ledger = ledger
-        restored._record = None if state["record"] is None else StepRecord.from_json(state["record"])
-        restored._snapshot = state["snapshot"]
+        restored._hosted = hosted
         if state["quorum"] is not None:
             members = tuple(parse_member(m, "state['quorum']['members']") for m in state["quorum"]["members"])
             restored._quorum = Quorum(check_int("state['quorum']['quorum_id']", state["quorum"]["quorum_id"]), members)
@@ -766,27 +810,14 @@ class LighthouseState:
             record.applied_step = (
                 None if applied_step is None else parse_step(applied_step, f"state['members'][{name!r}]")
             )
-            restored._members[name] = record
+            restored._members.records[name] = record
         restored.expect_quorum(now)
         if state["formation"] is not None:
             restored._formation = Formation.from_json(state["formation"])
         restored._answered = {member: QuorumRequest(**request) for member, request in state["answered"].items()}
         restored._healing = {name: bool(ahead) for name, ahead in state["healing"].items()}
         restored._heal_step = check_int("state['heal_step']", state["heal_step"], minimum=0)
-        history = state["history"]
-        restored.failures = list(history["failures"])
-        restored.departures = list(history["departures"])
-        restored.quorums = list(history["quorums"])
-        restored.recoveries = list(history["recoveries"])
-        restored._unrecovered = list(history["unrecovered"])
-        restored.counts.update(history["counts"])
+        restored.history = History.from_json(state["history"])
+        if state.get("identities") is not None:
+            restored._identities = Identities.from_json(state["identities"])
         return restored
-
-
-def check_seconds(name: str, value: Any) -> float:
-    """Return ``value`` as a float if it is a finite number of seconds > 0, else raise naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name} must be a number of seconds, got {value!r} ({type(value).__name__})")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
-    return float(value)

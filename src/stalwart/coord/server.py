@@ -1,18 +1,23 @@
 """The lighthouse HTTP server: aiohttp around :class:`~stalwart.coord.quorum.LighthouseState`.
 
 Endpoints (``docs/protocol.md``): ``GET /healthz``, ``GET /v1/status``,
-``GET /v1/heartbeat?member=ID`` (websocket), ``POST /v1/quorum`` (long poll)
-and ``POST /v1/leave``. Every event is handed to the pure state with the
+``POST /v1/register``, ``GET /v1/heartbeat?member=ID`` (websocket),
+``POST /v1/quorum`` (long poll) and ``POST /v1/leave``; all but the first two
+and register carry the member's incarnation and secret in the
+``X-Stalwart-Incarnation`` and ``X-Stalwart-Secret`` headers. Every event is handed to the pure state with the
 wall-clock time; a periodic task (every ``tick_interval``) expires heartbeats
 and join timeouts and forms quorums. The state is persisted
-(:mod:`stalwart.coord.persist`) before any quorum answer leaves, so a
-restarted lighthouse never forgets a quorum it announced, and within one tick
-of a ledger commit reported by heartbeats (commits are coalesced: a commit
-lost with the process is replayed identically from the members' next
-heartbeats).
+(:mod:`stalwart.coord.persist`) on a single save thread, off the event loop,
+and the save is awaited before any quorum answer or registration leaves, so a
+restarted lighthouse never forgets a quorum it announced; it fails closed: an
+answer whose state could not be saved is not handed out (503, asked again),
+until a save succeeds. Ledger commits reported by heartbeats are saved within
+one tick (coalesced: a commit lost with the process is replayed identically
+from the members' next heartbeats).
 
 The lighthouse also hosts the ``torch.distributed.TCPStore`` on which each
-quorum's process group rendezvouses, under the prefix ``q{quorum_id}/``.
+quorum's process group rendezvouses, under the prefix
+``q{quorum_id}-{128 random bits}/`` told only to the quorum's members.
 
 :class:`Lighthouse` runs the server in a background thread with its own event
 loop (``start``/``stop``), so tests and launchers can embed it, or in the
@@ -31,6 +36,7 @@ import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from aiohttp import WSCloseCode, WSMsgType, web
@@ -38,13 +44,15 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from stalwart._validate import check_int
 from stalwart.coord.persist import StateStore
 from stalwart.coord.quorum import (
+    MAX_MEMBERS,
     Formation,
     LighthouseState,
     QuorumRequest,
     RequestError,
     check_seconds,
-    parse_heartbeat,
+    parse_digest,
     parse_member,
+    parse_report,
     parse_step,
 )
 from stalwart.data.plan import EpochPlan
@@ -52,6 +60,10 @@ from stalwart.data.plan import EpochPlan
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 * 1024
+MAX_WAITERS = 4096
+"""Default cap on pending quorum long polls (``max_waiters``)."""
+INCARNATION_HEADER = "X-Stalwart-Incarnation"
+SECRET_HEADER = "X-Stalwart-Secret"
 _PUBLIC_PATHS = frozenset({"/healthz"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -79,6 +91,8 @@ class Lighthouse:
         join_timeout: float = 5.0,
         store_port: int = 0,
         tick_interval: float = 0.05,
+        max_members: int = MAX_MEMBERS,
+        max_waiters: int = MAX_WAITERS,
     ) -> None:
         if not isinstance(plan, EpochPlan):
             raise TypeError(f"plan must be an EpochPlan, got {type(plan).__name__}")
@@ -92,16 +106,21 @@ class Lighthouse:
         self._token = token
         self.join_timeout = check_seconds("join_timeout", join_timeout)
         self.tick_interval = check_seconds("tick_interval", tick_interval)
+        self.max_waiters = check_int("max_waiters", max_waiters, minimum=1)
+        check_int("max_members", max_members, minimum=1)
         self._database = StateStore(state_path) if state_path is not None else None
         try:
             self.state = self._load_state(
-                plan, state_path, min_replicas, start_replicas, heartbeat_timeout, join_timeout
+                plan, state_path, min_replicas, start_replicas, heartbeat_timeout, join_timeout, max_members
             )
         except BaseException:
             if self._database is not None:
                 self._database.close()
             raise
         self._saved_revision = -1
+        self._save_failing = False
+        self._save_lock: asyncio.Lock | None = None
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="stalwart-lighthouse-save")
         self._port: int | None = None
         self._store_port: int | None = None
         self._thread: threading.Thread | None = None
@@ -122,11 +141,20 @@ class Lighthouse:
         start_replicas: int | None,
         heartbeat_timeout: float,
         join_timeout: float,
+        max_members: int,
     ) -> LighthouseState:
         """The persisted state when there is one (its plan must equal ``plan``), else a fresh one."""
         persisted = self._database.load() if self._database is not None else None
         if persisted is None:
-            return LighthouseState(plan, min_replicas, heartbeat_timeout, join_timeout, start_replicas=start_replicas)
+            return LighthouseState(
+                plan,
+                min_replicas,
+                heartbeat_timeout,
+                join_timeout,
+                start_replicas=start_replicas,
+                max_members=max_members,
+                require_digest=True,
+            )
         state = LighthouseState.from_state_dict(
             persisted,
             now=time.time(),
@@ -134,6 +162,8 @@ class Lighthouse:
             start_replicas=start_replicas,
             heartbeat_timeout=heartbeat_timeout,
             join_timeout=join_timeout,
+            max_members=max_members,
+            require_digest=True,
         )
         _check_same_plan(plan, state.plan, state_path)
         return state
@@ -244,6 +274,7 @@ class Lighthouse:
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/v1/status", self._get_status)
         app.router.add_get("/status", self._get_status)  # the short name people and scripts type
+        app.router.add_post("/v1/register", self._register)
         app.router.add_get("/v1/heartbeat", self._heartbeat)
         app.router.add_post("/v1/quorum", self._quorum)
         app.router.add_post("/v1/leave", self._leave)
@@ -253,7 +284,8 @@ class Lighthouse:
         await site.start()
         self._port = int(self._runner.addresses[0][1])
         self.state.expect_quorum(time.time())
-        self._persist(time.time())
+        self._save_lock = asyncio.Lock()
+        await self._durable()
         self._ticker = asyncio.create_task(self._tick_forever())
 
     async def _stop(self) -> None:
@@ -268,7 +300,8 @@ class Lighthouse:
         await asyncio.gather(*closing, return_exceptions=True)
         if self._runner is not None:
             await self._runner.cleanup()
-        self._persist(time.time())
+        await self._durable()
+        self._saver.shutdown(wait=True)
         if self._database is not None:
             self._database.close()
         self._tcp_store = None
@@ -280,16 +313,16 @@ class Lighthouse:
             await asyncio.sleep(self.tick_interval)
             try:
                 self._advance()
+                await self._durable()
             except Exception:
                 logger.exception("lighthouse tick failed")
 
     def _advance(self, now: float | None = None) -> None:
-        """Expire timeouts, form a quorum if due, persist, then answer the waiting members."""
+        """Expire timeouts, form a quorum if due and wake its waiting members (each awaits the save)."""
         if self._stopping:
             return
         now = time.time() if now is None else now
         formation = self.state.tick(now)
-        self._persist(now)
         if formation is not None:
             self._answer_waiters(formation)
         self._push_broken_quorum()
@@ -311,10 +344,41 @@ class Lighthouse:
             if socket is not None and not socket.closed:
                 asyncio.get_running_loop().create_task(socket.send_json(message))
 
-    def _persist(self, now: float) -> None:
-        if self._database is not None and self.state.revision != self._saved_revision:
-            self._database.save(self.state.state_dict(), self.state.revision, now)
-            self._saved_revision = self.state.revision
+    async def _durable(self) -> bool:
+        """Save the state if it changed (on the save thread); False when the save failed.
+
+        The core row and the new history events are taken on the loop, so the
+        save is a consistent snapshot; events of a failed save are queued again.
+        """
+        assert self._save_lock is not None
+        async with self._save_lock:
+            revision = self.state.revision
+            events = self.state.history.drain()
+            if self._database is None or (revision == self._saved_revision and not events):
+                self._saved_revision = revision
+                return True
+            core = self.state.core_state_dict()
+            loop = asyncio.get_running_loop()
+            try:
+                await loop.run_in_executor(self._saver, self._database.save, core, events, revision, time.time())
+            except Exception as error:
+                self.state.history.journal[:0] = events
+                if not self._save_failing:
+                    logger.error("the lighthouse cannot save its state to %s: %s", self._database.path, error)
+                self._save_failing = True
+                return False
+            if self._save_failing:
+                logger.warning("the lighthouse saves its state to %s again", self._database.path)
+            self._save_failing = False
+            self._saved_revision = revision
+            return True
+
+    async def _require_durable(self, what: str) -> None:
+        """503 (the client asks again) unless the state, ``what`` included, is saved."""
+        if not await self._durable():
+            raise RequestError(
+                503, f"the lighthouse could not persist {what}; it is not handed out, ask again", retry=True
+            )
 
     def _answer_waiters(self, formation: Formation) -> None:
         for member in formation.members:
@@ -359,6 +423,7 @@ class Lighthouse:
 
     async def _heartbeat(self, request: web.Request) -> web.WebSocketResponse:
         member = parse_member(request.query.get("member"))
+        self._authenticate(request, member)
         ws = web.WebSocketResponse(max_msg_size=4096, timeout=1.0)
         await ws.prepare(request)
         previous = self._sockets.get(member)
@@ -372,13 +437,14 @@ class Lighthouse:
         self._advance()
         try:
             async for message in ws:
-                if self._stopping:
+                if self._stopping or self._sockets.get(member) is not ws:
                     break
                 if message.type != WSMsgType.TEXT:
                     await ws.send_json({"type": "error", "error": "heartbeats must be JSON text messages"})
                     continue
                 try:
-                    self.state.heartbeat(member, parse_heartbeat(json.loads(message.data)), time.time())
+                    applied_step, digest = parse_report(json.loads(message.data))
+                    self.state.heartbeat(member, applied_step, time.time(), digest)
                 except (ValueError, RecursionError, RequestError) as error:
                     text = error.message if isinstance(error, RequestError) else f"not JSON: {error}"
                     await ws.send_json({"type": "error", "error": text})
@@ -399,6 +465,14 @@ class Lighthouse:
     async def _quorum(self, request: web.Request) -> web.Response:
         quorum_request = QuorumRequest.from_json(await _json_body(request))
         member = quorum_request.member
+        self._authenticate(request, member)
+        waiting = sum(len(waiters) for waiters in self._waiters.values())
+        if waiting >= self.max_waiters:
+            raise RequestError(
+                503,
+                f"max_waiters={self.max_waiters} quorum requests are already pending; ask again later",
+                cap="max_waiters",
+            )
         answer = self.state.request(quorum_request, time.time())
         if answer is None:
             self._advance()
@@ -420,21 +494,55 @@ class Lighthouse:
                     408, f"no quorum formed within join_timeout={self.join_timeout} s; ask again", member=member
                 )
             answer = result
-        store = {"host": self._store_host(request), "port": self.store_port, "prefix": f"q{answer['quorum_id']}/"}
+        await self._require_durable(f"quorum {answer['quorum_id']}")
+        store = {"host": self._store_host(request), "port": self.store_port, "prefix": answer["store"]["prefix"]}
         return web.json_response({**answer, "store": store})
 
     async def _leave(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
-        if not isinstance(body, dict) or "member" not in body or not set(body) <= {"member", "applied_step"}:
-            raise RequestError(400, f'the body must be {{"member": str, "applied_step"?: int}}, got {body!r}')
+        allowed = {"member", "applied_step", "digest"}
+        if not isinstance(body, dict) or "member" not in body or not set(body) <= allowed:
+            raise RequestError(
+                400, f'the body must be {{"member": str, "applied_step"?: int, "digest"?: str}}, got {body!r}'
+            )
         member = parse_member(body["member"])
         applied_step = parse_step(body["applied_step"]) if "applied_step" in body else None
-        self.state.leave(member, time.time(), applied_step)
+        digest = parse_digest(body.get("digest"))
+        self._authenticate(request, member)
+        self.state.leave(member, time.time(), applied_step, digest)
         self._advance()
         for waiter in self._waiters.get(member, []):
             if not waiter.done():
                 waiter.set_result(RequestError(410, f"member {member!r} left", member=member))
         return web.json_response({"ok": True})
+
+    async def _register(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        if not isinstance(body, dict) or set(body) != {"member", "incarnation"}:
+            raise RequestError(400, f'the body must be {{"member": str, "incarnation": str}}, got {body!r}')
+        member = parse_member(body["member"])
+        previous = self.state.incarnation(member)
+        secret = self.state.register(member, body["incarnation"], time.time())
+        if previous is not None:
+            self._retire(member, previous)
+        self._advance()
+        await self._require_durable(f"the registration of member {member!r}")
+        return web.json_response({"member": member, "incarnation": body["incarnation"], "secret": secret})
+
+    def _retire(self, member: str, incarnation: str) -> None:
+        """Close the replaced incarnation's socket and refuse its pending quorum requests."""
+        socket = self._sockets.pop(member, None)
+        if socket is not None and not socket.closed:
+            message = b"replaced by a new incarnation"
+            asyncio.get_running_loop().create_task(socket.close(code=WSCloseCode.POLICY_VIOLATION, message=message))
+        refused = RequestError(403, f"incarnation {incarnation} of member {member!r} was replaced", code="superseded")
+        for waiter in self._waiters.get(member, []):
+            if not waiter.done():
+                waiter.set_result(refused)
+
+    def _authenticate(self, request: web.Request, member: str) -> None:
+        """403 unless the request carries ``member``'s current incarnation and secret."""
+        self.state.authenticate(member, request.headers.get(INCARNATION_HEADER), request.headers.get(SECRET_HEADER))
 
     def _store_host(self, request: web.Request) -> str:
         """The store's address as the caller can reach it: the bound host, or the one it called when wildcard."""

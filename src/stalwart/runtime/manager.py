@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from stalwart._validate import check_int
 from stalwart.coord.client import LighthouseClient, LighthouseError, QuorumAnswer
+from stalwart.coord.hosted_ledger import ledger_digest
 from stalwart.data.info import DataLoadingInfo, split_group_share
 from stalwart.data.ledger import DataLedger
 from stalwart.data.world import WorldInfo
@@ -181,6 +182,8 @@ class Manager:
         self._group = GroupLink(group or WorldInfo(rank=0, world_size=1), group_store, timeout=quorum_timeout)
         self._params = [param for param in model.parameters() if param.requires_grad]
         self._client: LighthouseClient | None = None
+        self._report: tuple[int, str | None] = (0, None)
+        """``(applied_step, ledger digest)`` for the heartbeat: the lighthouse commits only on a matching digest."""
         if self._group.is_leader:
             self._client = LighthouseClient(lighthouse, member, token=token, heartbeat_interval=heartbeat_interval)
             try:
@@ -188,7 +191,7 @@ class Manager:
             except BaseException:
                 self._client.close()
                 raise
-            self._client.start_heartbeat(lambda: self.applied_step)
+            self._client.start_heartbeat(lambda: self._report)
         self._comm: Communicator | None = None
         self._answer: QuorumAnswer | None = None
         self._ledger: DataLedger | None = None
@@ -458,6 +461,7 @@ class Manager:
         )
         self.applied_step += 1
         self._step_drift_heals = 0
+        self._report = (self.applied_step, ledger_digest(self.ledger.state_dict()))
         self._reset_step()
         self._reconfigure = float(reduced[-1]) > 0
 
@@ -572,6 +576,7 @@ class Manager:
         is_target = self.member in answer.heal.targets
         source = sum(self._group_sizes[: answer.heal.source_rank])
         self.applied_step = self._transfer(source, is_target=is_target)
+        self._report = (self.applied_step, None)
         if is_target:
             self.optimizer.zero_grad(set_to_none=True)
             self._reset_step()

@@ -1,0 +1,130 @@
+"""The ledger of record the lighthouse hosts: committed steps, the step in progress, a one-deep snapshot.
+
+Pure: no I/O. The hosted :class:`~stalwart.data.DataLedger` is committed
+through the steps quorum members report, plus a :class:`StepRecord` of how the
+step in progress began when a quorum formed in it (members, then failures and
+reassigns), and a snapshot of the state before the last commit for the
+rollback case (a member that applied a step died before any survivor did).
+Catching up replays ``begin_step(members)`` and ``commit()``, exactly what
+every member does on the fast path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from stalwart.data.ledger import DataLedger, Positions
+from stalwart.data.plan import EpochPlan
+
+
+def ledger_digest(state: Mapping[str, Any]) -> str:
+    """The digest of a ledger ``state_dict()``: SHA-256 of its canonical JSON, first 16 bytes in hex.
+
+    A member reports it with its ``applied_step`` (its ledger after the
+    commit); the lighthouse commits the step only if its own replay agrees.
+    """
+    text = json.dumps(state, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+@dataclass
+class StepRecord:
+    """How the ledger's step in progress began: its members, then ``(failed, reassigned_to)`` events."""
+
+    members: list[str]
+    failures: list[tuple[list[str], list[str]]] = field(default_factory=list)
+
+    @property
+    def live(self) -> list[str]:
+        """The step's members that have not failed, in rank order."""
+        failed = {member for event_failed, _ in self.failures for member in event_failed}
+        return [member for member in self.members if member not in failed]
+
+    def replay(self, ledger: DataLedger) -> int:
+        """Begin the step on ``ledger`` and apply the failures and reassigns; returns the step's epoch."""
+        ledger.begin_step(self.members)
+        for failed, survivors in self.failures:
+            for member in failed:
+                ledger.member_failed(member)
+            ledger.reassign(survivors)
+        return ledger.epoch
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form."""
+        return {"members": list(self.members), "failures": [[list(f), list(s)] for f, s in self.failures]}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> StepRecord:
+        """Inverse of ``to_json``."""
+        return cls(list(data["members"]), [(list(f), list(s)) for f, s in data["failures"]])
+
+
+class HostedLedger:
+    """The committed :class:`DataLedger`, the record of the step in progress and the rollback snapshot."""
+
+    def __init__(self, plan: EpochPlan) -> None:
+        self.ledger = DataLedger(plan)
+        self.record: StepRecord | None = None
+        self.snapshot: dict[str, Any] | None = None
+
+    @property
+    def step(self) -> int:
+        """Steps committed."""
+        return self.ledger.step
+
+    def commit_one(self, members: list[str]) -> tuple[int, int, Positions]:
+        """Commit the step in progress (begun by ``members`` if no record says otherwise).
+
+        Returns ``(epoch, step, positions)`` of the committed step.
+        """
+        record = self.record or StepRecord(list(members))
+        snapshot = {"ledger": self.ledger.state_dict(), "record": record.to_json()}
+        epoch = record.replay(self.ledger)
+        step = self.ledger.step
+        positions = self.ledger.commit()
+        self.snapshot = snapshot
+        self.record = None
+        return epoch, step, positions
+
+    def digest_after(self, members: list[str], step: int) -> str:
+        """The digest of the ledger committed through ``step`` (a replay on a copy; nothing changes)."""
+        trial = HostedLedger.from_json(self.to_json())
+        while trial.step < step:
+            trial.commit_one(members)
+        return ledger_digest(trial.ledger.state_dict())
+
+    def rollback(self) -> None:
+        """Return to the state before the last commit (its step is in progress again)."""
+        assert self.snapshot is not None, "rollback needs a snapshot"
+        self.ledger = DataLedger.from_state_dict(self.snapshot["ledger"])
+        self.record = StepRecord.from_json(self.snapshot["record"])
+        self.snapshot = None
+
+    def ledger_state(self) -> dict[str, Any]:
+        """The ledger as the members see it: in the step in progress when a quorum formed in it, else committed."""
+        ledger = DataLedger.from_state_dict(self.ledger.state_dict())
+        if self.record is not None:
+            self.record.replay(ledger)
+        return ledger.state_dict()
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``ledger``, ``record`` and ``snapshot`` entries of the lighthouse's state dict."""
+        return {
+            "ledger": self.ledger.state_dict(),
+            "record": None if self.record is None else self.record.to_json(),
+            "snapshot": self.snapshot,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> HostedLedger:
+        """Inverse of ``to_json``."""
+        ledger = DataLedger.from_state_dict(data["ledger"])
+        hosted = cls(ledger.plan)
+        hosted.ledger = ledger
+        hosted.record = None if data["record"] is None else StepRecord.from_json(data["record"])
+        hosted.snapshot = data["snapshot"]
+        return hosted

@@ -1,0 +1,132 @@
+"""Who may speak for a member: the incarnation (one per process start) and its secret. Pure: no I/O.
+
+A worker registers ``(member, incarnation)`` and gets a secret (kept by the
+lighthouse only as a SHA-256 hash); every later heartbeat, quorum request and
+leave carries both. A new incarnation replaces the old one, whose secret stops
+working; a replaced incarnation cannot register again (it would evict the
+process that replaced it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from stalwart.coord.wire import RequestError
+
+_INCARNATION_PATTERN = re.compile(r"[0-9a-f]{32}")
+RETIRED_PER_MEMBER = 8
+"""How many replaced incarnations of one member are remembered (and refused)."""
+
+
+def parse_incarnation(value: Any, name: str = "incarnation") -> str:
+    """Return an incarnation id (32 lowercase hex digits, ``uuid4().hex``); else ``RequestError`` 400 naming it."""
+    if not isinstance(value, str) or not _INCARNATION_PATTERN.fullmatch(value):
+        raise RequestError(400, f"{name} must be 32 lowercase hex digits (uuid4().hex), got {value!r}", field=name)
+    return value
+
+
+def _hash(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+@dataclass
+class Identity:
+    """A member's registered incarnation and the hash of its secret."""
+
+    incarnation: str
+    secret_sha256: str
+
+
+class Identities:
+    """The registered incarnation of every member, and the replaced ones that may not come back."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, Identity] = {}
+        self.retired: dict[str, list[str]] = {}
+
+    def __len__(self) -> int:
+        return len(self.current)
+
+    def __contains__(self, member: object) -> bool:
+        return member in self.current
+
+    def register(self, member: str, incarnation: str) -> tuple[str, str | None]:
+        """Register ``incarnation`` of ``member``: returns ``(secret, replaced incarnation or None)``.
+
+        ``RequestError`` 409 when this incarnation was replaced or is already registered.
+        """
+        if incarnation in self.retired.get(member, ()):
+            raise RequestError(
+                409,
+                f"incarnation {incarnation} of member {member!r} was replaced by a newer process; "
+                "this process must not speak for the member any more",
+                field="incarnation",
+                code="superseded",
+            )
+        previous = self.current.get(member)
+        if previous is not None and previous.incarnation == incarnation:
+            raise RequestError(
+                409, f"incarnation {incarnation} of member {member!r} is already registered", field="incarnation"
+            )
+        secret = secrets.token_urlsafe(32)
+        self.current[member] = Identity(incarnation, _hash(secret))
+        if previous is None:
+            return secret, None
+        retired = self.retired.setdefault(member, [])
+        retired.append(previous.incarnation)
+        del retired[:-RETIRED_PER_MEMBER]
+        return secret, previous.incarnation
+
+    def check(self, member: str, incarnation: Any, secret: Any) -> None:
+        """``RequestError`` 403 unless ``secret`` is the current secret of ``member``'s ``incarnation``.
+
+        The body's ``code`` is ``unregistered`` when the lighthouse knows no
+        incarnation of the member (register again), ``superseded`` when a newer
+        one replaced it, ``forbidden`` otherwise.
+        """
+        if not isinstance(incarnation, str) or not incarnation:
+            raise RequestError(403, "the X-Stalwart-Incarnation header is required", code="forbidden")
+        if not isinstance(secret, str) or not secret:
+            raise RequestError(403, "the X-Stalwart-Secret header is required", code="forbidden")
+        identity = self.current.get(member)
+        if identity is None or identity.incarnation != incarnation:
+            if incarnation in self.retired.get(member, ()):
+                raise RequestError(
+                    403, f"incarnation {incarnation} of member {member!r} was replaced", code="superseded"
+                )
+            raise RequestError(
+                403,
+                f"incarnation {incarnation} of member {member!r} is not registered: POST /v1/register first",
+                code="unregistered",
+            )
+        if not hmac.compare_digest(identity.secret_sha256, _hash(secret)):
+            raise RequestError(403, f"wrong secret for member {member!r}", code="forbidden")
+
+    def forget(self, member: str) -> None:
+        """Drop everything known of ``member`` (it was forgotten as long dead)."""
+        self.current.pop(member, None)
+        self.retired.pop(member, None)
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form (hashes only, never a secret)."""
+        return {
+            "current": {
+                m: {"incarnation": i.incarnation, "secret_sha256": i.secret_sha256} for m, i in self.current.items()
+            },
+            "retired": {m: list(r) for m, r in self.retired.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Identities:
+        """Inverse of ``to_json``."""
+        identities = cls()
+        for member, entry in data["current"].items():
+            identities.current[member] = Identity(str(entry["incarnation"]), str(entry["secret_sha256"]))
+        identities.retired = {member: [str(i) for i in retired] for member, retired in data["retired"].items()}
+        return identities

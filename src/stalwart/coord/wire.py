@@ -1,0 +1,114 @@
+"""What the lighthouse accepts on the wire: ids, steps, heartbeats and quorum requests, checked.
+
+Every parser raises :class:`RequestError` naming the field, the value and what
+is allowed; the server turns it into a 4xx JSON answer and changes nothing.
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+REASONS = ("join", "failure", "reconfigure")
+_MEMBER_PATTERN = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")
+_DIGEST_PATTERN = re.compile(r"[0-9a-f]{32}")
+
+
+class RequestError(ValueError):
+    """A request the lighthouse refuses: ``status`` is the HTTP status, ``details`` go into the JSON body."""
+
+    def __init__(self, status: int, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.details = details
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON error body: ``{"error": message, **details}``."""
+        return {"error": self.message, **self.details}
+
+
+def parse_member(value: Any, name: str = "member") -> str:
+    """Return a member id: 1-128 characters of ``[A-Za-z0-9_.:@-]``; else ``RequestError`` 400 naming it."""
+    if not isinstance(value, str) or not _MEMBER_PATTERN.fullmatch(value):
+        raise RequestError(400, f"{name} must be 1-128 characters of [A-Za-z0-9_.:@-], got {value!r}", field=name)
+    return value
+
+
+def parse_step(value: Any, name: str = "applied_step") -> int:
+    """Return a non-negative int step; else ``RequestError`` 400 naming the field."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise RequestError(400, f"{name} must be an int >= 0, got {value!r}", field=name)
+    return value
+
+
+def parse_digest(value: Any, name: str = "digest") -> str | None:
+    """Return a ledger digest (32 lowercase hex digits) or None; else ``RequestError`` 400 naming the field."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _DIGEST_PATTERN.fullmatch(value):
+        raise RequestError(400, f"{name} must be 32 lowercase hex digits or null, got {value!r}", field=name)
+    return value
+
+
+def parse_report(body: Any) -> tuple[int, str | None]:
+    """Return ``(applied_step, digest)`` from a heartbeat message ``{"applied_step": int, "digest"?: str}``."""
+    if not isinstance(body, Mapping) or "applied_step" not in body:
+        raise RequestError(400, f'a heartbeat must be an object {{"applied_step": int, "digest"?: str}}, got {body!r}')
+    unknown = sorted(set(body) - {"applied_step", "digest"})
+    if unknown:
+        raise RequestError(400, f"unknown heartbeat fields {unknown}", field=unknown[0])
+    return parse_step(body["applied_step"]), parse_digest(body.get("digest"))
+
+
+def parse_heartbeat(body: Any) -> int:
+    """Return ``applied_step`` from a heartbeat message (see :func:`parse_report`)."""
+    return parse_report(body)[0]
+
+
+@dataclass(frozen=True)
+class QuorumRequest:
+    """A member's ``POST /v1/quorum`` body."""
+
+    member: str
+    applied_step: int
+    quorum_id: int | None
+    reason: str
+    digest: str | None = None
+    """The member's ledger digest at ``applied_step`` (see ``ledger_digest``); needed to commit steps."""
+
+    @classmethod
+    def from_json(cls, body: Any) -> QuorumRequest:
+        """Validate a decoded JSON body; ``RequestError`` 400 names the bad field and value."""
+        if not isinstance(body, Mapping):
+            raise RequestError(400, f"the body must be a JSON object, got {type(body).__name__}")
+        unknown = sorted(set(body) - {"member", "applied_step", "quorum_id", "reason", "digest"})
+        if unknown:
+            raise RequestError(400, f"unknown fields {unknown}", field=unknown[0])
+        for name in ("member", "applied_step", "reason"):
+            if name not in body:
+                raise RequestError(400, f"{name} is required", field=name)
+        member = parse_member(body["member"])
+        applied_step = parse_step(body["applied_step"])
+        reason = body["reason"]
+        if reason not in REASONS:
+            raise RequestError(400, f"reason must be one of {list(REASONS)}, got {reason!r}", field="reason")
+        quorum_id = body.get("quorum_id")
+        if quorum_id is not None:
+            quorum_id = parse_step(quorum_id, "quorum_id")
+        elif reason != "join":
+            raise RequestError(400, f"quorum_id must be an int for reason {reason!r}, got None", field="quorum_id")
+        return cls(member, applied_step, quorum_id, reason, parse_digest(body.get("digest")))
+
+
+def check_seconds(name: str, value: Any) -> float:
+    """Return ``value`` as a float if it is a finite number of seconds > 0, else raise naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number of seconds, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
