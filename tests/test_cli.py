@@ -88,7 +88,7 @@ def never_serve(monkeypatch: pytest.MonkeyPatch) -> None:
 def save_state(path: Path, state: dict[str, Any]) -> None:
     store = StateStore(path)
     try:
-        store.save(state, revision=1, saved_at=0.0)
+        store.save(state, [], revision=1, saved_at=0.0)
     finally:
         store.close()
 
