@@ -33,7 +33,14 @@ import torch
 from stalwart.coord.server import Lighthouse
 from stalwart.data.plan import EpochPlan
 from stalwart.launch.cluster import LocalCluster, latest_step
-from stalwart.launch.digits import digits_dataset, digits_model, digits_optimizer, reference_run, summed_loss
+from stalwart.launch.digits import (
+    digits_dataset,
+    digits_model,
+    digits_optimizer,
+    digits_scheduler,
+    reference_run,
+    summed_loss,
+)
 from stalwart.launch.report import audit_steps, committed_steps, planned_total
 
 STEPS = 10
@@ -253,6 +260,7 @@ def test_tolerance_detects_a_dropped_share(reference: dict[str, torch.Tensor]) -
     dataset = digits_dataset()
     model = digits_model(0)
     optimizer = digits_optimizer(model)
+    scheduler = digits_scheduler(optimizer)
     for step in range(STEPS):
         indices = PLAN.indices(0, PLAN.step_start(step), PLAN.step_start(step + 1))
         if step == 4:
@@ -260,6 +268,7 @@ def test_tolerance_detects_a_dropped_share(reference: dict[str, torch.Tensor]) -
         optimizer.zero_grad()
         (summed_loss(model, dataset[torch.from_numpy(indices)]) / len(indices)).backward()
         optimizer.step()
+        scheduler.step()
     lossy = model.state_dict()
     worst = max(float((lossy[name] - value).abs().max()) for name, value in reference.items())
     assert np.isfinite(worst) and worst > 100 * PARAM_TOLERANCE

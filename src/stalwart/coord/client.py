@@ -69,11 +69,26 @@ class StoreAddress:
 
 
 @dataclass(frozen=True)
+class CheckpointAnnouncement:
+    """A durable checkpoint the quorum resumes from: its step, where it lies and its ledger's digest."""
+
+    step: int
+    path: str
+    digest: str
+
+
+@dataclass(frozen=True)
 class HealPlan:
-    """Who is behind and who sends them the state (``source_rank`` None: no member holds the step)."""
+    """Who is behind and where their state comes from.
+
+    ``source_rank``: the member that broadcasts it; ``checkpoint``: load it
+    from that checkpoint instead (no live member held the job's state); both
+    None: the state is lost.
+    """
 
     source_rank: int | None
     targets: tuple[str, ...]
+    checkpoint: CheckpointAnnouncement | None = None
 
 
 @dataclass(frozen=True)
@@ -107,6 +122,13 @@ class QuorumAnswer:
                 else HealPlan(
                     None if heal["source_rank"] is None else int(heal["source_rank"]),
                     tuple(str(member) for member in heal["targets"]),
+                    None
+                    if heal.get("checkpoint") is None
+                    else CheckpointAnnouncement(
+                        int(heal["checkpoint"]["step"]),
+                        str(heal["checkpoint"]["path"]),
+                        str(heal["checkpoint"]["digest"]),
+                    ),
                 ),
                 ledger=dict(data["ledger"]),
             )
@@ -124,6 +146,12 @@ class QuorumAnswer:
     def data_ledger(self) -> DataLedger:
         """The ledger in step ``applied_step``, as the lighthouse holds it."""
         return DataLedger.from_state_dict(self.ledger)
+
+
+def _checkpoint_announcement(data: Any) -> CheckpointAnnouncement | None:
+    if data is None:
+        return None
+    return CheckpointAnnouncement(int(data["step"]), str(data["path"]), str(data["digest"]))
 
 
 class LighthouseClient:
@@ -249,6 +277,15 @@ class LighthouseClient:
             if digest is not None:
                 body["digest"] = digest
         self._run(self._authenticated_request("POST", "/v1/leave", body))
+
+    def report_checkpoint(self, step: int, path: str, ledger: dict[str, Any], digest: str) -> dict[str, Any]:
+        """Tell the lighthouse that a durable checkpoint of ``step`` (its ledger and digest) lies at ``path``.
+
+        Raises :class:`LighthouseError` when it is refused (409: the step is
+        not committed yet, report it again later).
+        """
+        body = {"member": self.member, "step": step, "path": path, "ledger": ledger, "digest": digest}
+        return self._run(self._authenticated_request("POST", "/v1/checkpoint", body))
 
     def _report(self) -> tuple[int, str | None]:
         """The heartbeat callable's ``(applied_step, digest)``."""

@@ -20,6 +20,9 @@ from typing import Any
 from stalwart.data.ledger import DataLedger, Positions
 from stalwart.data.plan import EpochPlan
 
+DIGEST_HISTORY = 4096
+"""How many recent commits' digests are kept (to vouch for checkpoint reports)."""
+
 
 def ledger_digest(state: Mapping[str, Any]) -> str:
     """The digest of a ledger ``state_dict()``: SHA-256 of its canonical JSON, first 16 bytes in hex.
@@ -70,6 +73,8 @@ class HostedLedger:
         self.ledger = DataLedger(plan)
         self.record: StepRecord | None = None
         self.snapshot: dict[str, Any] | None = None
+        self.digests: dict[int, str] = {0: ledger_digest(self.ledger.state_dict())}
+        """Digest of the ledger after each recent commit, by step (bounded; rebuilt from the members' reports)."""
 
     @property
     def step(self) -> int:
@@ -88,7 +93,21 @@ class HostedLedger:
         positions = self.ledger.commit()
         self.snapshot = snapshot
         self.record = None
+        self._remember_digest()
         return epoch, step, positions
+
+    def _remember_digest(self) -> None:
+        self.digests[self.ledger.step] = ledger_digest(self.ledger.state_dict())
+        for old in [step for step in self.digests if step <= self.ledger.step - DIGEST_HISTORY]:
+            del self.digests[old]
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Go back to a committed ledger ``state`` (a checkpoint's): no step in progress, no snapshot."""
+        self.ledger = DataLedger.from_state_dict(state)
+        self.record = None
+        self.snapshot = None
+        self.digests = {step: digest for step, digest in self.digests.items() if step < self.ledger.step}
+        self._remember_digest()
 
     def digest_after(self, members: list[str], step: int) -> str:
         """The digest of the ledger committed through ``step`` (a replay on a copy; nothing changes)."""
@@ -127,4 +146,5 @@ class HostedLedger:
         hosted.ledger = ledger
         hosted.record = None if data["record"] is None else StepRecord.from_json(data["record"])
         hosted.snapshot = data["snapshot"]
+        hosted.digests = {ledger.step: ledger_digest(ledger.state_dict())} if hosted.record is None else {}
         return hosted

@@ -67,6 +67,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stalwart._validate import check_bool, check_int
+from stalwart.coord.checkpoints import CheckpointRecord, parse_checkpoint_report, vouch
 from stalwart.coord.history import HISTORY_LIMIT, History
 from stalwart.coord.history import KINDS as HISTORY_KINDS
 from stalwart.coord.hosted_ledger import HostedLedger, StepRecord, ledger_digest
@@ -207,6 +208,9 @@ class LighthouseState:
         self.revision = 0
         """Grows with every change that must be persisted (commits, quorums, history)."""
         self._hosted = HostedLedger(plan)
+        self._checkpoint: CheckpointRecord | None = None
+        self.resumes: list[dict[str, Any]] = []
+        """Quorums that rolled the ledger back to the checkpoint (``from_step``, ``to_step``, ``path``, ...)."""
         self._quorum: Quorum | None = None
         self._members = Membership(self.heartbeat_timeout)
         self._pending: dict[str, _Pending] = {}
@@ -390,6 +394,26 @@ class LighthouseState:
             self._mark_dead(member, now, "left")
             record.left = True
 
+    @property
+    def checkpoint(self) -> CheckpointRecord | None:
+        """The newest checkpoint the lighthouse vouches for (None before the first report)."""
+        return self._checkpoint
+
+    def record_checkpoint(self, body: Any, now: float) -> CheckpointRecord:
+        """A member wrote a durable checkpoint: keep it if it is newer and its ledger is the one committed.
+
+        Raises ``RequestError`` (nothing changes) for a malformed report, a
+        ledger that differs from the one committed at that step (422) or a step
+        not committed yet (409: report again later).
+        """
+        record = parse_checkpoint_report(body, self.plan, now)
+        vouch(record, self._hosted.step, self._hosted.digests)
+        if self._checkpoint is None or record.step > self._checkpoint.step:
+            self._checkpoint = record
+            self.history.counts["checkpoints"] = self.history.counts.get("checkpoints", 0) + 1
+            self.revision += 1
+        return self._checkpoint
+
     def request(self, request: QuorumRequest, now: float) -> dict[str, Any] | None:
         """Register a quorum request; returns the answer at once if this very request was already answered.
 
@@ -516,6 +540,10 @@ class LighthouseState:
         elif mode == "rollback":
             self._hosted.rollback()
             self.history.rollback()
+        checkpoint = self._resume_point(members, target, failure)
+        if checkpoint is not None:
+            self._resume(checkpoint, now, previous.quorum_id + 1 if previous else 1)
+            target = checkpoint.step
         if failure:
             assert previous is not None
             record = self._hosted.record or StepRecord(list(previous.members))
@@ -531,7 +559,11 @@ class LighthouseState:
         if previous is None:
             targets = [m for m in members[1:] if applied[m] == target] + targets
         at_target = [rank for rank, m in enumerate(members) if applied[m] == target]
-        heal = {"source_rank": at_target[0] if at_target else None, "targets": targets} if targets else None
+        heal: dict[str, Any] | None = None
+        if checkpoint is not None:
+            heal = {"source_rank": None, "targets": targets, "checkpoint": checkpoint.announcement()}
+        elif targets:
+            heal = {"source_rank": at_target[0] if at_target else None, "targets": targets, "checkpoint": None}
         self._healing = {m: applied[m] > target for m in targets}
         self._heal_step = target
         self._hosted.snapshot = None
@@ -560,6 +592,27 @@ class LighthouseState:
         self.history.quorum(quorum_id, list(members), reason, now, target, timed_out=timed_out)
         self.revision += 1
         return formation
+
+    def _resume_point(self, members: list[str], target: int, failure: bool) -> CheckpointRecord | None:
+        """The checkpoint to resume from when no member of the new quorum holds the job's state at ``target``."""
+        if failure or self._checkpoint is None or self._checkpoint.step > self._hosted.step:
+            return None
+        if any(self._pending[m].request.applied_step == target for m in members):
+            return None
+        return self._checkpoint
+
+    def _resume(self, checkpoint: CheckpointRecord, now: float, quorum_id: int) -> None:
+        """Roll the ledger back to ``checkpoint``: every step after it is trained again, once."""
+        resume = {
+            "quorum_id": quorum_id,
+            "from_step": self._hosted.step,
+            "to_step": checkpoint.step,
+            "path": checkpoint.path,
+            "time": now,
+        }
+        self._hosted.restore(checkpoint.ledger)
+        self.resumes = [*self.resumes, resume][-HISTORY_LIMIT:]
+        self.history.counts["checkpoint_resumes"] = self.history.counts.get("checkpoint_resumes", 0) + 1
 
     # --- the ledger ------------------------------------------------------------------------------
 
@@ -731,6 +784,10 @@ class LighthouseState:
         return {
             "members": members,
             "quorum": None if quorum is None else {"quorum_id": quorum.quorum_id, "members": list(quorum.members)},
+            "checkpoint": None
+            if self._checkpoint is None
+            else {**self._checkpoint.announcement(), "time": self._checkpoint.time, "member": self._checkpoint.member},
+            "resumed_from_checkpoint": list(self.resumes),
             "min_replicas": self.min_replicas,
             "reconfigure_pending": self.reconfigure_pending,
             "ledger": {
@@ -765,6 +822,8 @@ class LighthouseState:
             "heal_step": self._heal_step,
             "history": self.history.to_json(),
             "identities": self._identities.to_json(),
+            "checkpoint": None if self._checkpoint is None else self._checkpoint.to_json(),
+            "resumes": list(self.resumes),
         }
 
     def core_state_dict(self) -> dict[str, Any]:
@@ -820,4 +879,7 @@ class LighthouseState:
         restored.history = History.from_json(state["history"])
         if state.get("identities") is not None:
             restored._identities = Identities.from_json(state["identities"])
+        if state.get("checkpoint") is not None:
+            restored._checkpoint = CheckpointRecord.from_json(state["checkpoint"])
+        restored.resumes = list(state.get("resumes", []))
         return restored

@@ -2,7 +2,8 @@
 
 Endpoints (``docs/protocol.md``): ``GET /healthz``, ``GET /v1/status``,
 ``POST /v1/register``, ``GET /v1/heartbeat?member=ID`` (websocket),
-``POST /v1/quorum`` (long poll) and ``POST /v1/leave``; all but the first two
+``POST /v1/quorum`` (long poll), ``POST /v1/leave`` and ``POST /v1/checkpoint``
+(a member wrote a durable checkpoint); all but the first two
 and register carry the member's incarnation and secret in the
 ``X-Stalwart-Incarnation`` and ``X-Stalwart-Secret`` headers. Every event is handed to the pure state with the
 wall-clock time; a periodic task (every ``tick_interval``) expires heartbeats
@@ -278,6 +279,7 @@ class Lighthouse:
         app.router.add_get("/v1/heartbeat", self._heartbeat)
         app.router.add_post("/v1/quorum", self._quorum)
         app.router.add_post("/v1/leave", self._leave)
+        app.router.add_post("/v1/checkpoint", self._checkpoint)
         self._runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=2.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self._requested_port)
@@ -516,6 +518,15 @@ class Lighthouse:
                 waiter.set_result(RequestError(410, f"member {member!r} left", member=member))
         return web.json_response({"ok": True})
 
+    async def _checkpoint(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        member = parse_member(body.get("member") if isinstance(body, dict) else None)
+        self._authenticate(request, member)
+        record = self.state.record_checkpoint(body, time.time())
+        self._advance()
+        await self._require_durable(f"the checkpoint of step {record.step}")
+        return web.json_response({"step": record.step, "path": record.path})
+
     async def _register(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
         if not isinstance(body, dict) or set(body) != {"member", "incarnation"}:
@@ -569,7 +580,7 @@ def _start_tcp_store(host: str, port: int) -> tuple[Any, int]:
 
 async def _json_body(request: web.Request) -> Any:
     try:
-        return json.loads(await request.text())
+        return json.loads(await request.read())
     except (ValueError, RecursionError) as error:
         raise RequestError(400, f"the body must be JSON: {error}") from error
 

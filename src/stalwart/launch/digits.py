@@ -35,9 +35,17 @@ def digits_model(seed: int = 0, hidden: int = 64) -> torch.nn.Module:
     return model
 
 
-def digits_optimizer(model: torch.nn.Module, lr: float = 0.1) -> torch.optim.Optimizer:
-    """SGD with momentum: stateful, so healing must carry its state."""
-    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+DEFAULT_LR = 0.01
+
+
+def digits_optimizer(model: torch.nn.Module, lr: float = DEFAULT_LR) -> torch.optim.Optimizer:
+    """Adam: per-parameter moments and a step count, so a heal or a checkpoint must carry its state."""
+    return torch.optim.Adam(model.parameters(), lr=lr)
+
+
+def digits_scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """Halve the learning rate every 10 steps: state outside the optimizer that a heal must carry too."""
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)
 
 
 def summed_loss(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -47,7 +55,7 @@ def summed_loss(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> torch.
 
 
 def reference_run(
-    plan: EpochPlan, steps: int, seed: int = 0, lr: float = 0.1
+    plan: EpochPlan, steps: int, seed: int = 0, lr: float = DEFAULT_LR
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Train without failures in this process: each step on the plan's samples, mean gradient.
 
@@ -58,6 +66,7 @@ def reference_run(
     dataset = digits_dataset()
     model = digits_model(seed)
     optimizer = digits_optimizer(model, lr)
+    scheduler = digits_scheduler(optimizer)
     losses = []
     epoch, epoch_step = 0, 0
     for _ in range(steps):
@@ -69,6 +78,7 @@ def reference_run(
         optimizer.zero_grad()
         (loss / len(indices)).backward()
         optimizer.step()
+        scheduler.step()
         losses.append(float(loss.detach()) / len(indices))
         epoch_step += 1
     return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}, losses

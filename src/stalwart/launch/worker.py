@@ -49,9 +49,16 @@ import torch
 
 from stalwart.coord.client import LighthouseError, LighthouseUnreachable
 from stalwart.data.world import WorldInfo
-from stalwart.launch.digits import digits_dataset, digits_model, digits_optimizer, summed_loss
+from stalwart.launch.digits import (
+    DEFAULT_LR,
+    digits_dataset,
+    digits_model,
+    digits_optimizer,
+    digits_scheduler,
+    summed_loss,
+)
 from stalwart.runtime.loader import ElasticLoader
-from stalwart.runtime.manager import Manager, PlanMismatchError
+from stalwart.runtime.manager import Manager, PlanMismatchError, StateLostError
 
 KILL_POINTS = ("before_forward", "during_backward", "during_reduce", "after_reduce")
 _MANAGER_EVENTS = {"reduce_started": "during_reduce", "reduce_finished": "after_reduce"}
@@ -117,7 +124,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="The address other workers reach this one on.")
     parser.add_argument("--seed", type=int, default=0, help="Model initialisation and sample transform seed.")
-    parser.add_argument("--lr", type=float, default=0.1, help="Learning rate.")
+    parser.add_argument("--lr", type=float, default=DEFAULT_LR, help="Adam's initial learning rate.")
+    parser.add_argument("--checkpoint-dir", type=Path, default=None, help="Durable checkpoints go here.")
+    parser.add_argument("--checkpoint-every", type=int, default=None, help="Checkpoint every this many steps.")
     parser.add_argument("--collective-timeout", type=float, default=None, help="Default: STALWART_COLLECTIVE_TIMEOUT.")
     parser.add_argument("--rendezvous-timeout", type=float, default=None, help="Default: STALWART_RENDEZVOUS_TIMEOUT.")
     parser.add_argument("--heal-timeout", type=float, default=None, help="Default: STALWART_HEAL_TIMEOUT.")
@@ -140,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     events.write("started")
     try:
         _train(args, group, name, events)
-    except (LighthouseError, LighthouseUnreachable, PlanMismatchError) as error:
+    except (LighthouseError, LighthouseUnreachable, PlanMismatchError, StateLostError) as error:
         events.write("error", message=str(error))
         print(f"stalwart worker {name}: {error}", file=sys.stderr)
         raise SystemExit(EXIT_USER_ERROR) from None
@@ -164,6 +173,7 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
     loader = ElasticLoader(digits_dataset(), seed=args.seed)
     model = digits_model(args.seed)
     optimizer = digits_optimizer(model, args.lr)
+    scheduler = digits_scheduler(optimizer)
     manager = Manager(
         model,
         optimizer,
@@ -178,7 +188,10 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
         host=args.host,
         group=group,
         on_event=on_event,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
     )
+    manager.register_state("lr_scheduler", scheduler)
     try:
         with open(args.run_dir / f"steps-{name}.jsonl", "a", encoding="utf-8") as steps_file:
             for step in manager.steps(loader, max_steps=args.max_steps):
@@ -197,6 +210,7 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
                     if args.kill_at == (number, "during_backward"):
                         loss.register_hook(lambda grad, step_number=number: kill_if("during_backward", step_number))
                     step.backward(loss)
+                scheduler.step()
                 report = step.report
                 record = {
                     "member": args.member,

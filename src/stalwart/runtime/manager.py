@@ -26,19 +26,24 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from stalwart._validate import check_int
-from stalwart.coord.client import LighthouseClient, LighthouseError, QuorumAnswer
+from stalwart.coord.client import CheckpointAnnouncement, LighthouseClient, LighthouseError, QuorumAnswer
 from stalwart.coord.hosted_ledger import ledger_digest
 from stalwart.data.info import DataLoadingInfo, split_group_share
 from stalwart.data.ledger import DataLedger
 from stalwart.data.world import WorldInfo
+from stalwart.runtime.checkpoint import Checkpointer, CheckpointError, CheckpointMeta, load_checkpoint
 from stalwart.runtime.comm import CollectiveError, Communicator, default_device, device_rng_states, quorum_store
 from stalwart.runtime.consistency import (
     AUDIT_PIECES,
@@ -60,6 +65,9 @@ from stalwart.runtime.state import Stateful, check_state_name, host_rng_states
 from stalwart.runtime.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
+_ANNOUNCE_BACKOFF = 0.2
+_FINAL_ANNOUNCE_RETRIES = 50
+"""The last checkpoint is reported until the lighthouse has committed its step (heartbeats lag): ~10 s at most."""
 
 
 class JoinError(RuntimeError):
@@ -67,6 +75,10 @@ class JoinError(RuntimeError):
 
 
 _NO_POSITIONS = np.zeros(0, dtype=np.int64)
+
+
+class StateLostError(RuntimeError):
+    """No live member holds the job's state and the lighthouse has no checkpoint to resume from."""
 
 
 class PlanMismatchError(ValueError):
@@ -149,6 +161,9 @@ class Manager:
         on_event: Callable[[str, int], None] | None = None,
         max_heal_bytes: int | None = None,
         check_every: int | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: int | None = None,
+        checkpoint_seconds: float | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -207,6 +222,12 @@ class Manager:
         self._rng_states: dict[str, Stateful] = {**host_rng_states(), **device_rng_states()}
         self._started = False
         self._heals = 0
+        self._checkpointer = (
+            None
+            if checkpoint_dir is None
+            else Checkpointer(checkpoint_dir, every_steps=checkpoint_every, every_seconds=checkpoint_seconds)
+        )
+        self._unannounced: tuple[Path, CheckpointMeta] | None = None
         parameters = sum(param.numel() for param in self._params)
         self.check_every = (
             default_check_every(parameters) if check_every is None else check_int("check_every", check_every, minimum=1)
@@ -289,6 +310,7 @@ class Manager:
                 if first:
                     _check_dataset(loader, self.ledger)
             if self.ledger.step >= max_steps:
+                self._final_checkpoint()
                 self._farewell()
                 return
             if not self.ledger.in_step:
@@ -464,6 +486,95 @@ class Manager:
         self._report = (self.applied_step, ledger_digest(self.ledger.state_dict()))
         self._reset_step()
         self._reconfigure = float(reduced[-1]) > 0
+        self._maybe_checkpoint()
+
+    # --- checkpoints -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """This member's whole state: applied step, ledger and every state (model, optimizer, registered, RNGs).
+
+        For a user's own saving; the Manager's durable checkpoints
+        (``checkpoint_dir``) write the same content through
+        ``torch.distributed.checkpoint``.
+        """
+        return {
+            "applied_step": self.applied_step,
+            "ledger": self.ledger.state_dict(),
+            "states": {name: obj.state_dict() for name, obj in self.states.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (before ``steps()`` starts, or between steps)."""
+        if not isinstance(state, dict) or set(state) != {"applied_step", "ledger", "states"}:
+            raise ValueError("state must be a Manager.state_dict() with applied_step, ledger and states")
+        names = set(self.states)
+        if set(state["states"]) != names:
+            raise ValueError(f"state's states {sorted(state['states'])} differ from this Manager's {sorted(names)}")
+        for name, obj in self.states.items():
+            obj.load_state_dict(state["states"][name])
+        self._ledger = DataLedger.from_state_dict(state["ledger"])
+        self.applied_step = check_int("state['applied_step']", state["applied_step"], minimum=0)
+        self._report = (self.applied_step, ledger_digest(self._ledger.state_dict()))
+
+    def _is_checkpoint_writer(self) -> bool:
+        return self._checkpointer is not None and self._comm is not None and self._comm.rank == 0
+
+    def _maybe_checkpoint(self) -> None:
+        """Announce a checkpoint that finished writing; start the next one when due (rank 0 of the quorum)."""
+        if self._checkpointer is None:
+            return
+        self._announce(self._checkpointer.finished())
+        if self._is_checkpoint_writer() and self._checkpointer.due(self.applied_step):
+            self._checkpointer.start(self.states, self._checkpoint_meta())
+
+    def _final_checkpoint(self) -> None:
+        """At the end of the job the writer checkpoints the last step, so a late joiner finds the job done."""
+        if self._checkpointer is None:
+            return
+        self._announce(self._checkpointer.finished(wait=True))
+        if self._is_checkpoint_writer() and self._checkpointer.due(self.applied_step):
+            self._checkpointer.start(self.states, self._checkpoint_meta())
+            self._announce(self._checkpointer.finished(wait=True), retries=_FINAL_ANNOUNCE_RETRIES)
+
+    def _checkpoint_meta(self) -> CheckpointMeta:
+        ledger = self.ledger.state_dict()
+        return CheckpointMeta(self.applied_step, ledger, ledger_digest(ledger))
+
+    def _announce(self, finished: tuple[Path, CheckpointMeta] | None, retries: int = 0) -> None:
+        """Report a finished checkpoint to the lighthouse (again later while the step is not committed there)."""
+        pending = finished or self._unannounced
+        if pending is None or self._client is None:
+            return
+        directory, meta = pending
+        for attempt in range(retries + 1):
+            try:
+                self._client.report_checkpoint(meta.step, str(directory.resolve()), meta.ledger, meta.digest)
+            except LighthouseError as error:
+                if error.status != 409:
+                    log.warning("%s: the lighthouse refused checkpoint %s: %s", self.member, directory, error)
+                    break
+                if attempt < retries:
+                    time.sleep(_ANNOUNCE_BACKOFF)
+                continue
+            self._unannounced = None
+            log.info("%s: checkpoint of step %d in %s", self.member, meta.step, directory)
+            return
+        self._unannounced = pending if finished is not None else self._unannounced
+
+    def _load_checkpoint(self, announcement: CheckpointAnnouncement, answer: QuorumAnswer) -> None:
+        """Load the checkpoint the quorum resumes from (every member holds the whole state: any world size)."""
+        try:
+            meta = load_checkpoint(announcement.path, self.states)
+        except CheckpointError as error:
+            raise StateLostError(f"the job resumes from checkpoint {announcement.path}, which fails: {error}") from None
+        if meta.step != announcement.step or meta.digest != announcement.digest:
+            raise StateLostError(
+                f"checkpoint {announcement.path} holds step {meta.step} (digest {meta.digest}), "
+                f"the lighthouse announced step {announcement.step} (digest {announcement.digest})"
+            )
+        self.applied_step = meta.step
+        self._report = (meta.step, meta.digest)
+        log.info("%s: resumed from checkpoint %s at step %d", self.member, announcement.path, meta.step)
 
     def _reset_step(self) -> None:
         self._group_done = _NO_POSITIONS
@@ -565,22 +676,34 @@ class Manager:
     def _heal(self, answer: QuorumAnswer) -> None:
         """Take part in the broadcast of the source's state; load it if this member is behind."""
         assert answer.heal is not None and self._comm is not None
+        is_target = self.member in answer.heal.targets
+        finished = self._max_steps is not None and answer.applied_step >= self._max_steps
+        if answer.heal.checkpoint is not None:
+            if is_target and finished:
+                self.joined_after_end = True
+            elif is_target:
+                self._load_checkpoint(answer.heal.checkpoint, answer)
+                self._after_heal()
+            return
         if answer.heal.source_rank is None:
-            if self._max_steps is not None and answer.applied_step >= self._max_steps:
+            if finished:
                 self.joined_after_end = True
                 return
-            raise RuntimeError(
-                f"no live member holds step {answer.applied_step}: the state is lost; "
-                "restart the job from its last checkpoint"
+            raise StateLostError(
+                f"no live member holds step {answer.applied_step} and the lighthouse has no checkpoint to resume "
+                "from: run the workers with a checkpoint directory (Manager(checkpoint_dir=..., "
+                "checkpoint_every=...)) so that a whole-fleet restart resumes"
             )
-        is_target = self.member in answer.heal.targets
         source = sum(self._group_sizes[: answer.heal.source_rank])
         self.applied_step = self._transfer(source, is_target=is_target)
         self._report = (self.applied_step, None)
         if is_target:
-            self.optimizer.zero_grad(set_to_none=True)
-            self._reset_step()
-            self._notify("healed")
+            self._after_heal()
+
+    def _after_heal(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self._reset_step()
+        self._notify("healed")
 
     def _transfer(self, source: int, *, is_target: bool) -> int:
         """Broadcast the whole state from process rank ``source``; load it if ``is_target``."""

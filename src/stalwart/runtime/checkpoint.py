@@ -1,0 +1,174 @@
+"""Durable checkpoints of a member's whole state through ``torch.distributed.checkpoint`` (DCP).
+
+One member (the quorum's rank 0) writes every ``every_steps`` steps or
+``every_seconds`` seconds, asynchronously (``dcp.async_save`` stages the
+tensors, then writes them in the background while training goes on). A
+checkpoint is the directory ``DIR/step-000000123/``: DCP's files for the
+tensors and values (model and optimizer through
+``torch.distributed.checkpoint.state_dict``, so the optimizer's state is keyed
+by parameter names and loads into a fresh optimizer, plus every registered
+state), and ``stalwart.json`` with the applied step, the ledger and its
+digest. The JSON file is written last, atomically: a directory without it is
+an unfinished checkpoint and is never loaded. The newest ``keep`` finished
+checkpoints are kept.
+
+Every member holds the whole state (replicated training), so a checkpoint
+loads at any world size. DCP's metadata file is pickled: checkpoints are
+trusted files on the job's own storage, never data received over the network.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from stalwart._validate import check_int
+from stalwart.runtime.state import Stateful
+
+log = logging.getLogger(__name__)
+
+META_FILE = "stalwart.json"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or loaded (the message names the directory and why)."""
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    """What ``stalwart.json`` records of a checkpoint: the applied step, the ledger there and its digest."""
+
+    step: int
+    ledger: dict[str, Any]
+    digest: str
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form."""
+        return {"format": FORMAT_VERSION, "step": self.step, "ledger": self.ledger, "digest": self.digest}
+
+    @classmethod
+    def read(cls, directory: Path) -> CheckpointMeta:
+        """Read ``directory/stalwart.json``; :class:`CheckpointError` if it is missing or malformed."""
+        path = directory / META_FILE
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if data["format"] != FORMAT_VERSION:
+                raise ValueError(f"format {data['format']!r} is not {FORMAT_VERSION}")
+            return cls(int(data["step"]), dict(data["ledger"]), str(data["digest"]))
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise CheckpointError(f"{directory} is not a finished stalwart checkpoint: {error}") from None
+
+
+def checkpoint_directory(root: Path, step: int) -> Path:
+    """Where the checkpoint of ``step`` lies under ``root``."""
+    return root / f"step-{step:09d}"
+
+
+def finished_checkpoints(root: Path) -> list[Path]:
+    """The finished checkpoints under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted(path for path in root.glob("step-*") if (path / META_FILE).is_file())
+
+
+class Checkpointer:
+    """Decides when to checkpoint, writes one checkpoint at a time in the background, and keeps the newest."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        every_steps: int | None = None,
+        every_seconds: float | None = None,
+        keep: int = 2,
+    ) -> None:
+        if not isinstance(directory, str | os.PathLike):
+            raise TypeError(f"checkpoint_dir must be a path, got {directory!r}")
+        if every_steps is None and every_seconds is None:
+            raise ValueError("give checkpoint_every (steps) or checkpoint_seconds, or no checkpoint_dir")
+        self.root = Path(directory)
+        self.every_steps = None if every_steps is None else check_int("checkpoint_every", every_steps, minimum=1)
+        if every_seconds is not None and not every_seconds > 0:
+            raise ValueError(f"checkpoint_seconds must be > 0, got {every_seconds!r}")
+        self.every_seconds = every_seconds
+        self.keep = check_int("keep", keep, minimum=1)
+        self._last_step: int | None = None
+        self._last_time = time.monotonic()
+        self._in_flight: tuple[Future[Any], Path, CheckpointMeta] | None = None
+
+    def due(self, step: int) -> bool:
+        """Whether a checkpoint of ``step`` is due (and none is still being written)."""
+        if self._in_flight is not None or step == self._last_step:
+            return False
+        if self.every_steps is not None and step % self.every_steps == 0:
+            return True
+        return self.every_seconds is not None and time.monotonic() - self._last_time >= self.every_seconds
+
+    def start(self, states: dict[str, Stateful], meta: CheckpointMeta) -> None:
+        """Start writing ``states`` at ``meta.step`` (the tensors are staged before this returns)."""
+        directory = checkpoint_directory(self.root, meta.step)
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True, exist_ok=True)
+        self._last_step, self._last_time = meta.step, time.monotonic()
+        response = dcp.async_save(_state_to_save(states), checkpoint_id=str(directory))
+        future = response if isinstance(response, Future) else response.upload_completion
+        self._in_flight = (future, directory, meta)
+
+    def finished(self, wait: bool = False) -> tuple[Path, CheckpointMeta] | None:
+        """The checkpoint that just finished writing (its ``stalwart.json`` now written), else None."""
+        if self._in_flight is None:
+            return None
+        future, directory, meta = self._in_flight
+        if not wait and not future.done():
+            return None
+        self._in_flight = None
+        try:
+            future.result()
+        except Exception as error:
+            log.warning("checkpoint of step %d in %s failed: %s", meta.step, directory, error)
+            return None
+        staging = directory / f".{META_FILE}.tmp"
+        staging.write_text(json.dumps(meta.to_json()), encoding="utf-8")
+        os.replace(staging, directory / META_FILE)
+        for old in finished_checkpoints(self.root)[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return directory, meta
+
+
+def load_checkpoint(directory: str | os.PathLike[str], states: dict[str, Stateful]) -> CheckpointMeta:
+    """Load a finished checkpoint into ``states`` (model, optimizer and registered states); returns its meta."""
+    directory = Path(directory)
+    meta = CheckpointMeta.read(directory)
+    template = _state_to_save(states)
+    try:
+        dcp.load(template, checkpoint_id=str(directory))
+    except Exception as error:
+        raise CheckpointError(f"cannot load the checkpoint in {directory}: {error}") from error
+    model, optimizer = states["model"], states["optimizer"]
+    assert isinstance(model, torch.nn.Module) and isinstance(optimizer, torch.optim.Optimizer)
+    set_state_dict(model, optimizer, model_state_dict=template["model"], optim_state_dict=template["optimizer"])
+    for name, obj in states.items():
+        if name not in ("model", "optimizer"):
+            obj.load_state_dict(template["states"][name])
+    return meta
+
+
+def _state_to_save(states: dict[str, Stateful]) -> dict[str, Any]:
+    """DCP's state dict: model and optimizer keyed by parameter names, then every other state by name."""
+    model, optimizer = states["model"], states["optimizer"]
+    assert isinstance(model, torch.nn.Module) and isinstance(optimizer, torch.optim.Optimizer)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    others = {name: obj.state_dict() for name, obj in states.items() if name not in ("model", "optimizer")}
+    return {"model": model_state, "optimizer": optimizer_state, "states": others}
