@@ -595,11 +595,22 @@ class LighthouseState:
 
     def _resume_point(self, members: list[str], target: int, failure: bool) -> CheckpointRecord | None:
         """The checkpoint to resume from when no member of the new quorum holds the job's state at ``target``."""
-        if failure or self._checkpoint is None or self._checkpoint.step > self._hosted.step:
+        checkpoint = self._checkpoint
+        if failure or checkpoint is None or checkpoint.step > self._hosted.step:
             return None
         if any(self._pending[m].request.applied_step == target for m in members):
             return None
-        return self._checkpoint
+        if checkpoint.step < self._hosted.step and self._finished_cleanly():
+            return None  # the job ended: its members left with the state; nothing to roll back for
+        return checkpoint
+
+    def _finished_cleanly(self) -> bool:
+        """Whether every member of the last quorum left cleanly (``/v1/leave``) rather than failing."""
+        quorum = self._quorum
+        if quorum is None:
+            return False
+        records = [self._members.get(member) for member in quorum.members]
+        return all(record is not None and record.left for record in records)
 
     def _resume(self, checkpoint: CheckpointRecord, now: float, quorum_id: int) -> None:
         """Roll the ledger back to ``checkpoint``: every step after it is trained again, once."""

@@ -116,6 +116,13 @@ class Manager:
     member left) is not healed: ``steps()`` yields nothing and
     :attr:`joined_after_end` is True.
 
+    With ``checkpoint_dir`` the quorum's rank 0 writes a durable checkpoint
+    (:mod:`stalwart.runtime.checkpoint`) every ``checkpoint_every`` steps or
+    ``checkpoint_seconds`` seconds, and of the last step, and reports it to
+    the lighthouse. When no live member holds the job's state (the whole fleet
+    restarted), the lighthouse rolls its ledger back to the newest one and the
+    members load it; without a checkpoint that is :class:`StateLostError`.
+
     Rendezvous, collectives and heals have their own timeouts, each from the
     argument, else an environment variable, else a default (see
     :mod:`stalwart.runtime.timeouts`); a heal's deadline grows with the bytes
@@ -309,6 +316,7 @@ class Manager:
                 self._join(reason="join" if first else "reconfigure")
                 if first:
                     _check_dataset(loader, self.ledger)
+            self._maybe_checkpoint()
             if self.ledger.step >= max_steps:
                 self._final_checkpoint()
                 self._farewell()
@@ -486,7 +494,6 @@ class Manager:
         self._report = (self.applied_step, ledger_digest(self.ledger.state_dict()))
         self._reset_step()
         self._reconfigure = float(reduced[-1]) > 0
-        self._maybe_checkpoint()
 
     # --- checkpoints -----------------------------------------------------------------------------
 
@@ -520,7 +527,12 @@ class Manager:
         return self._checkpointer is not None and self._comm is not None and self._comm.rank == 0
 
     def _maybe_checkpoint(self) -> None:
-        """Announce a checkpoint that finished writing; start the next one when due (rank 0 of the quorum)."""
+        """Announce a checkpoint that finished writing; start the next one when due (rank 0 of the quorum).
+
+        Called between steps, after the training loop's body ran for the last
+        one, so that what the loop steps there (an LR scheduler) is in the
+        checkpoint as of the same step as the model.
+        """
         if self._checkpointer is None:
             return
         self._announce(self._checkpointer.finished())
@@ -531,7 +543,7 @@ class Manager:
         """At the end of the job the writer checkpoints the last step, so a late joiner finds the job done."""
         if self._checkpointer is None:
             return
-        self._announce(self._checkpointer.finished(wait=True))
+        self._announce(self._checkpointer.finished(wait=True), retries=_FINAL_ANNOUNCE_RETRIES)
         if self._is_checkpoint_writer() and self._checkpointer.due(self.applied_step):
             self._checkpointer.start(self.states, self._checkpoint_meta())
             self._announce(self._checkpointer.finished(wait=True), retries=_FINAL_ANNOUNCE_RETRIES)

@@ -1,0 +1,161 @@
+"""Checkpoints: the lighthouse vouches for reported checkpoints and resumes a whole fleet from the newest.
+
+Pure tests drive ``LighthouseState`` with the simulated cluster of
+``test_quorum``; ``test_checkpoint_resume.py`` runs real processes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from test_quorum import Cluster
+
+from stalwart.coord.hosted_ledger import ledger_digest
+from stalwart.coord.quorum import RequestError
+from stalwart.data.ledger import DataLedger
+
+
+def ledger_at(cluster: Cluster, step: int) -> dict[str, Any]:
+    """The ledger state the members hold after committing ``step`` steps in the current quorum (a replay)."""
+    ledger = DataLedger(cluster.state.plan)
+    for _ in range(step):
+        ledger.begin_step(cluster.members)
+        ledger.commit()
+    return ledger.state_dict()
+
+
+def report(cluster: Cluster, at: int, path: str = "/ckpt", **changes: Any) -> dict[str, Any]:
+    """A checkpoint report of step ``at`` (as a member sends it), with ``changes`` to its fields."""
+    ledger = ledger_at(cluster, at)
+    body = {"member": cluster.members[0], "step": at, "path": path, "ledger": ledger, "digest": ledger_digest(ledger)}
+    return {**body, **changes}
+
+
+def test_a_checkpoint_is_kept_only_when_its_ledger_is_the_one_committed() -> None:
+    cluster = Cluster()
+    cluster.start(2)
+    cluster.run_steps(5)
+    assert cluster.state.step == 5
+    revision = cluster.state.revision
+    for body, status in [
+        (report(cluster, 6), 409),
+        (report(cluster, 3, digest="0" * 32), 422),
+        (report(cluster, 3, step=4), 422),
+        (report(cluster, 3, path=""), 400),
+        (report(cluster, 3, ledger={"nonsense": 1}), 400),
+        (report(cluster, 3, extra=1), 400),
+        ([1, 2], 400),
+    ]:
+        with pytest.raises(RequestError) as refused:
+            cluster.state.record_checkpoint(body, cluster.now)
+        assert refused.value.status == status, body
+    assert cluster.state.checkpoint is None and cluster.state.revision == revision
+
+    forged = ledger_at(cluster, 3)
+    forged["base_index"] = forged["base_index"] + 1
+    with pytest.raises(RequestError) as refused:
+        cluster.state.record_checkpoint(report(cluster, 3, ledger=forged, digest=ledger_digest(forged)), cluster.now)
+    assert refused.value.status in (400, 422)
+
+    assert cluster.state.record_checkpoint(report(cluster, 3), cluster.now).step == 3
+    assert cluster.state.record_checkpoint(report(cluster, 5, path="/later"), cluster.now).path == "/later"
+    assert cluster.state.record_checkpoint(report(cluster, 4, path="/older"), cluster.now).path == "/later"
+    assert cluster.state.to_status()["checkpoint"]["step"] == 5
+
+
+def test_a_whole_fleet_restarted_resumes_from_the_checkpoint_and_the_ledger_rolls_back() -> None:
+    cluster = Cluster()
+    cluster.start(2)
+    cluster.run_steps(3)
+    cluster.state.record_checkpoint(report(cluster, 3), cluster.now)
+    cluster.run_steps(4)
+    assert cluster.state.step == 7
+    for member in list(cluster.members):
+        cluster.kill(member)
+    newcomers = [cluster.spawn() for _ in range(2)]
+    for member in newcomers:
+        assert cluster.ask(member, "join") is None
+    formation = cluster.settle()
+    assert formation.heal is not None
+    assert formation.heal["source_rank"] is None
+    assert formation.heal["checkpoint"] == {"step": 3, "path": "/ckpt", "digest": ledger_digest(ledger_at(cluster, 3))}
+    assert sorted(formation.heal["targets"]) == sorted(newcomers)
+    assert formation.applied_step == 3 and cluster.state.step == 3
+    status = cluster.state.to_status()
+    assert [(r["from_step"], r["to_step"]) for r in status["resumed_from_checkpoint"]] == [(7, 3)]
+    assert status["counts"]["checkpoint_resumes"] == 1
+    cluster.run_steps(2)
+    assert cluster.state.step == 5
+    restored = type(cluster.state).from_state_dict(cluster.state.state_dict(), now=cluster.now)
+    assert restored.checkpoint == cluster.state.checkpoint and restored.resumes == cluster.state.resumes
+
+
+def test_without_a_checkpoint_a_lost_state_is_announced_as_lost() -> None:
+    cluster = Cluster()
+    cluster.start(2)
+    cluster.run_steps(4)
+    for member in list(cluster.members):
+        cluster.kill(member)
+    newcomer = cluster.spawn()
+    assert cluster.ask(newcomer, "join") is None
+    formation = cluster.settle()
+    assert formation.heal == {"source_rank": None, "targets": [newcomer], "checkpoint": None}
+    assert cluster.state.step == 4
+
+
+def test_survivors_holding_the_state_are_healed_from_not_rolled_back() -> None:
+    cluster = Cluster()
+    cluster.start(2)
+    cluster.run_steps(3)
+    cluster.state.record_checkpoint(report(cluster, 3), cluster.now)
+    cluster.run_steps(2)
+    survivor, victim = cluster.members
+    cluster.kill(victim)
+    cluster.ask(survivor, "failure")
+    formation = cluster.settle()
+    assert formation.heal is None and cluster.state.step == 5
+    newcomer = cluster.spawn()
+    cluster.ask(newcomer, "join")
+    cluster.ask(survivor, "reconfigure")
+    formation = cluster.settle()
+    assert formation.heal is not None and formation.heal["checkpoint"] is None
+    assert formation.heal["source_rank"] == 0 and cluster.state.step == 5
+
+
+def test_manager_state_dict_round_trips_model_optimizer_and_registered_state() -> None:
+    from stalwart.launch.digits import digits_model, digits_optimizer, digits_scheduler
+    from stalwart.runtime.manager import Manager
+
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+        model = digits_model(0)
+        optimizer = digits_optimizer(model)
+        return model, optimizer, digits_scheduler(optimizer)
+
+    from stalwart.coord.server import Lighthouse
+
+    with Lighthouse(Cluster().state.plan) as lighthouse:
+        model, optimizer, scheduler = build()
+        source = Manager(model, optimizer, lighthouse=lighthouse.url, member="a", max_microbatch=4)
+        source.register_state("lr_scheduler", scheduler)
+        model(torch.rand(3, 64)).sum().backward()
+        optimizer.step()
+        for _ in range(12):
+            scheduler.step()
+        source._ledger = DataLedger(Cluster().state.plan)
+        saved = source.state_dict()
+        target_model, target_optimizer, target_scheduler = build()
+        target = Manager(target_model, target_optimizer, lighthouse=lighthouse.url, member="b", max_microbatch=4)
+        target.register_state("lr_scheduler", target_scheduler)
+        with pytest.raises(ValueError, match="states"):
+            target.load_state_dict({**saved, "states": {}})
+        target.load_state_dict(saved)
+        source.close()
+        target.close()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, target_model.state_dict()[name])
+    assert target_scheduler.state_dict() == scheduler.state_dict()
+    assert target_optimizer.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
+    first = next(iter(optimizer.state.values()))
+    assert torch.equal(first["exp_avg"], next(iter(target_optimizer.state.values()))["exp_avg"])
