@@ -60,8 +60,9 @@ def test_whole_fleet_killed_resumes_from_the_newest_checkpoint(tmp_path: Path) -
         for worker in range(WORKERS):
             cluster.start(worker)
         wait_until(
-            lambda: sum(m["state"] == "alive" or m["asking"] == "join" for m in lighthouse.status()["members"])
-            == WORKERS,
+            lambda: (
+                sum(m["state"] == "alive" or m["asking"] == "join" for m in lighthouse.status()["members"]) == WORKERS
+            ),
             timeout=TIMEOUT,
             what="every restarted worker to be in the quorum or asking to join it",
         )
@@ -103,3 +104,28 @@ def test_whole_fleet_killed_resumes_from_the_newest_checkpoint(tmp_path: Path) -
     assert [(r["from_step"], r["to_step"]) for r in after_late["resumed_from_checkpoint"]][1:] == [
         (LONG_STEPS, LONG_STEPS)
     ], "a late joiner loads the final checkpoint and rolls nothing back"
+
+
+def test_a_lighthouse_restarted_without_its_state_ends_workers_with_one_line(tmp_path: Path) -> None:
+    """Documented outcome: the members of the old job are refused at their next quorum and exit with one line."""
+    first = Lighthouse(PLAN, min_replicas=1, start_replicas=2, heartbeat_timeout=1.0, join_timeout=30.0)
+    first.start()
+    port = first.port
+    cluster = LocalCluster(first.url, tmp_path / "run", worker_args(LONG_STEPS))
+    cluster.hold(from_step=5)
+    for worker in range(2):
+        cluster.start(worker)
+    try:
+        wait_for(cluster, until_step=5, timeout=TIMEOUT)
+        first.stop()
+        with Lighthouse(PLAN, min_replicas=1, port=port, heartbeat_timeout=1.0, join_timeout=30.0):
+            cluster.processes[1].send_signal(signal.SIGKILL)
+            cluster.release()
+            assert cluster.processes[0].wait(timeout=TIMEOUT) == 2
+    finally:
+        cluster.terminate()
+    log = (tmp_path / "run" / "worker-0.log").read_text()
+    assert "Traceback" not in log
+    last = log.strip().splitlines()[-1]
+    assert last.startswith("stalwart worker worker-0: lighthouse answered 422")
+    assert "restarted without its --state file" in last

@@ -712,7 +712,8 @@ class LighthouseState:
                 raise RequestError(
                     422,
                     f"applied_step {request.applied_step} is impossible for a join: the ledger is at step "
-                    f"{self._hosted.step} and nothing known is past step {self._known_step()}",
+                    f"{self._hosted.step} and nothing known is past step {self._known_step()} (was the lighthouse "
+                    "restarted without its --state file? restart it on that file to go on)",
                     field="applied_step",
                 )
             return
