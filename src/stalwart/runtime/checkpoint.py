@@ -23,7 +23,9 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,7 +86,12 @@ def finished_checkpoints(root: Path) -> list[Path]:
 
 
 class Checkpointer:
-    """Decides when to checkpoint, writes one checkpoint at a time in the background, and keeps the newest."""
+    """Decides when to checkpoint and writes one checkpoint at a time in the background, keeping the newest.
+
+    ``on_finished(directory, meta)`` is called (on DCP's writer thread) once a
+    checkpoint is finished, so that it is reported at once, even while the
+    training loop waits.
+    """
 
     def __init__(
         self,
@@ -93,6 +100,7 @@ class Checkpointer:
         every_steps: int | None = None,
         every_seconds: float | None = None,
         keep: int = 2,
+        on_finished: Callable[[Path, CheckpointMeta], None] | None = None,
     ) -> None:
         if not isinstance(directory, str | os.PathLike):
             raise TypeError(f"checkpoint_dir must be a path, got {directory!r}")
@@ -104,13 +112,20 @@ class Checkpointer:
             raise ValueError(f"checkpoint_seconds must be > 0, got {every_seconds!r}")
         self.every_seconds = every_seconds
         self.keep = check_int("keep", keep, minimum=1)
+        self.on_finished = on_finished
         self._last_step: int | None = None
         self._last_time = time.monotonic()
-        self._in_flight: tuple[Future[Any], Path, CheckpointMeta] | None = None
+        self._idle = threading.Event()
+        self._idle.set()
 
     def due(self, step: int) -> bool:
-        """Whether a checkpoint of ``step`` is due (and none is still being written)."""
-        if self._in_flight is not None or step == self._last_step:
+        """Whether a checkpoint of ``step`` is due (and none is still being written).
+
+        Never at step 0: there is nothing to save yet, and reading a fresh
+        optimizer's state through ``get_state_dict`` would initialise it (a
+        zero step), leaving the writer's optimizer unlike its peers'.
+        """
+        if not self._idle.is_set() or step == self._last_step or step == 0:
             return False
         if self.every_steps is not None and step % self.every_steps == 0:
             return True
@@ -122,29 +137,34 @@ class Checkpointer:
         shutil.rmtree(directory, ignore_errors=True)
         directory.mkdir(parents=True, exist_ok=True)
         self._last_step, self._last_time = meta.step, time.monotonic()
-        response = dcp.async_save(_state_to_save(states), checkpoint_id=str(directory))
+        self._idle.clear()
+        try:
+            response = dcp.async_save(_state_to_save(states), checkpoint_id=str(directory))
+        except BaseException:
+            self._idle.set()
+            raise
         future = response if isinstance(response, Future) else response.upload_completion
-        self._in_flight = (future, directory, meta)
+        future.add_done_callback(lambda done: self._finish(done, directory, meta))
 
-    def finished(self, wait: bool = False) -> tuple[Path, CheckpointMeta] | None:
-        """The checkpoint that just finished writing (its ``stalwart.json`` now written), else None."""
-        if self._in_flight is None:
-            return None
-        future, directory, meta = self._in_flight
-        if not wait and not future.done():
-            return None
-        self._in_flight = None
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until no checkpoint is being written (and the last one was reported); False on timeout."""
+        return self._idle.wait(timeout)
+
+    def _finish(self, future: Future[Any], directory: Path, meta: CheckpointMeta) -> None:
+        """Mark a written checkpoint finished (``stalwart.json``, atomically), prune old ones, report it."""
         try:
             future.result()
+            staging = directory / f".{META_FILE}.tmp"
+            staging.write_text(json.dumps(meta.to_json()), encoding="utf-8")
+            os.replace(staging, directory / META_FILE)
+            for old in finished_checkpoints(self.root)[: -self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+            if self.on_finished is not None:
+                self.on_finished(directory, meta)
         except Exception as error:
             log.warning("checkpoint of step %d in %s failed: %s", meta.step, directory, error)
-            return None
-        staging = directory / f".{META_FILE}.tmp"
-        staging.write_text(json.dumps(meta.to_json()), encoding="utf-8")
-        os.replace(staging, directory / META_FILE)
-        for old in finished_checkpoints(self.root)[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
-        return directory, meta
+        finally:
+            self._idle.set()
 
 
 def load_checkpoint(directory: str | os.PathLike[str], states: dict[str, Stateful]) -> CheckpointMeta:

@@ -66,8 +66,9 @@ from stalwart.runtime.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
 _ANNOUNCE_BACKOFF = 0.2
-_FINAL_ANNOUNCE_RETRIES = 50
-"""The last checkpoint is reported until the lighthouse has committed its step (heartbeats lag): ~10 s at most."""
+_ANNOUNCE_RETRIES = 50
+_CLOSE_WAIT = 120.0
+"""A checkpoint is reported until the lighthouse has committed its step (heartbeats lag): ~10 s at most."""
 
 
 class JoinError(RuntimeError):
@@ -232,9 +233,13 @@ class Manager:
         self._checkpointer = (
             None
             if checkpoint_dir is None
-            else Checkpointer(checkpoint_dir, every_steps=checkpoint_every, every_seconds=checkpoint_seconds)
+            else Checkpointer(
+                checkpoint_dir,
+                every_steps=checkpoint_every,
+                every_seconds=checkpoint_seconds,
+                on_finished=self._announce,
+            )
         )
-        self._unannounced: tuple[Path, CheckpointMeta] | None = None
         parameters = sum(param.numel() for param in self._params)
         self.check_every = (
             default_check_every(parameters) if check_every is None else check_int("check_every", check_every, minimum=1)
@@ -346,7 +351,9 @@ class Manager:
             log.info("%s: farewell all-reduce ended early (%s); the last step is applied", self.member, error)
 
     def close(self) -> None:
-        """Leave the quorum cleanly and stop the heartbeat."""
+        """Leave the quorum cleanly (after a checkpoint being written is reported) and stop the heartbeat."""
+        if self._checkpointer is not None and not self._checkpointer.wait(_CLOSE_WAIT):
+            log.warning("%s: a checkpoint was still being written after %g s; leaving anyway", self.member, _CLOSE_WAIT)
         if self._comm is not None:
             self._comm.abort()
         if self._client is not None:
@@ -527,51 +534,52 @@ class Manager:
         return self._checkpointer is not None and self._comm is not None and self._comm.rank == 0
 
     def _maybe_checkpoint(self) -> None:
-        """Announce a checkpoint that finished writing; start the next one when due (rank 0 of the quorum).
+        """Start a checkpoint when one is due (rank 0 of the quorum); it is reported once written.
 
         Called between steps, after the training loop's body ran for the last
         one, so that what the loop steps there (an LR scheduler) is in the
         checkpoint as of the same step as the model.
         """
-        if self._checkpointer is None:
-            return
-        self._announce(self._checkpointer.finished())
-        if self._is_checkpoint_writer() and self._checkpointer.due(self.applied_step):
+        if (
+            self._is_checkpoint_writer()
+            and self._checkpointer is not None
+            and self._checkpointer.due(self.applied_step)
+        ):
             self._checkpointer.start(self.states, self._checkpoint_meta())
 
     def _final_checkpoint(self) -> None:
         """At the end of the job the writer checkpoints the last step, so a late joiner finds the job done."""
         if self._checkpointer is None:
             return
-        self._announce(self._checkpointer.finished(wait=True), retries=_FINAL_ANNOUNCE_RETRIES)
-        if self._is_checkpoint_writer() and self._checkpointer.due(self.applied_step):
-            self._checkpointer.start(self.states, self._checkpoint_meta())
-            self._announce(self._checkpointer.finished(wait=True), retries=_FINAL_ANNOUNCE_RETRIES)
+        self._checkpointer.wait()
+        self._maybe_checkpoint()
+        self._checkpointer.wait()
 
     def _checkpoint_meta(self) -> CheckpointMeta:
         ledger = self.ledger.state_dict()
         return CheckpointMeta(self.applied_step, ledger, ledger_digest(ledger))
 
-    def _announce(self, finished: tuple[Path, CheckpointMeta] | None, retries: int = 0) -> None:
-        """Report a finished checkpoint to the lighthouse (again later while the step is not committed there)."""
-        pending = finished or self._unannounced
-        if pending is None or self._client is None:
+    def _announce(self, directory: Path, meta: CheckpointMeta) -> None:
+        """Report a finished checkpoint to the lighthouse, again while its step is not committed there (409).
+
+        Runs on the checkpoint writer's thread; the lighthouse client is thread-safe.
+        """
+        if self._client is None:
             return
-        directory, meta = pending
-        for attempt in range(retries + 1):
+        for attempt in range(_ANNOUNCE_RETRIES):
             try:
                 self._client.report_checkpoint(meta.step, str(directory.resolve()), meta.ledger, meta.digest)
             except LighthouseError as error:
-                if error.status != 409:
-                    log.warning("%s: the lighthouse refused checkpoint %s: %s", self.member, directory, error)
-                    break
-                if attempt < retries:
+                if error.status == 409 and attempt + 1 < _ANNOUNCE_RETRIES:
                     time.sleep(_ANNOUNCE_BACKOFF)
-                continue
-            self._unannounced = None
+                    continue
+                log.warning("%s: the lighthouse refused checkpoint %s: %s", self.member, directory, error)
+                return
+            except (RuntimeError, OSError) as error:
+                log.warning("%s: checkpoint %s not reported: %s", self.member, directory, error)
+                return
             log.info("%s: checkpoint of step %d in %s", self.member, meta.step, directory)
             return
-        self._unannounced = pending if finished is not None else self._unannounced
 
     def _load_checkpoint(self, announcement: CheckpointAnnouncement, answer: QuorumAnswer) -> None:
         """Load the checkpoint the quorum resumes from (every member holds the whole state: any world size)."""
