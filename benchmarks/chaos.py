@@ -52,7 +52,7 @@ from stalwart.launch.report import audit_steps, committed_steps, planned_total
 
 KINDS = ("worker_kill", "worker_stop", "fleet_restart", "lighthouse_restart", "database_failure")
 PLAN = EpochPlan(1797, 64, seed=0)
-HEARTBEAT_TIMEOUT = 1.0
+HEARTBEAT_TIMEOUT = 2.0
 DATABASE_LOCK_SECONDS = 7.0
 """Longer than SQLite's 5 s busy timeout, so that the lighthouse's writes really fail while it is held."""
 
@@ -112,6 +112,7 @@ class Soak:
         self.injected: Counter[str] = Counter()
         self.survived: Counter[str] = Counter()
         self.recovery_seconds: dict[str, list[float]] = {kind: [] for kind in KINDS}
+        self.last_status: dict[str, Any] = {}
 
     def committed(self) -> int:
         """Steps the job has committed (from the workers' step records)."""
@@ -124,15 +125,30 @@ class Soak:
             if predicate():
                 return
             time.sleep(0.05)
-        raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+        members = {entry["member"]: (entry["state"], entry["asking"]) for entry in self.last_status.get("members", [])}
+        raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}; the lighthouse last said {members}")
 
-    def members(self, state: str) -> set[str]:
-        """Members the lighthouse reports in ``state`` (or asking to join, for ``joining``)."""
-        found = set()
-        for entry in self.lighthouse.status().get("members", []):
-            if entry["state"] == state or (state == "asking" and entry["asking"] == "join"):
-                found.add(entry["member"])
-        return found
+    def members(self, state: str) -> set[str] | None:
+        """Members the lighthouse reports in ``state`` (``asking``: asking to join); None while it does not answer."""
+        status = self.lighthouse.status()
+        self.last_status = status or self.last_status
+        if not status:
+            return None
+        return {
+            entry["member"]
+            for entry in status.get("members", [])
+            if entry["state"] == state or (state == "asking" and entry["asking"] == "join")
+        }
+
+    def rejoined(self, names: set[str]) -> bool:
+        """Whether every one of ``names`` is in the quorum or asking to join it (as the lighthouse answers)."""
+        alive, asking = self.members("alive"), self.members("asking")
+        return alive is not None and asking is not None and names <= alive | asking
+
+    def gone(self, names: set[str]) -> bool:
+        """Whether none of ``names`` is in the quorum any more (as the lighthouse answers)."""
+        alive = self.members("alive")
+        return alive is not None and not names & alive
 
     def inject(self, kind: str, recovery_timeout: float) -> None:
         """One failure of ``kind``, held a few steps ahead of the job; returns once it has recovered."""
@@ -156,13 +172,25 @@ class Soak:
                 if self.cluster.processes[worker].poll() is not None:
                     log = (self.cluster.run_dir / f"worker-{worker}.log").read_text(errors="replace")
                     raise RuntimeError(f"worker-{worker} exited while rejoining: {log.strip().splitlines()[-1]}")
-            return names <= self.members("alive") | self.members("asking")
+            return self.rejoined(names)
 
         self.wait(rejoined, timeout, f"{sorted(names)} to rejoin")
 
+    def in_quorum(self, timeout: float) -> list[int]:
+        """Running workers the lighthouse has in its quorum (waits, bounded, for at least one)."""
+        found: list[int] = []
+
+        def some() -> bool:
+            alive = self.members("alive") or set()
+            found[:] = [w for w in self.cluster.alive() if f"worker-{w}" in alive]
+            return bool(found)
+
+        self.wait(some, timeout, "a worker in the quorum")
+        return found
+
     def worker_kill(self, timeout: float) -> None:
         """SIGKILL one worker of the quorum and start it again."""
-        worker = self.rng.choice(self.cluster.alive())
+        worker = self.rng.choice(self.in_quorum(timeout))
         process = self.cluster.processes[worker]
         process.send_signal(signal.SIGKILL)
         process.wait(timeout=60)
@@ -170,14 +198,14 @@ class Soak:
 
     def worker_stop(self, timeout: float) -> None:
         """SIGSTOP one worker until the lighthouse excludes it, then let it go on (it rejoins)."""
-        worker = self.rng.choice(self.cluster.alive())
+        worker = self.rng.choice(self.in_quorum(timeout))
         name = f"worker-{worker}"
         self.cluster.kill(worker, "STOP", self.committed())
         try:
-            self.wait(lambda: name not in self.members("alive"), timeout, f"{name} to be excluded")
+            self.wait(lambda: self.gone({name}), timeout, f"{name} to be excluded")
         finally:
             self.cluster.revive(worker)
-        self.wait(lambda: name in self.members("alive") | self.members("asking"), timeout, f"{name} to rejoin")
+        self.wait(lambda: self.rejoined({name}), timeout, f"{name} to rejoin")
 
     def fleet_restart(self, timeout: float) -> None:
         """SIGKILL every worker, then start them all again: the job resumes from its checkpoint."""
@@ -187,7 +215,8 @@ class Soak:
                 process.send_signal(signal.SIGKILL)
                 process.wait(timeout=60)
             self.cluster.stopped.discard(worker)
-        self.wait(lambda: not self.members("alive"), timeout, "the lighthouse to see the fleet gone")
+        names = {f"worker-{worker}" for worker in range(self.workers)}
+        self.wait(lambda: self.gone(names), timeout, "the lighthouse to see the fleet gone")
         self._restart_and_wait(list(range(self.workers)), timeout)
 
     def lighthouse_restart(self, timeout: float) -> None:

@@ -131,6 +131,7 @@ def test_demo_reports_restarts_and_rejoins_with_sigstop(tmp_path: Path) -> None:
     assert report["restarts"] == 2 and report["rejoins"] == 2 and report["failed_rejoins"] == []
     assert report["world_sizes"][-1] == 3 and min(report["world_sizes"]) < 3
     assert report["exactly_once"] and report["global_batch_as_planned"]
+    assert report["loader_audit_mismatches"] == 0
     assert report["max_param_diff_vs_reference"] < 1e-4
     assert {event["signal"] for event in report["events"] if event["kind"] == "failure"} == {"STOP"}
     assert (tmp_path / "plot.png").stat().st_size > 0
@@ -212,6 +213,7 @@ def test_plot_marks_failures_by_signal_rejoins_and_heals(tmp_path: Path) -> None
         exactly_once=True,
         duplicates=0,
         missing=0,
+        loader_audit_mismatches=0,
         recovery_seconds=[],
         losses=[2.0 - 0.1 * step for step in range(8)],
         world_sizes=world_sizes,
@@ -280,3 +282,21 @@ def test_demo_against_a_lighthouse_whose_plan_does_not_fit_says_why(tmp_path: Pa
     assert "the workers stopped after 0 of 4 steps" in result.output
     assert "worker-0: the lighthouse's plan has dataset_size=2000" in result.output
     assert "Traceback" not in result.output
+
+
+def test_the_loader_audit_recomputes_each_step_from_the_plan() -> None:
+    from stalwart.launch.report import loader_audit_mismatches
+    from stalwart.runtime.consistency import index_checksum
+
+    plan = EpochPlan(100, 10, seed=1)
+    records = []
+    for step in range(12):
+        epoch, epoch_step = divmod(step, plan.steps_per_epoch)
+        indices = plan.indices(epoch, plan.step_start(epoch_step), plan.step_start(epoch_step + 1))
+        records.append({"step": step, "epoch": epoch, "loaded_checksum": f"{index_checksum(epoch, indices):016x}"})
+    assert loader_audit_mismatches(plan, records) == 0
+    wrong = plan.indices(0, 0, 10).copy()
+    wrong[3] = plan.indices(0, 10, 11)[0]
+    records[0] = {**records[0], "loaded_checksum": f"{index_checksum(0, wrong):016x}"}
+    records[11] = {**records[11], "epoch": 0}
+    assert loader_audit_mismatches(plan, records) == 2

@@ -188,7 +188,8 @@ def demo_command(
         report_path.write_text(report.to_json(), encoding="utf-8")
     if plot_path is not None:
         plot_report(report, plot_path)
-    if not (report.exactly_once and report.global_batch_as_planned) or report.steps_committed < steps:
+    audited = report.exactly_once and report.global_batch_as_planned and report.loader_audit_mismatches == 0
+    if not audited or report.steps_committed < steps:
         raise SystemExit(1)
 
 
@@ -313,6 +314,7 @@ def _print(report: RunReport, console: Console) -> None:
         ("every step's batch as planned", str(report.global_batch_as_planned)),
         ("exactly once", str(report.exactly_once)),
         ("duplicates / missing", f"{report.duplicates} / {report.missing}"),
+        ("steps whose loaded samples differ from the plan", str(report.loader_audit_mismatches)),
         ("recovery seconds", ", ".join(f"{s:.2f}" for s in report.recovery_seconds) or "-"),
         ("final loss", "-" if report.final_loss is None else f"{report.final_loss:.5f}"),
         ("reference final loss", "-" if report.reference_final_loss is None else f"{report.reference_final_loss:.5f}"),

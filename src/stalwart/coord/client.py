@@ -507,7 +507,12 @@ class LighthouseClient:
                 continue
             if data.get("type") == "reconfigure":
                 quorum_id = data.get("quorum_id")
-                if quorum_id is None or self._quorum_id is None or quorum_id == self._quorum_id:
+                if data.get("left_out") is True:
+                    # a newer quorum went on without this member: abandon what it runs and join again
+                    if isinstance(quorum_id, int) and self._quorum_id is not None and quorum_id > self._quorum_id:
+                        self._reconfigure.set()
+                        self._broken.set()
+                elif quorum_id is None or self._quorum_id is None or quorum_id == self._quorum_id:
                     self._reconfigure.set()
                     if data.get("broken") is True:
                         self._broken.set()

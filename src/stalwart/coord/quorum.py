@@ -292,6 +292,21 @@ class LighthouseState:
         """Whether ``member``'s heartbeat should be answered with ``{"type": "reconfigure"}``."""
         return self._quorum is not None and member in self._quorum.members and self.reconfigure_pending
 
+    def left_out(self, member: str) -> bool:
+        """Whether ``member`` is alive but neither in the current quorum nor asking to join it.
+
+        Its heartbeat is answered with ``{"type": "reconfigure", "left_out": true}`` so that a member the
+        quorum went on without (excluded while it trained alone, say) stops and joins again.
+        """
+        record = self._members.get(member)
+        return (
+            self._quorum is not None
+            and member not in self._quorum.members
+            and member not in self._pending
+            and record is not None
+            and record.alive
+        )
+
     def ledger_state(self) -> dict[str, Any]:
         """The ledger as the members see it: in the step in progress when a quorum formed in it, else committed."""
         return self._hosted.ledger_state()

@@ -456,6 +456,8 @@ class Lighthouse:
                     await ws.send_json(
                         {"type": "reconfigure", "quorum_id": quorum.quorum_id, "broken": self.state.quorum_broken}
                     )
+                elif quorum is not None and self.state.left_out(member):
+                    await ws.send_json({"type": "reconfigure", "quorum_id": quorum.quorum_id, "left_out": True})
         finally:
             if self._sockets.get(member) is ws:
                 del self._sockets[member]

@@ -19,6 +19,7 @@ import torch
 
 from stalwart.data.audit import AuditWriter, coverage
 from stalwart.data.plan import EpochPlan
+from stalwart.runtime.consistency import index_checksum
 
 
 @dataclass
@@ -33,6 +34,9 @@ class RunReport:
     exactly_once: bool
     duplicates: int
     missing: int
+    loader_audit_mismatches: int
+    """Committed steps whose samples, as the loaders produced them (the quorum's reduced checksum), are not the
+    plan's samples for the step (recomputed from the plan here, not taken from the ledger)."""
     recovery_seconds: list[float]
     losses: list[float]
     world_sizes: list[int]
@@ -125,6 +129,7 @@ def build_report(
         exactly_once=exactly_once,
         duplicates=duplicates,
         missing=missing,
+        loader_audit_mismatches=loader_audit_mismatches(plan, steps),
         recovery_seconds=recovery,
         losses=[record["loss"] for record in steps],
         world_sizes=[record["world_size"] for record in steps],
@@ -153,6 +158,22 @@ def build_report(
         ]
         report.max_param_diff_vs_reference = max(diffs) if diffs else None
     return report
+
+
+def loader_audit_mismatches(plan: EpochPlan, steps: list[dict[str, Any]]) -> int:
+    """How many committed steps' loaded-sample checksums differ from the plan's samples of the step.
+
+    A step record's ``loaded_checksum`` is what the quorum's loaders produced
+    (summed in the step's all-reduce); the expectation comes from the plan
+    alone, so a ledger that handed out the wrong positions is caught too.
+    """
+    mismatches = 0
+    for record in steps:
+        epoch_step = record["step"] % plan.steps_per_epoch
+        indices = plan.indices(record["epoch"], plan.step_start(epoch_step), plan.step_start(epoch_step + 1))
+        if record.get("loaded_checksum") != f"{index_checksum(record['epoch'], indices):016x}":
+            mismatches += 1
+    return mismatches
 
 
 def world_size_history(world_sizes: list[int]) -> list[tuple[int, int]]:

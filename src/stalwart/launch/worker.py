@@ -19,7 +19,9 @@ step, for tests: ``before_forward``, ``during_backward``, ``during_reduce``
 (the all-reduce is in flight) or ``after_reduce`` (reduced, not applied).
 
 ``--hold-file PATH``: while PATH exists and holds a step number ``S``, the
-worker waits before starting any step ``>= S`` (bounded by ``HOLD_LIMIT``).
+worker waits before starting any step ``>= S`` (bounded by ``HOLD_LIMIT``),
+except that it runs a step whenever the lighthouse asks for a boundary, so
+that a hold never keeps a joiner out.
 The demo and the tests hold the job this way while a restarted worker starts,
 so that it rejoins before the job ends, however slow the machine is.
 
@@ -42,6 +44,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -67,8 +70,14 @@ HOLD_LIMIT = 600.0
 EXIT_USER_ERROR = 2
 
 
-def held_until(hold_file: Path | None, step: int) -> None:
-    """Wait while ``hold_file`` exists and holds a step number <= ``step`` (at most ``HOLD_LIMIT`` s)."""
+def held_until(hold_file: Path | None, step: int, boundary_wanted: Callable[[], bool] = lambda: False) -> None:
+    """Wait while ``hold_file`` exists and holds a step number <= ``step`` (at most ``HOLD_LIMIT`` s).
+
+    A hold never blocks a membership change: when ``boundary_wanted()`` (the
+    lighthouse asks the quorum to come to a step boundary, e.g. for a joiner)
+    the worker runs this one step, so the change happens at its end, and is
+    held again before the next.
+    """
     if hold_file is None:
         return
     deadline = time.monotonic() + HOLD_LIMIT
@@ -77,7 +86,7 @@ def held_until(hold_file: Path | None, step: int) -> None:
             hold_from = int(hold_file.read_text(encoding="utf-8").strip() or 0)
         except (FileNotFoundError, ValueError):
             return
-        if step < hold_from:
+        if step < hold_from or boundary_wanted():
             return
         time.sleep(0.05)
 
@@ -196,7 +205,7 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
         with open(args.run_dir / f"steps-{name}.jsonl", "a", encoding="utf-8") as steps_file:
             for step in manager.steps(loader, max_steps=args.max_steps):
                 number = manager.ledger.step
-                held_until(args.hold_file, number)
+                held_until(args.hold_file, number, lambda: manager.boundary_wanted)
                 time.sleep(args.step_seconds)
                 if args.corrupt_at == number:
                     args.corrupt_at = None
@@ -222,6 +231,7 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
                     "samples": report.samples,
                     "loss": report.loss,
                     "drift_heals": report.drift_heals,
+                    "loaded_checksum": f"{report.loaded_checksum:016x}",
                     "time": time.time(),
                     "positions": sorted(report.positions.tolist()),
                 }

@@ -9,8 +9,8 @@ tensors and values (model and optimizer through
 by parameter names and loads into a fresh optimizer, plus every registered
 state), and ``stalwart.json`` with the applied step, the ledger and its
 digest. The JSON file is written last, atomically: a directory without it is
-an unfinished checkpoint and is never loaded. The newest ``keep`` finished
-checkpoints are kept.
+an unfinished checkpoint and is never loaded. Once the lighthouse vouches for
+a checkpoint, older ones are deleted but for the ``keep - 1`` newest.
 
 Every member holds the whole state (replicated training), so a checkpoint
 loads at any world size. DCP's metadata file is pickled: checkpoints are
@@ -78,6 +78,10 @@ def checkpoint_directory(root: Path, step: int) -> Path:
     return root / f"step-{step:09d}"
 
 
+def _step_of(directory: Path) -> int:
+    return int(directory.name.removeprefix("step-"))
+
+
 def finished_checkpoints(root: Path) -> list[Path]:
     """The finished checkpoints under ``root``, oldest first."""
     if not root.is_dir():
@@ -99,7 +103,7 @@ class Checkpointer:
         *,
         every_steps: int | None = None,
         every_seconds: float | None = None,
-        keep: int = 2,
+        keep: int = 3,
         on_finished: Callable[[Path, CheckpointMeta], None] | None = None,
     ) -> None:
         if not isinstance(directory, str | os.PathLike):
@@ -123,10 +127,14 @@ class Checkpointer:
 
         Never at step 0: there is nothing to save yet, and reading a fresh
         optimizer's state through ``get_state_dict`` would initialise it (a
-        zero step), leaving the writer's optimizer unlike its peers'.
+        zero step), leaving the writer's optimizer unlike its peers'. Never
+        when a finished checkpoint of that step exists: a job resumed from it
+        holds the same state, and other members may be loading it.
         """
         if not self._idle.is_set() or step == self._last_step or step == 0:
             return False
+        if (checkpoint_directory(self.root, step) / META_FILE).is_file():
+            return False  # finished already (the one a resumed job loaded): never rewrite what others may load
         if self.every_steps is not None and step % self.every_steps == 0:
             return True
         return self.every_seconds is not None and time.monotonic() - self._last_time >= self.every_seconds
@@ -146,6 +154,14 @@ class Checkpointer:
         future = response if isinstance(response, Future) else response.upload_completion
         future.add_done_callback(lambda done: self._finish(done, directory, meta))
 
+    def prune(self, vouched_step: int) -> None:
+        """Delete finished checkpoints older than ``vouched_step`` (the one the lighthouse now resumes from),
+        keeping the ``keep - 1`` newest of them. Never one at or after it: a checkpoint the lighthouse
+        does not vouch for yet (written, not yet reported) may be the next it resumes from."""
+        older = [path for path in finished_checkpoints(self.root) if _step_of(path) < vouched_step]
+        for path in older[: max(0, len(older) - (self.keep - 1))]:
+            shutil.rmtree(path, ignore_errors=True)
+
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until no checkpoint is being written (and the last one was reported); False on timeout."""
         return self._idle.wait(timeout)
@@ -157,8 +173,6 @@ class Checkpointer:
             staging = directory / f".{META_FILE}.tmp"
             staging.write_text(json.dumps(meta.to_json()), encoding="utf-8")
             os.replace(staging, directory / META_FILE)
-            for old in finished_checkpoints(self.root)[: -self.keep]:
-                shutil.rmtree(old, ignore_errors=True)
             if self.on_finished is not None:
                 self.on_finished(directory, meta)
         except Exception as error:

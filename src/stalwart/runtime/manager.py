@@ -99,6 +99,8 @@ class StepReport:
     recoveries: int
     positions: np.ndarray
     drift_heals: int = 0
+    loaded_checksum: int = 0
+    """The quorum's reduced checksum of the samples its loaders produced (``consistency.index_checksum``)."""
 
 
 class Manager:
@@ -230,6 +232,8 @@ class Manager:
         self._rng_states: dict[str, Stateful] = {**host_rng_states(), **device_rng_states()}
         self._started = False
         self._heals = 0
+        self._trained_since_boundary = False
+        self._diverged = False
         self._checkpointer = (
             None
             if checkpoint_dir is None
@@ -275,6 +279,11 @@ class Manager:
         if self._ledger is None:
             raise RuntimeError("the Manager has not joined a quorum yet; iterate manager.steps() first")
         return self._ledger
+
+    @property
+    def boundary_wanted(self) -> bool:
+        """True while the lighthouse asks this member's quorum to come to a step boundary (a join, a failure)."""
+        return self._client is not None and self._client.reconfigure_requested
 
     @property
     def quorum_id(self) -> int:
@@ -452,8 +461,11 @@ class Manager:
             self._reset_step()  # recompute this process's whole part with the healed parameters
         return True
 
-    def _audit(self, reduced: torch.Tensor) -> None:
-        """Refuse the step unless the samples the quorum loaded are those of the ledger's positions."""
+    def _audit(self, reduced: torch.Tensor) -> int:
+        """Refuse the step unless the samples the quorum loaded are those of the ledger's positions.
+
+        Returns the reduced checksum of the loaded samples (reports audit it against the plan).
+        """
         ledger = self.ledger
         positions = [share for share in ledger.in_flight.values() if share.size]
         everything = np.concatenate(positions) if positions else _NO_POSITIONS
@@ -465,6 +477,7 @@ class Manager:
                 f"ledger's {everything.size} positions (checksum {expected:#018x}): a member's loader produced "
                 "other samples than its share"
             )
+        return loaded
 
     def _apply(self, reduced: torch.Tensor) -> None:
         samples = round(float(reduced[-3]))
@@ -473,7 +486,7 @@ class Manager:
             raise RuntimeError(
                 f"step {self.ledger.step}: the quorum reduced {samples} samples, the ledger holds {expected}"
             )
-        self._audit(reduced)
+        loaded_checksum = self._audit(reduced)
         offset = 0
         for param in self._params:
             count = param.numel()
@@ -495,12 +508,14 @@ class Manager:
             recoveries=self.recoveries,
             positions=committed,
             drift_heals=self.drift_heals,
+            loaded_checksum=loaded_checksum,
         )
         self.applied_step += 1
         self._step_drift_heals = 0
         self._report = (self.applied_step, ledger_digest(self.ledger.state_dict()))
         self._reset_step()
         self._reconfigure = float(reduced[-1]) > 0
+        self._trained_since_boundary = True
 
     # --- checkpoints -----------------------------------------------------------------------------
 
@@ -538,14 +553,15 @@ class Manager:
 
         Called between steps, after the training loop's body ran for the last
         one, so that what the loop steps there (an LR scheduler) is in the
-        checkpoint as of the same step as the model.
+        checkpoint as of the same step as the model. Only a member that
+        applied that step in its quorum writes it: one that was healed to it
+        does not, so that two quorums never write the same step.
         """
-        if (
-            self._is_checkpoint_writer()
-            and self._checkpointer is not None
-            and self._checkpointer.due(self.applied_step)
-        ):
-            self._checkpointer.start(self.states, self._checkpoint_meta())
+        checkpointer = self._checkpointer
+        trained, self._trained_since_boundary = self._trained_since_boundary, False
+        writer = checkpointer is not None and trained and self._is_checkpoint_writer()
+        if writer and checkpointer is not None and checkpointer.due(self.applied_step):
+            checkpointer.start(self.states, self._checkpoint_meta())
 
     def _final_checkpoint(self) -> None:
         """At the end of the job the writer checkpoints the last step, so a late joiner finds the job done."""
@@ -579,6 +595,8 @@ class Manager:
                 log.warning("%s: checkpoint %s not reported: %s", self.member, directory, error)
                 return
             log.info("%s: checkpoint of step %d in %s", self.member, meta.step, directory)
+            if self._checkpointer is not None:
+                self._checkpointer.prune(meta.step)
             return
 
     def _load_checkpoint(self, announcement: CheckpointAnnouncement, answer: QuorumAnswer) -> None:
@@ -622,7 +640,7 @@ class Manager:
             return QuorumAnswer.from_json(self._group.receive())
         try:
             answer = self._client.quorum(
-                applied_step=self.applied_step,
+                applied_step=0 if self._diverged and reason == "join" else self.applied_step,
                 quorum_id=self.quorum_id if self._answer else None,
                 reason=reason,
                 timeout=self.quorum_timeout,
@@ -630,6 +648,9 @@ class Manager:
         except LighthouseError as error:
             if error.status != 409:
                 raise
+            # Excluded from a quorum that went on without it: whatever this member trained since is not the
+            # job's (the quorum may have rolled back), so it rejoins as a newcomer and is healed.
+            self._diverged = self._diverged or error.body.get("quorum_id") is not None
             log.warning("%s: excluded from the quorum (%s); joining again", self.member, error)
             return None
         self._group.publish(dataclasses.asdict(answer))
@@ -647,6 +668,7 @@ class Manager:
                 reason, last_failure = "join", "excluded from the quorum"
                 continue
             self._answer = answer
+            self._diverged = False
             self._ledger = DataLedger.from_state_dict(answer.ledger)
             try:
                 self._comm = self._connect(answer)
