@@ -159,3 +159,20 @@ def test_manager_state_dict_round_trips_model_optimizer_and_registered_state() -
     assert target_optimizer.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
     first = next(iter(optimizer.state.values()))
     assert torch.equal(first["exp_avg"], next(iter(target_optimizer.state.values()))["exp_avg"])
+
+
+def test_a_member_the_quorum_went_on_without_is_told_it_is_left_out() -> None:
+    cluster = Cluster()
+    cluster.start(2)
+    first, second = cluster.members
+    assert not cluster.state.left_out(first) and not cluster.state.left_out(second)
+    cluster.run_steps(2)
+    cluster.now += 3.0  # second falls silent past the heartbeat timeout; first keeps heartbeating
+    cluster.heartbeat([first])
+    cluster.ask(first, "failure")
+    formation = cluster.settle()
+    assert formation.members == (first,)
+    cluster.state.heartbeat(second, cluster.applied[second], cluster.now)  # it was only late: alive again
+    assert cluster.state.left_out(second) and not cluster.state.left_out(first)
+    cluster.ask(second, "join")
+    assert not cluster.state.left_out(second), "asking to join is enough"
