@@ -123,7 +123,7 @@ def test_start_up_quorum_waits_for_every_live_member_then_admits_them_in_arrival
     formation = cluster.state.tick(cluster.now)
     assert formation is not None
     assert formation.members == (second, first, late)
-    start_up_heal = {"source_rank": 0, "targets": [first, late]}
+    start_up_heal = {"source_rank": 0, "targets": [first, late], "checkpoint": None}
     assert (formation.quorum_id, formation.reason, formation.applied_step) == (1, "start-up", 0)
     assert formation.heal == start_up_heal, "at start-up every member begins from rank 0's state"
     fresh = DataLedger(PLAN)
@@ -196,7 +196,7 @@ def test_a_member_one_step_ahead_raises_a_and_the_ledger_commits_through_it() ->
     cluster.ask(behind, "failure")
     formation = cluster.settle()
     assert formation.applied_step == 3 and cluster.state.step == 3
-    assert formation.heal == {"source_rank": 0, "targets": [behind]}
+    assert formation.heal == {"source_rank": 0, "targets": [behind], "checkpoint": None}
     assert sorted(cluster.log) == [0, 1, 2]
     assert sorted(cluster.log[2][1]) == list(range(24, 36)), "step 2 committed with all three members' positions"
     assert formation.reason == "failure" and formation.members == (ahead, behind)
@@ -240,7 +240,7 @@ def test_healing_targets_and_their_stale_heartbeats_do_not_commit() -> None:
         cluster.ask(member, "reconfigure")
     formation = cluster.state.tick(cluster.now)
     assert formation is not None and formation.reason == "boundary"
-    assert formation.heal == {"source_rank": 0, "targets": [joiner]}
+    assert formation.heal == {"source_rank": 0, "targets": [joiner], "checkpoint": None}
     assert formation.members[-1] == joiner and formation.applied_step == 5
     assert formation.ledger["in_flight"] == expected_shares(
         cluster.state.state_dict()["ledger"], list(formation.members)
@@ -271,7 +271,7 @@ def test_joiners_wait_during_a_failure_quorum_and_enter_at_the_next_boundary() -
         cluster.ask(member, "reconfigure")
     formation = cluster.settle()
     assert formation.reason == "boundary" and formation.members == (first, second, joiner)
-    assert formation.heal == {"source_rank": 0, "targets": [joiner]}
+    assert formation.heal == {"source_rank": 0, "targets": [joiner], "checkpoint": None}
 
 
 def test_two_askers_of_four_form_within_the_join_timeout_without_the_two_that_never_ask() -> None:

@@ -435,10 +435,12 @@ class LighthouseClient:
                         raise LighthouseError(response.status, data)
                     if response.status == 408:
                         continue
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as error:
+            except aiohttp.ClientConnectionError as error:
                 if unreachable is None:
                     logger.warning("lighthouse at %s unreachable (%s); retrying", self.url, error)
                 unreachable = str(error) or type(error).__name__
+            except asyncio.TimeoutError:
+                logger.debug("quorum request for %s timed out; asking again", self.member)
             await asyncio.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
             backoff = min(2 * backoff, MAX_BACKOFF)
 

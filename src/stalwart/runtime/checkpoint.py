@@ -122,19 +122,22 @@ class Checkpointer:
         self._idle = threading.Event()
         self._idle.set()
 
-    def due(self, step: int) -> bool:
+    def due(self, step: int, *, last: bool = False) -> bool:
         """Whether a checkpoint of ``step`` is due (and none is still being written).
 
         Never at step 0: there is nothing to save yet, and reading a fresh
         optimizer's state through ``get_state_dict`` would initialise it (a
         zero step), leaving the writer's optimizer unlike its peers'. Never
         when a finished checkpoint of that step exists: a job resumed from it
-        holds the same state, and other members may be loading it.
+        holds the same state, and other members may be loading it. ``last``:
+        the job's last step, checkpointed whatever the cadence.
         """
         if not self._idle.is_set() or step == self._last_step or step == 0:
             return False
         if (checkpoint_directory(self.root, step) / META_FILE).is_file():
             return False  # finished already (the one a resumed job loaded): never rewrite what others may load
+        if last:
+            return True
         if self.every_steps is not None and step % self.every_steps == 0:
             return True
         return self.every_seconds is not None and time.monotonic() - self._last_time >= self.every_seconds

@@ -232,7 +232,8 @@ class Manager:
         self._rng_states: dict[str, Stateful] = {**host_rng_states(), **device_rng_states()}
         self._started = False
         self._heals = 0
-        self._trained_since_boundary = False
+        self._trained_step = -1
+        """The step this member reached by applying it itself (a heal to a step does not count)."""
         self._diverged = False
         self._checkpointer = (
             None
@@ -515,7 +516,7 @@ class Manager:
         self._report = (self.applied_step, ledger_digest(self.ledger.state_dict()))
         self._reset_step()
         self._reconfigure = float(reduced[-1]) > 0
-        self._trained_since_boundary = True
+        self._trained_step = self.applied_step
 
     # --- checkpoints -----------------------------------------------------------------------------
 
@@ -557,10 +558,13 @@ class Manager:
         applied that step in its quorum writes it: one that was healed to it
         does not, so that two quorums never write the same step.
         """
+        self._checkpoint_if_due(last=False)
+
+    def _checkpoint_if_due(self, *, last: bool) -> None:
         checkpointer = self._checkpointer
-        trained, self._trained_since_boundary = self._trained_since_boundary, False
-        writer = checkpointer is not None and trained and self._is_checkpoint_writer()
-        if writer and checkpointer is not None and checkpointer.due(self.applied_step):
+        if checkpointer is None or self._trained_step != self.applied_step or not self._is_checkpoint_writer():
+            return
+        if checkpointer.due(self.applied_step, last=last):
             checkpointer.start(self.states, self._checkpoint_meta())
 
     def _final_checkpoint(self) -> None:
@@ -568,7 +572,7 @@ class Manager:
         if self._checkpointer is None:
             return
         self._checkpointer.wait()
-        self._maybe_checkpoint()
+        self._checkpoint_if_due(last=True)
         self._checkpointer.wait()
 
     def _checkpoint_meta(self) -> CheckpointMeta:
