@@ -153,3 +153,20 @@ def test_an_unreachable_store_raises() -> None:
         port = probe.getsockname()[1]
     with pytest.raises(CollectiveError, match="cannot reach"):
         quorum_store(HOST, port, "nobody/", 1.0)
+
+
+def test_default_device_is_the_cpu_without_cuda_whatever_local_rank_says() -> None:
+    from stalwart.runtime.comm import default_device
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine: see the test below")
+    assert default_device({"LOCAL_RANK": "1"}) == torch.device("cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_default_device_is_the_gpu_of_local_rank() -> None:
+    from stalwart.runtime.comm import default_device
+
+    assert default_device({"LOCAL_RANK": "0"}) == torch.device("cuda", 0)
+    with pytest.raises(ValueError, match="LOCAL_RANK"):
+        default_device({"LOCAL_RANK": str(torch.cuda.device_count())})

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -126,11 +127,22 @@ def quorum_store(host: str, port: int, prefix: str, timeout: float) -> dist.Stor
     return dist.PrefixStore(prefix, store)
 
 
-def default_device() -> torch.device:
-    """CUDA's current device when there is one (NCCL), else the CPU (Gloo)."""
-    if torch.cuda.is_available():
+def default_device(environ: Mapping[str, str] | None = None) -> torch.device:
+    """The GPU of this process's ``LOCAL_RANK`` (torchrun's) when CUDA is available (NCCL), else the CPU (Gloo).
+
+    Without ``LOCAL_RANK`` it is CUDA's current device; two processes of one
+    launch must not share a GPU, so a ``LOCAL_RANK`` that is not a valid
+    device index is an error naming it.
+    """
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    local_rank = (os.environ if environ is None else environ).get("LOCAL_RANK")
+    if local_rank is None:
         return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if not local_rank.isdigit() or int(local_rank) >= count:
+        raise ValueError(f"LOCAL_RANK must be a GPU index in [0, {count - 1}], got {local_rank!r}")
+    return torch.device("cuda", int(local_rank))
 
 
 def device_rng_states() -> dict[str, Any]:

@@ -224,7 +224,7 @@ class Manager:
         self._foreseen: tuple[int, np.ndarray, list[int]] | None = None
         self._group_done = _NO_POSITIONS
         self._samples = 0
-        self._loss_sum = 0.0
+        self._loss_sum: torch.Tensor | float = 0.0
         self._reconfigure = True
         self._on_event = on_event
         self.max_heal_bytes = None if max_heal_bytes is None else check_int("max_heal_bytes", max_heal_bytes, minimum=1)
@@ -416,7 +416,7 @@ class Manager:
         else:
             drift = torch.zeros(DRIFT_SLOTS * self._comm.world_size)
         tail = torch.cat(
-            [drift, audit_pieces(self._index_sum), torch.tensor([float(self._samples), self._loss_sum, flag])]
+            [drift, audit_pieces(self._index_sum), torch.tensor([float(self._samples), float(self._loss_sum), flag])]
         ).to(self.device)
         flat = torch.cat([*(piece.to(torch.float32) for piece in pieces), tail])
         wait = self._comm.start_all_reduce_sum(flat)
@@ -821,7 +821,7 @@ class TrainStep:
     def backward(self, loss_sum: torch.Tensor) -> None:
         """Back-propagate a micro-batch's summed loss and count it towards the step's mean loss."""
         loss_sum.backward()
-        self._manager._loss_sum += float(loss_sum.detach())
+        self._manager._loss_sum += loss_sum.detach()  # a tensor: no host sync per micro-batch
 
     @property
     def report(self) -> StepReport:
