@@ -1,4 +1,5 @@
-"""The lighthouse's history: failures, departures, quorums and recoveries, each capped at ``HISTORY_LIMIT``.
+"""The lighthouse's history: failures, departures, quorums, recoveries and checkpoint resumes, each capped at
+``HISTORY_LIMIT``.
 
 Pure: no I/O. Every appended event is also queued in :attr:`History.journal`
 (``(kind, event)``) until the persistence layer drains it, so that a save
@@ -11,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 HISTORY_LIMIT = 1000
-KINDS = ("failures", "departures", "quorums", "recoveries")
+KINDS = ("failures", "departures", "quorums", "recoveries", "checkpoint_resumes")
 
 
 class History:
@@ -22,8 +23,17 @@ class History:
         self.departures: list[dict[str, Any]] = []
         self.quorums: list[dict[str, Any]] = []
         self.recoveries: list[dict[str, Any]] = []
+        self.checkpoint_resumes: list[dict[str, Any]] = []
         self.unrecovered: list[dict[str, Any]] = []
-        self.counts = {"failures": 0, "recoveries": 0, "quorums": 0, "departures": 0, "rollbacks": 0}
+        self.counts = {
+            "failures": 0,
+            "recoveries": 0,
+            "quorums": 0,
+            "departures": 0,
+            "rollbacks": 0,
+            "checkpoints": 0,
+            "checkpoint_resumes": 0,
+        }
         self.journal: list[tuple[str, dict[str, Any]]] = []
         """``(kind, event)`` appended since the last :meth:`drain`."""
 
@@ -49,6 +59,15 @@ class History:
         """Count a ledger rollback."""
         self.counts["rollbacks"] += 1
 
+    def checkpoint(self) -> None:
+        """Count a newer checkpoint the lighthouse now vouches for."""
+        self.counts["checkpoints"] += 1
+
+    def checkpoint_resume(self, quorum_id: int, from_step: int, to_step: int, path: str, now: float) -> None:
+        """Record that quorum ``quorum_id`` rolled the ledger back from ``from_step`` to the checkpoint at ``path``."""
+        event = {"quorum_id": quorum_id, "from_step": from_step, "to_step": to_step, "path": path, "time": now}
+        self._append("checkpoint_resumes", event)
+
     def quorum(
         self, quorum_id: int, members: list[str], reason: str, now: float, applied_step: int, *, timed_out: bool
     ) -> None:
@@ -72,6 +91,7 @@ class History:
             "departures": self.departures,
             "quorums": self.quorums,
             "recoveries": self.recoveries,
+            "checkpoint_resumes": self.checkpoint_resumes,
             "unrecovered": self.unrecovered,
             "counts": self.counts,
         }

@@ -209,8 +209,6 @@ class LighthouseState:
         """Grows with every change that must be persisted (commits, quorums, history)."""
         self._hosted = HostedLedger(plan)
         self._checkpoint: CheckpointRecord | None = None
-        self.resumes: list[dict[str, Any]] = []
-        """Quorums that rolled the ledger back to the checkpoint (``from_step``, ``to_step``, ``path``, ...)."""
         self._quorum: Quorum | None = None
         self._members = Membership(self.heartbeat_timeout)
         self._pending: dict[str, _Pending] = {}
@@ -425,7 +423,7 @@ class LighthouseState:
         vouch(record, self._hosted.step, self._hosted.digests)
         if self._checkpoint is None or record.step > self._checkpoint.step:
             self._checkpoint = record
-            self.history.counts["checkpoints"] = self.history.counts.get("checkpoints", 0) + 1
+            self.history.checkpoint()
             self.revision += 1
         return self._checkpoint
 
@@ -629,16 +627,8 @@ class LighthouseState:
 
     def _resume(self, checkpoint: CheckpointRecord, now: float, quorum_id: int) -> None:
         """Roll the ledger back to ``checkpoint``: every step after it is trained again, once."""
-        resume = {
-            "quorum_id": quorum_id,
-            "from_step": self._hosted.step,
-            "to_step": checkpoint.step,
-            "path": checkpoint.path,
-            "time": now,
-        }
+        self.history.checkpoint_resume(quorum_id, self._hosted.step, checkpoint.step, checkpoint.path, now)
         self._hosted.restore(checkpoint.ledger)
-        self.resumes = [*self.resumes, resume][-HISTORY_LIMIT:]
-        self.history.counts["checkpoint_resumes"] = self.history.counts.get("checkpoint_resumes", 0) + 1
 
     # --- the ledger ------------------------------------------------------------------------------
 
@@ -814,7 +804,7 @@ class LighthouseState:
             "checkpoint": None
             if self._checkpoint is None
             else {**self._checkpoint.announcement(), "time": self._checkpoint.time, "member": self._checkpoint.member},
-            "resumed_from_checkpoint": list(self.resumes),
+            "resumed_from_checkpoint": list(self.history.checkpoint_resumes),
             "min_replicas": self.min_replicas,
             "reconfigure_pending": self.reconfigure_pending,
             "ledger": {
@@ -850,7 +840,6 @@ class LighthouseState:
             "history": self.history.to_json(),
             "identities": self._identities.to_json(),
             "checkpoint": None if self._checkpoint is None else self._checkpoint.to_json(),
-            "resumes": list(self.resumes),
         }
 
     def core_state_dict(self) -> dict[str, Any]:
@@ -908,5 +897,4 @@ class LighthouseState:
             restored._identities = Identities.from_json(state["identities"])
         if state.get("checkpoint") is not None:
             restored._checkpoint = CheckpointRecord.from_json(state["checkpoint"])
-        restored.resumes = list(state.get("resumes", []))
         return restored

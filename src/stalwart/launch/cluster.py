@@ -22,7 +22,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,11 +116,6 @@ class LocalCluster:
     def release(self) -> None:
         """Let held workers go on."""
         self.hold_file.unlink(missing_ok=True)
-
-    @property
-    def holding(self) -> bool:
-        """True while a hold is set."""
-        return self.hold_file.exists()
 
     def alive(self) -> list[int]:
         """Workers whose process is running and not stopped."""

@@ -170,7 +170,7 @@ class Checkpointer:
         return self._idle.wait(timeout)
 
     def _finish(self, future: Future[Any], directory: Path, meta: CheckpointMeta) -> None:
-        """Mark a written checkpoint finished (``stalwart.json``, atomically), prune old ones, report it."""
+        """Mark a written checkpoint finished (``stalwart.json``, atomically) and hand it to ``on_finished``."""
         try:
             future.result()
             staging = directory / f".{META_FILE}.tmp"

@@ -67,8 +67,9 @@ from stalwart.runtime.timeouts import Timeouts
 log = logging.getLogger(__name__)
 _ANNOUNCE_BACKOFF = 0.2
 _ANNOUNCE_RETRIES = 50
-_CLOSE_WAIT = 120.0
 """A checkpoint is reported until the lighthouse has committed its step (heartbeats lag): ~10 s at most."""
+_CLOSE_WAIT = 120.0
+"""Seconds ``close()`` waits for a checkpoint being written and reported."""
 
 
 class JoinError(RuntimeError):
@@ -549,18 +550,16 @@ class Manager:
     def _is_checkpoint_writer(self) -> bool:
         return self._checkpointer is not None and self._comm is not None and self._comm.rank == 0
 
-    def _maybe_checkpoint(self) -> None:
+    def _maybe_checkpoint(self, *, last: bool = False) -> None:
         """Start a checkpoint when one is due (rank 0 of the quorum); it is reported once written.
 
         Called between steps, after the training loop's body ran for the last
         one, so that what the loop steps there (an LR scheduler) is in the
         checkpoint as of the same step as the model. Only a member that
         applied that step in its quorum writes it: one that was healed to it
-        does not, so that two quorums never write the same step.
+        does not, so that two quorums never write the same step. ``last``:
+        the job's last step, checkpointed whatever the cadence.
         """
-        self._checkpoint_if_due(last=False)
-
-    def _checkpoint_if_due(self, *, last: bool) -> None:
         checkpointer = self._checkpointer
         if checkpointer is None or self._trained_step != self.applied_step or not self._is_checkpoint_writer():
             return
@@ -572,7 +571,7 @@ class Manager:
         if self._checkpointer is None:
             return
         self._checkpointer.wait()
-        self._checkpoint_if_due(last=True)
+        self._maybe_checkpoint(last=True)
         self._checkpointer.wait()
 
     def _checkpoint_meta(self) -> CheckpointMeta:
@@ -603,7 +602,7 @@ class Manager:
                 self._checkpointer.prune(meta.step)
             return
 
-    def _load_checkpoint(self, announcement: CheckpointAnnouncement, answer: QuorumAnswer) -> None:
+    def _load_checkpoint(self, announcement: CheckpointAnnouncement) -> None:
         """Load the checkpoint the quorum resumes from (every member holds the whole state: any world size)."""
         try:
             meta = load_checkpoint(announcement.path, self.states)
@@ -728,7 +727,7 @@ class Manager:
             if is_target and finished:
                 self.joined_after_end = True
             elif is_target:
-                self._load_checkpoint(answer.heal.checkpoint, answer)
+                self._load_checkpoint(answer.heal.checkpoint)
                 self._after_heal()
             return
         if answer.heal.source_rank is None:
