@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import random
 import shutil
 import signal
@@ -18,7 +17,14 @@ from rich.table import Table
 
 from stalwart.coord.server import Lighthouse
 from stalwart.data.plan import EpochPlan
-from stalwart.launch.cluster import LocalCluster, PlannedKill, parse_kills, random_kill_times, read_status
+from stalwart.launch.cluster import (
+    LocalCluster,
+    PlannedKill,
+    parse_kills,
+    random_kill_times,
+    read_status,
+    worker_events,
+)
 from stalwart.launch.digits import digits_dataset, reference_run
 from stalwart.launch.driver import ChaosDriver
 from stalwart.launch.driver import Progress as DriverProgress
@@ -174,7 +180,7 @@ def demo_command(
         if lighthouse is not None:
             lighthouse.stop()
         _restore(previous_handlers)
-    errors = _worker_errors(run_dir)
+    errors = _worker_errors(run_dir, workers)
     if errors and driver.progress.committed < steps:
         for line in errors:
             console.print(f"[red]{line}[/]", highlight=False)
@@ -278,18 +284,13 @@ def _drive(driver: ChaosDriver, plan: EpochPlan, steps: int, timeout: float, con
         console.print(f"[red]gave up after {timeout:.0f} s")
 
 
-def _worker_errors(run_dir: Path) -> list[str]:
+def _worker_errors(run_dir: Path, workers: int) -> list[str]:
     """Each worker's last error (a lighthouse it could not reach, a wrong token, a plan mismatch), one line each."""
     lines = []
-    for path in sorted(run_dir.glob("events-*.jsonl")):
-        for line in reversed(path.read_text(encoding="utf-8").splitlines()):
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if event.get("event") == "error":
-                lines.append(f"{path.stem.removeprefix('events-')}: {event['message']}")
-                break
+    for worker in range(workers):
+        errors = [event for event in worker_events(run_dir, worker) if event["event"] == "error"]
+        if errors:
+            lines.append(f"worker-{worker}: {errors[-1]['message']}")
     return lines
 
 
