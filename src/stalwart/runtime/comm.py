@@ -76,13 +76,20 @@ class Communicator:
     def start_all_reduce_sum(self, tensor: torch.Tensor) -> Callable[[], None]:
         """Start summing ``tensor`` across the group in place; call the result to wait for it.
 
-        On failure the waiting raises :class:`CollectiveError` and the tensor's content is undefined.
+        On failure the launch or the waiting raises :class:`CollectiveError`
+        and the tensor's content is undefined. The waiting gives up
+        ``timeout`` seconds after it starts (a bucket launched early in
+        backward waits for its peers' backward too).
         """
         options = dist.AllreduceOptions()
         options.timeout = datetime.timedelta(seconds=self.timeout)
-        work = self._group.allreduce([tensor], options)
-        deadline = time.monotonic() + self.timeout + _GRACE
-        return lambda: self._wait(work, "all-reduce", deadline)
+        try:
+            work = self._group.allreduce([tensor], options)
+        except (RuntimeError, dist.DistError) as error:
+            raise CollectiveError(
+                f"all-reduce could not start on rank {self.rank}/{self.world_size}: {error}"
+            ) from error
+        return lambda: self._wait(work, "all-reduce", time.monotonic() + self.timeout + _GRACE)
 
     def broadcast(self, tensors: list[torch.Tensor], source_rank: int, *, timeout: float | None = None) -> None:
         """Overwrite ``tensors`` on every rank with the source rank's, all within ``timeout`` seconds.

@@ -61,6 +61,7 @@ from stalwart.runtime.consistency import (
 from stalwart.runtime.group import GroupLink
 from stalwart.runtime.heal import transfer_state
 from stalwart.runtime.loader import ElasticLoader
+from stalwart.runtime.reducer import DEFAULT_BUCKET_CAP_MB, GradientReducer
 from stalwart.runtime.state import Stateful, check_state_name, host_rng_states
 from stalwart.runtime.timeouts import Timeouts
 
@@ -175,6 +176,8 @@ class Manager:
         checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: int | None = None,
         checkpoint_seconds: float | None = None,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -225,7 +228,7 @@ class Manager:
         self._foreseen: tuple[int, np.ndarray, list[int]] | None = None
         self._group_done = _NO_POSITIONS
         self._samples = 0
-        self._loss_sum: torch.Tensor | float = 0.0
+        self._loss_sum = torch.zeros((), device=self.device)
         self._reconfigure = True
         self._on_event = on_event
         self.max_heal_bytes = None if max_heal_bytes is None else check_int("max_heal_bytes", max_heal_bytes, minimum=1)
@@ -253,6 +256,9 @@ class Manager:
         self.drift_heals = 0
         self._step_drift_heals = 0
         self._index_sum = 0
+        self._reducer = GradientReducer(
+            self._params, device=self.device, bucket_cap_mb=bucket_cap_mb, reduce_dtype=reduce_dtype
+        )
 
     def register_state(self, name: str, obj: Stateful) -> None:
         """Make ``obj`` part of this member's state, healed with the model and optimizer under ``name``.
@@ -365,6 +371,7 @@ class Manager:
         """Leave the quorum cleanly (after a checkpoint being written is reported) and stop the heartbeat."""
         if self._checkpointer is not None and not self._checkpointer.wait(_CLOSE_WAIT):
             log.warning("%s: a checkpoint was still being written after %g s; leaving anyway", self.member, _CLOSE_WAIT)
+        self._reducer.close()
         if self._comm is not None:
             self._comm.abort()
         if self._client is not None:
@@ -387,11 +394,14 @@ class Manager:
     def _microbatches(self, loader: ElasticLoader) -> Iterator[object]:
         while True:
             part = self._next_part()
-            if part.size:
-                yield from loader.microbatches(self.ledger.epoch, self._indices(part), self.max_microbatch)
-            self._index_sum = (self._index_sum + _produced_checksum(loader)) % (1 << 64)
+            count = -(-part.size // self.max_microbatch)
+            batches = loader.microbatches(self.ledger.epoch, self._indices(part), self.max_microbatch) if count else ()
+            for number, batch in enumerate(batches, start=1):
+                if number == count:
+                    self._arm(loader)  # the last backward of this part launches the buckets as they fill
+                yield batch
             try:
-                reduced = self._all_reduce()
+                reduced = self._reduce(loader)
                 if self._heal_drift(reduced):
                     continue
             except CollectiveError as error:
@@ -404,27 +414,35 @@ class Manager:
             self._apply(reduced)
             return
 
-    def _all_reduce(self) -> torch.Tensor:
+    def _arm(self, loader: ElasticLoader) -> None:
+        """Start this round's reduction; the tail's values that are known before the last backward go in now.
+
+        The tail is ``[drift slots, audit pieces, sample count, reconfigure
+        flag, loss sum]``; the loss sum is the one value that the last
+        backward still adds to, and it stays on the device (no host sync).
+        """
         assert self._comm is not None
-        pieces = [
-            param.grad.reshape(-1) if param.grad is not None else torch.zeros(param.numel(), device=self.device)
-            for param in self._params
-        ]
-        flag = 1.0 if self._client is not None and self._client.reconfigure_requested else 0.0
+        self._index_sum = (self._index_sum + _produced_checksum(loader)) % (1 << 64)
+        world = self._comm.world_size
         if self._check_step():
             s1, s2 = parameter_checksum(self._params)
-            drift = drift_slots(self._comm.rank, self._comm.world_size, s1, s2, self.applied_step)
+            drift = drift_slots(self._comm.rank, world, s1, s2, self.applied_step)
         else:
-            drift = torch.zeros(DRIFT_SLOTS * self._comm.world_size)
-        tail = torch.cat(
-            [drift, audit_pieces(self._index_sum), torch.tensor([float(self._samples), float(self._loss_sum), flag])]
-        ).to(self.device)
-        flat = torch.cat([*(piece.to(torch.float32) for piece in pieces), tail])
-        wait = self._comm.start_all_reduce_sum(flat)
+            drift = torch.zeros(DRIFT_SLOTS * world)
+        flag = 1.0 if self._client is not None and self._client.reconfigure_requested else 0.0
+        counts = torch.tensor([float(self._samples), flag])
+        head = torch.cat([drift, audit_pieces(self._index_sum), counts]).to(self.device)
+        self._reducer.arm(self._comm, lambda: torch.cat([head, self._loss_sum.reshape(1).float()]), head.numel() + 1)
+
+    def _reduce(self, loader: ElasticLoader) -> torch.Tensor:
+        """Finish the round's reduction (launch what backward did not, wait); the reduced tail on the CPU."""
+        if not self._reducer.armed:
+            self._arm(loader)
+        self._reducer.launch_rest()
         self._notify("reduce_started")
-        wait()
+        tail = self._reducer.wait().cpu()
         self._notify("reduce_finished")
-        return flat
+        return tail
 
     def _check_step(self) -> bool:
         """Whether this step's all-reduce carries the replica-consistency check (the same on every member)."""
@@ -482,20 +500,15 @@ class Manager:
         return loaded
 
     def _apply(self, reduced: torch.Tensor) -> None:
-        samples = round(float(reduced[-3]))
+        samples = round(float(reduced[-3]))  # the tail: [..., samples, reconfigure flag, loss sum]
         expected = sum(positions.size for positions in self.ledger.in_flight.values())
         if samples != expected:
             raise RuntimeError(
                 f"step {self.ledger.step}: the quorum reduced {samples} samples, the ledger holds {expected}"
             )
         loaded_checksum = self._audit(reduced)
-        offset = 0
-        for param in self._params:
-            count = param.numel()
-            if samples:
-                param.grad = (reduced[offset : offset + count] / samples).view_as(param).to(param.dtype)
-            offset += count
         if samples:
+            self._reducer.apply(samples)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         step, epoch = self.ledger.step, self.ledger.epoch
@@ -504,7 +517,7 @@ class Manager:
             step=step,
             epoch=epoch,
             samples=samples,
-            loss=float(reduced[-2]) / max(samples, 1),
+            loss=float(reduced[-1]) / max(samples, 1),
             world_size=self.world_size,
             quorum_id=self.quorum_id,
             recoveries=self.recoveries,
@@ -516,7 +529,7 @@ class Manager:
         self._step_drift_heals = 0
         self._report = (self.applied_step, ledger_digest(self.ledger.state_dict()))
         self._reset_step()
-        self._reconfigure = float(reduced[-1]) > 0
+        self._reconfigure = float(reduced[-2]) > 0
         self._trained_step = self.applied_step
 
     # --- checkpoints -----------------------------------------------------------------------------
@@ -620,7 +633,7 @@ class Manager:
     def _reset_step(self) -> None:
         self._group_done = _NO_POSITIONS
         self._samples = 0
-        self._loss_sum = 0.0
+        self._loss_sum = torch.zeros((), device=self.device)
         self._index_sum = 0
 
     def _notify(self, event: str) -> None:
@@ -818,9 +831,13 @@ class TrainStep:
         self.committed = True
 
     def backward(self, loss_sum: torch.Tensor) -> None:
-        """Back-propagate a micro-batch's summed loss and count it towards the step's mean loss."""
-        loss_sum.backward()
+        """Back-propagate a micro-batch's summed loss and count it towards the step's mean loss.
+
+        The loss is counted first: the step's last backward launches the
+        reduction, whose tail carries the loss sum.
+        """
         self._manager._loss_sum += loss_sum.detach()  # a tensor: no host sync per micro-batch
+        loss_sum.backward()
 
     @property
     def report(self) -> StepReport:

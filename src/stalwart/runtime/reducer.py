@@ -1,0 +1,290 @@
+"""Bucketed gradient reduction, launched from autograd hooks while the step's last backward runs.
+
+Like DDP's reducer, parameters are grouped into buckets in reverse order of
+``model.parameters()`` (roughly the order backward produces their gradients),
+the first bucket small (1 MiB) so that reduction starts early, the others up
+to ``bucket_cap_mb``. During the step's last backward a
+``post_accumulate_grad`` hook copies each gradient into its bucket's reduce
+buffer; a bucket whose gradients are all in is all-reduced at once, in bucket
+order (every process issues the same collectives in the same order, which
+Gloo and NCCL require). What backward did not reach (unused parameters, a
+process with no samples) is launched when backward is over.
+
+Why a copy (what DDP does with ``gradient_as_bucket_view=False``): the
+reduction must not destroy what this process accumulated. When a bucket's
+collective fails, ``param.grad`` still holds this process's sums; the
+Manager computes the reassigned samples on top and reduces again in the new
+quorum. The reduce buffers are the only extra memory, one per bucket, in the
+reduce dtype (the parameters' own dtype unless ``reduce_dtype`` asks for a
+lower precision). After a success the reduced sums, divided by the step's
+sample count, are copied back into ``param.grad``.
+
+The step's tail (sample count, loss sum, checks: see the Manager) rides at the
+end of the last bucket when that bucket reduces in float32; otherwise (bf16
+or fp16 reduction) it is a separate float32 all-reduce issued right after the
+last bucket, since its counts must be exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from stalwart.runtime.comm import CollectiveError, Communicator
+
+FIRST_BUCKET_BYTES = 1 << 20
+"""The first bucket's cap (DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``, or ``bucket_cap_mb`` when smaller)."""
+DEFAULT_BUCKET_CAP_MB = 25.0
+"""DDP's default ``bucket_cap_mb``."""
+_REDUCE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Parameters reduced together: their indices (into the reducer's list), offsets in the buffer, and dtype."""
+
+    params: tuple[int, ...]
+    offsets: tuple[int, ...]
+    numel: int
+    dtype: torch.dtype
+
+
+def plan_buckets(
+    params: Sequence[tuple[int, torch.dtype]],
+    *,
+    cap_bytes: int,
+    first_cap_bytes: int = FIRST_BUCKET_BYTES,
+    reduce_dtype: torch.dtype | None = None,
+) -> list[Bucket]:
+    """Buckets for parameters given as ``(numel, dtype)`` in ``model.parameters()`` order.
+
+    Parameters are taken last to first; a bucket closes when the next
+    parameter would take it past its cap (``first_cap_bytes`` for the first,
+    ``cap_bytes`` after) or has another reduce dtype. A parameter larger than
+    a cap gets a bucket of its own.
+    """
+    buckets: list[Bucket] = []
+    members: list[int] = []
+    offsets: list[int] = []
+    numel = 0
+    dtype: torch.dtype | None = None
+
+    def close() -> None:
+        nonlocal members, offsets, numel
+        if members:
+            assert dtype is not None
+            buckets.append(Bucket(tuple(members), tuple(offsets), numel, dtype))
+        members, offsets, numel = [], [], 0
+
+    for index in reversed(range(len(params))):
+        count, param_dtype = params[index]
+        wanted = reduce_dtype or param_dtype
+        cap = first_cap_bytes if not buckets else cap_bytes
+        if members and (wanted != dtype or (numel + count) * _itemsize(wanted) > cap):
+            close()
+        dtype = wanted
+        members.append(index)
+        offsets.append(numel)
+        numel += count
+    close()
+    return buckets
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class GradientReducer:
+    """Reduces the gradients of ``params`` in buckets; survives a failed collective with the gradients intact.
+
+    One round per reduction attempt: :meth:`arm` before the step's last
+    backward (hooks then launch buckets as they fill), :meth:`launch_rest`
+    after it, :meth:`wait` for the sums, and :meth:`apply` to put the mean
+    gradients into ``param.grad``. A failed round leaves ``param.grad``
+    untouched; the next round (in a new quorum) reduces it again.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        *,
+        device: torch.device,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        reduce_dtype: torch.dtype | None = None,
+    ) -> None:
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+        if reduce_dtype is not None and reduce_dtype not in _REDUCE_DTYPES:
+            raise ValueError(f"reduce_dtype must be one of {list(_REDUCE_DTYPES)} or None, got {reduce_dtype!r}")
+        self.params = list(params)
+        self.device = device
+        cap_bytes = max(1, int(bucket_cap_mb * (1 << 20)))
+        self.buckets = plan_buckets(
+            [(param.numel(), param.dtype) for param in self.params],
+            cap_bytes=cap_bytes,
+            first_cap_bytes=min(FIRST_BUCKET_BYTES, cap_bytes),
+            reduce_dtype=reduce_dtype,
+        )
+        self._place = {
+            param: (number, slot)
+            for number, bucket in enumerate(self.buckets)
+            for slot, param in enumerate(bucket.params)
+        }
+        self._buffers: list[torch.Tensor] = []
+        self._tail_buffer: torch.Tensor | None = None
+        self._tail_size = -1
+        self._comm: Communicator | None = None
+        self._tail: Callable[[], torch.Tensor] | None = None
+        self._filled: list[int] = []
+        self._copied: list[bool] = []
+        self._next = 0
+        self._waits: list[Callable[[], None]] = []
+        self._tail_launched = False
+        self._error: BaseException | None = None
+        self._handles = [
+            param.register_post_accumulate_grad_hook(self._hook_for(index)) for index, param in enumerate(self.params)
+        ]
+
+    @property
+    def tail_rides_last_bucket(self) -> bool:
+        """Whether the tail is reduced in the last bucket's collective (it reduces in float32)."""
+        return bool(self.buckets) and self.buckets[-1].dtype == torch.float32
+
+    @property
+    def armed(self) -> bool:
+        """True between :meth:`arm` and :meth:`wait`: gradients produced now are the round's."""
+        return self._comm is not None
+
+    @property
+    def launched_buckets(self) -> int:
+        """How many buckets of the current round are launched (all of them once backward reached every one)."""
+        return self._next
+
+    def arm(self, comm: Communicator, tail: Callable[[], torch.Tensor], tail_size: int) -> None:
+        """Start a round on ``comm``: the next backward's hooks launch buckets; ``tail()`` gives the tail at launch."""
+        self._allocate(tail_size)
+        self._comm = comm
+        self._tail = tail
+        self._filled = [0] * len(self.buckets)
+        self._copied = [False] * len(self.params)
+        self._next = 0
+        self._waits = []
+        self._tail_launched = False
+        self._error = None
+
+    def launch_rest(self) -> None:
+        """Launch every bucket not launched yet, in order (gradients backward did not produce count as zero)."""
+        if self._comm is None:
+            raise RuntimeError("launch_rest() needs an armed round: call arm() first")
+        for index in range(len(self.params)):
+            if not self._copied[index]:
+                self._copy(index)
+        self._launch_ready()
+
+    def wait(self) -> torch.Tensor:
+        """Wait for every bucket; the reduced tail (on the device). Raises :class:`CollectiveError` on failure.
+
+        The round ends either way; after a failure the buffers are dropped
+        (an aborted collective may still hold them) and new ones are made for
+        the next round.
+        """
+        try:
+            if self._error is not None:
+                raise self._error
+            if not self._tail_launched:
+                raise RuntimeError("wait() before every bucket was launched: call launch_rest() first")
+            for wait in self._waits:
+                wait()
+        except CollectiveError:
+            self._buffers, self._tail_buffer, self._tail_size = [], None, -1
+            raise
+        finally:
+            self._comm = None
+            self._tail = None
+        return self._tail_view()
+
+    def apply(self, samples: int) -> None:
+        """Replace each ``param.grad`` with the reduced sum divided by ``samples`` (in the parameter's dtype)."""
+        for bucket, buffer in zip(self.buckets, self._buffers, strict=True):
+            for index, offset in zip(bucket.params, bucket.offsets, strict=True):
+                param = self.params[index]
+                reduced = buffer[offset : offset + param.numel()].view(param.shape)
+                if param.grad is None:
+                    param.grad = (reduced / samples).to(param.dtype)
+                else:
+                    param.grad.copy_(reduced).div_(samples)
+
+    def close(self) -> None:
+        """Remove the autograd hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _allocate(self, tail_size: int) -> None:
+        rides = self.tail_rides_last_bucket
+        if self._buffers and tail_size == self._tail_size:
+            return
+        self._buffers = [
+            torch.empty(
+                bucket.numel + (tail_size if rides and number == len(self.buckets) - 1 else 0),
+                dtype=bucket.dtype,
+                device=self.device,
+            )
+            for number, bucket in enumerate(self.buckets)
+        ]
+        self._tail_buffer = None if rides else torch.empty(tail_size, dtype=torch.float32, device=self.device)
+        self._tail_size = tail_size
+
+    def _tail_view(self) -> torch.Tensor:
+        if self._tail_buffer is not None:
+            return self._tail_buffer
+        return self._buffers[-1][self.buckets[-1].numel :]
+
+    def _hook_for(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(_: torch.Tensor) -> None:
+            if self._comm is None or self._error is not None:
+                return
+            if self._copied[index]:
+                self._error = RuntimeError(
+                    f"the gradient of parameter {index} changed after it was handed to the reduction: "
+                    "call step.backward() once per micro-batch"
+                )
+                return
+            self._copy(index)
+            self._launch_ready()
+
+        return hook
+
+    def _copy(self, index: int) -> None:
+        number, slot = self._place[index]
+        bucket = self.buckets[number]
+        param = self.params[index]
+        offset = bucket.offsets[slot]
+        target = self._buffers[number][offset : offset + param.numel()]
+        if param.grad is None:
+            target.zero_()
+        else:
+            target.copy_(param.grad.reshape(-1))
+        self._copied[index] = True
+        self._filled[number] += 1
+
+    def _launch_ready(self) -> None:
+        assert self._comm is not None and self._tail is not None
+        comm, tail = self._comm, self._tail
+        try:
+            while self._next < len(self.buckets) and self._filled[self._next] == len(self.buckets[self._next].params):
+                last = self._next == len(self.buckets) - 1
+                if last and self.tail_rides_last_bucket:
+                    self._tail_view().copy_(tail())
+                    self._tail_launched = True
+                self._waits.append(comm.start_all_reduce_sum(self._buffers[self._next]))
+                self._next += 1
+            if self._next == len(self.buckets) and not self._tail_launched:
+                assert self._tail_buffer is not None
+                self._tail_buffer.copy_(tail())
+                self._waits.append(comm.start_all_reduce_sum(self._tail_buffer))
+                self._tail_launched = True
+        except CollectiveError as error:  # raised from wait(): inside backward it would end the user's loop
+            self._error = error
