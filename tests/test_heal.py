@@ -276,7 +276,31 @@ def plant_unknown_tensor(meta: dict[str, Any]) -> str:
     return r"'model/extra' is not part of this member's state"
 
 
-@pytest.mark.parametrize("plant", [plant_huge_shape, plant_wrong_dtype, plant_swapped_names, plant_unknown_tensor])
+def plant_shard_claim(meta: dict[str, Any]) -> str:
+    meta["tensors"][0]["shape"] = [2, 4]
+    meta["tensors"][0]["dtensor"] = {"shape": [4, 4], "placements": ["Shard(dim=0)"], "mesh": [2], "coordinate": [1]}
+    return (
+        r"#0 'model/0.weight' is \[2, 4\] torch.float32, the shard at \[1\] of \[4, 4\] \(Shard\(dim=0\) over a mesh "
+        r"of \[2\]\); this member's is \[4, 4\] torch.float32$"
+    )
+
+
+def plant_malformed_layout(meta: dict[str, Any]) -> str:
+    meta["tensors"][1]["dtensor"] = {"shape": [4], "placements": ["Shard(dim=0)"], "mesh": [2], "coordinate": "0"}
+    return r"#1 'model/0.bias' has a malformed DTensor coordinate 0"
+
+
+@pytest.mark.parametrize(
+    "plant",
+    [
+        plant_huge_shape,
+        plant_wrong_dtype,
+        plant_swapped_names,
+        plant_unknown_tensor,
+        plant_shard_claim,
+        plant_malformed_layout,
+    ],
+)
 def test_planted_metadata_is_refused_before_anything_is_allocated(plant: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     allocations: list[Any] = []
     monkeypatch.setattr(heal, "_allocate", lambda specs, device: allocations.append(specs) or [])

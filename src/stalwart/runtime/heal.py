@@ -8,12 +8,20 @@ counters, which state each parameter holds, the tensors' names, shapes and
 dtypes) travels as JSON through the quorum's store. Nothing is pickled, so a
 peer cannot make another run code.
 
+A DTensor (FSDP2 inside a replica group, :mod:`stalwart.runtime.sharding`)
+travels as its local shard: process r of a joining group heals from process r
+of a live group, over a communicator with one process per group. Its metadata
+also records the whole tensor's shape, its placements, the mesh's shape and the
+sender's coordinate in it, and the receiver loads the shard back as a DTensor
+on its own mesh, with its own placements.
+
 Nothing a peer claims is allocated unchecked: every member that receives
 validates the metadata against its own state first (:func:`check_heal_meta`):
 the same state names, the same tensor names in the same order with the same
-shapes and dtypes (optimizer state this member has not created yet is allowed
-when it has its parameter's shape), and a total within a byte budget. A
-mismatch raises :class:`HealError` naming the first offending tensor.
+shapes, dtypes and sharding (optimizer state this member has not created yet
+is allowed when it has its parameter's shape and sharding), and a total within
+a byte budget. A mismatch raises :class:`HealError` naming the first offending
+tensor.
 
 Every member of the quorum takes part (a broadcast is collective); only the
 targets load what they received.
@@ -29,8 +37,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from stalwart.runtime.comm import Communicator
+from stalwart.runtime.sharding import local_tensor
 from stalwart.runtime.state import Stateful
 
 META_KEY = "heal/meta"
@@ -46,6 +56,7 @@ DEFAULT_HEAL_TIMEOUT = 30.0
 DEFAULT_MIN_BANDWIDTH = 50e6
 """Bytes per second a heal is assumed to move at least (a slow shared network)."""
 _MAX_DIMS = 64
+_MAX_PLACEMENT_CHARS = 200
 _SCALAR_DTYPES = frozenset({torch.float32, torch.float64, torch.int64})
 _OPTIMIZER_STATE = re.compile(r"^(?P<state>.+)/state/(?P<index>\d+)/[^/]+$")
 
@@ -55,21 +66,76 @@ class HealError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class ShardSpec:
+    """What a DTensor's local shard is part of: the whole tensor's shape, its placements, the mesh and where in it."""
+
+    shape: tuple[int, ...]
+    placements: tuple[str, ...]
+    mesh: tuple[int, ...]
+    coordinate: tuple[int, ...]
+
+    @classmethod
+    def of(cls, tensor: DTensor) -> ShardSpec:
+        """The layout of this process's shard of ``tensor``."""
+        mesh = tensor.device_mesh
+        return cls(
+            tuple(tensor.shape),
+            tuple(repr(placement) for placement in tensor.placements),
+            tuple(mesh.shape),
+            tuple(mesh.get_coordinate() or ()),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The layout as it travels in the metadata."""
+        return {
+            "shape": list(self.shape),
+            "placements": list(self.placements),
+            "mesh": list(self.mesh),
+            "coordinate": list(self.coordinate),
+        }
+
+
+@dataclass(frozen=True)
 class TensorSpec:
-    """A tensor's place in a state: its path name, shape and dtype."""
+    """A tensor's place in a state: its path name, shape and dtype; a DTensor's local shard's, with its layout."""
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    shard: ShardSpec | None = None
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
+        """The spec of ``tensor`` (of its local shard if it is a DTensor)."""
+        shard = ShardSpec.of(tensor) if isinstance(tensor, DTensor) else None
+        return cls(name, tuple(local_tensor(tensor).shape), tensor.dtype, shard)
 
     @property
     def nbytes(self) -> int:
-        """Bytes the tensor holds (exact python ints: a claimed shape cannot overflow)."""
+        """Bytes the tensor (or local shard) holds (exact python ints: a claimed shape cannot overflow)."""
         return math.prod(self.shape) * _itemsize(self.dtype)
+
+    def describe(self) -> str:
+        """Shape and dtype, and for a shard where it lies, as error messages show them."""
+        text = f"{list(self.shape)} {self.dtype}"
+        if self.shard is None:
+            return text
+        placements = ", ".join(self.shard.placements)
+        return (
+            f"{text}, the shard at {list(self.shard.coordinate)} of {list(self.shard.shape)} "
+            f"({placements} over a mesh of {list(self.shard.mesh)})"
+        )
 
     def to_json(self) -> dict[str, Any]:
         """The spec as it travels in the metadata."""
-        return {"name": self.name, "shape": list(self.shape), "dtype": str(self.dtype).removeprefix("torch.")}
+        raw: dict[str, Any] = {
+            "name": self.name,
+            "shape": list(self.shape),
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+        if self.shard is not None:
+            raw["dtensor"] = self.shard.to_json()
+        return raw
 
 
 def transfer_state(
@@ -92,6 +158,7 @@ def transfer_state(
     :func:`check_heal_meta` (``max_bytes``: the byte budget, default
     ``BUDGET_FACTOR`` times their own state bytes) before allocating; the
     broadcast must end within ``timeout + bytes / min_bandwidth`` seconds.
+    DTensors move as their local shards (see the module's docstring).
     """
     if comm.rank == source_rank:
         meta, tensors = flatten_states(states, applied_step)
@@ -105,28 +172,32 @@ def transfer_state(
         tensors = _allocate(specs, comm.device)
     comm.broadcast(tensors, source_rank, timeout=heal_deadline(total, timeout, min_bandwidth))
     if is_target and comm.rank != source_rank:
-        _load(states, meta, tensors)
+        _load(states, meta, _as_own_dtensors(states, specs, tensors))
     return int(meta["applied_step"])
 
 
 def flatten_states(states: Mapping[str, Stateful], applied_step: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """The JSON metadata of ``states`` (tensors replaced by their index) and the tensors, in order."""
+    """The JSON metadata of ``states`` (tensors replaced by their index) and the tensors (local shards), in order."""
     tensors: list[torch.Tensor] = []
     names: list[str] = []
     encoded = [_encode(obj.state_dict(), name, tensors, names) for name, obj in states.items()]
-    pairs = zip(names, tensors, strict=True)
-    specs = [TensorSpec(name, tuple(tensor.shape), tensor.dtype).to_json() for name, tensor in pairs]
+    specs = [TensorSpec.of(name, tensor).to_json() for name, tensor in zip(names, tensors, strict=True)]
     meta = {"applied_step": applied_step, "names": list(states), "states": encoded, "tensors": specs}
-    return meta, tensors
+    return meta, [local_tensor(tensor).contiguous() for tensor in tensors]
 
 
 def state_specs(states: Mapping[str, Stateful]) -> list[TensorSpec]:
     """The tensors of this member's own ``states``: what heal metadata must match."""
+    return [TensorSpec.of(name, tensor) for name, tensor in _own_tensors(states)]
+
+
+def _own_tensors(states: Mapping[str, Stateful]) -> list[tuple[str, torch.Tensor]]:
+    """This member's state tensors with their path names, in order (DTensors as they are)."""
     tensors: list[torch.Tensor] = []
     names: list[str] = []
     for name, obj in states.items():
         _encode(obj.state_dict(), name, tensors, names)
-    return [TensorSpec(name, tuple(tensor.shape), tensor.dtype) for name, tensor in zip(names, tensors, strict=True)]
+    return list(zip(names, tensors, strict=True))
 
 
 def check_heal_meta(meta: Any, states: Mapping[str, Stateful], *, max_bytes: int | None = None) -> list[TensorSpec]:
@@ -134,9 +205,11 @@ def check_heal_meta(meta: Any, states: Mapping[str, Stateful], *, max_bytes: int
 
     Checked, in the metadata's order: every tensor is well formed, has a name
     this member's state has (in the same order as this member's), with the same
-    shape and dtype; a tensor of a registered optimizer's per-parameter state
-    (``NAME/state/I/KEY``) that this member has not created yet is allowed when
-    it has parameter ``I``'s shape and dtype (or is a scalar step count). Every
+    shape and dtype, and is a DTensor's shard exactly when this member's is,
+    laid out the same (whole shape, placements, mesh, coordinate); a tensor of a
+    registered optimizer's per-parameter state (``NAME/state/I/KEY``) that this
+    member has not created yet is allowed when it has parameter ``I``'s shape,
+    dtype and layout (or is an unsharded scalar step count). Every
     tensor this member has, except its optimizers' per-parameter state, must be
     present, and the total must fit ``max_bytes`` (default: ``BUDGET_FACTOR``
     times this member's own state bytes plus ``BUDGET_SLACK``).
@@ -165,10 +238,10 @@ def check_heal_meta(meta: Any, states: Mapping[str, Stateful], *, max_bytes: int
         expected = own_by_name.get(spec.name) or _optional_spec(spec, optional)
         if expected is None:
             raise HealError(f"heal metadata tensor #{number} {spec.name!r} is not part of this member's state")
-        if spec.shape != expected.shape or spec.dtype != expected.dtype:
+        if (spec.shape, spec.dtype, spec.shard) != (expected.shape, expected.dtype, expected.shard):
             raise HealError(
-                f"heal metadata tensor #{number} {spec.name!r} is {list(spec.shape)} {spec.dtype}; "
-                f"this member's is {list(expected.shape)} {expected.dtype}"
+                f"heal metadata tensor #{number} {spec.name!r} is {spec.describe()}; "
+                f"this member's is {expected.describe()}"
             )
         if spec.name in own_by_name:
             while (
@@ -206,34 +279,65 @@ def _optimizer_parameters(states: Mapping[str, Stateful]) -> dict[str, list[torc
     }
 
 
-def _optional_spec(spec: TensorSpec, optional: dict[str, list[torch.Tensor]]) -> TensorSpec | None:
-    """What an optimizer's per-parameter state tensor named like ``spec`` may be, or None if it is no such tensor."""
-    match = _OPTIMIZER_STATE.match(spec.name)
+def _optional_param(name: str, optional: dict[str, list[torch.Tensor]]) -> torch.Tensor | None:
+    """The parameter whose optimizer state a tensor path ``name`` is, or None if it is no such tensor."""
+    match = _OPTIMIZER_STATE.match(name)
     if match is None or match["state"] not in optional:
         return None
     params = optional[match["state"]]
     index = int(match["index"])
-    if index >= len(params):
+    return params[index] if index < len(params) else None
+
+
+def _optional_spec(spec: TensorSpec, optional: dict[str, list[torch.Tensor]]) -> TensorSpec | None:
+    """What an optimizer's per-parameter state tensor named like ``spec`` may be, or None if it is no such tensor."""
+    param = _optional_param(spec.name, optional)
+    if param is None:
         return None
-    if spec.shape == () and spec.dtype in _SCALAR_DTYPES:
+    if spec.shape == () and spec.dtype in _SCALAR_DTYPES and spec.shard is None:
         return spec
-    return TensorSpec(spec.name, tuple(params[index].shape), params[index].dtype)
+    return TensorSpec.of(spec.name, param)
 
 
 def _parse_spec(raw: Any, number: int) -> TensorSpec:
     if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
         raise HealError(f"heal metadata tensor #{number} is not an object with a name: {str(raw)[:200]}")
-    name, shape, dtype_name = raw["name"], raw.get("shape"), raw.get("dtype")
-    if (
-        not isinstance(shape, list)
-        or len(shape) > _MAX_DIMS
-        or any(isinstance(size, bool) or not isinstance(size, int) or size < 0 for size in shape)
-    ):
-        raise HealError(f"heal metadata tensor #{number} {name!r} has a malformed shape {str(shape)[:200]}")
+    name, dtype_name = raw["name"], raw.get("dtype")
+    where = f"heal metadata tensor #{number} {name!r}"
+    shape = _parse_sizes(raw.get("shape"), f"{where} has a malformed shape")
     dtype = getattr(torch, dtype_name, None) if isinstance(dtype_name, str) else None
     if not isinstance(dtype, torch.dtype):
-        raise HealError(f"heal metadata tensor #{number} {name!r} names an unknown dtype {dtype_name!r}")
-    return TensorSpec(name, tuple(shape), dtype)
+        raise HealError(f"{where} names an unknown dtype {dtype_name!r}")
+    return TensorSpec(name, shape, dtype, None if "dtensor" not in raw else _parse_shard(raw["dtensor"], where))
+
+
+def _parse_shard(raw: Any, where: str) -> ShardSpec:
+    if not isinstance(raw, dict):
+        raise HealError(f"{where} has a malformed DTensor layout {str(raw)[:200]}")
+    placements = raw.get("placements")
+    if (
+        not isinstance(placements, list)
+        or len(placements) > _MAX_DIMS
+        or any(not isinstance(item, str) or len(item) > _MAX_PLACEMENT_CHARS for item in placements)
+    ):
+        raise HealError(f"{where} has malformed DTensor placements {str(placements)[:200]}")
+    return ShardSpec(
+        _parse_sizes(raw.get("shape"), f"{where} has a malformed DTensor shape"),
+        tuple(placements),
+        _parse_sizes(raw.get("mesh"), f"{where} has a malformed DTensor mesh"),
+        _parse_sizes(raw.get("coordinate"), f"{where} has a malformed DTensor coordinate"),
+    )
+
+
+def _parse_sizes(value: Any, error: str) -> tuple[int, ...]:
+    """A list of at most ``_MAX_DIMS`` non-negative ints as a tuple; :class:`HealError` with ``error`` if not."""
+    if (
+        not isinstance(value, list)
+        or len(value) > _MAX_DIMS
+        or any(isinstance(size, bool) or not isinstance(size, int) or size < 0 for size in value)
+    ):
+        raise HealError(f"{error} {str(value)[:200]}")
+    return tuple(value)
 
 
 def _allocate(specs: list[TensorSpec], device: torch.device) -> list[torch.Tensor]:
@@ -248,7 +352,7 @@ def _itemsize(dtype: torch.dtype) -> int:
 def _encode(value: Any, path: str, tensors: list[torch.Tensor], names: list[str]) -> Any:
     """JSON for ``value``: tensors become ``{"__tensor__": i}``, dicts keep their keys' types, tuples stay tuples."""
     if isinstance(value, torch.Tensor):
-        tensors.append(value.detach().contiguous())
+        tensors.append(value.detach())
         names.append(path)
         return {"__tensor__": len(tensors) - 1}
     if isinstance(value, dict):
@@ -289,6 +393,37 @@ def _decode_json(raw: bytes) -> Any:
         return json.loads(raw)
     except ValueError as error:
         raise HealError(f"heal metadata is not JSON: {error}") from error
+
+
+def _as_own_dtensors(
+    states: Mapping[str, Stateful], specs: list[TensorSpec], tensors: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """The received tensors, each received shard made a DTensor like this member's own (or its parameter's).
+
+    The checked layout equals the template's, so the shard is wrapped with the
+    template's mesh, placements, shape and stride without communication. The
+    objects' own ``load_state_dict`` then gets what their ``state_dict`` gives:
+    an FSDP2 module copies DTensor into DTensor shard-locally, an optimizer keeps
+    DTensor state for DTensor parameters.
+    """
+    own = dict(_own_tensors(states))
+    optional = _optimizer_parameters(states)
+    loaded = []
+    for spec, tensor in zip(specs, tensors, strict=True):
+        template = own.get(spec.name)
+        if template is None:
+            template = _optional_param(spec.name, optional)
+        if spec.shard is not None and isinstance(template, DTensor):
+            tensor = DTensor.from_local(
+                tensor,
+                template.device_mesh,
+                template.placements,
+                run_check=False,
+                shape=template.shape,
+                stride=template.stride(),
+            )
+        loaded.append(tensor)
+    return loaded
 
 
 def _load(states: Mapping[str, Stateful], meta: dict[str, Any], tensors: list[torch.Tensor]) -> None:

@@ -1,0 +1,79 @@
+"""FSDP2 inside a replica group: the helpers the runtime needs around ``fully_shard``.
+
+A replica group of G processes may shard its model with
+``torch.distributed.fsdp.fully_shard`` over a 1-D DeviceMesh of its own G
+processes (fault-tolerant HSDP). Parameters, gradients and optimizer state are
+then DTensors whose local shard differs per process; process r of every group
+holds the same shard, so a group is healed shard by shard (see
+:mod:`stalwart.runtime.heal`) and gradients are reduced across groups per shard.
+
+Nothing here creates a process group or talks to a peer except through FSDP's
+own reduce-scatter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` or one of its submodules was ``fully_shard``-ed."""
+    return any(isinstance(module, FSDPModule) for module in model.modules())
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's shard of a DTensor; any other tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def sharding_layout(model: torch.nn.Module) -> str:
+    """A short digest of how this process holds ``model``'s parameters.
+
+    It covers each parameter's name, global and local shape, dtype, placements
+    and mesh size (a plain tensor counts as unsharded on a mesh of one). Process
+    r of every group has the same digest exactly when the groups shard the same
+    model the same way.
+    """
+    rows = []
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor):
+            placements = [repr(placement) for placement in param.placements]
+            mesh_size = param.device_mesh.size()
+        else:
+            placements, mesh_size = [], 1
+        local = local_tensor(param)
+        rows.append([name, list(param.shape), list(local.shape), str(param.dtype), placements, mesh_size])
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
+
+
+def prepare_fsdp(model: torch.nn.Module) -> None:
+    """Make FSDP2's gradient reduce-scatter sum over the group instead of averaging.
+
+    Every ``FSDPModule`` gets a gradient divide factor of 1
+    (``set_gradient_divide_factor``) and plain SUM collectives
+    (``set_force_sum_reduction_for_comms``): with the factor alone FSDP2 uses
+    ``ReduceOp.PREMUL_SUM``, which Gloo does not support. Each process's shard
+    of a gradient is then that shard of the sum of the processes' full
+    gradients, and the runtime normalizes once, across groups.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
+    """Turn FSDP2's gradient reduce-scatter on or off (off: backward passes accumulate unsharded, locally).
+
+    Calls ``set_requires_gradient_sync`` on every ``FSDPModule`` of ``model``
+    (each for itself only), which is what calling it on the root with
+    ``recurse=True`` does, without needing to know which module is the root.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_requires_gradient_sync(enabled, recurse=False)
