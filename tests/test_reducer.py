@@ -12,6 +12,7 @@ survivor must still hold its own gradient sums and reduce them again in a new
 from __future__ import annotations
 
 import datetime
+import itertools
 import multiprocessing
 import queue
 import time
@@ -57,7 +58,7 @@ def test_buckets_cover_every_parameter_once_in_reverse_order_within_their_caps(
         limit = first_cap if number == 0 else cap
         if len(bucket.params) > 1:
             assert bucket.numel * bucket.dtype.itemsize <= limit
-    for before, after in zip(buckets, buckets[1:], strict=False):  # a bucket closes only when the next would not fit
+    for before, after in itertools.pairwise(buckets):  # a bucket closes only when the next would not fit
         first = params[after.params[0]]
         limit = first_cap if before is buckets[0] else cap
         fits = (before.numel + first[0]) * before.dtype.itemsize <= limit

@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -42,13 +42,15 @@ def lighthouse() -> Iterator[Lighthouse]:
     server.stop()
 
 
-def launch_group(url: str, name: str, run_dir: Path) -> subprocess.Popen[bytes]:
+def launch_group(url: str, name: str, run_dir: Path, extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+    """One torchrun launch of two worker processes forming replica group ``name`` (``extra``: worker options)."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         "-m", "stalwart.launch.worker", "--lighthouse", url, "--member", name, "--run-dir", str(run_dir),
         "--max-steps", str(STEPS), "--max-microbatch", "4", "--collective-timeout", "1.0", "--step-seconds", "0.25",
+        *extra,
     ]  # fmt: skip
-    log = open(run_dir / f"{name}.log", "wb")  # noqa: SIM115 - the child keeps it
+    log = open(run_dir / f"{name}.log", "ab")  # noqa: SIM115 - the child keeps it
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
     return process

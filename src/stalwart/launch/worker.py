@@ -30,6 +30,10 @@ plan that does not fit the dataset) end the process with one line on stderr
 and exit status 2; a worker that joins after the job ended prints one line
 and exits 0.
 
+``--fsdp`` (a group of several processes): the group shards the model with
+FSDP2's ``fully_shard`` over a mesh of its processes (fault-tolerant HSDP);
+the final parameters are saved whole (``full_tensor()``).
+
 ``--corrupt-at STEP`` adds noise to this worker's parameters at the start of
 step STEP, for tests of the replica-consistency check (the Manager must heal
 it from the others before the step is applied).
@@ -49,6 +53,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from stalwart.coord.client import LighthouseError, LighthouseUnreachable
 from stalwart.data.world import WorldInfo
@@ -60,8 +68,9 @@ from stalwart.launch.digits import (
     digits_scheduler,
     summed_loss,
 )
+from stalwart.runtime.comm import default_device
 from stalwart.runtime.loader import ElasticLoader
-from stalwart.runtime.manager import Manager, PlanMismatchError, StateLostError
+from stalwart.runtime.manager import Manager, PlanMismatchError, ShardingMismatchError, StateLostError
 
 KILL_POINTS = ("before_forward", "during_backward", "during_reduce", "after_reduce")
 _MANAGER_EVENTS = {"reduce_started": "during_reduce", "reduce_finished": "after_reduce"}
@@ -144,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--kill-at", type=parse_kill_at, default=None, help="STEP:POINT to SIGKILL itself (tests).")
     parser.add_argument("--corrupt-at", type=int, default=None, help="Perturb the parameters at this step (tests).")
+    parser.add_argument("--fsdp", action="store_true", help="Shard the model over the group's processes (FSDP2).")
     parser.add_argument("--hold-file", type=Path, default=None, help="Wait before steps >= the number it holds.")
     parser.add_argument(
         "--step-seconds", type=float, default=0.0, help="Extra seconds of simulated compute at the start of each step."
@@ -158,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     events.write("started")
     try:
         _train(args, group, name, events)
-    except (LighthouseError, LighthouseUnreachable, PlanMismatchError, StateLostError) as error:
+    except (LighthouseError, LighthouseUnreachable, PlanMismatchError, ShardingMismatchError, StateLostError) as error:
         events.write("error", message=str(error))
         print(f"stalwart worker {name}: {error}", file=sys.stderr)
         raise SystemExit(EXIT_USER_ERROR) from None
@@ -181,6 +191,8 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
 
     loader = ElasticLoader(digits_dataset(), seed=args.seed)
     model = digits_model(args.seed)
+    if args.fsdp:
+        _fully_shard(model, group)
     optimizer = digits_optimizer(model, args.lr)
     scheduler = digits_scheduler(optimizer)
     manager = Manager(
@@ -245,11 +257,26 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
                 file=sys.stderr,
             )
             return
-        torch.save(model.state_dict(), args.run_dir / f"final-{name}.pt")
+        whole = {
+            key: value.full_tensor() if isinstance(value, DTensor) else value
+            for key, value in model.state_dict().items()
+        }
+        torch.save(whole, args.run_dir / f"final-{name}.pt")
         events.write("finished", step=manager.ledger.step)
     finally:
         manager.close()
         loader.close()
+
+
+def _fully_shard(model: torch.nn.Module, group: WorldInfo) -> None:
+    """Shard each layer and the root over a mesh of the group's processes (torchrun's environment)."""
+    device = default_device()
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=group.rank, world_size=group.world_size)
+    mesh = init_device_mesh(device.type, (group.world_size,))
+    for layer in model.children():
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ JSON under a sequence number: every process of the group enters quorum
 formation at the same points (start, failed collective, reconfigure flag in
 the all-reduce), so the n-th answer is the one all of them wait for. When the
 lighthouse reports the quorum broken, the leader also raises a flag in the
-group store so that the other processes abandon the collective too.
+group store so that the other processes abandon the collective too, and it
+relays the lighthouse's request for a step boundary the same way.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class GroupLink:
         self._store = None if store is None else dist.PrefixStore("stalwart/", store)
         self._answers = 0
         self._last_broken_check = 0.0
+        self._boundaries: set[int] = set()
 
     @property
     def is_leader(self) -> bool:
@@ -71,6 +73,16 @@ class GroupLink:
         answer = json.loads(self._store.get(f"answer/{self._answers}"))
         self._answers += 1
         return dict(answer)
+
+    def mark_boundary(self, quorum_id: int) -> None:
+        """Leader: tell the group that the lighthouse wants quorum ``quorum_id`` at a step boundary."""
+        if self._store is not None and quorum_id not in self._boundaries:
+            self._boundaries.add(quorum_id)
+            self._store.set(f"boundary/{quorum_id}", "1")
+
+    def boundary(self, quorum_id: int) -> bool:
+        """Other processes: whether the leader relayed a boundary request for quorum ``quorum_id``."""
+        return self._store is not None and bool(self._store.check([f"boundary/{quorum_id}"]))
 
     def mark_broken(self, quorum_id: int) -> None:
         """Leader: tell the group that quorum ``quorum_id`` has a dead member."""

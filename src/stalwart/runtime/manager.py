@@ -62,6 +62,7 @@ from stalwart.runtime.group import GroupLink
 from stalwart.runtime.heal import transfer_state
 from stalwart.runtime.loader import ElasticLoader
 from stalwart.runtime.reducer import DEFAULT_BUCKET_CAP_MB, GradientReducer
+from stalwart.runtime.sharding import is_sharded, prepare_fsdp, set_gradient_sync, sharding_layout
 from stalwart.runtime.state import Stateful, check_state_name, host_rng_states
 from stalwart.runtime.timeouts import Timeouts
 
@@ -86,6 +87,14 @@ class StateLostError(RuntimeError):
 
 class PlanMismatchError(ValueError):
     """The lighthouse's plan does not fit this worker's data (for example another dataset length)."""
+
+
+class ShardingMismatchError(ValueError):
+    """This replica group shards its model differently from the group it must match (FSDP2 groups)."""
+
+
+_REPLICATED = "replicated"
+"""The layout a process of an unsharded model publishes (any group size is fine then)."""
 
 
 @dataclass(frozen=True)
@@ -139,6 +148,19 @@ class Manager:
     :mod:`stalwart.runtime.state`: torch's CPU generator, CUDA's when present,
     numpy's global and python ``random``'s). ``max_heal_bytes`` bounds what a
     heal may allocate (default: a few times this member's own state).
+
+    A group that shards its model with FSDP2 (``fully_shard`` over a mesh of
+    its own processes; build the Manager after ``fully_shard``) runs as
+    fault-tolerant HSDP: FSDP2's reduce-scatter sums each gradient shard
+    within the group (the Manager sets its divide factor to 1), and the
+    Manager reduces each process's shard with the processes holding the same
+    shard in the other groups, over a communicator of its own per shard; a
+    joining group is healed shard by shard from a live group. Every group must
+    have as many processes and shard the same way as the group it is checked
+    against (the heal source, else the quorum's first member), else
+    :class:`ShardingMismatchError`. FSDP2 groups do not take durable
+    checkpoints yet, and their replicas are not checksummed (``check_every``
+    applies to unsharded models).
 
     Every step's all-reduce also carries two checks (see
     :mod:`stalwart.runtime.consistency`): a checksum of each process's
@@ -210,6 +232,15 @@ class Manager:
         self._max_steps: int | None = None
         self._group = GroupLink(group or WorldInfo(rank=0, world_size=1), group_store, timeout=quorum_timeout)
         self._params = [param for param in model.parameters() if param.requires_grad]
+        self._sharded = is_sharded(model)
+        if self._sharded and checkpoint_dir is not None:
+            raise ValueError(
+                f"checkpoint_dir={str(checkpoint_dir)!r}: durable checkpoints of an FSDP2-sharded model are not "
+                "supported yet; leave checkpoint_dir unset (live groups heal a joining one)"
+            )
+        if self._sharded:
+            prepare_fsdp(model)
+        self._layout = sharding_layout(model) if self._sharded else _REPLICATED
         self._client: LighthouseClient | None = None
         self._report: tuple[int, str | None] = (0, None)
         """``(applied_step, ledger digest)`` for the heartbeat: the lighthouse commits only on a matching digest."""
@@ -222,6 +253,8 @@ class Manager:
                 raise
             self._client.start_heartbeat(lambda: self._report)
         self._comm: Communicator | None = None
+        self._grad_comm: Communicator | None = None
+        """Where gradients are reduced: ``_comm`` itself, or (FSDP2 groups) the processes holding this shard."""
         self._answer: QuorumAnswer | None = None
         self._ledger: DataLedger | None = None
         self._group_sizes: list[int] = []
@@ -290,8 +323,17 @@ class Manager:
 
     @property
     def boundary_wanted(self) -> bool:
-        """True while the lighthouse asks this member's quorum to come to a step boundary (a join, a failure)."""
-        return self._client is not None and self._client.reconfigure_requested
+        """True while the lighthouse asks this member's quorum to come to a step boundary (a join, a failure).
+
+        The group's leader hears it from the lighthouse and relays it to the
+        group's other processes, so that all of them see it by their next call.
+        """
+        if self._client is None:
+            return self._group.boundary(self.quorum_id)
+        wanted = self._client.reconfigure_requested
+        if wanted:
+            self._group.mark_boundary(self.quorum_id)
+        return wanted
 
     @property
     def quorum_id(self) -> int:
@@ -372,8 +414,7 @@ class Manager:
         if self._checkpointer is not None and not self._checkpointer.wait(_CLOSE_WAIT):
             log.warning("%s: a checkpoint was still being written after %g s; leaving anyway", self.member, _CLOSE_WAIT)
         self._reducer.close()
-        if self._comm is not None:
-            self._comm.abort()
+        self._abort_comms()
         if self._client is not None:
             self._client.leave(self.applied_step)
             self._client.close()
@@ -397,6 +438,8 @@ class Manager:
             count = -(-part.size // self.max_microbatch)
             batches = loader.microbatches(self.ledger.epoch, self._indices(part), self.max_microbatch) if count else ()
             for number, batch in enumerate(batches, start=1):
+                if self._sharded:  # FSDP2 reduce-scatters in the group only on the part's last backward
+                    set_gradient_sync(self.model, number == count)
                 if number == count:
                     self._arm(loader)  # the last backward of this part launches the buckets as they fill
                 yield batch
@@ -421,7 +464,7 @@ class Manager:
         flag, loss sum]``; the loss sum is the one value that the last
         backward still adds to, and it stays on the device (no host sync).
         """
-        assert self._comm is not None
+        assert self._comm is not None and self._grad_comm is not None
         self._index_sum = (self._index_sum + _produced_checksum(loader)) % (1 << 64)
         world = self._comm.world_size
         if self._check_step():
@@ -432,7 +475,12 @@ class Manager:
         flag = 1.0 if self._client is not None and self._client.reconfigure_requested else 0.0
         counts = torch.tensor([float(self._samples), flag])
         head = torch.cat([drift, audit_pieces(self._index_sum), counts]).to(self.device)
-        self._reducer.arm(self._comm, lambda: torch.cat([head, self._loss_sum.reshape(1).float()]), head.numel() + 1)
+        self._reducer.arm(
+            self._grad_comm,
+            lambda: torch.cat([head, self._loss_sum.reshape(1).float()]),
+            head.numel() + 1,
+            tail_comm=None if self._grad_comm is self._comm else self._comm,
+        )
 
     def _reduce(self, loader: ElasticLoader) -> torch.Tensor:
         """Finish the round's reduction (launch what backward did not, wait); the reduced tail on the CPU."""
@@ -446,7 +494,7 @@ class Manager:
 
     def _check_step(self) -> bool:
         """Whether this step's all-reduce carries the replica-consistency check (the same on every member)."""
-        return self.ledger.step % self.check_every == 0
+        return not self._sharded and self.ledger.step % self.check_every == 0
 
     def _heal_drift(self, reduced: torch.Tensor) -> bool:
         """If the replicas' checksums differ, heal the odd ones out from the majority and return True."""
@@ -676,9 +724,7 @@ class Manager:
         """Ask for a quorum until this member is in one, its group is up and it is healed (bounded attempts)."""
         last_failure = "none"
         for attempt in range(1, self.max_join_attempts + 1):
-            if self._comm is not None:
-                self._comm.abort()
-                self._comm = None
+            self._abort_comms()
             answer = self._next_answer(reason)
             if answer is None:
                 reason, last_failure = "join", "excluded from the quorum"
@@ -687,7 +733,7 @@ class Manager:
             self._diverged = False
             self._ledger = DataLedger.from_state_dict(answer.ledger)
             try:
-                self._comm = self._connect(answer)
+                self._connect(answer)
                 self._heals = 0  # heal keys count from 0 in each quorum's store, the same on every member
                 if answer.heal is not None:
                     self._heal(answer)
@@ -701,7 +747,7 @@ class Manager:
                     self.max_join_attempts,
                 )
                 reason = "failure" if self._group_done.size else "reconfigure"
-                self._comm = None
+                self._abort_comms()
                 last_failure = str(error)
                 continue
             self._reconfigure = False
@@ -712,24 +758,64 @@ class Manager:
             f"(max_join_attempts={self.max_join_attempts}); last failure: {last_failure}"
         )
 
-    def _connect(self, answer: QuorumAnswer) -> Communicator:
-        """Build the quorum's process group over every process of every member group."""
+    def _abort_comms(self) -> None:
+        for comm in {id(comm): comm for comm in (self._comm, self._grad_comm) if comm is not None}.values():
+            comm.abort()
+        self._comm = self._grad_comm = None
+
+    def _connect(self, answer: QuorumAnswer) -> None:
+        """Build the quorum's process group over every process of every member group (and, for FSDP2, per shard)."""
         timeout = self.timeouts.rendezvous_timeout
         store = quorum_store(answer.store.host, answer.store.port, answer.store.prefix, timeout)
-        if self._group.is_leader:
-            store.set(f"group_size/{self.member}", str(self._group.size))
-        self._group_sizes = [int(store.get(f"group_size/{member}")) for member in answer.members]
+        try:
+            if self._group.is_leader:
+                store.set(f"group_size/{self.member}", str(self._group.size))
+            store.set(f"layout/{self.member}/{self._group.rank}", self._layout)
+            self._group_sizes = [int(store.get(f"group_size/{member}")) for member in answer.members]
+            self._check_layout(answer, store)
+        except (RuntimeError, dist.DistError) as error:  # a member that never wrote its keys: it died
+            raise CollectiveError(f"quorum {answer.quorum_id}'s store did not answer: {error}") from error
         offset = sum(self._group_sizes[: answer.rank])
-        return Communicator(
-            store,
-            offset + self._group.rank,
-            sum(self._group_sizes),
-            timeout=self.timeouts.collective_timeout,
-            rendezvous_timeout=self.timeouts.rendezvous_timeout,
-            device=self.device,
-            host=self.host,
-            abandon=self._abandon,
-        )
+        options: dict[str, Any] = {
+            "timeout": self.timeouts.collective_timeout,
+            "rendezvous_timeout": self.timeouts.rendezvous_timeout,
+            "device": self.device,
+            "host": self.host,
+            "abandon": self._abandon,
+        }
+        self._comm = self._grad_comm = Communicator(store, offset + self._group.rank, sum(self._group_sizes), **options)
+        if self._sharded:
+            shard_store = dist.PrefixStore(f"shard/{self._group.rank}/", store)
+            self._grad_comm = Communicator(shard_store, answer.rank, len(answer.members), **options)
+
+    def _check_layout(self, answer: QuorumAnswer, store: dist.Store) -> None:
+        """Refuse to train beside a group that shards differently (FSDP2), or shards when this one does not."""
+        heal = answer.heal
+        reference = 0 if heal is None or heal.source_rank is None else heal.source_rank
+        if reference == answer.rank:
+            return
+        name = answer.members[reference]
+        size = self._group_sizes[reference]
+        theirs = store.get(f"layout/{name}/{min(self._group.rank, size - 1)}").decode()
+        if (theirs == _REPLICATED) != (self._layout == _REPLICATED):
+            raise ShardingMismatchError(
+                f"replica group {self.member!r} {'does not shard' if self._layout == _REPLICATED else 'shards'} its "
+                f"model with FSDP2 and group {name!r} {'does' if theirs != _REPLICATED else 'does not'}: every group "
+                "of a job must run the same training script"
+            )
+        if self._layout == _REPLICATED:
+            return
+        if size != self._group.size:
+            raise ShardingMismatchError(
+                f"replica group {self.member!r} shards its model over {self._group.size} processes and group "
+                f"{name!r} over {size}: every FSDP2 group of a job needs the same number of processes"
+            )
+        if theirs != self._layout:
+            raise ShardingMismatchError(
+                f"process {self._group.rank} of replica group {self.member!r} holds its shard with layout "
+                f"{self._layout}, group {name!r}'s with {theirs}: every group must fully_shard the same model "
+                "the same way (see stalwart.runtime.sharding.sharding_layout)"
+            )
 
     def _heal(self, answer: QuorumAnswer) -> None:
         """Take part in the broadcast of the source's state; load it if this member is behind."""
@@ -752,8 +838,11 @@ class Manager:
                 "from: run the workers with a checkpoint directory (Manager(checkpoint_dir=..., "
                 "checkpoint_every=...)) so that a whole-fleet restart resumes"
             )
-        source = sum(self._group_sizes[: answer.heal.source_rank])
-        self.applied_step = self._transfer(source, is_target=is_target)
+        if self._sharded:  # process r of the source group sends its shard to process r of the others
+            self.applied_step = self._transfer(answer.heal.source_rank, is_target=is_target, comm=self._grad_comm)
+        else:
+            source = sum(self._group_sizes[: answer.heal.source_rank])
+            self.applied_step = self._transfer(source, is_target=is_target)
         self._report = (self.applied_step, None)
         if is_target:
             self._after_heal()
@@ -763,12 +852,13 @@ class Manager:
         self._reset_step()
         self._notify("healed")
 
-    def _transfer(self, source: int, *, is_target: bool) -> int:
-        """Broadcast the whole state from process rank ``source``; load it if ``is_target``."""
-        assert self._comm is not None
+    def _transfer(self, source: int, *, is_target: bool, comm: Communicator | None = None) -> int:
+        """Broadcast the state from rank ``source`` of ``comm`` (default: the quorum's); load it if ``is_target``."""
+        comm = comm or self._comm
+        assert comm is not None
         self._heals += 1
         return transfer_state(
-            self._comm,
+            comm,
             source,
             self.states,
             self.applied_step,

@@ -23,6 +23,14 @@ The step's tail (sample count, loss sum, checks: see the Manager) rides at the
 end of the last bucket when that bucket reduces in float32; otherwise (bf16
 or fp16 reduction) it is a separate float32 all-reduce issued right after the
 last bucket, since its counts must be exact.
+
+FSDP2 (a replica group that ``fully_shard``-s its model): parameters and
+gradients are DTensors and the reducer works on their local shards, over the
+communicator of the processes that hold the same shard in every group. FSDP2
+assigns the sharded gradients itself at the end of backward (no
+``AccumulateGrad`` hook fires), so every bucket is launched after backward;
+the tail, which counts every process of every group, goes over the whole
+quorum's communicator instead (``tail_comm``).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from stalwart.runtime.comm import CollectiveError, Communicator
+from stalwart.runtime.sharding import local_tensor
 
 FIRST_BUCKET_BYTES = 1 << 20
 """The first bucket's cap (DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``, or ``bucket_cap_mb`` when smaller)."""
@@ -122,7 +131,7 @@ class GradientReducer:
         self.device = device
         cap_bytes = max(1, int(bucket_cap_mb * (1 << 20)))
         self.buckets = plan_buckets(
-            [(param.numel(), param.dtype) for param in self.params],
+            [(local_tensor(param).numel(), param.dtype) for param in self.params],
             cap_bytes=cap_bytes,
             first_cap_bytes=min(FIRST_BUCKET_BYTES, cap_bytes),
             reduce_dtype=reduce_dtype,
@@ -143,14 +152,17 @@ class GradientReducer:
         self._waits: list[Callable[[], None]] = []
         self._tail_launched = False
         self._error: BaseException | None = None
+        self._tail_comm: Communicator | None = None
         self._handles = [
-            param.register_post_accumulate_grad_hook(self._hook_for(index)) for index, param in enumerate(self.params)
+            param.register_post_accumulate_grad_hook(self._hook_for(index))
+            for index, param in enumerate(self.params)
+            if local_tensor(param) is param
         ]
 
     @property
     def tail_rides_last_bucket(self) -> bool:
-        """Whether the tail is reduced in the last bucket's collective (it reduces in float32)."""
-        return bool(self.buckets) and self.buckets[-1].dtype == torch.float32
+        """Whether this round's tail is reduced in the last bucket's collective (float32, same communicator)."""
+        return self._tail_comm is None and bool(self.buckets) and self.buckets[-1].dtype == torch.float32
 
     @property
     def armed(self) -> bool:
@@ -162,8 +174,19 @@ class GradientReducer:
         """How many buckets of the current round are launched (all of them once backward reached every one)."""
         return self._next
 
-    def arm(self, comm: Communicator, tail: Callable[[], torch.Tensor], tail_size: int) -> None:
-        """Start a round on ``comm``: the next backward's hooks launch buckets; ``tail()`` gives the tail at launch."""
+    def arm(
+        self,
+        comm: Communicator,
+        tail: Callable[[], torch.Tensor],
+        tail_size: int,
+        *,
+        tail_comm: Communicator | None = None,
+    ) -> None:
+        """Start a round on ``comm``: the next backward's hooks launch buckets; ``tail()`` gives the tail at launch.
+
+        With ``tail_comm`` the tail is reduced there, in its own collective.
+        """
+        self._tail_comm = tail_comm
         self._allocate(tail_size)
         self._comm = comm
         self._tail = tail
@@ -202,6 +225,7 @@ class GradientReducer:
             raise
         finally:
             self._comm = None
+            self._tail_comm = None
             self._tail = None
         return self._tail_view()
 
@@ -210,11 +234,10 @@ class GradientReducer:
         for bucket, buffer in zip(self.buckets, self._buffers, strict=True):
             for index, offset in zip(bucket.params, bucket.offsets, strict=True):
                 param = self.params[index]
-                reduced = buffer[offset : offset + param.numel()].view(param.shape)
                 if param.grad is None:
-                    param.grad = (reduced / samples).to(param.dtype)
-                else:
-                    param.grad.copy_(reduced).div_(samples)
+                    param.grad = torch.zeros_like(param)
+                gradient = local_tensor(param.grad)
+                gradient.copy_(buffer[offset : offset + gradient.numel()].view(gradient.shape)).div_(samples)
 
     def close(self) -> None:
         """Remove the autograd hooks."""
@@ -224,7 +247,7 @@ class GradientReducer:
 
     def _allocate(self, tail_size: int) -> None:
         rides = self.tail_rides_last_bucket
-        if self._buffers and tail_size == self._tail_size:
+        if self._buffers and tail_size == self._tail_size and rides == (self._tail_buffer is None):
             return
         self._buffers = [
             torch.empty(
@@ -262,11 +285,11 @@ class GradientReducer:
         bucket = self.buckets[number]
         param = self.params[index]
         offset = bucket.offsets[slot]
-        target = self._buffers[number][offset : offset + param.numel()]
+        target = self._buffers[number][offset : offset + local_tensor(param).numel()]
         if param.grad is None:
             target.zero_()
         else:
-            target.copy_(param.grad.reshape(-1))
+            target.copy_(local_tensor(param.grad).reshape(-1))
         self._copied[index] = True
         self._filled[number] += 1
 
@@ -284,7 +307,7 @@ class GradientReducer:
             if self._next == len(self.buckets) and not self._tail_launched:
                 assert self._tail_buffer is not None
                 self._tail_buffer.copy_(tail())
-                self._waits.append(comm.start_all_reduce_sum(self._tail_buffer))
+                self._waits.append((self._tail_comm or comm).start_all_reduce_sum(self._tail_buffer))
                 self._tail_launched = True
         except CollectiveError as error:  # raised from wait(): inside backward it would end the user's loop
             self._error = error

@@ -1,0 +1,91 @@
+"""Fault-tolerant HSDP: two replica groups of two processes, each sharding the model with FSDP2.
+
+Each group is one ``torchrun --standalone --nproc-per-node 2`` launch of the
+digits worker with ``--fsdp``: the group's processes ``fully_shard`` the MLP
+over their own mesh, FSDP2 reduce-scatters gradients within the group and the
+Manager reduces each shard across the groups. One process of group B is
+SIGKILLed mid-run (torchrun's agent ends its sibling); group A carries B's
+share alone; B is launched again, asks to join while the job is held, and is
+healed shard by shard from A. The run must keep every step's global batch,
+train each sample exactly once, and end with the failure-free parameters on
+all four processes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from stalwart.coord.server import Lighthouse
+from stalwart.data.plan import EpochPlan
+from stalwart.launch.cluster import latest_step
+from stalwart.launch.digits import reference_run
+from stalwart.launch.report import audit_steps, committed_steps, planned_total
+from tests.support import wait_until
+from tests.test_replica_groups import launch_group, worker_pids
+
+STEPS = 24
+HOLD_AT = 12
+PLAN = EpochPlan(1797, 48, seed=0, local_batch_multiple=4)
+PARAM_TOLERANCE = 1e-4
+TIMEOUT = 240.0
+
+
+@pytest.fixture
+def lighthouse() -> Iterator[Lighthouse]:
+    server = Lighthouse(PLAN, min_replicas=1, start_replicas=2, heartbeat_timeout=1.0, join_timeout=30.0)
+    server.start()
+    yield server
+    server.stop()
+
+
+def events(run_dir: Path, name: str) -> list[str]:
+    path = run_dir / f"events-{name}.jsonl"
+    return [line.split('"event": "', 1)[1].split('"', 1)[0] for line in path.read_text().splitlines() if line]
+
+
+def test_a_killed_fsdp_group_restarts_and_is_healed_shard_by_shard(tmp_path: Path, lighthouse: Lighthouse) -> None:
+    hold = tmp_path / "hold"
+    hold.write_text(str(HOLD_AT))
+    extra = ["--fsdp", "--hold-file", str(hold)]
+    agents = {name: launch_group(lighthouse.url, name, tmp_path, extra) for name in ("group-a", "group-b")}
+    restarted: subprocess.Popen[bytes] | None = None
+    try:
+        wait_until(lambda: latest_step(tmp_path)[0] >= 6, TIMEOUT, "the groups to train 6 steps")
+        os.kill(worker_pids(agents["group-b"])[1], signal.SIGKILL)
+        assert agents["group-b"].wait(timeout=TIMEOUT) != 0
+        wait_until(lambda: latest_step(tmp_path)[0] >= HOLD_AT, TIMEOUT, "group A to reach the hold alone")
+        restarted = launch_group(lighthouse.url, "group-b", tmp_path, extra)
+        wait_until(
+            lambda: any(m["member"] == "group-b" and m["asking"] == "join" for m in lighthouse.status()["members"]),
+            TIMEOUT,
+            "the restarted group B to ask to join",
+        )
+        hold.unlink()
+        assert agents["group-a"].wait(timeout=TIMEOUT) == 0
+        assert restarted.wait(timeout=TIMEOUT) == 0
+    finally:
+        for agent in [*agents.values(), restarted]:
+            if agent is not None and agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait(timeout=10)
+    steps = committed_steps(tmp_path)
+    assert [record["step"] for record in steps] == list(range(STEPS))
+    assert [record["samples"] for record in steps] == [planned_total(PLAN, step) for step in range(STEPS)]
+    assert audit_steps(PLAN, steps) == (True, 0, 0)
+    world_sizes = [record["world_size"] for record in steps]
+    assert world_sizes[0] == 2 and 1 in world_sizes and world_sizes[-1] == 2
+    assert "healed" in events(tmp_path, "group-b.0") and "healed" in events(tmp_path, "group-b.1")
+    reference, _ = reference_run(PLAN, STEPS)
+    finals = sorted(path.name for path in tmp_path.glob("final-*.pt"))
+    assert finals == [f"final-group-{g}.{rank}.pt" for g in "ab" for rank in (0, 1)]
+    for name in finals:
+        parameters = torch.load(tmp_path / name, weights_only=True)
+        worst = max(float((parameters[key] - value).abs().max()) for key, value in reference.items())
+        assert worst < PARAM_TOLERANCE, name
