@@ -89,3 +89,23 @@ def test_a_killed_fsdp_group_restarts_and_is_healed_shard_by_shard(tmp_path: Pat
         parameters = torch.load(tmp_path / name, weights_only=True)
         worst = max(float((parameters[key] - value).abs().max()) for key, value in reference.items())
         assert worst < PARAM_TOLERANCE, name
+
+
+def test_a_group_that_does_not_shard_like_the_others_is_refused(tmp_path: Path, lighthouse: Lighthouse) -> None:
+    agents = {
+        "group-a": launch_group(lighthouse.url, "group-a", tmp_path, ["--fsdp"]),
+        "group-b": launch_group(lighthouse.url, "group-b", tmp_path),
+    }
+    try:
+        codes = {name: agent.wait(timeout=TIMEOUT) for name, agent in agents.items()}
+    finally:
+        for agent in agents.values():
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait(timeout=10)
+    refused = [name for name, code in codes.items() if code != 0]
+    assert len(refused) == 1, codes
+    log = (tmp_path / f"{refused[0]}.log").read_text()
+    assert "shard" in log and "every group of a job must run the same training script" in log
+    assert latest_step(tmp_path)[0] == STEPS
+    assert audit_steps(PLAN, committed_steps(tmp_path)) == (True, 0, 0)
