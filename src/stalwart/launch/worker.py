@@ -7,7 +7,10 @@ Run by :mod:`stalwart.launch.cluster` as ``python -m stalwart.launch.worker``.
 After every committed step it appends a JSON line to ``RUN_DIR/steps-MEMBER.jsonl``
 with the step's number, epoch, quorum, world size, samples, loss, wall time and
 the positions the whole quorum committed (the audit's input); at the end it
-saves its parameters to ``RUN_DIR/final-MEMBER.pt``.
+saves its parameters (on the CPU) to ``RUN_DIR/final-MEMBER.pt``.
+
+It trains on :func:`~stalwart.runtime.comm.default_device`: the GPU of its
+``LOCAL_RANK`` when CUDA is available (NCCL), else the CPU (Gloo).
 
 It also appends its life events to ``RUN_DIR/events-MEMBER.jsonl`` (``started``,
 ``joined``, ``healed``, ``finished``, ``joined_after_end``, ``error``), each
@@ -60,6 +63,7 @@ from stalwart.launch.digits import (
     digits_scheduler,
     summed_loss,
 )
+from stalwart.runtime.comm import default_device
 from stalwart.runtime.loader import ElasticLoader
 from stalwart.runtime.manager import Manager, PlanMismatchError, StateLostError
 
@@ -179,8 +183,9 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
         else:
             events.write(event, step=step, quorum_id=manager.quorum_id, world_size=manager.world_size)
 
+    device = default_device()
     loader = ElasticLoader(digits_dataset(), seed=args.seed)
-    model = digits_model(args.seed)
+    model = digits_model(args.seed).to(device)
     optimizer = digits_optimizer(model, args.lr)
     scheduler = digits_scheduler(optimizer)
     manager = Manager(
@@ -196,6 +201,7 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
         heal_timeout=args.heal_timeout,
         host=args.host,
         group=group,
+        device=device,
         on_event=on_event,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
@@ -212,10 +218,10 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
                     with torch.no_grad():
                         for param in model.parameters():
                             noise = torch.randn(param.shape, generator=torch.Generator().manual_seed(number))
-                            param.add_(noise * 1e-2)
+                            param.add_(noise.to(device) * 1e-2)
                 for batch in step:
                     kill_if("before_forward", number)
-                    loss = summed_loss(model, batch)  # type: ignore[arg-type]
+                    loss = summed_loss(model, [tensor.to(device) for tensor in batch])  # type: ignore[attr-defined]
                     if args.kill_at == (number, "during_backward"):
                         loss.register_hook(lambda grad, step_number=number: kill_if("during_backward", step_number))
                     step.backward(loss)
@@ -245,7 +251,7 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
                 file=sys.stderr,
             )
             return
-        torch.save(model.state_dict(), args.run_dir / f"final-{name}.pt")
+        torch.save({key: value.cpu() for key, value in model.state_dict().items()}, args.run_dir / f"final-{name}.pt")
         events.write("finished", step=manager.ledger.step)
     finally:
         manager.close()
