@@ -62,7 +62,7 @@ class LocalCluster:
     """Starts, kills and restarts ``python -m stalwart.launch.worker`` processes.
 
     ``worker_env(N)``, when given, is added to worker N's environment at every
-    start (e.g. its ``LOCAL_RANK``, so that it takes its own GPU).
+    start (e.g. ``CUDA_VISIBLE_DEVICES``, so that it takes its own GPU).
     """
 
     def __init__(
