@@ -23,7 +23,8 @@ default, and what this module sets (only where unset, see
   process-wide (and, through the lighthouse's store, fleet-wide) dump signal,
   and the heartbeat monitor of the process's first NCCL group dumps, sleeps
   ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC`` (8 min) and then ends the process
-  unless that group was aborted first (then its destructor waits out the sleep).
+  unless that group was aborted before (aborted during the sleep, its
+  destructor waits the sleep out).
 - ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC=0``. The watchdog sleeps four times
   this (default 15 s) after any failure before it cleans up, holding the
   group's work list; dropping the group waits for it.
@@ -33,15 +34,16 @@ polled with ``is_completed()`` and waited on only once complete.
 
 An NCCL group is bound to this process's GPU (``torch.cuda.set_device``) and
 connected eagerly, so that its rendezvous, like Gloo's, happens when the
-Communicator is built. NCCL's connect blocks until every rank comes, with no
-timeout, so it runs on a helper thread: the Communicator gives it up at the
-rendezvous deadline (or when ``abandon()`` turns true), aborts the group and
-raises; a connect that never returns leaves that thread behind. NCCL's
-watchdog times every collective out at the group's timeout, not the
-collective's own, so the group's timeout is raised to cover the longest
-collective (a heal's broadcast); the Communicator's own deadlines come first.
-A collective whose communicator the watchdog aborted completes without an
-error on the caller's work object, so its work result is checked too.
+Communicator is built. NCCL's connect (blocking mode, torch's default) waits
+for every rank with no timeout, so it runs on a helper thread: the
+Communicator gives it up at the rendezvous deadline (or when ``abandon()``
+turns true), aborts the group and raises; a connect that never returns
+leaves that thread behind. NCCL's watchdog times every collective out at the
+group's timeout, not the collective's own, so the group's timeout is raised
+to cover the longest collective (a heal's broadcast); the Communicator's own
+deadlines come first. A collective whose communicator the watchdog aborted
+completes without an error on the caller's work object, so its work result
+is checked too.
 
 Everything above this module is device-agnostic: it hands over tensors on
 ``Communicator.device`` and never names a backend.
