@@ -199,7 +199,11 @@ def test_a_rendezvous_whose_peer_never_comes_raises_at_its_deadline(store: dist.
 def test_a_peer_killed_mid_all_reduce_raises_and_the_watchdog_does_not_end_the_survivor(
     store: dist.TCPStore,
 ) -> None:
-    """The survivor raises, outlives NCCL's watchdog timeout of the hung collective, aborts, and works again."""
+    """The survivor raises, outlives NCCL's watchdog timeout of the hung collective, aborts, and works again.
+
+    The watchdog times the collective out 3 s after it started (the group's
+    timeout); in a tear-down mode it would end the process then.
+    """
     world = min(GPUS, 3)
     victim = world - 1
     ranks = Ranks(store, "kill", world)
