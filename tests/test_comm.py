@@ -1,5 +1,9 @@
 """The Communicator over a real 3-process Gloo group: sums, and failures that surface as CollectiveError.
 
+What the NCCL path adds and a CPU can check is tested here too: the
+environment it sets, the work result it reads and the bounded connect; the
+NCCL groups themselves are tested in ``tests/gpu``.
+
 The peers are spawned processes that rendezvous on a TCPStore started by the
 test and report what happened through a queue. Failures are real signals:
 SIGKILL (the peer's sockets close) and SIGSTOP (the peer hangs, its sockets
@@ -15,6 +19,7 @@ import os
 import queue
 import signal
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,7 +30,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from stalwart.runtime.comm import CollectiveError, Communicator, quorum_store
+from stalwart.runtime.comm import (
+    NCCL_ENVIRONMENT,
+    CollectiveError,
+    Communicator,
+    _connect,
+    nccl_environment,
+    quorum_store,
+    work_failure,
+)
 
 HOST = "127.0.0.1"
 WORLD = 3
@@ -170,3 +183,88 @@ def test_default_device_is_the_gpu_of_local_rank() -> None:
     assert default_device({"LOCAL_RANK": "0"}) == torch.device("cuda", 0)
     with pytest.raises(ValueError, match="LOCAL_RANK"):
         default_device({"LOCAL_RANK": str(torch.cuda.device_count())})
+
+
+@pytest.mark.parametrize(
+    ("environ", "changes"),
+    [
+        ({}, NCCL_ENVIRONMENT),
+        ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}, NCCL_ENVIRONMENT),  # torchrun's TearDown
+        ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": " 3 "}, NCCL_ENVIRONMENT),  # torch's default, SkipCleanUp
+        ({"NCCL_ASYNC_ERROR_HANDLING": "1"}, NCCL_ENVIRONMENT),  # the older name torch still reads
+        ({"TORCH_NCCL_DUMP_ON_TIMEOUT": ""}, NCCL_ENVIRONMENT),  # blank is unset
+        (
+            {
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
+                "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                "TORCH_NCCL_BLOCKING_WAIT": "1",
+            },
+            {"TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "0"},
+        ),
+        (
+            {"NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "100"},
+            {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"},
+        ),
+    ],
+)
+def test_nccl_environment_sets_what_is_unset_and_only_overrides_modes_that_end_the_process(
+    environ: dict[str, str], changes: dict[str, str]
+) -> None:
+    assert nccl_environment(environ) == changes
+    assert NCCL_ENVIRONMENT["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"  # CleanUpOnly: abort the communicators, raise
+
+
+class _Work:
+    def __init__(self, result: int | None) -> None:
+        self.result: torch.futures.Future[int] = torch.futures.Future()
+        if result is not None:
+            self.result.set_result(result)
+
+    def get_future_result(self) -> torch.futures.Future[int]:
+        return self.result
+
+
+def test_work_failure_reads_the_result_the_watchdog_recorded() -> None:
+    assert work_failure(_Work(None)) is None  # the watchdog has not looked at it yet: the work itself decides
+    assert work_failure(_Work(0)) is None
+    assert work_failure(_Work(1)) == "TIMEOUT"
+    assert work_failure(_Work(2)) == "COMM_ERROR"
+
+
+class _Group:
+    """Stands for an NCCL group whose eager connect blocks until released, or fails."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error = error
+        self.released = threading.Event()
+        self.aborted = False
+
+    def eager_connect_single_device(self, device: torch.device) -> None:
+        if self.error is not None:
+            raise self.error
+        self.released.wait(30)
+
+    def abort(self) -> None:
+        self.aborted = True
+        self.released.set()
+
+
+def test_a_connect_that_does_not_finish_is_given_up_at_the_deadline_and_the_group_aborted() -> None:
+    group = _Group()
+    start = time.monotonic()
+    with pytest.raises(CollectiveError, match="not every rank came before the deadline"):
+        _connect(group, torch.device("cuda", 0), time.monotonic() + 0.3, lambda: False)
+    assert 0.3 <= time.monotonic() - start < 5 and group.aborted
+
+
+def test_a_connect_is_given_up_when_the_quorum_breaks_and_its_error_is_raised() -> None:
+    group = _Group()
+    with pytest.raises(CollectiveError, match="a member of this quorum is dead"):
+        _connect(group, torch.device("cuda", 0), time.monotonic() + 30, lambda: True)
+    assert group.aborted
+    with pytest.raises(RuntimeError, match="store timed out"):
+        _connect(_Group(RuntimeError("store timed out")), torch.device("cuda", 0), time.monotonic() + 30, lambda: False)
+    released = _Group()
+    released.released.set()
+    _connect(released, torch.device("cuda", 0), time.monotonic() + 30, lambda: False)
+    assert not released.aborted

@@ -16,6 +16,7 @@ however long its start-up takes on a busy machine.
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import signal
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,12 +59,23 @@ def parse_kills(text: str, workers: int, steps: int | None = None) -> list[Plann
 
 
 class LocalCluster:
-    """Starts, kills and restarts ``python -m stalwart.launch.worker`` processes."""
+    """Starts, kills and restarts ``python -m stalwart.launch.worker`` processes.
 
-    def __init__(self, lighthouse_url: str, run_dir: Path, worker_args: list[str]) -> None:
+    ``worker_env(N)``, when given, is added to worker N's environment at every
+    start (e.g. ``CUDA_VISIBLE_DEVICES``, so that it takes its own GPU).
+    """
+
+    def __init__(
+        self,
+        lighthouse_url: str,
+        run_dir: Path,
+        worker_args: list[str],
+        worker_env: Callable[[int], Mapping[str, str]] | None = None,
+    ) -> None:
         self.lighthouse_url = lighthouse_url
         self.run_dir = run_dir
         self.worker_args = worker_args
+        self.worker_env = worker_env
         self.processes: dict[int, subprocess.Popen[bytes]] = {}
         self.stopped: set[int] = set()
         self.failures: list[dict[str, Any]] = []
@@ -81,8 +94,9 @@ class LocalCluster:
             *self.worker_args,
             *(extra_args or []),
         ]  # fmt: skip
+        env = None if self.worker_env is None else {**os.environ, **self.worker_env(worker)}
         log = open(self.run_dir / f"worker-{worker}.log", "ab")  # noqa: SIM115 - the child keeps it
-        self.processes[worker] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        self.processes[worker] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
 
     def kill(self, worker: int, signal_name: str, step: int) -> None:

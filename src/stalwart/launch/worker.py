@@ -7,7 +7,10 @@ Run by :mod:`stalwart.launch.cluster` as ``python -m stalwart.launch.worker``.
 After every committed step it appends a JSON line to ``RUN_DIR/steps-MEMBER.jsonl``
 with the step's number, epoch, quorum, world size, samples, loss, wall time and
 the positions the whole quorum committed (the audit's input); at the end it
-saves its parameters to ``RUN_DIR/final-MEMBER.pt``.
+saves its parameters (on the CPU) to ``RUN_DIR/final-MEMBER.pt``.
+
+It trains on :func:`~stalwart.runtime.comm.default_device`: the GPU of its
+``LOCAL_RANK`` when CUDA is available (NCCL), else the CPU (Gloo).
 
 It also appends its life events to ``RUN_DIR/events-MEMBER.jsonl`` (``started``,
 ``joined``, ``healed``, ``finished``, ``joined_after_end``, ``error``), each
@@ -189,10 +192,11 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
         else:
             events.write(event, step=step, quorum_id=manager.quorum_id, world_size=manager.world_size)
 
+    device = default_device()
     loader = ElasticLoader(digits_dataset(), seed=args.seed)
-    model = digits_model(args.seed)
+    model = digits_model(args.seed).to(device)
     if args.fsdp:
-        _fully_shard(model, group)
+        _fully_shard(model, group, device)
     optimizer = digits_optimizer(model, args.lr)
     scheduler = digits_scheduler(optimizer)
     manager = Manager(
@@ -208,6 +212,7 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
         heal_timeout=args.heal_timeout,
         host=args.host,
         group=group,
+        device=device,
         on_event=on_event,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
@@ -224,10 +229,10 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
                     with torch.no_grad():
                         for param in model.parameters():
                             noise = torch.randn(param.shape, generator=torch.Generator().manual_seed(number))
-                            param.add_(noise * 1e-2)
+                            param.add_(noise.to(device) * 1e-2)
                 for batch in step:
                     kill_if("before_forward", number)
-                    loss = summed_loss(model, batch)  # type: ignore[arg-type]
+                    loss = summed_loss(model, [tensor.to(device) for tensor in batch])  # type: ignore[attr-defined]
                     if args.kill_at == (number, "during_backward"):
                         loss.register_hook(lambda grad, step_number=number: kill_if("during_backward", step_number))
                     step.backward(loss)
@@ -258,7 +263,7 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
             )
             return
         whole = {
-            key: value.full_tensor() if isinstance(value, DTensor) else value
+            key: (value.full_tensor() if isinstance(value, DTensor) else value).cpu()
             for key, value in model.state_dict().items()
         }
         torch.save(whole, args.run_dir / f"final-{name}.pt")
@@ -268,9 +273,8 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
         loader.close()
 
 
-def _fully_shard(model: torch.nn.Module, group: WorldInfo) -> None:
+def _fully_shard(model: torch.nn.Module, group: WorldInfo, device: torch.device) -> None:
     """Shard each layer and the root over a mesh of the group's processes (torchrun's environment)."""
-    device = default_device()
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=group.rank, world_size=group.world_size)
     mesh = init_device_mesh(device.type, (group.world_size,))
     for layer in model.children():

@@ -8,6 +8,43 @@ that was SIGKILLed makes Gloo raise at once (its sockets close), a hung
 communicator's ``timeout``, or a heal's own deadline); both surface as
 :class:`CollectiveError`, which the Manager answers by asking for a new quorum.
 
+On NCCL a failure must raise too, not end the process, and a dead quorum
+must not hold the next one up. What torch 2.13's ``ProcessGroupNCCL`` does by
+default, and what this module sets (only where unset, see
+:func:`nccl_environment`) before it creates an NCCL group:
+
+- ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (CleanUpOnly). The default, 3
+  (SkipCleanUp), and torchrun's 1 (TearDown) make the watchdog thread rethrow
+  a timed-out or failed collective's error, which ends the process. 2 aborts
+  the group's communicators instead; the collective then raises. A user's 1
+  or 3 is overridden (logged); a user's 0 (no handling) is kept: the Manager
+  aborts the group itself.
+- ``TORCH_NCCL_DUMP_ON_TIMEOUT=0``. With it on, a failure anywhere sets the
+  process-wide (and, through the lighthouse's store, fleet-wide) dump signal,
+  and the heartbeat monitor of the process's first NCCL group dumps, sleeps
+  ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC`` (8 min) and then ends the process
+  unless that group was aborted before (aborted during the sleep, its
+  destructor waits the sleep out).
+- ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC=0``. The watchdog sleeps four times
+  this (default 15 s) after any failure before it cleans up, holding the
+  group's work list; dropping the group waits for it.
+
+``TORCH_NCCL_BLOCKING_WAIT`` is not needed (nor touched): collectives are
+polled with ``is_completed()`` and waited on only once complete.
+
+An NCCL group is bound to this process's GPU (``torch.cuda.set_device``) and
+connected eagerly, so that its rendezvous, like Gloo's, happens when the
+Communicator is built. NCCL's connect (blocking mode, torch's default) waits
+for every rank with no timeout, so it runs on a helper thread: the
+Communicator gives it up at the rendezvous deadline (or when ``abandon()``
+turns true), aborts the group and raises; a connect that never returns
+leaves that thread behind. NCCL's watchdog times every collective out at the
+group's timeout, not the collective's own, so the group's timeout is raised
+to cover the longest collective (a heal's broadcast); the Communicator's own
+deadlines come first. A collective whose communicator the watchdog aborted
+completes without an error on the caller's work object, so its work result
+is checked too.
+
 Everything above this module is device-agnostic: it hands over tensors on
 ``Communicator.device`` and never names a backend.
 """
@@ -16,19 +53,36 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import WorkResult  # type: ignore[attr-defined]
 
 _FIRST_POLL = 20e-6
 _LAST_POLL = 1e-3
 """Polling a collective starts every 20 us (a small model's all-reduce is done in ~100 us) and backs off to 1 ms."""
 _GRACE = 1.0
 """Seconds past a collective's timeout before the Communicator gives up itself (the backend should have first)."""
+ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+CLEAN_UP_ONLY = "2"
+_TEAR_DOWN_MODES = frozenset({"1", "3"})
+"""TearDown and SkipCleanUp: both end the process on a collective's timeout or error."""
+NCCL_ENVIRONMENT = {
+    ASYNC_ERROR_HANDLING: CLEAN_UP_ONLY,
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+    "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "0",
+}
+"""What an NCCL group needs for its failures to raise (see the module docstring)."""
+_ALIASES = {ASYNC_ERROR_HANDLING: ("NCCL_ASYNC_ERROR_HANDLING",)}
+"""Older names torch still reads when the ``TORCH_`` one is unset."""
+
+log = logging.getLogger(__name__)
 
 
 class CollectiveError(RuntimeError):
@@ -56,10 +110,10 @@ class Communicator:
         ``timeout``); each collective ``timeout`` seconds unless given its own.
 
         ``host`` is the address peers reach this process on. While a collective
-        runs, ``abandon()`` is polled: when it turns true (the lighthouse reports
-        a dead member of the quorum) the collective is given up at once rather
-        than at its timeout, since a survivor can be blocked on a peer that has
-        itself left the collective.
+        runs (or an NCCL communicator connects), ``abandon()`` is polled: when it
+        turns true (the lighthouse reports a dead member of the quorum) the
+        collective is given up at once rather than at its timeout, since a
+        survivor can be blocked on a peer that has itself left the collective.
         """
         self.rank = rank
         self.world_size = world_size
@@ -67,9 +121,13 @@ class Communicator:
         self.store = store
         self._abandon = abandon
         self.timeout = timeout
-        group_timeout = datetime.timedelta(seconds=timeout if rendezvous_timeout is None else rendezvous_timeout)
+        self._group_timeout = timeout if rendezvous_timeout is None else rendezvous_timeout
+        group_timeout = datetime.timedelta(seconds=self._group_timeout)
         try:
             self._group: Any = _new_group(store, rank, world_size, group_timeout, device, host)
+            if device.type == "cuda":
+                _connect(self._group, device, time.monotonic() + self._group_timeout, abandon)
+                self._cover(timeout + _GRACE)
         except (RuntimeError, dist.DistError) as error:
             raise CollectiveError(f"rendezvous of rank {rank}/{world_size} failed: {error}") from error
 
@@ -99,6 +157,7 @@ class Communicator:
         """
         total = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + total
+        self._cover(total + _GRACE)
         for tensor in tensors:
             options = dist.BroadcastOptions()
             options.rootRank = source_rank
@@ -106,9 +165,15 @@ class Communicator:
             self._wait(self._group.broadcast([tensor], options), "broadcast", deadline + _GRACE)
 
     def abort(self) -> None:
-        """Abandon the group: pending collectives end, sockets close."""
+        """Abandon the group: pending collectives end, sockets close (NCCL: ``ncclCommAbort`` ends its kernels)."""
         with contextlib.suppress(RuntimeError):
             self._group.abort()
+
+    def _cover(self, seconds: float) -> None:
+        """Let NCCL's watchdog wait at least ``seconds`` on a collective (it times out at the group's timeout)."""
+        if self.device.type == "cuda" and seconds > self._group_timeout:
+            self._group_timeout = seconds
+            self._group.set_timeout(datetime.timedelta(seconds=seconds))
 
     def _wait(self, work: dist.Work, name: str, deadline: float) -> None:
         delay = _FIRST_POLL
@@ -123,6 +188,9 @@ class Communicator:
             work.wait()
         except (RuntimeError, dist.DistError) as error:
             raise CollectiveError(f"{name} failed on rank {self.rank}/{self.world_size}: {error}") from error
+        failure = work_failure(work) if self.device.type == "cuda" else None
+        if failure is not None:
+            raise CollectiveError(f"{name} failed on rank {self.rank}/{self.world_size}: NCCL reported {failure}")
 
 
 def quorum_store(host: str, port: int, prefix: str, timeout: float) -> dist.Store:
@@ -169,11 +237,81 @@ class _CudaRNGState:
         torch.cuda.set_rng_state_all([state.cpu() for state in state_dict["states"]])
 
 
+def nccl_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables to set in ``environ`` before an NCCL group is created (see the module docstring).
+
+    :data:`NCCL_ENVIRONMENT`'s values where unset (or blank), and CleanUpOnly
+    over an error handling mode that ends the process; any other value the
+    user set is kept.
+    """
+    changes = {}
+    for name, value in NCCL_ENVIRONMENT.items():
+        current = _setting(environ, name)
+        if current is None or (name == ASYNC_ERROR_HANDLING and current in _TEAR_DOWN_MODES):
+            changes[name] = value
+    return changes
+
+
+def work_failure(work: Any) -> str | None:
+    """The failure the backend recorded on a completed ``work`` (``"TIMEOUT"``...), None if none (yet).
+
+    NCCL's watchdog records a timeout or error in the work's result before it
+    aborts the communicator; the aborted collective then completes, and the
+    caller's work object raises nothing.
+    """
+    result = work.get_future_result()
+    if not result.done():
+        return None
+    value = int(result.value())
+    return None if value == int(WorkResult.SUCCESS) else WorkResult(value).name
+
+
+def _setting(environ: Mapping[str, str], name: str) -> str | None:
+    """``name``'s value as torch reads it (or its older alias's), None when unset or blank."""
+    for key in (name, *_ALIASES.get(name, ())):
+        value = environ.get(key, "").strip()
+        if value:
+            return value
+    return None
+
+
+def _connect(group: Any, device: torch.device, deadline: float, abandon: Callable[[], bool]) -> None:
+    """Create ``group``'s NCCL communicator on a helper thread; abort the group and raise if it is not up in time."""
+    failure: list[BaseException] = []
+
+    def connect() -> None:
+        try:
+            group.eager_connect_single_device(device)
+        except BaseException as error:  # handed to the caller
+            failure.append(error)
+
+    thread = threading.Thread(target=connect, name="stalwart-nccl-connect", daemon=True)
+    thread.start()
+    delay = _FIRST_POLL
+    while thread.is_alive():
+        abandoned = abandon()
+        if abandoned or time.monotonic() > deadline:
+            with contextlib.suppress(RuntimeError):
+                group.abort()
+            why = "a member of this quorum is dead" if abandoned else "not every rank came before the deadline"
+            raise CollectiveError(f"NCCL communicator on {device} not created: {why}")
+        thread.join(delay)
+        delay = min(2 * delay, _LAST_POLL)
+    if failure:
+        raise failure[0]
+
+
 def _new_group(
     store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta, device: torch.device, host: str
 ) -> Any:
     """A Gloo or NCCL group (their common base class is not typed in torch's stubs)."""
     if device.type == "cuda":
+        changes = nccl_environment(os.environ)
+        for name, value in changes.items():
+            if _setting(os.environ, name) is not None:
+                log.info("setting %s=%s: %s ends the process on a failure", name, value, _setting(os.environ, name))
+        os.environ.update(changes)
+        torch.cuda.set_device(device)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, world_size, options)
