@@ -1,26 +1,40 @@
-"""Worker processes of the runtime benchmark: one training loop per variant, same model and data.
+"""Worker processes of the runtime benchmark: one training loop per variant, same model, data and update.
 
-Run by :mod:`benchmarks.runtime` as ``python -m benchmarks._runtime_workers VARIANT ...``:
+Run by :mod:`benchmarks.runtime` as ``python -m benchmarks._runtime_workers LOOP ...``:
 
-- ``plain``: ``torch.distributed`` Gloo, no fault tolerance. Each rank takes
-  its split of the plan's step, accumulates micro-batch gradients, all-reduces
+- ``ddp``: torch's ``DistributedDataParallel`` (bucketed, default bucket
+  sizes, gradients reduced while the backward runs), ``no_sync()`` for all
+  but the last micro-batch of a step. The baseline.
+- ``plain``: ``torch.distributed``, no fault tolerance. Each rank takes its
+  split of the plan's step, accumulates micro-batch gradients, all-reduces
   one flat buffer ``[gradient sums..., sample count]`` and steps.
 - ``stalwart``: the same loop under :class:`stalwart.runtime.manager.Manager`
   and :class:`~stalwart.runtime.loader.ElasticLoader`, against a lighthouse;
   ``--prefetch`` turns the loader's background prefetch on.
-- ``torchft``: torchft 0.2.0's Manager on its Gloo process group, against its
-  own lighthouse, each process a replica group of one; ``--mode allreduce``
-  all-reduces the same flat buffer through ``manager.allreduce``, ``--mode
-  ddp`` uses torchft's ``DistributedDataParallel`` wrapper. Each step's line
-  also says whether torchft committed it and with how many participants.
+- ``fsdp2``: ``fully_shard`` on each linear layer and the root over all
+  processes; ``hsdp``: the same over a 2-D mesh (replicate, shard) of
+  ``--group-size`` processes per shard group. Both skip the gradient sync
+  (``set_requires_gradient_sync(False)``) for all but the last micro-batch.
+- ``torchft``: torchft 0.2.0's Manager on its Gloo (NCCL on CUDA) process
+  group, against its own lighthouse, each process a replica group of one;
+  ``--mode allreduce`` all-reduces the same flat buffer through
+  ``manager.allreduce``, ``--mode ddp`` uses torchft's
+  ``DistributedDataParallel`` wrapper. Each step's line also says whether
+  torchft committed it and with how many participants.
 
-Every variant loads a micro-batch the way a ``DataLoader`` without worker
-processes does (one ``dataset[i]`` per sample, then ``default_collate``), so
-data loading costs the same everywhere (stalwart's loader does the same, in
-its prefetch thread when that is on). The timed loop is the same too: see
-:class:`StepLog` for how a step is timed and split into phases. Every worker
-writes one JSON line per step to ``OUT-MEMBER.jsonl``, flushed at once, so a
-killed worker leaves what it had done.
+Every variant applies the same update, the mean gradient over the step's
+global batch (see :func:`wrapper_loss_scale` for the wrappers that average
+over processes). Every variant loads a micro-batch the way a ``DataLoader``
+without worker processes does (one ``dataset[i]`` per sample, then
+``default_collate``), so data loading costs the same everywhere (stalwart's
+loader does the same, in its prefetch thread when that is on). The timed loop
+is the same too: see :class:`StepLog` for how a step is timed and split into
+phases. Every worker writes one JSON line per step to ``OUT-MEMBER.jsonl``,
+flushed at once, so a killed worker leaves what it had done, and at the end
+``OUT-MEMBER.summary.json`` with its peak memory: the growth of its peak RSS
+from before the model was built (CPU), or ``torch.cuda.max_memory_allocated``
+(CUDA). With ``--device cuda`` each process uses the GPU of its
+``LOCAL_RANK`` (else its rank) and NCCL.
 """
 
 from __future__ import annotations
@@ -29,19 +43,29 @@ import argparse
 import json
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import IO, Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import TensorDataset, default_collate
 
+from benchmarks._measure import peak_rss_bytes
 from stalwart.data.plan import EpochPlan
 from stalwart.data.schedule import split_microbatches, split_sizes
+from stalwart.runtime.loader import ElasticLoader
+from stalwart.runtime.manager import Manager
+
+_T = TypeVar("_T")
+_STORE_TIMEOUT = timedelta(seconds=60)
 
 
 @dataclass(frozen=True)
@@ -69,8 +93,12 @@ class ModelSpec:
 
 MODELS = {
     "tiny": ModelSpec("tiny", 64, 64, 1, 10, global_batch=48, max_microbatch=16, steps_per_epoch=64),
-    "large": ModelSpec("large", 256, 1024, 2, 10, global_batch=1536, max_microbatch=128, steps_per_epoch=8),
+    "1m": ModelSpec("1m", 256, 512, 4, 10, global_batch=512, max_microbatch=64, steps_per_epoch=8),
+    "10m": ModelSpec("10m", 512, 1536, 5, 10, global_batch=256, max_microbatch=32, steps_per_epoch=8),
+    "50m": ModelSpec("50m", 1024, 3072, 6, 10, global_batch=64, max_microbatch=16, steps_per_epoch=8),
 }
+"""``tiny`` (5k parameters: fixed per-step costs) and MLPs of about 1M, 10M and 50M parameters; every one
+gives each of 2 or 4 workers at least two micro-batches per step."""
 
 
 def build_model(spec: ModelSpec, seed: int = 0) -> torch.nn.Module:
@@ -97,10 +125,30 @@ def summed_loss(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> torch.
     return torch.nn.functional.cross_entropy(model(features), labels, reduction="sum")
 
 
-def load_microbatches(dataset: TensorDataset, indices: Sequence[int], max_microbatch: int) -> Iterator[Any]:
-    """What a ``DataLoader`` with ``num_workers=0`` does: one ``dataset[i]`` per sample, then collate."""
+def load_microbatches(
+    dataset: TensorDataset, indices: Sequence[int], max_microbatch: int, device: torch.device
+) -> Iterator[list[torch.Tensor]]:
+    """What a ``DataLoader`` with ``num_workers=0`` does: one ``dataset[i]`` per sample, then collate (then copy)."""
     for chunk in split_microbatches(list(indices), max_microbatch):
-        yield default_collate([dataset[index] for index in chunk])
+        yield to_device(default_collate([dataset[index] for index in chunk]), device)
+
+
+def to_device(batch: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """The batch's tensors on ``device`` (the same tensors on the CPU)."""
+    return [tensor.to(device, non_blocking=True) for tensor in batch]
+
+
+def flagging_last(items: Iterable[_T]) -> Iterator[tuple[bool, _T]]:
+    """``(is_last, item)`` for each item, looking one item ahead."""
+    iterator = iter(items)
+    try:
+        item = next(iterator)
+    except StopIteration:
+        return
+    for following in iterator:
+        yield False, item
+        item = following
+    yield True, item
 
 
 def rank_share(plan: EpochPlan, step: int, rank: int, world_size: int) -> list[int]:
@@ -111,10 +159,22 @@ def rank_share(plan: EpochPlan, step: int, rank: int, world_size: int) -> list[i
     return plan.indices(epoch, start, start + sizes[rank]).tolist()
 
 
+def wrapper_loss_scale(plan: EpochPlan, step: int, world_size: int) -> float:
+    """The factor on a rank's summed loss under DDP and FSDP2/HSDP, which average gradients over the processes.
+
+    They reduce to ``sum over ranks of g_r / world_size``; with ``g_r`` the
+    gradient of ``loss_sum_r * world_size / global_batch`` that is
+    ``sum over ranks of grad(loss_sum_r) / global_batch``: the mean over the
+    global batch, which ``plain`` and stalwart compute as gradient sums
+    divided by the reduced sample count.
+    """
+    return world_size / plan.step_total(step % plan.steps_per_epoch)
+
+
 def flat_gradients(params: Sequence[torch.nn.Parameter], samples: int) -> torch.Tensor:
     """One buffer ``[gradient sums..., samples]`` for a single all-reduce."""
-    pieces = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in params]
-    return torch.cat([*pieces, torch.tensor([float(samples)])])
+    pieces = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device) for p in params]
+    return torch.cat([*pieces, torch.tensor([float(samples)], device=params[0].device)])
 
 
 def apply_flat(params: Sequence[torch.nn.Parameter], reduced: torch.Tensor) -> None:
@@ -137,12 +197,19 @@ class StepLog:
     all-reduce on: applying gradients, the optimizer, commit bookkeeping).
     ``cpu`` is the CPU time the whole process (every thread) used in the step:
     unlike wall time, it does not depend on how the scheduler shares the cores.
+    Where the wrapper reduces while the backward runs (DDP, FSDP2, HSDP) the
+    reduction is part of ``compute`` and the other phases are left out. On
+    CUDA, ``synchronize`` waits for the device at each step's boundary, so
+    that the total is the step's; the phases are host times.
     """
 
-    def __init__(self, path: Path, member: str, launched_at: float) -> None:
+    def __init__(
+        self, path: Path, member: str, launched_at: float, synchronize: Callable[[], None] = lambda: None
+    ) -> None:
         self._file: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self.member = member
         self.launched_at = launched_at
+        self._synchronize = synchronize
         self._top: float | None = None
         self._cpu_top = 0.0
         self._extra: dict[str, Any] = {}
@@ -152,6 +219,7 @@ class StepLog:
 
     def top(self, **extra: Any) -> None:
         """Mark the top of a loop iteration: writes the previous step's line, then starts the next step."""
+        self._synchronize()
         now, cpu = time.perf_counter(), time.process_time()
         if self._top is not None:
             self.write(now, cpu)
@@ -210,6 +278,7 @@ class StepLog:
     def close(self) -> None:
         """Write the last step and close the file."""
         if self._top is not None:
+            self._synchronize()
             self.write()
             self._top = None
         self._file.close()
@@ -220,11 +289,31 @@ def _pace(seconds: float) -> None:
         time.sleep(seconds)
 
 
-def run_plain(args: argparse.Namespace, spec: ModelSpec, log: StepLog) -> None:
-    """Gloo all-reduce of a flat gradient buffer, no fault tolerance."""
-    store = dist.TCPStore("127.0.0.1", args.store_port, is_master=False, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=dist.PrefixStore(args.prefix, store), rank=args.rank, world_size=args.world)
-    model = build_model(spec)
+def worker_device(args: argparse.Namespace) -> torch.device:
+    """The CPU, or with ``--device cuda`` the GPU of ``LOCAL_RANK`` (else of the rank), made current."""
+    if args.device != "cuda":
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", args.rank)))
+    torch.cuda.set_device(device)
+    return device
+
+
+def peak_memory(device: torch.device) -> int:
+    """Peak bytes so far: the process's resident set (CPU) or what torch allocated on the GPU (CUDA)."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes()
+
+
+def join_process_group(args: argparse.Namespace, device: torch.device) -> None:
+    """Join the run's process group through the driver's TCPStore on 127.0.0.1: Gloo, or NCCL on CUDA."""
+    store = dist.TCPStore("127.0.0.1", args.store_port, is_master=False, timeout=_STORE_TIMEOUT)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.PrefixStore(args.prefix, store), rank=args.rank, world_size=args.world)
+
+
+def run_plain(args: argparse.Namespace, spec: ModelSpec, log: StepLog, device: torch.device) -> None:
+    """All-reduce of a flat gradient buffer after the last micro-batch, no fault tolerance."""
+    join_process_group(args, device)
+    model = build_model(spec).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     params = list(model.parameters())
     dataset, plan = synthetic_dataset(spec), spec.plan()
@@ -232,7 +321,7 @@ def run_plain(args: argparse.Namespace, spec: ModelSpec, log: StepLog) -> None:
         log.top(step=step)
         _pace(args.step_seconds)
         indices = rank_share(plan, step, args.rank, args.world)
-        for batch in load_microbatches(dataset, indices, spec.max_microbatch):
+        for batch in load_microbatches(dataset, indices, spec.max_microbatch, device):
             with log.computing():
                 summed_loss(model, batch).backward()
         flat = flat_gradients(params, len(indices))
@@ -242,15 +331,85 @@ def run_plain(args: argparse.Namespace, spec: ModelSpec, log: StepLog) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     log.close()
-    dist.destroy_process_group()
+    dist.barrier()  # no peer still needs this process when it exits
 
 
-def run_stalwart(args: argparse.Namespace, spec: ModelSpec, log: StepLog) -> None:
-    """The same loop under stalwart's Manager and ElasticLoader."""
-    from stalwart.runtime.loader import ElasticLoader
-    from stalwart.runtime.manager import Manager
+def run_ddp(args: argparse.Namespace, spec: ModelSpec, log: StepLog, device: torch.device) -> None:
+    """torch's DistributedDataParallel with its default buckets; ``no_sync()`` but for the last micro-batch."""
+    join_process_group(args, device)
+    model = DistributedDataParallel(
+        build_model(spec).to(device), device_ids=[device.index] if device.type == "cuda" else None
+    )
 
-    model = build_model(spec)
+    def gradient_sync(last: bool) -> AbstractContextManager[None]:
+        return nullcontext() if last else model.no_sync()
+
+    train_wrapped(args, spec, log, device, model, gradient_sync)
+
+
+def run_fsdp2(args: argparse.Namespace, spec: ModelSpec, log: StepLog, device: torch.device) -> None:
+    """``fully_shard`` over all processes."""
+    join_process_group(args, device)
+    run_sharded(args, spec, log, device, init_device_mesh(device.type, (args.world,)))
+
+
+def run_hsdp(args: argparse.Namespace, spec: ModelSpec, log: StepLog, device: torch.device) -> None:
+    """``fully_shard`` over a (replicate, shard) mesh: shard groups of ``--group-size`` processes, replicated."""
+    join_process_group(args, device)
+    shape = (args.world // args.group_size, args.group_size)
+    run_sharded(args, spec, log, device, init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard")))
+
+
+def run_sharded(
+    args: argparse.Namespace, spec: ModelSpec, log: StepLog, device: torch.device, mesh: DeviceMesh
+) -> None:
+    """``fully_shard`` on each linear layer and on the root over ``mesh``; gradients sync on the last micro-batch."""
+    model = build_model(spec).to(device)
+    for layer in list(model.modules()):
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    sharded = fully_shard(model, mesh=mesh)
+
+    def gradient_sync(last: bool) -> AbstractContextManager[None]:
+        sharded.set_requires_gradient_sync(last)
+        return nullcontext()
+
+    train_wrapped(args, spec, log, device, model, gradient_sync)
+
+
+def train_wrapped(
+    args: argparse.Namespace,
+    spec: ModelSpec,
+    log: StepLog,
+    device: torch.device,
+    model: torch.nn.Module,
+    gradient_sync: Callable[[bool], AbstractContextManager[None]],
+) -> None:
+    """The loop of the wrappers that reduce while the backward runs (DDP, FSDP2, HSDP).
+
+    ``gradient_sync(last)`` wraps each micro-batch's forward and backward: the
+    wrapper reduces only in the last one's. Losses are scaled by
+    :func:`wrapper_loss_scale`, so the update is the others'.
+    """
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    dataset, plan = synthetic_dataset(spec), spec.plan()
+    for step in range(args.steps):
+        log.top(step=step)
+        _pace(args.step_seconds)
+        scale = wrapper_loss_scale(plan, step, args.world)
+        indices = rank_share(plan, step, args.rank, args.world)
+        for last, batch in flagging_last(load_microbatches(dataset, indices, spec.max_microbatch, device)):
+            with log.computing(), gradient_sync(last):
+                (summed_loss(model, batch) * scale).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    log.close()
+    dist.barrier()  # no peer still needs this process when it exits
+
+
+def run_stalwart(args: argparse.Namespace, spec: ModelSpec, log: StepLog, device: torch.device) -> None:
+    """The plain loop under stalwart's Manager and ElasticLoader."""
+    model = build_model(spec).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     manager = Manager(
         model,
@@ -259,6 +418,7 @@ def run_stalwart(args: argparse.Namespace, spec: ModelSpec, log: StepLog) -> Non
         member=args.member,
         max_microbatch=spec.max_microbatch,
         collective_timeout=args.collective_timeout,
+        device=device,
         on_event=log.reduce_event,
     )
     loader = ElasticLoader(synthetic_dataset(spec), prefetch=args.prefetch)
@@ -267,7 +427,7 @@ def run_stalwart(args: argparse.Namespace, spec: ModelSpec, log: StepLog) -> Non
         _pace(args.step_seconds)
         samples = 0
         for batch in step:
-            tensors = cast(Sequence[torch.Tensor], batch)  # the loader's default_collate of (features, label) pairs
+            tensors = to_device(cast(Sequence[torch.Tensor], batch), device)  # default_collate of (features, label)
             with log.computing():
                 step.backward(summed_loss(model, tensors))
             samples += len(tensors[1])
@@ -277,12 +437,12 @@ def run_stalwart(args: argparse.Namespace, spec: ModelSpec, log: StepLog) -> Non
     manager.close()
 
 
-def run_torchft(args: argparse.Namespace, spec: ModelSpec, log: StepLog) -> None:
-    """torchft's Manager (a replica group of one) with its all-reduce or its DDP wrapper, on its Gloo group."""
+def run_torchft(args: argparse.Namespace, spec: ModelSpec, log: StepLog, device: torch.device) -> None:
+    """torchft's Manager (a replica group of one) with its all-reduce or its DDP wrapper, on its Gloo (NCCL) group."""
     import torchft
     from torchft.checkpointing.pg_transport import PGTransport
 
-    model = build_model(spec)
+    model = build_model(spec).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     params = list(model.parameters())
 
@@ -295,7 +455,11 @@ def run_torchft(args: argparse.Namespace, spec: ModelSpec, log: StepLog) -> None
 
     timeout = timedelta(seconds=args.collective_timeout)
     group_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    pg = torchft.ProcessGroupGloo(timeout=timeout)
+    pg = (
+        torchft.ProcessGroupNCCL(timeout=timeout)
+        if device.type == "cuda"
+        else torchft.ProcessGroupGloo(timeout=timeout)
+    )
     manager = torchft.Manager(
         pg=pg,
         min_replica_size=args.min_replicas,
@@ -311,7 +475,7 @@ def run_torchft(args: argparse.Namespace, spec: ModelSpec, log: StepLog) -> None
         timeout=timedelta(seconds=max(10.0, args.collective_timeout)),
         quorum_timeout=timedelta(seconds=60),
         connect_timeout=timedelta(seconds=30),
-        checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=30), device=torch.device("cpu")),
+        checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=30), device=device),
     )
     ddp = torchft.DistributedDataParallel(manager, model) if args.mode == "ddp" else None
     dataset, plan = synthetic_dataset(spec), spec.plan()
@@ -322,7 +486,7 @@ def run_torchft(args: argparse.Namespace, spec: ModelSpec, log: StepLog) -> None
         _pace(args.step_seconds)
         indices = rank_share(plan, step, args.rank, args.world)
         if ddp is not None:
-            batches = list(load_microbatches(dataset, indices, spec.max_microbatch))
+            batches = list(load_microbatches(dataset, indices, spec.max_microbatch, device))
             for number, batch in enumerate(batches):
                 last = number == len(batches) - 1
                 with log.computing(), nullcontext() if last else ddp.no_sync():
@@ -330,7 +494,7 @@ def run_torchft(args: argparse.Namespace, spec: ModelSpec, log: StepLog) -> None
                     loss = torch.nn.functional.cross_entropy(ddp(features), labels, reduction="sum")
                     (loss / len(indices)).backward()
         else:
-            for batch in load_microbatches(dataset, indices, spec.max_microbatch):
+            for batch in load_microbatches(dataset, indices, spec.max_microbatch, device):
                 with log.computing():
                     summed_loss(model, batch).backward()
             flat = flat_gradients(params, len(indices))
@@ -352,9 +516,12 @@ def run_torchft(args: argparse.Namespace, spec: ModelSpec, log: StepLog) -> None
     manager.shutdown(wait=False)
 
 
-RUNNERS: dict[str, Callable[[argparse.Namespace, ModelSpec, StepLog], None]] = {
+RUNNERS: dict[str, Callable[[argparse.Namespace, ModelSpec, StepLog, torch.device], None]] = {
+    "ddp": run_ddp,
     "plain": run_plain,
     "stalwart": run_stalwart,
+    "fsdp2": run_fsdp2,
+    "hsdp": run_hsdp,
     "torchft": run_torchft,
 }
 
@@ -362,14 +529,16 @@ RUNNERS: dict[str, Callable[[argparse.Namespace, ModelSpec, StepLog], None]] = {
 def main(argv: list[str] | None = None) -> None:
     """Parse the variant's arguments and run its loop."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("variant", choices=sorted(RUNNERS))
+    parser.add_argument("variant", choices=sorted(RUNNERS), help="the training loop")
     parser.add_argument("--model", choices=sorted(MODELS), required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--out", type=Path, required=True, help="JSON lines go to OUT-MEMBER.jsonl")
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--world", type=int, default=3)
-    parser.add_argument("--store-port", type=int, default=0, help="plain: the TCPStore the driver hosts")
-    parser.add_argument("--prefix", default="run/", help="plain: key prefix on that store")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, GPU of LOCAL_RANK")
+    parser.add_argument("--store-port", type=int, default=0, help="torch.distributed loops: the driver's TCPStore")
+    parser.add_argument("--prefix", default="run/", help="torch.distributed loops: key prefix on that store")
+    parser.add_argument("--group-size", type=int, default=1, help="hsdp: processes per shard group")
     parser.add_argument("--lighthouse", default="", help="stalwart / torchft: the lighthouse's address")
     parser.add_argument("--collective-timeout", type=float, default=5.0)
     parser.add_argument("--min-replicas", type=int, default=1, help="torchft: min_replica_size")
@@ -379,10 +548,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--launched-at", type=float, default=None, help="time.time() when the driver started us")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.variant == "torchft":
+        import torchft  # noqa: F401 - imported before the memory baseline, like the other loops' modules
     args.member = f"worker-{args.rank}"
-    spec = MODELS[args.model]
-    log = StepLog(Path(f"{args.out}-{args.member}.jsonl"), args.member, args.launched_at or time.time())
-    RUNNERS[args.variant](args, spec, log)
+    device = worker_device(args)
+    synchronize = partial(torch.cuda.synchronize, device) if device.type == "cuda" else lambda: None
+    log = StepLog(Path(f"{args.out}-{args.member}.jsonl"), args.member, args.launched_at or time.time(), synchronize)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    baseline = peak_memory(device)  # after the imports, before the model is built
+    RUNNERS[args.variant](args, MODELS[args.model], log, device)
+    summary = {"member": args.member, "peak_memory_bytes": peak_memory(device) - baseline}
+    Path(f"{args.out}-{args.member}.summary.json").write_text(json.dumps(summary), encoding="utf-8")
     os._exit(0)  # skip interpreter teardown (torch's, torchft's threads): the results are written
 
 

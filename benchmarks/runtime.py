@@ -1,52 +1,69 @@
-"""Runtime benchmark: what fault tolerance costs per step, how fast it recovers, and how much work a failure loses.
+"""Runtime benchmark: fault tolerance's cost per step against what users would pick, recovery, work lost.
 
 Run from the repository root, with the virtual environment active::
 
-    python -m benchmarks.runtime           # full run, several minutes
-    python -m benchmarks.runtime --quick   # tiny model, three variants, one failure of each kind: under a minute
+    python -m benchmarks.runtime                 # full run: 3 models x 2 and 4 workers, ~45 min on 2 cores
+    python -m benchmarks.runtime --quick         # tiny model, 2 workers, 4 variants, one failure of each kind: < 1 min
+    python -m benchmarks.runtime --models 10m --workers 2 --rounds 3 --skip-recovery   # one comparison
+    python -m benchmarks.runtime --device cuda   # NCCL, one GPU per worker (LOCAL_RANK = rank)
 
 torchft is optional (``pip install torchft==0.2.0``); without it its rows say
 why they were not run. Three measurements, each printed as a table, then a
 summary of the goals:
 
-1. **Per-step time without failures.** Three worker processes
-   (:mod:`benchmarks._runtime_workers`) train the same MLP on the same plan:
-   ``plain`` (Gloo all-reduce of one flat gradient buffer, no fault
-   tolerance), ``stalwart`` (the Manager and ElasticLoader against an embedded
-   lighthouse; the loader's defaults, prefetch off), ``stalwart, prefetch``
-   (the same with the background prefetch on: what the thread costs here) and ``torchft``
-   (torchft's Manager and all-reduce against its lighthouse). Two sizes: a
-   tiny MLP where fixed per-step costs dominate, and a larger one whose step
-   takes about 100 ms here. Rank 0 times every step (top of one loop
-   iteration to the next) and its phases, and the CPU time its process used;
-   medians after warm-up are reported, variants run in turn, in a rotating
-   order, over several rounds. Goals, judged on wall time and on CPU time:
-   stalwart at most 3% over plain on the ~100 ms step, and less than 1 ms
-   added per step on the tiny model. With three workers on two cores and
+1. **Per-step time and memory without failures.** Worker processes
+   (:mod:`benchmarks._runtime_workers`, on 127.0.0.1) train the same MLP on
+   the same plan and apply the same update (the mean gradient over the global
+   batch), with micro-batches: ``ddp`` (torch's ``DistributedDataParallel``,
+   default buckets, ``no_sync()`` but for the last micro-batch: the baseline
+   every ratio is taken against), ``plain`` (one flat all-reduce after the
+   last micro-batch, no fault tolerance), ``stalwart`` (the Manager and
+   ElasticLoader against an embedded lighthouse, prefetch off), ``stalwart,
+   prefetch`` (the loader's background prefetch on), ``torchft`` (torchft's
+   Manager and all-reduce against its lighthouse), ``fsdp2`` (``fully_shard``
+   over all processes) and ``hsdp`` (``fully_shard`` over a (replicate,
+   shard) mesh of groups of 2 processes: 4 workers only); none but stalwart
+   and torchft tolerates faults. MLPs of about 1M, 10M and 50M parameters
+   (``--quick``: a 5k-parameter one, where fixed per-step costs dominate),
+   2 and 4 workers. Rank 0 times every step (top of one loop iteration to the
+   next) and its phases, and the CPU time its process used; every worker
+   reports its peak memory (CPU: growth of its peak RSS from before the model
+   was built; CUDA: ``torch.cuda.max_memory_allocated``). Variants run in turn,
+   in an order that rotates each round, so the per-round ratios come from one
+   run; medians after warm-up are reported. Goals: stalwart's step at most
+   1.03x DDP's (wall time and CPU time) at 10M and 50M parameters, and faster
+   than torchft's; stalwart's peak memory at most DDP's plus one DDP bucket
+   (25 MiB); stalwart over HSDP groups at most 1.05x plain HSDP (not
+   implemented yet: a ``stalwart-hsdp`` entry of ``VARIANTS``); on the tiny
+   model, less than 1 ms added per step. With more workers than cores and
    other jobs on the machine, wall time depends on how the scheduler
    interleaves the workers; CPU time per step is the steadier measure of the
    work a step costs.
 2. **Recovery.** The digits job (``stalwart.launch.worker`` on a
-   :class:`~stalwart.launch.cluster.LocalCluster`, embedded lighthouse with
-   a heartbeat timeout of 1 s, collective timeout 1 s, 0.05 s of simulated
-   compute per step) loses a worker to SIGKILL or SIGSTOP several times;
-   recovery is the time from the signal to the first step committed by a new
-   quorum. Goals: SIGKILL under 1 s, SIGSTOP under the heartbeat timeout + 1 s.
-   In the full run torchft's survivors are also watched through one SIGKILL
-   of a peer (torchft's DDP wrapper, then its all-reduce).
+   :class:`~stalwart.launch.cluster.LocalCluster`, 3 workers, embedded
+   lighthouse with a heartbeat timeout of 1 s, collective timeout 1 s, 0.05 s
+   of simulated compute per step) loses a worker to SIGKILL or SIGSTOP
+   several times; recovery is the time from the signal to the first step
+   committed by a new quorum. Goals: SIGKILL under 1 s, SIGSTOP under the
+   heartbeat timeout + 1 s. In the full run torchft's survivors are also
+   watched through one SIGKILL of a peer (torchft's DDP wrapper, then its
+   all-reduce).
 3. **Work lost per failure.** Sample-gradients recomputed and samples never
    trained, per failure: stalwart (the dead member's share of the step in
    flight, replayed from the lighthouse's quorum history with the real
    ledger), torchft (from its SIGKILL run when it ran) and checkpoint-restart
    every K steps (K/2 steps of the global batch recomputed on average, plus a
-   restart measured as launch to first step of a three-worker job).
+   restart measured as launch to first step of a DDP job).
 
-The benchmark reports; it never fails because a goal is missed.
+Every wait is bounded (a run that overstays ``STEP_RUN_TIMEOUT_S`` is killed
+and its row says so). The benchmark reports; it never fails because a goal is
+missed.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -59,7 +76,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -75,56 +92,93 @@ from stalwart.data.plan import EpochPlan
 from stalwart.launch.cluster import LocalCluster
 from stalwart.launch.digits import digits_dataset
 
-WORKERS = 3
+RECOVERY_WORKERS = 3
 HEARTBEAT_TIMEOUT = 1.0
 COLLECTIVE_TIMEOUT = 1.0
 RECOVERY_STEP_SECONDS = 0.05
 DIGITS_GLOBAL_BATCH = 48
 CHECKPOINT_INTERVALS = (10, 50)
+OVERHEAD_TIMEOUT = 60.0
+"""Collective and heartbeat timeouts of the per-step runs: nothing fails there, a slow step must not break a run."""
+BASELINE = "ddp"
+LARGE_MODELS = ("10m", "50m")
 LARGE_GOAL_RATIO = 1.03
+HSDP_GOAL_RATIO = 1.05
+DDP_BUCKET_MIB = 25.0
+"""DistributedDataParallel's default ``bucket_cap_mb``: the memory goal's allowance over DDP."""
 TINY_GOAL_MS = 1.0
 SIGKILL_GOAL_S = 1.0
 SIGSTOP_GOAL_S = HEARTBEAT_TIMEOUT + 1.0
 RUN_TIMEOUT_S = 240.0
+STEP_RUN_TIMEOUT_S = 600.0
+"""A per-step run's limit: FSDP2 and HSDP over Gloo take seconds a step on the 50M model with 4 workers on 2 cores."""
 POLL_S = 0.05
 PHASES = ("total", "cpu", "compute", "before", "reduce", "after")
-VARIANTS = {
-    "plain": ("plain", ()),
-    "stalwart": ("stalwart", ()),
-    "stalwart, prefetch": ("stalwart", ("--prefetch",)),
-    "torchft": ("torchft", ()),
-}
-"""Each variant's worker loop (:mod:`benchmarks._runtime_workers`) and extra arguments."""
 _WORKER_MODULE = "benchmarks._runtime_workers"
 
 
 @dataclass(frozen=True)
+class Variant:
+    """A row of table 1: its worker loop, what coordinates it, its extra arguments and its replica groups' size."""
+
+    loop: str
+    coordinator: Literal["store", "lighthouse", "torchft"] = "store"
+    """``store``: torch.distributed through the driver's TCPStore; ``lighthouse``: stalwart's; ``torchft``: its own."""
+    args: tuple[str, ...] = ()
+    group_size: int = 1
+    """Processes per replica group (HSDP's shard groups); a lighthouse's members are the groups."""
+
+    def runs_with(self, workers: int) -> bool:
+        """True when ``workers`` make at least two whole replica groups."""
+        return workers % self.group_size == 0 and workers // self.group_size >= 2
+
+
+VARIANTS = {
+    "ddp": Variant("ddp"),
+    "plain": Variant("plain"),
+    "stalwart": Variant("stalwart", "lighthouse"),
+    "stalwart, prefetch": Variant("stalwart", "lighthouse", ("--prefetch",)),
+    "torchft": Variant("torchft", "torchft"),
+    "fsdp2": Variant("fsdp2"),
+    "hsdp": Variant("hsdp", group_size=2),
+}
+"""Table 1's rows, in order. Every worker gets the driver's store (``--store-port``, ``--prefix``) and
+``--group-size``: a stalwart-over-HSDP loop is one more entry, ``Variant("stalwart-hsdp", "lighthouse",
+group_size=2)``, whose groups build their mesh from that store."""
+
+
+@dataclass(frozen=True)
 class Settings:
-    """Sizes, step counts and failure counts of one run (full or ``--quick``)."""
+    """Sizes, worker counts, step counts and failure counts of one run (full or ``--quick``)."""
 
     models: tuple[str, ...]
+    workers: tuple[int, ...]
     variants: tuple[str, ...]
     steps: dict[str, int]
     warmup: dict[str, int]
     rounds: int
     failures_per_signal: int
     torchft_kill_trial: bool
+    recovery: bool = True
 
 
 FULL = Settings(
-    models=("tiny", "large"),
+    models=("1m", "10m", "50m"),
+    workers=(2, 4),
     variants=tuple(VARIANTS),
-    steps={"tiny": 300, "large": 30},
-    warmup={"tiny": 50, "large": 5},
+    steps={"tiny": 300, "1m": 40, "10m": 20, "50m": 10},
+    warmup={"tiny": 50, "1m": 5, "10m": 4, "50m": 2},
     rounds=3,
     failures_per_signal=5,
     torchft_kill_trial=True,
 )
-QUICK = Settings(
+QUICK = dataclasses.replace(
+    FULL,
     models=("tiny",),
-    variants=("plain", "stalwart", "torchft"),
-    steps={"tiny": 100},
-    warmup={"tiny": 20},
+    workers=(2,),
+    variants=("ddp", "stalwart", "torchft", "fsdp2"),
+    steps={**FULL.steps, "tiny": 100},
+    warmup={**FULL.warmup, "tiny": 20},
     rounds=1,
     failures_per_signal=1,
     torchft_kill_trial=False,
@@ -134,12 +188,14 @@ QUICK = Settings(
 # Launching worker processes and reading what they wrote.
 
 
-def worker_env() -> dict[str, str]:
-    """The workers' environment: one-thread pools, Gloo on the loopback interface."""
+def worker_env(local_rank: int | None = None) -> dict[str, str]:
+    """A worker's environment: one-thread pools, Gloo and NCCL on the loopback interface, its GPU (``LOCAL_RANK``)."""
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+    if local_rank is not None:
+        env["LOCAL_RANK"] = str(local_rank)
     if sys.platform.startswith("linux"):
-        env["GLOO_SOCKET_IFNAME"] = "lo"
+        env.update({"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"})
     return env
 
 
@@ -157,29 +213,38 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 
 class WorkerGroup:
-    """Three worker processes of one variant, logging to ``run_dir``; waits are bounded."""
+    """The worker processes of one run, logging to ``run_dir``; waits are bounded."""
 
-    def __init__(self, run_dir: Path, name: str) -> None:
+    def __init__(self, run_dir: Path, name: str, world: int, device: str = "cpu") -> None:
         self.run_dir = run_dir
         self.name = name
+        self.world = world
+        self.device = device
         self.launched_at = time.time()
         self.processes: list[subprocess.Popen[bytes]] = []
 
-    def start(self, variant: str, model: str, steps: int, rank: int, extra: Sequence[str]) -> None:
-        """Start rank ``rank`` of ``variant``."""
+    def start(self, loop: str, model: str, steps: int, rank: int, extra: Sequence[str]) -> None:
+        """Start rank ``rank`` of ``loop``."""
         command = [
-            sys.executable, "-m", _WORKER_MODULE, variant,
-            "--model", model, "--steps", str(steps), "--rank", str(rank), "--world", str(WORKERS),
-            "--out", str(self.run_dir / self.name), "--launched-at", repr(self.launched_at), *extra,
+            sys.executable, "-m", _WORKER_MODULE, loop,
+            "--model", model, "--steps", str(steps), "--rank", str(rank), "--world", str(self.world),
+            "--device", self.device, "--out", str(self.run_dir / self.name),
+            "--launched-at", repr(self.launched_at), *extra,
         ]  # fmt: skip
+        env = worker_env(rank if self.device == "cuda" else None)
         with open(self.run_dir / f"{self.name}-worker-{rank}.log", "ab") as log:
             self.processes.append(
-                subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=worker_env())
+                subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
             )
 
     def records(self, rank: int) -> list[dict[str, Any]]:
         """What rank ``rank`` wrote so far."""
         return read_records(self.run_dir / f"{self.name}-worker-{rank}.jsonl")
+
+    def peak_memory_bytes(self) -> list[int]:
+        """Each finished worker's peak memory (from its summary)."""
+        paths = (self.run_dir / f"{self.name}-worker-{rank}.summary.json" for rank in range(self.world))
+        return [json.loads(path.read_text(encoding="utf-8"))["peak_memory_bytes"] for path in paths if path.exists()]
 
     def wait(self, timeout: float, tick: Callable[[], None] = lambda: None) -> bool:
         """Wait until every process exited (True) or ``timeout`` passed (False: they are killed)."""
@@ -207,17 +272,23 @@ class WorkerGroup:
         return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
 
 
-# 1. Per-step time without failures.
+# 1. Per-step time and memory without failures.
 
 
 @dataclass
 class OverheadRow:
-    """Rank 0's step times (ms) of one variant on one model, pooled over rounds; ``note`` says why if not run."""
+    """Rank 0's step times (ms) of one variant on one model and worker count, pooled over rounds.
+
+    ``peak_mib`` holds each round's largest peak memory of a worker;
+    ``note`` says why the row was not run.
+    """
 
     model: str
+    workers: int
     variant: str
     phases: dict[str, list[float]] = field(default_factory=lambda: {phase: [] for phase in PHASES})
     round_medians: dict[int, float] = field(default_factory=dict)
+    peak_mib: list[float] = field(default_factory=list)
     first_step_s: list[float] = field(default_factory=list)
     note: str = ""
 
@@ -260,31 +331,44 @@ class TorchftLighthouse:
         self._server.shutdown()
 
 
-def run_variant(
-    variant: str, spec: ModelSpec, steps: int, run_dir: Path, name: str, store: dist.TCPStore, tick: Callable[[], None]
-) -> tuple[WorkerGroup, str]:
-    """Run ``variant`` on ``spec`` for ``steps`` steps; returns the group and an error note ('' if it went well)."""
-    loop, variant_args = VARIANTS[variant]
-    group = WorkerGroup(run_dir, name)
+@dataclass(frozen=True)
+class Run:
+    """One run of a variant: its model, worker count, steps, device and name (the prefix of its files)."""
+
+    variant: str
+    spec: ModelSpec
+    workers: int
+    steps: int
+    device: str
+    name: str
+
+
+def run_variant(run: Run, run_dir: Path, store: dist.TCPStore, tick: Callable[[], None]) -> tuple[WorkerGroup, str]:
+    """Run ``run``'s workers to the end (bounded); returns the group and an error note ('' if it went well)."""
+    variant = VARIANTS[run.variant]
+    group = WorkerGroup(run_dir, run.name, run.workers, run.device)
+    replicas = run.workers // variant.group_size
+    extra = [
+        "--store-port", str(store.port), "--prefix", f"{run.name}/", "--group-size", str(variant.group_size),
+        "--collective-timeout", str(OVERHEAD_TIMEOUT),
+    ]  # fmt: skip
     ours: Lighthouse | None = None
     theirs: TorchftLighthouse | None = None
-    if loop == "plain":
-        extra = ["--store-port", str(store.port), "--prefix", f"{name}/"]
-    elif loop == "stalwart":
-        ours = Lighthouse(spec.plan(), min_replicas=WORKERS, heartbeat_timeout=2.0, join_timeout=30.0)
+    if variant.coordinator == "lighthouse":
+        ours = Lighthouse(run.spec.plan(), min_replicas=replicas, heartbeat_timeout=OVERHEAD_TIMEOUT, join_timeout=30.0)
         ours.start()
-        extra = ["--lighthouse", ours.url]
-    else:
+        extra += ["--lighthouse", ours.url]
+    elif variant.coordinator == "torchft":
         try:
-            theirs = TorchftLighthouse(min_replicas=WORKERS)
+            theirs = TorchftLighthouse(min_replicas=replicas)
         except RuntimeError as error:
             return group, f"torchft's lighthouse did not start: {error}"
-        extra = ["--lighthouse", theirs.address, "--min-replicas", str(WORKERS)]
-    extra += variant_args
+        extra += ["--lighthouse", theirs.address, "--min-replicas", str(replicas)]
+    extra += variant.args
     try:
-        for rank in range(WORKERS):
-            group.start(loop, spec.name, steps, rank, extra)
-        finished = group.wait(RUN_TIMEOUT_S, tick)
+        for rank in range(run.workers):
+            group.start(variant.loop, run.spec.name, run.steps, rank, extra)
+        finished = group.wait(STEP_RUN_TIMEOUT_S, tick)
     finally:
         group.kill()
         for server in (ours, theirs):
@@ -292,45 +376,65 @@ def run_variant(
                 server.stop()
     codes = [process.returncode for process in group.processes]
     if not finished:
-        return group, f"timed out after {RUN_TIMEOUT_S:.0f} s: {group.log_tail(0)}"
+        return group, f"timed out after {STEP_RUN_TIMEOUT_S:.0f} s: {group.log_tail(0)}"
     if any(codes):
         failed = next(rank for rank, code in enumerate(codes) if code)
         return group, f"exit codes {codes}: {group.log_tail(failed)}"
     return group, ""
 
 
-def measure_overhead(settings: Settings, run_dir: Path, progress: Progress, task: TaskID) -> list[OverheadRow]:
-    """Every variant on every model, ``rounds`` times in a rotating order; rank 0's steps after warm-up."""
-    rows = {(model, variant): OverheadRow(model, variant) for model in settings.models for variant in settings.variants}
+def overhead_runs(settings: Settings) -> int:
+    """How many runs :func:`measure_overhead` makes."""
+    per_round = sum(VARIANTS[v].runs_with(workers) for v in settings.variants for workers in settings.workers)
+    return len(settings.models) * settings.rounds * per_round
+
+
+def measure_overhead(
+    settings: Settings, device: str, run_dir: Path, progress: Progress, task: TaskID
+) -> list[OverheadRow]:
+    """Each variant, model and worker count, ``rounds`` times in a rotating order (rank 0's steps after warm-up)."""
+    rows: dict[tuple[str, int, str], OverheadRow] = {}
     skip_torchft = torchft_missing()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     for model in settings.models:
         spec = MODELS[model]
         steps, warmup = settings.steps[model], settings.warmup[model]
-        for round_number in range(settings.rounds):
-            names = list(settings.variants)
-            shift = round_number % len(names)
-            for variant in names[shift:] + names[:shift]:
-                row = rows[model, variant]
-                label = f"per-step time: {model} model, {variant} (round {round_number + 1}/{settings.rounds})"
-                progress.update(task, description=label)
-                if VARIANTS[variant][0] == "torchft" and skip_torchft:
-                    row.note = skip_torchft
-                elif not row.note:
-                    name = f"{variant.replace(', ', '-').replace(' ', '-')}-{model}-{round_number}"
-                    group, error = run_variant(variant, spec, steps, run_dir, name, store, progress.refresh)
-                    records = group.records(0)
-                    if error or len(records) < steps:
-                        row.note = f"not run: {error or f'rank 0 wrote {len(records)} of {steps} steps'}"
-                        row.phases = {phase: [] for phase in PHASES}
-                    else:
-                        kept = records[warmup:-1]  # after warm-up; the last step also times the shutdown
-                        for phase, values in row.phases.items():
-                            values += [record[phase] * 1e3 for record in kept]
-                        row.round_medians[round_number] = statistics.median(r["total"] * 1e3 for r in kept)
-                        row.first_step_s.append(records[0]["since_launch"])
-                progress.advance(task)
+        for workers in settings.workers:
+            names = [variant for variant in settings.variants if VARIANTS[variant].runs_with(workers)]
+            for variant in names:
+                rows[model, workers, variant] = OverheadRow(model, workers, variant)
+            for round_number in range(settings.rounds):
+                shift = round_number % len(names)
+                for variant in names[shift:] + names[:shift]:
+                    row = rows[model, workers, variant]
+                    label = f"per-step time: {model}, {workers} workers, {variant} (round {round_number + 1})"
+                    progress.update(task, description=label)
+                    if VARIANTS[variant].coordinator == "torchft" and skip_torchft:
+                        row.note = skip_torchft
+                    elif not row.note:
+                        slug = variant.replace(", ", "-").replace(" ", "-")
+                        run = Run(variant, spec, workers, steps, device, f"{slug}-{model}-{workers}-{round_number}")
+                        _record_run(row, run, warmup, round_number, run_variant(run, run_dir, store, progress.refresh))
+                    progress.advance(task)
     return list(rows.values())
+
+
+def _record_run(row: OverheadRow, run: Run, warmup: int, round_number: int, outcome: tuple[WorkerGroup, str]) -> None:
+    """Add a run's steps after warm-up, its first step's time and its peak memory to ``row``, or note its failure."""
+    group, error = outcome
+    records = group.records(0)
+    peaks = group.peak_memory_bytes()
+    if error or len(records) < run.steps or len(peaks) < run.workers:
+        missing = f"rank 0 wrote {len(records)} of {run.steps} steps, {len(peaks)} worker(s) their memory"
+        row.note = f"not run: {error or missing}"
+        row.phases = {phase: [] for phase in PHASES}
+        return
+    kept = records[warmup:-1]  # after warm-up; the last step also times the shutdown
+    for phase, values in row.phases.items():
+        values += [record[phase] * 1e3 for record in kept if record[phase] is not None]
+    row.round_medians[round_number] = statistics.median(record["total"] * 1e3 for record in kept)
+    row.peak_mib.append(max(peaks) / 2**20)
+    row.first_step_s.append(records[0]["since_launch"])
 
 
 # 2. Recovery and 3. work lost, on the digits job.
@@ -415,13 +519,13 @@ def measure_recovery(settings: Settings, run_dir: Path, progress: Progress, task
     note = ""
     try:
         progress.update(task, description="recovery: starting the digits job")
-        for worker in range(WORKERS):
+        for worker in range(RECOVERY_WORKERS):
             cluster.start(worker)
-        if tail.wait_for(lambda r: r["world_size"] == WORKERS and r["step"] >= 5, 120.0) is None:
+        if tail.wait_for(lambda r: r["world_size"] == RECOVERY_WORKERS and r["step"] >= 5, 120.0) is None:
             raise TimeoutError("the digits job did not reach 5 steps with 3 workers in 120 s")
         for number, signal_name in enumerate(schedule):
             progress.update(task, description=f"recovery: failure {number + 1}/{len(schedule)} (SIG{signal_name})")
-            victim = number % WORKERS
+            victim = number % RECOVERY_WORKERS
             recoveries.append(_inject_failure(cluster, lighthouse, tail, victim, signal_name))
             progress.advance(task)
             if number == len(schedule) - 1:
@@ -459,7 +563,10 @@ def _inject_failure(
 def _whole_again(tail: StepTail, timeout: float) -> bool:
     """Wait (bounded) until steps are committed by all workers again, five steps on."""
     start_step = max(record["step"] for record in tail.records)
-    return tail.wait_for(lambda r: r["world_size"] == WORKERS and r["step"] >= start_step + 5, timeout) is not None
+    return (
+        tail.wait_for(lambda r: r["world_size"] == RECOVERY_WORKERS and r["step"] >= start_step + 5, timeout)
+        is not None
+    )
 
 
 def _lighthouse_times(
@@ -482,7 +589,7 @@ def _failure_free_step_s(records: list[dict[str, Any]]) -> float | None:
         by_step[step]["time"] - by_step[step - 1]["time"]
         for step in by_step
         if step - 1 in by_step
-        and by_step[step]["world_size"] == by_step[step - 1]["world_size"] == WORKERS
+        and by_step[step]["world_size"] == by_step[step - 1]["world_size"] == RECOVERY_WORKERS
         and by_step[step]["quorum_id"] == by_step[step - 1]["quorum_id"]
     ]
     return statistics.median(gaps) if gaps else None
@@ -541,17 +648,17 @@ class TorchftKill:
 def torchft_kill_trial(mode: str, run_dir: Path, tick: Callable[[], None]) -> TorchftKill:
     """Three torchft replicas on the tiny model; SIGKILL replica 1 at step 30 and watch the other two for 30 steps."""
     steps, kill_step, watch_steps, victim = 200, 30, 30, 1
-    survivors = [rank for rank in range(WORKERS) if rank != victim]
+    survivors = [rank for rank in range(RECOVERY_WORKERS) if rank != victim]
     try:
         server = TorchftLighthouse(2, heartbeat_timeout_ms=int(HEARTBEAT_TIMEOUT * 1000), join_timeout_ms=1000)
     except RuntimeError as error:
         return TorchftKill(mode, f"torchft's lighthouse did not start: {error}", None, None, None)
-    group = WorkerGroup(run_dir, f"torchft-kill-{mode}")
+    group = WorkerGroup(run_dir, f"torchft-kill-{mode}", RECOVERY_WORKERS)
     extra = ["--lighthouse", server.address, "--min-replicas", "2", "--mode", mode]
     extra += ["--collective-timeout", str(COLLECTIVE_TIMEOUT), "--step-seconds", str(RECOVERY_STEP_SECONDS)]
     killed_at: float | None = None
     try:
-        for rank in range(WORKERS):
+        for rank in range(RECOVERY_WORKERS):
             group.start("torchft", "tiny", steps, rank, extra)
         deadline = time.monotonic() + RUN_TIMEOUT_S / 2
         while time.monotonic() < deadline and killed_at is None:
@@ -576,14 +683,14 @@ def torchft_kill_trial(mode: str, run_dir: Path, tick: Callable[[], None]) -> To
     if killed_at is None:
         return TorchftKill(mode, f"did not reach step {kill_step}: {group.log_tail(0)}", None, None, None)
     after = [r for rank in survivors for r in group.records(rank) if r.get("committed_at", 0) > killed_at]
-    recovered = [r["committed_at"] for r in after if r["committed"] and r["participants"] < WORKERS]
+    recovered = [r["committed_at"] for r in after if r["committed"] and r["participants"] < RECOVERY_WORKERS]
     uncommitted = [r for r in after if not r["committed"]]
     crashed = [rank for rank, code in codes.items() if code is not None]
     if crashed:
         observed = f"survivor(s) {crashed} crashed (exit {codes[crashed[0]]}): {_assertion_line(group, crashed[0])}"
     else:
         observed = f"both survivors went on; {len(uncommitted)} step(s) of theirs not committed after the kill"
-    dead_share = MODELS["tiny"].global_batch // WORKERS
+    dead_share = MODELS["tiny"].global_batch // RECOVERY_WORKERS
     lost = None if crashed else dead_share + sum(r["share"] for r in uncommitted)
     recovery = min(recovered) - killed_at if recovered else None
     return TorchftKill(mode, observed, recovery, lost, len(uncommitted))
@@ -600,40 +707,90 @@ def _assertion_line(group: WorkerGroup, rank: int) -> str:
 # Goals and tables.
 
 
-def _find(rows: Sequence[OverheadRow], model: str, variant: str) -> OverheadRow | None:
-    return next((row for row in rows if row.model == model and row.variant == variant and row.measured), None)
+def _find(rows: Sequence[OverheadRow], model: str, workers: int, variant: str) -> OverheadRow | None:
+    return next((r for r in rows if (r.model, r.workers, r.variant) == (model, workers, variant) and r.measured), None)
+
+
+def _pairs(
+    rows: Sequence[OverheadRow], ours: str, theirs: str, models: Sequence[str] | None = None
+) -> list[tuple[OverheadRow, OverheadRow]]:
+    """``(ours, theirs)`` rows measured on the same model and worker count (of ``models`` when given)."""
+    pairs = []
+    for row in rows:
+        other = _find(rows, row.model, row.workers, theirs)
+        if row.variant == ours and row.measured and other is not None and (models is None or row.model in models):
+            pairs.append((row, other))
+    return pairs
+
+
+def _ratio_goal(
+    description: str, pairs: Sequence[tuple[OverheadRow, OverheadRow]], phase: str, met: Callable[[float], bool]
+) -> Goal:
+    """A goal on the ratio of medians of each pair: met when every ratio meets it."""
+    if not pairs:
+        return Goal(description, None, "not measured in this run")
+    ratios = [(ours, ours.median(phase) / theirs.median(phase)) for ours, theirs in pairs]
+    detail = "; ".join(f"{row.model}, {row.workers} workers: {ratio:.3f}x" for row, ratio in ratios)
+    return Goal(description, all(met(ratio) for _, ratio in ratios), detail)
 
 
 def overhead_goals(rows: Sequence[OverheadRow]) -> list[Goal]:
-    """The per-step goals, judged on wall time and on CPU time: ratio on the large model, ms added on the tiny one."""
-    goals = []
+    """The per-step goals: against DDP (time, memory), torchft and plain HSDP, and the tiny model's added ms."""
+    large = [name.upper() for name in LARGE_MODELS]
+    goals = [
+        _ratio_goal(
+            f"{' and '.join(large)} parameters: stalwart at most {(LARGE_GOAL_RATIO - 1) * 100:.0f}% over DDP ({what})",
+            _pairs(rows, "stalwart", BASELINE, LARGE_MODELS),
+            phase,
+            lambda ratio: ratio <= LARGE_GOAL_RATIO,
+        )
+        for phase, what in (("total", "wall time"), ("cpu", "CPU time"))
+    ]
+    goals.append(
+        _ratio_goal(
+            f"{' and '.join(large)} parameters: stalwart faster than torchft (wall time)",
+            _pairs(rows, "stalwart", "torchft", LARGE_MODELS),
+            "total",
+            lambda ratio: ratio < 1.0,
+        )
+    )
+    description = f"stalwart's peak memory per worker at most DDP's + one DDP bucket ({DDP_BUCKET_MIB:.0f} MiB)"
+    memory = _pairs(rows, "stalwart", BASELINE)
+    if memory:
+        added = [(ours, statistics.median(ours.peak_mib) - statistics.median(ddp.peak_mib)) for ours, ddp in memory]
+        detail = "; ".join(f"{row.model}, {row.workers} workers: {mib:+.1f} MiB" for row, mib in added)
+        goals.append(Goal(description, all(mib <= DDP_BUCKET_MIB for _, mib in added), detail))
+    else:
+        goals.append(Goal(description, None, "not measured in this run"))
+    description = f"stalwart over HSDP groups at most {(HSDP_GOAL_RATIO - 1) * 100:.0f}% over plain HSDP (wall time)"
+    if "stalwart-hsdp" in VARIANTS:
+        hsdp = _ratio_goal(
+            description, _pairs(rows, "stalwart-hsdp", "hsdp"), "total", lambda ratio: ratio <= HSDP_GOAL_RATIO
+        )
+    else:
+        hsdp = Goal(description, None, "the stalwart-hsdp variant is not implemented yet")
+    goals.append(hsdp)
     for phase, what in (("total", "wall time"), ("cpu", "CPU time")):
-        plain, ours = _find(rows, "large", "plain"), _find(rows, "large", "stalwart")
-        description = f"~100 ms step: stalwart at most {(LARGE_GOAL_RATIO - 1) * 100:.0f}% over plain ({what})"
-        if plain is None or ours is None:
-            goals.append(Goal(description, None, "the large model was not measured in this run"))
+        description = f"tiny model: stalwart adds less than {TINY_GOAL_MS:.0f} ms per step to DDP's ({what})"
+        tiny = _pairs(rows, "stalwart", BASELINE, ("tiny",))
+        if tiny:
+            added = [(ours, ours.median(phase) - ddp.median(phase)) for ours, ddp in tiny]
+            detail = "; ".join(f"{row.workers} workers: {ms:+.2f} ms" for row, ms in added)
+            goals.append(Goal(description, all(ms < TINY_GOAL_MS for _, ms in added), detail))
         else:
-            ratio = ours.median(phase) / plain.median(phase)
-            detail = f"{ratio:.3f}x: {_ms(ours.median(phase))} vs {_ms(plain.median(phase))} ms"
-            goals.append(Goal(description, ratio <= LARGE_GOAL_RATIO, detail))
-    for phase, what in (("total", "wall time"), ("cpu", "CPU time")):
-        plain, ours = _find(rows, "tiny", "plain"), _find(rows, "tiny", "stalwart")
-        description = f"tiny model: stalwart adds less than {TINY_GOAL_MS:.0f} ms per step ({what})"
-        if plain is None or ours is None:
-            goals.append(Goal(description, None, "not measured"))
-        else:
-            added = ours.median(phase) - plain.median(phase)
-            detail = f"{added:+.2f} ms: {_ms(ours.median(phase))} vs {_ms(plain.median(phase))} ms"
-            goals.append(Goal(description, added < TINY_GOAL_MS, detail))
+            goals.append(Goal(description, None, "the tiny model was not measured in this run"))
     return goals
 
 
-def recovery_goals(result: RecoveryResult) -> list[Goal]:
+def recovery_goals(result: RecoveryResult | None) -> list[Goal]:
     """SIGKILL and SIGSTOP recovery medians against their budgets."""
     goals = []
     for name, budget in (("KILL", SIGKILL_GOAL_S), ("STOP", SIGSTOP_GOAL_S)):
-        times = [r.seconds for r in result.recoveries if r.signal == name and r.seconds is not None]
         description = f"SIG{name} recovery (signal to next committed step) under {budget:.1f} s"
+        if result is None:
+            goals.append(Goal(description, None, "recovery was skipped in this run"))
+            continue
+        times = [r.seconds for r in result.recoveries if r.signal == name and r.seconds is not None]
         if not times:
             goals.append(Goal(description, None, result.note or "no failure of this kind recovered"))
             continue
@@ -642,60 +799,62 @@ def recovery_goals(result: RecoveryResult) -> list[Goal]:
     return goals
 
 
-def print_overhead(console: Console, rows: Sequence[OverheadRow], settings: Settings) -> None:
-    """Tables 1 and 1b: the variants of each model side by side, then where each step's time goes."""
+def print_overhead(console: Console, rows: Sequence[OverheadRow], settings: Settings, device: str) -> None:
+    """Tables 1 and 1b: the variants of each model and worker count side by side, then where a step's time goes."""
     comparison, phases = [], []
-    for model in MODELS:
-        plain = _find(rows, model, "plain")
-        for variant in VARIANTS:
-            row = next((r for r in rows if r.model == model and r.variant == variant), None)
-            if row is None or not row.measured:
-                note = row.note if row is not None and row.note else "not measured in this run"
-                comparison.append([model, variant, *["-"] * 8, note])
-                continue
-            totals = row.phases["total"]
-            p90 = statistics.quantiles(totals, n=10)[-1] if len(totals) > 1 else row.median()
-            versus = ["-"] * 5
-            if plain is not None:
-                versus = [
-                    f"{row.median() / plain.median():.3f}x",
-                    _ratio_range(row, plain),
-                    f"{row.median() - plain.median():+.2f}",
-                    f"{row.median('cpu') / plain.median('cpu'):.3f}x",
-                    f"{row.median('cpu') - plain.median('cpu'):+.2f}",
-                ]
-            ratio, spread, added, cpu_ratio, cpu_added = versus
-            median, cpu = _ms(row.median()), _ms(row.median("cpu"))
-            comparison.append([model, variant, median, _ms(p90), ratio, spread, added, cpu, cpu_ratio, cpu_added, ""])
-            phases.append([model, variant, str(len(totals)), *(_ms(row.median(phase)) for phase in PHASES[2:])])
+    for row in rows:
+        place = [row.model, str(row.workers), row.variant]
+        if not row.measured:
+            comparison.append([*place, *["-"] * 8, row.note or "not measured in this run"])
+            continue
+        totals = row.phases["total"]
+        p90 = statistics.quantiles(totals, n=10)[-1] if len(totals) > 1 else row.median()
+        peak = statistics.median(row.peak_mib)
+        versus = ["-"] * 4
+        ddp = _find(rows, row.model, row.workers, BASELINE)
+        if ddp is not None:
+            versus = [
+                f"{row.median() / ddp.median():.3f}x",
+                _ratio_range(row, ddp),
+                f"{row.median('cpu') / ddp.median('cpu'):.3f}x",
+                f"{peak - statistics.median(ddp.peak_mib):+.1f}",
+            ]
+        ratio, spread, cpu_ratio, memory_added = versus
+        median, cpu = _ms(row.median()), _ms(row.median("cpu"))
+        comparison.append([*place, median, _ms(p90), ratio, spread, cpu, cpu_ratio, f"{peak:.1f}", memory_added, ""])
+        phases.append([*place, str(len(totals)), *(_ms_or_dash(row.phases[phase]) for phase in PHASES[2:])])
     spec_text = "; ".join(
         f"{s.name}: MLP {s.in_features}-{'-'.join([str(s.hidden)] * s.layers)}-{s.classes} "
         f"({_parameters(s):,} parameters), global batch {s.global_batch}, micro-batches of {s.max_microbatch}"
-        for s in MODELS.values()
+        for s in (MODELS[model] for model in settings.models)
     )
+    memory = "torch.cuda.max_memory_allocated" if device == "cuda" else "growth of the peak RSS from before the model"
     print_table(
         console,
-        "1. Per-step time without failures: 3 workers, rank 0, median after warm-up",
+        f"1. Per-step time and memory without failures ({device}): rank 0's median after warm-up, against DDP",
         [
             Column("model", justify="left"),
+            "workers",
             Column("variant", justify="left"),
             "median (ms)",
             "p90 (ms)",
-            "vs plain",
+            "vs DDP",
             "by round",
-            "added (ms)",
             "CPU (ms)",
-            "CPU vs plain",
-            "CPU added (ms)",
+            "CPU vs DDP",
+            "peak memory (MiB)",
+            "memory vs DDP (MiB)",
             Column("note", justify="left", max_width=60),
         ],
         comparison,
         caption=(
-            f"{spec_text}. Rank 0's steps pooled over {settings.rounds} round(s), variants in a rotating order. "
-            "'vs plain' = ratio of the medians; 'by round' = the lowest and highest ratio of one round's medians "
-            "(this machine's noise); 'added' = median minus plain's. CPU = CPU time of rank 0's process (all its "
-            "threads) per step: the work a step costs, whatever the scheduler does with 3 workers on this "
-            "machine's cores. 'stalwart, prefetch' = ElasticLoader(prefetch=True); the default is off."
+            f"{spec_text}. Rank 0's steps pooled over {settings.rounds} round(s), variants in an order that rotates "
+            "each round. 'vs DDP' = ratio of the medians to DDP's; 'by round' = the lowest and highest ratio of one "
+            "round's medians (this machine's noise). CPU = CPU time of rank 0's process (all its threads) per step: "
+            "the work a step costs, whatever the scheduler does with the workers on this machine's cores. Peak "
+            f"memory = the largest of the workers' ({memory}), median over rounds; 'memory vs DDP' = the difference "
+            f"(goal: at most one DDP bucket, {DDP_BUCKET_MIB:.0f} MiB). hsdp = (replicate, shard) groups of 2 "
+            "processes: 4 workers only. 'stalwart, prefetch' = ElasticLoader(prefetch=True); the default is off."
         ),
     )
     print_table(
@@ -703,6 +862,7 @@ def print_overhead(console: Console, rows: Sequence[OverheadRow], settings: Sett
         "1b. Where a step's time goes: median ms of each phase on rank 0",
         [
             Column("model", justify="left"),
+            "workers",
             Column("variant", justify="left"),
             "steps",
             "compute (ms)",
@@ -712,9 +872,10 @@ def print_overhead(console: Console, rows: Sequence[OverheadRow], settings: Sett
         ],
         phases,
         caption=(
-            "compute = forward + backward; before reduce = loading, flattening, quorum calls (torchft: waiting for "
-            "the step's quorum); all-reduce = start to done (stalwart: its polled wait); after reduce = applying, "
-            "optimizer, commit, next share and prefetch, ledger. Each phase's median is taken on its own."
+            "compute = forward + backward (ddp, fsdp2, hsdp: with the reduction they overlap with it, so their "
+            "other phases are not split out); before reduce = loading, flattening, quorum calls (torchft: waiting "
+            "for the step's quorum); all-reduce = start to done (stalwart: its polled wait); after reduce = "
+            "applying, optimizer, commit, next share and prefetch, ledger. Each phase's median is taken on its own."
         ),
     )
 
@@ -771,11 +932,12 @@ def print_recovery(console: Console, result: RecoveryResult, torchft_runs: Seque
         ],
         lines,
         caption=(
-            f"Digits job, 3 workers, {RECOVERY_STEP_SECONDS} s of simulated compute per step, lighthouse heartbeat "
-            f"timeout {HEARTBEAT_TIMEOUT} s, collective timeout {COLLECTIVE_TIMEOUT} s; failures one after another "
-            "in one job, each once the quorum is whole again. 'to failure record' and 'failure to quorum' come from "
-            "the lighthouse's /v1/status; the rest of a recovery is the new group's rendezvous, the survivors' "
-            "extra share and the all-reduce. torchft: 3 replica groups of one, tiny model, same pacing, min 2 "
+            f"Digits job, {RECOVERY_WORKERS} workers, {RECOVERY_STEP_SECONDS} s of simulated compute per step, "
+            f"lighthouse heartbeat timeout {HEARTBEAT_TIMEOUT} s, collective timeout {COLLECTIVE_TIMEOUT} s; "
+            "failures one after another in one job, each once the quorum is whole again. 'to failure record' and "
+            "'failure to quorum' come from the lighthouse's /v1/status; the rest of a recovery is the new group's "
+            "rendezvous, the survivors' extra share and the all-reduce. torchft: 3 replica groups of one, tiny "
+            "model, same pacing, min 2 "
             "replicas, its lighthouse's heartbeat timeout 1 s."
         ),
     )
@@ -822,14 +984,15 @@ def print_work_lost(
         [
             "torchft (model)",
             "0",
-            f">= {batch // WORKERS}",
+            f">= {batch // RECOVERY_WORKERS}",
             "-",
             "the dead group's share of the step in flight is dropped, not recomputed; the global batch shrinks "
             "until the group is back",
         ]
     )
-    plain_tiny = _find(overhead, "tiny", "plain")
-    restart_s = statistics.median(plain_tiny.first_step_s) if plain_tiny else None
+    ddp = next((row for row in overhead if row.variant == BASELINE and row.measured), None)
+    restart_s = statistics.median(ddp.first_step_s) if ddp else None
+    restart = f"launch to first step, {ddp.workers} DDP workers, {ddp.model} model" if ddp else ""
     for interval in CHECKPOINT_INTERVALS:
         recomputed = interval / 2 * batch
         time_lost = None if restart_s is None or result.step_s is None else restart_s + interval / 2 * result.step_s
@@ -840,7 +1003,7 @@ def print_work_lost(
                 "0",
                 _s(time_lost) if time_lost is not None else "-",
                 f"model: K/2 = {interval / 2:g} steps x global batch {batch} recomputed; restart "
-                + (f"{restart_s:.1f} s (measured: launch to first step, 3 workers)" if restart_s else "not measured")
+                + (f"{restart_s:.1f} s (measured: {restart})" if restart_s else "not measured")
                 + (f" + K/2 x {result.step_s * 1e3:.0f} ms steps" if result.step_s else ""),
             ]
         )
@@ -855,13 +1018,18 @@ def print_work_lost(
             Column("basis", justify="left", max_width=90),
         ],
         lines,
-        caption=f"Digits job, global batch {batch}, 3 workers (one worker's share: {batch // WORKERS} samples).",
+        caption=(
+            f"Digits job, global batch {batch}, {RECOVERY_WORKERS} workers "
+            f"(one worker's share: {batch // RECOVERY_WORKERS} samples)."
+        ),
     )
 
 
-def _ratio_range(row: OverheadRow, plain: OverheadRow) -> str:
-    """Lowest and highest ratio of ``row``'s median to plain's over the rounds both ran."""
-    ratios = [row.round_medians[r] / plain.round_medians[r] for r in row.round_medians if r in plain.round_medians]
+def _ratio_range(row: OverheadRow, baseline: OverheadRow) -> str:
+    """Lowest and highest ratio of ``row``'s median to the baseline's over the rounds both ran."""
+    ratios = [
+        row.round_medians[r] / baseline.round_medians[r] for r in row.round_medians if r in baseline.round_medians
+    ]
     return f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-"
 
 
@@ -873,6 +1041,10 @@ def _ms(value: float) -> str:
     return f"{value:.2f}" if abs(value) < 100 else f"{value:.1f}"
 
 
+def _ms_or_dash(values: Sequence[float]) -> str:
+    return _ms(statistics.median(values)) if values else "-"
+
+
 def _s(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
@@ -882,16 +1054,15 @@ def _count(value: float) -> str:
 
 
 def run_all(
-    settings: Settings, run_dir: Path, console: Console
-) -> tuple[list[OverheadRow], RecoveryResult, list[TorchftKill]]:
-    """The three measurements (and torchft's SIGKILL runs), under a progress display."""
-    overhead_units = len(settings.models) * settings.rounds * len(settings.variants)
-    recovery_units = 2 * settings.failures_per_signal
-    trials = ("ddp", "allreduce") if settings.torchft_kill_trial and not torchft_missing() else ()
+    settings: Settings, device: str, run_dir: Path, console: Console
+) -> tuple[list[OverheadRow], RecoveryResult | None, list[TorchftKill]]:
+    """The three measurements and torchft's SIGKILL runs (only the first without recovery), under a progress display."""
+    recovery_units = 2 * settings.failures_per_signal if settings.recovery else 0
+    trials = ("ddp", "allreduce") if settings.recovery and settings.torchft_kill_trial and not torchft_missing() else ()
     with progress_display(console) as progress:
-        task = progress.add_task("starting", total=overhead_units + recovery_units + len(trials))
-        overhead = measure_overhead(settings, run_dir, progress, task)
-        recovery = measure_recovery(settings, run_dir, progress, task)
+        task = progress.add_task("starting", total=overhead_runs(settings) + recovery_units + len(trials))
+        overhead = measure_overhead(settings, device, run_dir, progress, task)
+        recovery = measure_recovery(settings, run_dir, progress, task) if settings.recovery else None
         torchft_runs = []
         for mode in trials:
             progress.update(task, description=f"torchft ({mode}): SIGKILL of a peer")
@@ -900,13 +1071,51 @@ def run_all(
     return overhead, recovery, torchft_runs
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the benchmark, print its tables and the goals; return the exit status (0 unless it crashed)."""
+def _choices(text: str, choices: Sequence[str]) -> tuple[str, ...]:
+    values = tuple(value.strip() for value in text.split(",") if value.strip())
+    unknown = [value for value in values if value not in choices]
+    if not values or unknown:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(choices)}, got {text!r}")
+    return values
+
+
+def _worker_counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(value) for value in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 2:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of worker counts >= 2, got {text!r}")
+    return counts
+
+
+def parse_settings(argv: Sequence[str] | None) -> tuple[Settings, argparse.Namespace]:
+    """The run's settings: full or ``--quick``, with the command line's models, worker counts and rounds."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.runtime", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the tiny model and one failure of each kind")
+    parser.add_argument("--quick", action="store_true", help="the tiny model, 2 workers, one failure of each kind")
+    parser.add_argument("--models", type=lambda text: _choices(text, tuple(MODELS)), help="e.g. 1m,10m,50m")
+    parser.add_argument("--workers", type=_worker_counts, help="worker counts of table 1, e.g. 2,4")
+    parser.add_argument("--rounds", type=int, choices=range(1, 21), metavar="N", help="rounds of table 1")
+    parser.add_argument("--skip-recovery", action="store_true", help="table 1 only (no recovery, no work lost)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one GPU per worker")
     parser.add_argument("--run-dir", type=Path, default=None, help="keep worker logs and step records here")
     args = parser.parse_args(argv)
     settings = QUICK if args.quick else FULL
+    settings = dataclasses.replace(
+        settings,
+        models=args.models or settings.models,
+        workers=args.workers or settings.workers,
+        rounds=args.rounds or settings.rounds,
+        recovery=not args.skip_recovery,
+    )
+    if args.device == "cuda" and torch.cuda.device_count() < max(settings.workers):
+        parser.error(f"--device cuda needs a GPU per worker: {torch.cuda.device_count()} for {settings.workers}")
+    return settings, args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark, print its tables and the goals; return the exit status (0 unless it crashed)."""
+    settings, args = parse_settings(argv)
     console = make_console()
     load = f", load average {os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else ""
     quick = " (quick run: indicative only)" if args.quick else ""
@@ -914,14 +1123,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     console.print(f"torch {torch.__version__}, {torchft_note}, {os.cpu_count()} CPUs{load}{quick}")
     if args.run_dir is not None:
         args.run_dir.mkdir(parents=True, exist_ok=True)
-        overhead, recovery, torchft_runs = run_all(settings, args.run_dir, console)
+        overhead, recovery, torchft_runs = run_all(settings, args.device, args.run_dir, console)
         console.print(f"worker logs and step records: {args.run_dir}", highlight=False)
     else:
         with tempfile.TemporaryDirectory(prefix="stalwart-bench-runtime-") as scratch:
-            overhead, recovery, torchft_runs = run_all(settings, Path(scratch), console)
-    print_overhead(console, overhead, settings)
-    print_recovery(console, recovery, torchft_runs)
-    print_work_lost(console, recovery, overhead, torchft_runs)
+            overhead, recovery, torchft_runs = run_all(settings, args.device, Path(scratch), console)
+    print_overhead(console, overhead, settings, args.device)
+    if recovery is not None:
+        print_recovery(console, recovery, torchft_runs)
+        print_work_lost(console, recovery, overhead, torchft_runs)
     print_goals(console, [*overhead_goals(overhead), *recovery_goals(recovery)])
     return 0
 

@@ -1,6 +1,7 @@
-"""Smoke test of the data-plane benchmark: ``--quick`` runs end to end and prints its tables.
+"""Smoke tests of the benchmarks: ``--quick`` runs end to end and prints its tables.
 
-Benchmarks are not tests: nothing here looks at a timing or a memory number.
+Benchmarks are not tests: nothing here judges a timing or a memory number,
+only that the runs that should have been measured were.
 """
 
 from __future__ import annotations
@@ -60,6 +61,15 @@ def test_unknown_argument_is_rejected() -> None:
     assert "--no-such-option" in completed.stderr
 
 
+def _table_row(output: str, *leading: str) -> list[str]:
+    """The cells of the first table row whose leading cells are ``leading``."""
+    for line in output.splitlines():
+        cells = [cell.strip() for cell in line.split("\u2502")][1:-1]  # rich's vertical box line
+        if cells[: len(leading)] == list(leading):
+            return cells
+    raise AssertionError(f"no table row starts with {leading}")
+
+
 def test_runtime_quick_run_prints_every_table_and_goal() -> None:
     env = {**os.environ, "COLUMNS": "240"}
     completed = subprocess.run(
@@ -74,7 +84,7 @@ def test_runtime_quick_run_prints_every_table_and_goal() -> None:
     assert completed.returncode == 0, completed.stderr[-3000:]
     output = completed.stdout
     for title in (
-        "1. Per-step time without failures",
+        "1. Per-step time and memory without failures",
         "1b. Where a step's time goes",
         "2. Recovery: signal to the next step committed by a new quorum",
         "3. Work lost per failure",
@@ -83,17 +93,24 @@ def test_runtime_quick_run_prints_every_table_and_goal() -> None:
         assert title in output
     for header in (
         "median (ms)",
-        "vs plain",
-        "added (ms)",
-        "CPU vs plain",
+        "vs DDP",
+        "CPU vs DDP",
+        "peak memory (MiB)",
+        "memory vs DDP (MiB)",
         "all-reduce (ms)",
         "failure to quorum (s)",
         "sample-gradients recomputed",
         "samples lost (never trained)",
     ):
         assert header in output
-    for row in ("plain", "stalwart", "torchft", "SIGKILL", "SIGSTOP", "checkpoint-restart, K=10"):
+    for row in ("torchft", "SIGKILL", "SIGSTOP", "checkpoint-restart, K=10"):
         assert row in output
+    # Table 1's columns: model, workers, variant, median, p90, vs DDP, by round, CPU, CPU vs DDP, peak memory, ...
+    for variant in ("ddp", "stalwart", "fsdp2"):  # measured, not a "not run" note
+        cells = _table_row(output, "tiny", "2", variant)
+        assert float(cells[3]) > 0 and float(cells[7]) > 0 and float(cells[9]) >= 0, cells
+        assert cells[5].endswith("x") and cells[8].endswith("x"), cells
+    assert _table_row(output, "tiny", "2", "ddp")[5] == "1.000x"  # the baseline
     statuses = ("met:", "MISSED:", "not measured:")
     goal_lines = [line for line in output.splitlines() if line.lstrip().startswith(statuses)]
-    assert len(goal_lines) == 6
+    assert len(goal_lines) == 9
