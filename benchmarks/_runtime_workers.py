@@ -15,6 +15,9 @@ Run by :mod:`benchmarks.runtime` as ``python -m benchmarks._runtime_workers LOOP
   processes; ``hsdp``: the same over a 2-D mesh (replicate, shard) of
   ``--group-size`` processes per shard group. Both skip the gradient sync
   (``set_requires_gradient_sync(False)``) for all but the last micro-batch.
+- ``stalwart-hsdp``: stalwart's Manager over replica groups of
+  ``--group-size`` processes, each group ``fully_shard``-ing the model over
+  its own processes (fault-tolerant HSDP, the ``hsdp`` loop's layout).
 - ``torchft``: torchft 0.2.0's Manager on its Gloo (NCCL on CUDA) process
   group, against its own lighthouse, each process a replica group of one;
   ``--mode allreduce`` all-reduces the same flat buffer through
@@ -61,6 +64,7 @@ from torch.utils.data import TensorDataset, default_collate
 from benchmarks._measure import peak_rss_bytes
 from stalwart.data.plan import EpochPlan
 from stalwart.data.schedule import split_microbatches, split_sizes
+from stalwart.data.world import WorldInfo
 from stalwart.runtime.loader import ElasticLoader
 from stalwart.runtime.manager import Manager
 
@@ -410,16 +414,54 @@ def train_wrapped(
 def run_stalwart(args: argparse.Namespace, spec: ModelSpec, log: StepLog, device: torch.device) -> None:
     """The plain loop under stalwart's Manager and ElasticLoader."""
     model = build_model(spec).to(device)
+    train_stalwart(args, spec, log, device, model, member=args.member)
+
+
+def run_stalwart_hsdp(args: argparse.Namespace, spec: ModelSpec, log: StepLog, device: torch.device) -> None:
+    """stalwart over replica groups of ``--group-size`` processes, each ``fully_shard``-ing the model (HSDP).
+
+    Process ``rank`` is intra-group rank ``rank % group_size`` of group ``rank // group_size``; the group's
+    processes form their own default process group (the FSDP2 mesh) and link, through the driver's store.
+    """
+    number, intra = divmod(args.rank, args.group_size)
+    store = dist.TCPStore("127.0.0.1", args.store_port, is_master=False, timeout=_STORE_TIMEOUT)
+    group_store = dist.PrefixStore(f"{args.prefix}group-{number}/", store)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=group_store, rank=intra, world_size=args.group_size)
+    model = build_model(spec).to(device)
+    mesh = init_device_mesh(device.type, (args.group_size,))
+    for layer in list(model.modules()):
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    group = WorldInfo(rank=intra, world_size=args.group_size)
+    train_stalwart(args, spec, log, device, model, member=f"group-{number}", group=group, group_store=group_store)
+
+
+def train_stalwart(
+    args: argparse.Namespace,
+    spec: ModelSpec,
+    log: StepLog,
+    device: torch.device,
+    model: torch.nn.Module,
+    *,
+    member: str,
+    group: WorldInfo | None = None,
+    group_store: dist.Store | None = None,
+) -> None:
+    """The loop under the Manager: each micro-batch's summed loss through ``step.backward``."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     manager = Manager(
         model,
         optimizer,
         lighthouse=args.lighthouse,
-        member=args.member,
+        member=member,
         max_microbatch=spec.max_microbatch,
         collective_timeout=args.collective_timeout,
         device=device,
         on_event=log.reduce_event,
+        group=group,
+        group_store=group_store,
     )
     loader = ElasticLoader(synthetic_dataset(spec), prefetch=args.prefetch)
     for step in manager.steps(loader, max_steps=args.steps):
@@ -522,6 +564,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace, ModelSpec, StepLog, torch.devic
     "stalwart": run_stalwart,
     "fsdp2": run_fsdp2,
     "hsdp": run_hsdp,
+    "stalwart-hsdp": run_stalwart_hsdp,
     "torchft": run_torchft,
 }
 
