@@ -114,3 +114,19 @@ def test_runtime_quick_run_prints_every_table_and_goal() -> None:
     statuses = ("met:", "MISSED:", "not measured:")
     goal_lines = [line for line in output.splitlines() if line.lstrip().startswith(statuses)]
     assert len(goal_lines) == 9
+
+
+def test_hsdp_recovery_measures_a_failure() -> None:
+    completed = subprocess.run(
+        [sys.executable, "-m", "benchmarks.hsdp_recovery", "--failures", "1"],
+        cwd=REPO_ROOT,
+        env={**os.environ, "COLUMNS": "240"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert "recovery (s)" in completed.stdout and "rejoin (s)" in completed.stdout
+    assert "recovery from a SIGKILL under 1 s" in completed.stdout
+    assert "not measured" not in completed.stdout

@@ -3,11 +3,13 @@
 A step (see docs/protocol.md)::
 
     quorum (only when membership changed) -> share -> micro-batches, backward
-      -> all-reduce [gradient sums, sample count, loss sum, reconfigure flag]
+      -> gradient buckets all-reduced while the last backward runs, the last
+         one with the tail [checks, sample count, reconfigure flag, loss sum]
       -> divide by the step's sample count -> optimizer.step() -> commit
 
-When the all-reduce fails (a peer died or hung), this member keeps its
-gradient accumulator, asks the lighthouse for a new quorum, computes the
+When a bucket's all-reduce fails (a peer died or hung), this member keeps its
+gradient accumulator (buckets reduce copies: :mod:`stalwart.runtime.reducer`),
+asks the lighthouse for a new quorum, computes the
 positions it was given on top of what it has done (the dead member's share,
 split among the survivors), and all-reduces again in the new group: the
 committed step is the same step as without the failure. A member that is
@@ -123,8 +125,14 @@ class Manager:
     split among its processes by intra-group rank. ``on_event(event, step)`` is
     called at ``"joined"`` (this member is in a new quorum, at ``step``),
     ``"healed"`` (it loaded a peer's state at ``step``), ``"reduce_started"``
-    (the all-reduce is in flight) and ``"reduce_finished"`` (reduced, not yet
-    applied), for tracing and for tests that kill a worker at those points.
+    (every bucket is launched, backward is over) and ``"reduce_finished"``
+    (reduced, not yet applied), for tracing and for tests that kill a worker
+    at those points.
+
+    Gradients are reduced in buckets of ``bucket_cap_mb`` (DDP's default
+    25), in their own dtype or ``reduce_dtype`` (for example
+    ``torch.bfloat16`` to halve the bytes on the wire); each micro-batch's
+    loss goes through ``step.backward()`` once.
 
     A member that joins after the job committed its last step (every other
     member left) is not healed: ``steps()`` yields nothing and
