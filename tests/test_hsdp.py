@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -51,17 +51,26 @@ def events(run_dir: Path, name: str) -> list[str]:
 
 
 def test_a_killed_fsdp_group_restarts_and_is_healed_shard_by_shard(tmp_path: Path, lighthouse: Lighthouse) -> None:
+    kill_restart_and_heal(tmp_path, lighthouse, {})
+
+
+def kill_restart_and_heal(tmp_path: Path, lighthouse: Lighthouse, envs: Mapping[str, Mapping[str, str]]) -> None:
+    """The scenario of the module docstring; ``envs``: extra environment per group (its GPUs on CUDA)."""
     hold = tmp_path / "hold"
     hold.write_text(str(HOLD_AT))
     extra = ["--fsdp", "--hold-file", str(hold)]
-    agents = {name: launch_group(lighthouse.url, name, tmp_path, extra) for name in ("group-a", "group-b")}
+
+    def launch(name: str) -> subprocess.Popen[bytes]:
+        return launch_group(lighthouse.url, name, tmp_path, extra, envs.get(name))
+
+    agents = {name: launch(name) for name in ("group-a", "group-b")}
     restarted: subprocess.Popen[bytes] | None = None
     try:
         wait_until(lambda: latest_step(tmp_path)[0] >= 6, TIMEOUT, "the groups to train 6 steps")
         os.kill(worker_pids(agents["group-b"])[1], signal.SIGKILL)
         assert agents["group-b"].wait(timeout=TIMEOUT) != 0
         wait_until(lambda: latest_step(tmp_path)[0] >= HOLD_AT, TIMEOUT, "group A to reach the hold alone")
-        restarted = launch_group(lighthouse.url, "group-b", tmp_path, extra)
+        restarted = launch("group-b")
         wait_until(
             lambda: any(m["member"] == "group-b" and m["asking"] == "join" for m in lighthouse.status()["members"]),
             TIMEOUT,

@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -42,8 +42,13 @@ def lighthouse() -> Iterator[Lighthouse]:
     server.stop()
 
 
-def launch_group(url: str, name: str, run_dir: Path, extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
-    """One torchrun launch of two worker processes forming replica group ``name`` (``extra``: worker options)."""
+def launch_group(
+    url: str, name: str, run_dir: Path, extra: Sequence[str] = (), env: Mapping[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """One torchrun launch of two worker processes forming replica group ``name``.
+
+    ``extra``: more worker options; ``env``: variables added to the launch's environment.
+    """
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         "-m", "stalwart.launch.worker", "--lighthouse", url, "--member", name, "--run-dir", str(run_dir),
@@ -51,7 +56,8 @@ def launch_group(url: str, name: str, run_dir: Path, extra: Sequence[str] = ()) 
         *extra,
     ]  # fmt: skip
     log = open(run_dir / f"{name}.log", "ab")  # noqa: SIM115 - the child keeps it
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    environ = {**os.environ, **(env or {})}
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=environ)
     log.close()
     return process
 

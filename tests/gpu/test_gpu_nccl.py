@@ -47,6 +47,8 @@ from stalwart.launch.cluster import LocalCluster
 from stalwart.launch.digits import reference_run
 from stalwart.launch.report import audit_steps, committed_steps, planned_total
 from stalwart.runtime.comm import NCCL_ENVIRONMENT, CollectiveError, Communicator, nccl_environment, quorum_store
+from tests.test_hsdp import PLAN as HSDP_PLAN
+from tests.test_hsdp import kill_restart_and_heal
 
 GPUS = torch.cuda.device_count()
 needs_two_gpus = pytest.mark.skipif(
@@ -329,13 +331,10 @@ def test_a_killed_worker_restarts_and_is_healed_from_a_peer_over_nccl(
     assert restarted[:3] == ["started", "healed", "joined"]
 
 
-@pytest.mark.skip(reason="needs the FSDP2 replica groups (issue 8 part 2)")
-def test_fsdp2_replica_group_on_nccl() -> None:
-    """To be written with issue 8 part 2: an FSDP2-sharded replica group on NCCL.
-
-    Two replica groups of two processes (four GPUs: one per process), each
-    group sharding the model with FSDP2 over its own NCCL group, the quorum's
-    all-reduce across groups; one process SIGKILLed mid-run. The checks of
-    ``check_job``: every step's global batch, exactly-once samples, and the
-    failure-free parameters on every surviving process.
-    """
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs: 2 FSDP2 groups of 2 processes")
+def test_fsdp2_replica_groups_on_nccl(tmp_path: Path) -> None:
+    """Two FSDP2 groups of two processes on their own GPUs (NCCL inside and across groups): a process of one
+    SIGKILLed, its group restarted and healed shard by shard; exactly-once and the failure-free parameters."""
+    with Lighthouse(HSDP_PLAN, min_replicas=1, start_replicas=2, heartbeat_timeout=1.0, join_timeout=30.0) as server:
+        envs = {"group-a": {"CUDA_VISIBLE_DEVICES": "0,1"}, "group-b": {"CUDA_VISIBLE_DEVICES": "2,3"}}
+        kill_restart_and_heal(tmp_path, server, envs)
