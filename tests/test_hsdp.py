@@ -4,11 +4,11 @@ Each group is one ``torchrun --standalone --nproc-per-node 2`` launch of the
 digits worker with ``--fsdp``: the group's processes ``fully_shard`` the MLP
 over their own mesh, FSDP2 reduce-scatters gradients within the group and the
 Manager reduces each shard across the groups. One process of group B is
-SIGKILLed mid-run (torchrun's agent ends its sibling); group A carries B's
-share alone; B is launched again, asks to join while the job is held, and is
-healed shard by shard from A. The run must keep every step's global batch,
-train each sample exactly once, and end with the failure-free parameters on
-all four processes.
+SIGKILLed while the step's buckets are in flight (torchrun's agent ends its
+sibling); group A recomputes B's share of that step and carries it alone; B
+is launched again, asks to join while the job is held, and is healed shard by
+shard from A. The run must keep every step's global batch, train each sample
+exactly once, and end with the failure-free parameters on all four processes.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ from stalwart.launch.cluster import latest_step
 from stalwart.launch.digits import reference_run
 from stalwart.launch.report import audit_steps, committed_steps, planned_total
 from tests.support import wait_until
-from tests.test_replica_groups import launch_group, worker_pids
+from tests.test_replica_groups import launch_group
 
 STEPS = 24
+KILL_AT = 7
 HOLD_AT = 12
 PLAN = EpochPlan(1797, 48, seed=0, local_batch_multiple=4)
 PARAM_TOLERANCE = 1e-4
@@ -60,14 +61,15 @@ def kill_restart_and_heal(tmp_path: Path, lighthouse: Lighthouse, envs: Mapping[
     hold.write_text(str(HOLD_AT))
     extra = ["--fsdp", "--hold-file", str(hold)]
 
-    def launch(name: str) -> subprocess.Popen[bytes]:
-        return launch_group(lighthouse.url, name, tmp_path, extra, envs.get(name))
+    def launch(name: str, *more: str) -> subprocess.Popen[bytes]:
+        return launch_group(lighthouse.url, name, tmp_path, [*extra, *more], envs.get(name))
 
-    agents = {name: launch(name) for name in ("group-a", "group-b")}
+    # Group B's process 1 SIGKILLs itself while step KILL_AT's buckets are in flight: group A's reduction fails,
+    # and it computes B's share on top of its own (a second FSDP2 reduce-scatter into its shards).
+    kill = ["--kill-at", f"{KILL_AT}:during_reduce", "--kill-rank", "1"]
+    agents = {"group-a": launch("group-a"), "group-b": launch("group-b", *kill)}
     restarted: subprocess.Popen[bytes] | None = None
     try:
-        wait_until(lambda: latest_step(tmp_path)[0] >= 6, TIMEOUT, "the groups to train 6 steps")
-        os.kill(worker_pids(agents["group-b"])[1], signal.SIGKILL)
         assert agents["group-b"].wait(timeout=TIMEOUT) != 0
         wait_until(lambda: latest_step(tmp_path)[0] >= HOLD_AT, TIMEOUT, "group A to reach the hold alone")
         restarted = launch("group-b")
@@ -90,6 +92,7 @@ def kill_restart_and_heal(tmp_path: Path, lighthouse: Lighthouse, envs: Mapping[
     assert audit_steps(PLAN, steps) == (True, 0, 0)
     world_sizes = [record["world_size"] for record in steps]
     assert world_sizes[0] == 2 and 1 in world_sizes and world_sizes[-1] == 2
+    assert steps[KILL_AT]["world_size"] == 1  # committed by group A alone, after its retry
     assert "healed" in events(tmp_path, "group-b.0") and "healed" in events(tmp_path, "group-b.1")
     reference, _ = reference_run(PLAN, STEPS)
     finals = sorted(path.name for path in tmp_path.glob("final-*.pt"))

@@ -24,9 +24,11 @@ WORLD = 2
 def peer(rank: int, port: int, prefix: str, out: str) -> None:
     """Shard three copies of one MLP: default (averaging), prepared (summing), prepared with an unsynced backward."""
     mesh = join_group(port, prefix, rank, WORLD)
-    averaged, summed, accumulated = (shard(mlp(seed=0), mesh) for _ in range(3))
-    prepare_fsdp(summed)
-    prepare_fsdp(accumulated)
+    averaged, summed, accumulated, retried = (shard(mlp(seed=0), mesh) for _ in range(4))
+    for model in (summed, accumulated, retried):
+        prepare_fsdp(model)
+    for micro in (0, 1):  # a synced backward, then another (a failure's extra positions): sums add up
+        loss(retried, batch(rank, micro)).backward()
     for model in (averaged, summed):
         loss(model, batch(rank, 0)).backward()
     set_gradient_sync(accumulated, False)
@@ -38,7 +40,12 @@ def peer(rank: int, port: int, prefix: str, out: str) -> None:
     result = {
         "grads": {
             name: {key: local_tensor(param.grad).clone() for key, param in model.named_parameters()}
-            for name, model in (("averaged", averaged), ("summed", summed), ("accumulated", accumulated))
+            for name, model in (
+                ("averaged", averaged),
+                ("summed", summed),
+                ("accumulated", accumulated),
+                ("retried", retried),
+            )
         },
         "unsynced_grad_is_none": unsynced,
         "sharded": [is_sharded(averaged), is_sharded(averaged[0]), is_sharded(mlp(seed=0))],
@@ -91,9 +98,10 @@ def test_prepared_gradients_are_shards_of_the_sum_and_default_ones_of_the_mean(r
 
 def test_gradients_accumulate_unsynced_until_sync_is_turned_back_on(results: list[dict]) -> None:
     assert all(all(result["unsynced_grad_is_none"]) for result in results)  # nothing reduced while off
-    accumulated = gathered(results, "accumulated")
+    accumulated, retried = gathered(results, "accumulated"), gathered(results, "retried")
     for name, grad in reference_grads([0, 1]).items():
         torch.testing.assert_close(accumulated[name], grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(retried[name], grad, rtol=1e-5, atol=1e-6)
 
 
 def test_is_sharded_and_local_tensor(results: list[dict]) -> None:

@@ -19,7 +19,8 @@ rejoin from the first one's steps.
 
 ``--kill-at STEP:POINT`` makes the worker SIGKILL itself at a named point of a
 step, for tests: ``before_forward``, ``during_backward``, ``during_reduce``
-(the all-reduce is in flight) or ``after_reduce`` (reduced, not applied).
+(the buckets are in flight) or ``after_reduce`` (reduced, not applied);
+with ``--kill-rank R`` only the group's process of intra-group rank R does.
 
 ``--hold-file PATH``: while PATH exists and holds a step number ``S``, the
 worker waits before starting any step ``>= S`` (bounded by ``HOLD_LIMIT``),
@@ -155,6 +156,9 @@ def main(argv: list[str] | None = None) -> None:
         "--connect-timeout", type=float, default=60.0, help="Seconds to wait for the lighthouse to answer at start."
     )
     parser.add_argument("--kill-at", type=parse_kill_at, default=None, help="STEP:POINT to SIGKILL itself (tests).")
+    parser.add_argument(
+        "--kill-rank", type=int, default=None, help="With --kill-at: only the process of this intra-group rank."
+    )
     parser.add_argument("--corrupt-at", type=int, default=None, help="Perturb the parameters at this step (tests).")
     parser.add_argument("--fsdp", action="store_true", help="Shard the model over the group's processes (FSDP2).")
     parser.add_argument("--hold-file", type=Path, default=None, help="Wait before steps >= the number it holds.")
@@ -183,7 +187,7 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
     """Train under a Manager until the job has committed ``--max-steps`` steps."""
 
     def kill_if(point: str, step: int) -> None:
-        if args.kill_at == (step, point):
+        if args.kill_at == (step, point) and args.kill_rank in (None, group.rank):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def on_event(event: str, step: int) -> None:
