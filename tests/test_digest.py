@@ -48,7 +48,7 @@ async def _send(url: str, headers: dict[str, str], message: dict[str, object]) -
     ):
         await ws.send_str(json.dumps(message))
         for _ in range(20):  # skip pushes (the quorum's reconfigure), bounded
-            reply = await ws.receive(timeout=10)
+            reply = await ws.receive(timeout=60)  # bounded; a busy machine can be slow
             if reply.type != aiohttp.WSMsgType.TEXT:
                 return {"type": "closed", "error": str(reply.data)}
             data = json.loads(reply.data)

@@ -123,7 +123,8 @@ def check_refused(status: int, body: bytes, what: object) -> None:
 
 @pytest.fixture(scope="module")
 def world() -> Iterator[World]:
-    lighthouse = Lighthouse(PLAN, min_replicas=2, token=TOKEN, heartbeat_timeout=3.0, join_timeout=3.0)
+    # heartbeat_timeout: far above any stall of a busy machine, so no member dies while a refusal is checked
+    lighthouse = Lighthouse(PLAN, min_replicas=2, token=TOKEN, heartbeat_timeout=60.0, join_timeout=3.0)
     lighthouse.start()
     clients = {m: LighthouseClient(lighthouse.url, m, token=TOKEN, heartbeat_interval=0.05) for m in MEMBERS}
     try:
