@@ -14,10 +14,10 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run_benchmark(*args: str) -> subprocess.CompletedProcess[str]:
+def _run_benchmark(*args: str, module: str = "benchmarks.data_plane") -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "COLUMNS": "240"}  # wide enough that no header wraps
     return subprocess.run(
-        [sys.executable, "-m", "benchmarks.data_plane", *args],
+        [sys.executable, "-m", module, *args],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
@@ -53,6 +53,19 @@ def test_quick_run_prints_every_table_and_goal() -> None:
     statuses = ("met:", "MISSED:", "not measured:")
     goal_lines = [line for line in output.splitlines() if line.lstrip().startswith(statuses)]
     assert len(goal_lines) == 3
+
+
+def test_redundancy_quick_run_measures_every_codec() -> None:
+    completed = _run_benchmark("--quick", module="benchmarks.redundancy")
+    assert completed.returncode == 0, completed.stderr
+    assert "1. Parity codec throughput" in completed.stdout
+    for leading in (
+        ("(7, 1)", "XOR"),
+        ("(6, 2)", "Reed-Solomon, pyeclib isa_l_rs_cauchy"),
+        ("(6, 2)", "Reed-Solomon, pyeclib isa_l_rs_vand"),
+    ):
+        cells = _table_row(completed.stdout, *leading)
+        assert all(cell.replace(",", "").isdigit() for cell in cells[-3:]), cells
 
 
 def test_unknown_argument_is_rejected() -> None:

@@ -18,6 +18,7 @@ import stalwart
 from stalwart.cli import SUBCOMMANDS, cli
 from stalwart.cli.audit import EXIT_UNREADABLE, audit_command
 from stalwart.cli.lighthouse import lighthouse_command
+from stalwart.cli.redundancy import redundancy_command
 from stalwart.cli.simulate import simulate_command
 from stalwart.coord.persist import StateStore
 from stalwart.coord.quorum import LighthouseState
@@ -133,7 +134,9 @@ def test_unknown_subcommand_is_a_usage_error() -> None:
     refused(CliRunner().invoke(cli, ["lighthose"]), "lighthose")
 
 
-@pytest.mark.parametrize("command", [audit_command, lighthouse_command, simulate_command], ids=lambda c: c.name)
+@pytest.mark.parametrize(
+    "command", [audit_command, lighthouse_command, redundancy_command, simulate_command], ids=lambda c: c.name
+)
 def test_every_option_has_help(command: click.Command) -> None:
     silent = [param.name for param in command.params if isinstance(param, click.Option) and not param.help]
     assert silent == []

@@ -16,6 +16,11 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "audit": ("stalwart.cli.audit", "audit_command", "Check that each epoch in DIRECTORY was consumed exactly once."),
     "demo": ("stalwart.cli.demo", "demo_command", "Train on a local cluster while workers are killed, and report."),
     "lighthouse": ("stalwart.cli.lighthouse", "lighthouse_command", "Serve membership, quorums and the data ledger."),
+    "redundancy": (
+        "stalwart.cli.redundancy",
+        "redundancy_command",
+        "Optimizer state per process and the failures it survives.",
+    ),
     "simulate": ("stalwart.cli.simulate", "simulate_command", "Run the data ledger with random failures and joins."),
 }
 """Subcommand name -> (module, attribute of its ``click.Command``, short help shown by ``stalwart --help``)."""
