@@ -349,17 +349,21 @@ class Manager:
         """Where this process's samples of the current step come from (the proposal's ``DataLoadingInfo``).
 
         Valid inside a step (between ``manager.steps()`` yielding it and its
-        commit); ``indices`` are this process's part of its group's share.
+        commit). ``base_index`` and ``missing_indices`` are the ledger's as
+        the step began, also after a failure retry; ``indices`` are this
+        process's part of its group's share as it stands now (after a
+        failure, with the positions it took over).
         """
         if self._answer is None or not self.ledger.in_step:
             raise RuntimeError("get_data_loading_info() needs a step in progress: call it inside manager.steps()")
         ledger = self.ledger
+        base_index, missing_indices = _step_began(ledger)
         return DataLoadingInfo.for_worker(
             ledger.plan,
             epoch=ledger.epoch,
             step=ledger.epoch_step,
-            base_index=ledger.base_index,
-            missing_indices=ledger.missing_indices,
+            base_index=base_index,
+            missing_indices=missing_indices,
             group_sizes=dict(zip(self._answer.members, self._group_sizes, strict=True)),
             member=self.member,
             group_share=ledger.in_flight.get(self.member, _NO_POSITIONS),
@@ -388,7 +392,7 @@ class Manager:
             if not self.ledger.in_step:
                 self.ledger.begin_step(self._answer_members())
             loader.take_produced()  # anything produced outside a step is not this step's
-            step = TrainStep(self, loader)
+            step = TrainStep(self, loader, epoch_end=_ends_epoch(self.ledger))
             yield step
             if not step.committed:
                 raise RuntimeError("a TrainStep must be iterated to its end before the next step starts")
@@ -886,6 +890,34 @@ class Manager:
         loader.prefetch(preview.epoch, indices)
 
 
+def _step_began(ledger: DataLedger) -> tuple[int, np.ndarray]:
+    """``(base_index, missing_indices)`` of ``ledger`` as its step in progress began.
+
+    A step takes queued positions first, then fresh ones from ``base_index``
+    on; after failures and reassigns the ledger no longer says which of its
+    positions were which, so the fresh ones are read as the run of positions
+    just below ``ledger.base_index`` (none while the queue is not empty).
+    The lighthouse reassigns a failed member's positions within the step and
+    never queues any, so for the Manager's ledgers this is exact; in a
+    re-queue-mode ledger (loaded with ``load_state_dict``) a queued position
+    right below the fresh ones would be read as fresh, and the queued ones
+    are listed in ascending order.
+    """
+    positions = np.sort(np.concatenate([_NO_POSITIONS, *ledger.in_flight.values(), ledger.step_missing]))
+    queued = ledger.missing_indices
+    fresh = 0
+    if not queued.size:
+        below = ledger.base_index - 1 - np.arange(positions.size)
+        mismatch = np.flatnonzero(positions[::-1] != below)
+        fresh = int(mismatch[0]) if mismatch.size else positions.size
+    return ledger.base_index - fresh, np.concatenate([positions[: positions.size - fresh], queued])
+
+
+def _ends_epoch(ledger: DataLedger) -> bool:
+    """Whether the step in progress holds the epoch's last positions (it completes the epoch when it commits)."""
+    return ledger.base_index >= ledger.plan.epoch_length and not ledger.missing_indices.size
+
+
 def _check_dataset(loader: ElasticLoader, ledger: DataLedger) -> None:
     """Refuse a plan whose dataset size differs from the loader's dataset (it would index past its end)."""
     try:
@@ -911,10 +943,16 @@ def _produced_checksum(loader: ElasticLoader) -> int:
 class TrainStep:
     """One step's micro-batches; iterating past the last one reduces, retries on failure, and commits."""
 
-    def __init__(self, manager: Manager, loader: ElasticLoader) -> None:
+    def __init__(self, manager: Manager, loader: ElasticLoader, *, epoch_end: bool) -> None:
         self._manager = manager
         self._loader = loader
         self.committed = False
+        self.epoch_end = epoch_end
+        """True on the last step of an epoch: once it commits, every sample of the epoch is trained on.
+
+        Known when the step is yielded, so the loop body can plan for it (step
+        an epoch-wise LR scheduler, evaluate, save) after iterating the step.
+        """
 
     def __iter__(self) -> Iterator[object]:
         yield from self._manager._microbatches(self._loader)
