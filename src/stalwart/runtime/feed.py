@@ -51,7 +51,11 @@ Requirements
     opened elsewhere raises), keep ``in_order=True``, and make a sample's
     loading deterministic in ``(epoch, index)`` (random augmentation seeded by
     them, as :func:`~stalwart.runtime.loader.sample_generator` does), since a
-    survivor loads positions another member would have loaded.
+    survivor loads positions another member would have loaded. The DataLoader's
+    workers start inside ``manager.steps()``, after the Manager's heartbeat
+    thread: with the ``fork`` start method they run only the dataset's code,
+    so a dataset that takes locks other threads may hold should use
+    ``multiprocessing_context="forkserver"``.
 """
 
 from __future__ import annotations
