@@ -41,6 +41,14 @@ the final parameters are saved whole (``full_tensor()``).
 ``--corrupt-at STEP`` adds noise to this worker's parameters at the start of
 step STEP, for tests of the replica-consistency check (the Manager must heal
 it from the others before the step is applied).
+
+``--loader dataloader`` loads through a plain ``DataLoader`` with
+``ManagedDistributedSampler(manager, dataset)`` as its batch sampler and
+``--loader-workers`` worker processes, instead of the ``ElasticLoader``. Each
+step record then also holds ``base_index`` from
+``manager.get_data_loading_info()`` at the step's last micro-batch (after
+any failure retry) and ``dropped``, the micro-batches prefetched for a
+superseded share and dropped so far.
 """
 
 from __future__ import annotations
@@ -61,8 +69,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
 
 from stalwart.coord.client import LighthouseError, LighthouseUnreachable
+from stalwart.data.sampler import ManagedDistributedSampler
 from stalwart.data.world import WorldInfo
 from stalwart.launch.digits import (
     DEFAULT_LR,
@@ -165,6 +175,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--step-seconds", type=float, default=0.0, help="Extra seconds of simulated compute at the start of each step."
     )
+    parser.add_argument(
+        "--loader",
+        choices=("elastic", "dataloader"),
+        default="elastic",
+        help="ElasticLoader, or a DataLoader with ManagedDistributedSampler(manager, dataset) as batch sampler.",
+    )
+    parser.add_argument(
+        "--loader-workers", type=int, default=0, help="The DataLoader's num_workers (with --loader dataloader)."
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(1)
@@ -197,7 +216,8 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
             events.write(event, step=step, quorum_id=manager.quorum_id, world_size=manager.world_size)
 
     device = default_device()
-    loader = ElasticLoader(digits_dataset(), seed=args.seed)
+    dataset = digits_dataset()
+    elastic = ElasticLoader(dataset, seed=args.seed) if args.loader == "elastic" else None
     model = digits_model(args.seed).to(device)
     if args.fsdp:
         _fully_shard(model, group, device)
@@ -222,6 +242,9 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
         checkpoint_every=args.checkpoint_every,
     )
     manager.register_state("lr_scheduler", scheduler)
+    loader: ElasticLoader | DataLoader[Any] = elastic or DataLoader(
+        dataset, batch_sampler=ManagedDistributedSampler(manager, dataset), num_workers=args.loader_workers
+    )
     try:
         with open(args.run_dir / f"steps-{name}.jsonl", "a", encoding="utf-8") as steps_file:
             for step in manager.steps(loader, max_steps=args.max_steps):
@@ -234,7 +257,10 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
                         for param in model.parameters():
                             noise = torch.randn(param.shape, generator=torch.Generator().manual_seed(number))
                             param.add_(noise.to(device) * 1e-2)
+                base_index = None
                 for batch in step:
+                    if elastic is None:
+                        base_index = manager.get_data_loading_info().base_index
                     kill_if("before_forward", number)
                     loss = summed_loss(model, [tensor.to(device) for tensor in batch])  # type: ignore[attr-defined]
                     if args.kill_at == (number, "during_backward"):
@@ -256,6 +282,8 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
                     "time": time.time(),
                     "positions": sorted(report.positions.tolist()),
                 }
+                if elastic is None:
+                    record.update(base_index=base_index, dropped=manager.dropped_microbatches)
                 steps_file.write(json.dumps(record) + "\n")
                 steps_file.flush()
         if manager.joined_after_end:
@@ -274,7 +302,8 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
         events.write("finished", step=manager.ledger.step)
     finally:
         manager.close()
-        loader.close()
+        if elastic is not None:
+            elastic.close()
 
 
 def _fully_shard(model: torch.nn.Module, group: WorldInfo, device: torch.device) -> None:

@@ -21,6 +21,10 @@ Training code stays a plain loop::
     for step in manager.steps(loader, max_steps=1000):
         for inputs, targets in step:
             step.backward(loss_fn(model(inputs), targets))  # loss_fn(reduction="sum")
+
+``loader`` is an :class:`~stalwart.runtime.loader.ElasticLoader`, or the
+user's own ``DataLoader(dataset, batch_sampler=ManagedDistributedSampler(manager,
+dataset), ...)`` (see :mod:`stalwart.runtime.feed`).
 """
 
 from __future__ import annotations
@@ -38,12 +42,14 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader
 
 from stalwart._validate import check_int
 from stalwart.coord.client import CheckpointAnnouncement, LighthouseClient, LighthouseError, QuorumAnswer
 from stalwart.coord.hosted_ledger import ledger_digest
 from stalwart.data.info import DataLoadingInfo, split_group_share
 from stalwart.data.ledger import DataLedger
+from stalwart.data.sampler import ManagedDistributedSampler
 from stalwart.data.world import WorldInfo
 from stalwart.runtime.checkpoint import Checkpointer, CheckpointError, CheckpointMeta, load_checkpoint
 from stalwart.runtime.comm import CollectiveError, Communicator, default_device, device_rng_states, quorum_store
@@ -60,6 +66,7 @@ from stalwart.runtime.consistency import (
     index_checksum,
     parameter_checksum,
 )
+from stalwart.runtime.feed import SamplerFeed
 from stalwart.runtime.group import GroupLink
 from stalwart.runtime.heal import transfer_state
 from stalwart.runtime.loader import ElasticLoader
@@ -81,6 +88,8 @@ class JoinError(RuntimeError):
 
 
 _NO_POSITIONS = np.zeros(0, dtype=np.int64)
+Source = ElasticLoader | SamplerFeed
+"""Where a step's micro-batches come from: the elastic loader, or the feed of a user's DataLoader."""
 
 
 class StateLostError(RuntimeError):
@@ -267,6 +276,7 @@ class Manager:
         self._ledger: DataLedger | None = None
         self._group_sizes: list[int] = []
         self._foreseen: tuple[int, np.ndarray, list[int]] | None = None
+        self._feed: SamplerFeed | None = None
         self._group_done = _NO_POSITIONS
         self._samples = 0
         self._loss_sum = torch.zeros((), device=self.device)
@@ -357,50 +367,109 @@ class Manager:
         """Where this process's samples of the current step come from (the proposal's ``DataLoadingInfo``).
 
         Valid inside a step (between ``manager.steps()`` yielding it and its
-        commit); ``indices`` are this process's part of its group's share.
+        commit). ``base_index`` and ``missing_indices`` are the ledger's as
+        the step began, also after a failure retry; ``indices`` are this
+        process's part of its group's share as it stands now (after a
+        failure, with the positions it took over).
         """
         if self._answer is None or not self.ledger.in_step:
             raise RuntimeError("get_data_loading_info() needs a step in progress: call it inside manager.steps()")
         ledger = self.ledger
+        base_index, missing_indices = _step_began(ledger)
         return DataLoadingInfo.for_worker(
             ledger.plan,
             epoch=ledger.epoch,
             step=ledger.epoch_step,
-            base_index=ledger.base_index,
-            missing_indices=ledger.missing_indices,
+            base_index=base_index,
+            missing_indices=missing_indices,
             group_sizes=dict(zip(self._answer.members, self._group_sizes, strict=True)),
             member=self.member,
             group_share=ledger.in_flight.get(self.member, _NO_POSITIONS),
             intra_group_rank=self._group.rank,
         )
 
-    def steps(self, loader: ElasticLoader, *, max_steps: int) -> Iterator[TrainStep]:
+    def steps(self, loader: ElasticLoader | DataLoader[Any], *, max_steps: int) -> Iterator[TrainStep]:
         """Yield one :class:`TrainStep` per step until the job has committed ``max_steps`` steps.
 
+        ``loader``: an :class:`ElasticLoader`, or a ``DataLoader`` whose
+        ``batch_sampler`` is ``ManagedDistributedSampler(self, dataset)``.
         Raises :class:`PlanMismatchError` when the lighthouse's plan does not
         fit the loader's dataset (checked when this member first joins).
         """
         self._max_steps = check_int("max_steps", max_steps, minimum=0)
+        source = self._source(loader)
         self._started = True
-        while True:
-            if self._reconfigure or self._ledger is None:
-                first = self._ledger is None
-                self._join(reason="join" if first else "reconfigure")
-                if first:
-                    _check_dataset(loader, self.ledger)
-            self._maybe_checkpoint()
-            if self.ledger.step >= max_steps:
-                self._final_checkpoint()
-                self._farewell()
-                return
-            if not self.ledger.in_step:
-                self.ledger.begin_step(self._answer_members())
-            loader.take_produced()  # anything produced outside a step is not this step's
-            step = TrainStep(self, loader)
-            yield step
-            if not step.committed:
-                raise RuntimeError("a TrainStep must be iterated to its end before the next step starts")
-            self._prefetch_next(loader)
+        try:
+            while True:
+                if self._reconfigure or self._ledger is None:
+                    first = self._ledger is None
+                    self._join(reason="join" if first else "reconfigure")
+                    if first:
+                        _check_dataset(loader, self.ledger)
+                self._maybe_checkpoint()
+                if self.ledger.step >= max_steps:
+                    self._final_checkpoint()
+                    self._farewell()
+                    return
+                if not self.ledger.in_step:
+                    self.ledger.begin_step(self._answer_members())
+                source.take_produced()  # anything produced outside a step is not this step's
+                step = TrainStep(self, source, epoch_end=_ends_epoch(self.ledger))
+                yield step
+                if not step.committed:
+                    raise RuntimeError("a TrainStep must be iterated to its end before the next step starts")
+                if isinstance(source, ElasticLoader):
+                    self._prefetch_next(source)
+        finally:
+            if self._feed is not None:
+                self._feed.close()
+                self._feed = None
+
+    @property
+    def dropped_microbatches(self) -> int:
+        """Micro-batches the DataLoader of ``steps()`` prefetched for a superseded share and that were dropped.
+
+        Counted while ``steps()`` runs over a DataLoader driven by this
+        Manager's sampler (0 otherwise); they were never trained on.
+        """
+        return 0 if self._feed is None else self._feed.dropped
+
+    def sampler_pass(self) -> Iterator[list[int]]:
+        """The micro-batches a ``ManagedDistributedSampler(manager, dataset)`` hands its DataLoader (for its use).
+
+        Each is the dataset indices of one micro-batch this process will need,
+        in order (see :mod:`stalwart.runtime.feed`).
+        """
+        if self._feed is None:
+            raise RuntimeError(
+                "a DataLoader over ManagedDistributedSampler(manager, dataset) is iterated by manager.steps(loader) "
+                "only: iterate the steps, not the loader"
+            )
+        return self._feed.sampler_pass()
+
+    def _source(self, loader: ElasticLoader | DataLoader[Any]) -> Source:
+        """The loader itself, or the feed of a DataLoader driven by this Manager's sampler (checked)."""
+        if isinstance(loader, ElasticLoader):
+            return loader
+        if not isinstance(loader, DataLoader):
+            raise TypeError(f"loader must be an ElasticLoader or a torch DataLoader, got {type(loader).__name__}")
+        sampler = loader.batch_sampler
+        if not isinstance(sampler, ManagedDistributedSampler) or sampler.driver is not self:
+            raise ValueError(
+                f"loader's batch_sampler must be ManagedDistributedSampler(manager, dataset) of this Manager, got "
+                f"{type(sampler).__name__}: build it as DataLoader(dataset, batch_sampler=ManagedDistributedSampler("
+                "manager, dataset), ...)"
+            )
+        if not getattr(loader, "in_order", True):
+            raise ValueError("loader must have in_order=True: each batch is matched with its micro-batch by order")
+        size = len(loader.dataset)  # type: ignore[arg-type]
+        if size != sampler.dataset_size:
+            raise ValueError(
+                f"loader's dataset has {size} samples but its ManagedDistributedSampler was built for "
+                f"{sampler.dataset_size}: give both the same dataset"
+            )
+        self._feed = SamplerFeed(loader, self.max_microbatch, self._foreseen_parts)
+        return self._feed
 
     def _farewell(self) -> None:
         """One last tiny all-reduce, so that no member leaves while another still waits on the final step's.
@@ -440,7 +509,7 @@ class Manager:
         self._samples += part.size
         return part
 
-    def _microbatches(self, loader: ElasticLoader) -> Iterator[object]:
+    def _microbatches(self, loader: Source) -> Iterator[object]:
         while True:
             part = self._next_part()
             count = -(-part.size // self.max_microbatch)
@@ -465,7 +534,7 @@ class Manager:
             self._apply(reduced)
             return
 
-    def _arm(self, loader: ElasticLoader) -> None:
+    def _arm(self, loader: Source) -> None:
         """Start this round's reduction; the tail's values that are known before the last backward go in now.
 
         The tail is ``[drift slots, audit pieces, sample count, reconfigure
@@ -490,7 +559,7 @@ class Manager:
             tail_comm=None if self._grad_comm is self._comm else self._comm,
         )
 
-    def _reduce(self, loader: ElasticLoader) -> torch.Tensor:
+    def _reduce(self, loader: Source) -> torch.Tensor:
         """Finish the round's reduction (launch what backward did not, wait); the reduced tail on the CPU."""
         if not self._reducer.armed:
             self._arm(loader)
@@ -886,15 +955,63 @@ class Manager:
 
     def _prefetch_next(self, loader: ElasticLoader) -> None:
         """Foresee the next step's share assuming the quorum holds, and start loading it."""
+        self._foreseen = next(self._foreseen_steps(), None)
+        if self._foreseen is not None:
+            loader.prefetch(self._foreseen[0], self._foreseen[2])
+
+    def _foreseen_steps(self) -> Iterator[tuple[int, np.ndarray, list[int]]]:
+        """``(epoch, part, indices)`` of this process in each step after the current one, up to ``max_steps``,
+        as they will be if the quorum holds (replayed on a copy of the ledger as it is now)."""
         preview = copy.deepcopy(self.ledger)
-        group_share = preview.begin_step(self._answer_members()).get(self.member, _NO_POSITIONS)
-        part = split_group_share(group_share, self._group.size, self._group.rank, preview.plan.local_batch_multiple)
-        indices = preview.plan.indices_at(preview.epoch, part).tolist()
-        self._foreseen = (preview.epoch, part, indices)
-        loader.prefetch(preview.epoch, indices)
+        members = self._answer_members()
+        multiple = preview.plan.local_batch_multiple
+
+        def steps() -> Iterator[tuple[int, np.ndarray, list[int]]]:
+            while True:
+                if preview.in_step:
+                    preview.commit()
+                if self._max_steps is not None and preview.step >= self._max_steps:
+                    return
+                group_share = preview.begin_step(members).get(self.member, _NO_POSITIONS)
+                part = split_group_share(group_share, self._group.size, self._group.rank, multiple)
+                yield preview.epoch, part, preview.plan.indices_at(preview.epoch, part).tolist()
+
+        return steps()
+
+    def _foreseen_parts(self) -> Iterator[tuple[int, list[int]]]:
+        """``(epoch, indices)`` of this process in each later step if the quorum holds (the feed's foresight)."""
+        return ((epoch, indices) for epoch, _, indices in self._foreseen_steps())
 
 
-def _check_dataset(loader: ElasticLoader, ledger: DataLedger) -> None:
+def _step_began(ledger: DataLedger) -> tuple[int, np.ndarray]:
+    """``(base_index, missing_indices)`` of ``ledger`` as its step in progress began.
+
+    A step takes queued positions first, then fresh ones from ``base_index``
+    on; after failures and reassigns the ledger no longer says which of its
+    positions were which, so the fresh ones are read as the run of positions
+    just below ``ledger.base_index`` (none while the queue is not empty).
+    The lighthouse reassigns a failed member's positions within the step and
+    never queues any, so for the Manager's ledgers this is exact; in a
+    re-queue-mode ledger (loaded with ``load_state_dict``) a queued position
+    right below the fresh ones would be read as fresh, and the queued ones
+    are listed in ascending order.
+    """
+    positions = np.sort(np.concatenate([_NO_POSITIONS, *ledger.in_flight.values(), ledger.step_missing]))
+    queued = ledger.missing_indices
+    fresh = 0
+    if not queued.size:
+        below = ledger.base_index - 1 - np.arange(positions.size)
+        mismatch = np.flatnonzero(positions[::-1] != below)
+        fresh = int(mismatch[0]) if mismatch.size else positions.size
+    return ledger.base_index - fresh, np.concatenate([positions[: positions.size - fresh], queued])
+
+
+def _ends_epoch(ledger: DataLedger) -> bool:
+    """Whether the step in progress holds the epoch's last positions (it completes the epoch when it commits)."""
+    return ledger.base_index >= ledger.plan.epoch_length and not ledger.missing_indices.size
+
+
+def _check_dataset(loader: ElasticLoader | DataLoader[Any], ledger: DataLedger) -> None:
     """Refuse a plan whose dataset size differs from the loader's dataset (it would index past its end)."""
     try:
         length = len(loader.dataset)  # type: ignore[arg-type]
@@ -907,7 +1024,7 @@ def _check_dataset(loader: ElasticLoader, ledger: DataLedger) -> None:
         )
 
 
-def _produced_checksum(loader: ElasticLoader) -> int:
+def _produced_checksum(loader: Source) -> int:
     """The audit checksum of the samples ``loader`` produced since it was last asked."""
     produced = loader.take_produced()
     if not produced:
@@ -919,10 +1036,16 @@ def _produced_checksum(loader: ElasticLoader) -> int:
 class TrainStep:
     """One step's micro-batches; iterating past the last one reduces, retries on failure, and commits."""
 
-    def __init__(self, manager: Manager, loader: ElasticLoader) -> None:
+    def __init__(self, manager: Manager, loader: Source, *, epoch_end: bool) -> None:
         self._manager = manager
         self._loader = loader
         self.committed = False
+        self.epoch_end = epoch_end
+        """True on the last step of an epoch: once it commits, every sample of the epoch is trained on.
+
+        Known when the step is yielded, so the loop body can plan for it (step
+        an epoch-wise LR scheduler, evaluate, save) after iterating the step.
+        """
 
     def __iter__(self) -> Iterator[object]:
         yield from self._manager._microbatches(self._loader)
