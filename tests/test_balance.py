@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stalwart.coord.hosted_ledger import ledger_digest
-from stalwart.data.balance import apportion, rebalance, resolution, weighted_split_sizes
+from stalwart.data.balance import apportion, group_measurements, rebalance, resolution, weighted_split_sizes
 from stalwart.data.ledger import DataLedger
 from stalwart.data.plan import EpochPlan
 from stalwart.data.schedule import split_sizes
@@ -59,6 +59,13 @@ def test_rebalance_keeps_weights_within_the_threshold_and_without_measurements()
     assert rebalance([1, 1, 1], samples=[10, 0, 10], seconds=[1.0, 0.0, 4.0], chunks=9) == [5, 3, 1]
     # a very slow member still keeps one chunk
     assert rebalance([1, 1], samples=[10, 10], seconds=[1.0, 1000.0], chunks=8) == [7, 1]
+
+
+def test_a_replica_group_counts_as_its_slowest_process() -> None:
+    slots = [1.0, 8.0, 3.0, 8.0, 2.0, 16.0]  # member a: processes 0 and 1; member b: process 2
+    assert group_measurements(slots, [2, 1]) == ([16.0, 16.0], [3.0, 2.0])
+    with pytest.raises(ValueError, match=r"slots must hold 2 values per process \(4\), got 6"):
+        group_measurements(slots, [1, 1])
 
 
 def test_resolution_is_a_full_step_in_chunks() -> None:

@@ -100,6 +100,26 @@ def rebalance(
     return None
 
 
+def group_measurements(
+    slots: Sequence[float], group_sizes: Sequence[int], per_process: int = 2
+) -> tuple[list[float], list[float]]:
+    """``(samples, seconds)`` per member from reduced per-process slots ``[seconds, samples, ...]``.
+
+    Processes are numbered group by group (``group_sizes``, in the members'
+    rank order); a replica group counts as the sum of its processes' samples
+    and its slowest process's seconds.
+    """
+    samples, seconds, first = [], [], 0
+    for size in group_sizes:
+        group = slots[per_process * first : per_process * (first + check_int("group size", size, minimum=1))]
+        seconds.append(max(group[0::per_process]))
+        samples.append(math.fsum(group[1::per_process]))
+        first += size
+    if per_process * first != len(slots):
+        raise ValueError(f"slots must hold {per_process} values per process ({per_process * first}), got {len(slots)}")
+    return samples, seconds
+
+
 def predicted_step(weights: Sequence[int], rates: Sequence[float]) -> float:
     """Seconds per sample of the whole step when member ``i`` takes ``weights[i]`` parts at ``rates[i]`` samples/s."""
     whole = sum(weights)
