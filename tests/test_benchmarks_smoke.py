@@ -114,3 +114,21 @@ def test_runtime_quick_run_prints_every_table_and_goal() -> None:
     statuses = ("met:", "MISSED:", "not measured:")
     goal_lines = [line for line in output.splitlines() if line.lstrip().startswith(statuses)]
     assert len(goal_lines) == 9
+
+
+def test_stragglers_quick_run_measures_both_runs() -> None:
+    env = {**os.environ, "COLUMNS": "240"}
+    completed = subprocess.run(
+        [sys.executable, "-m", "benchmarks.stragglers", "--quick"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    # columns: round, order, equal (ms), balanced (ms), ratio, weights, exact
+    cells = _table_row(completed.stdout, "1", "equal then balanced")
+    assert float(cells[2]) > 0 and float(cells[3]) > 0 and float(cells[4]) > 0, cells
+    assert len(cells[5].split()) == 3 and cells[6] == "yes", cells
