@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stalwart.coord.hosted_ledger import ledger_digest
 from stalwart.coord.quorum import Formation, LighthouseState, QuorumRequest, RequestError, parse_weights
@@ -146,3 +148,153 @@ def test_weights_on_the_wire_are_checked() -> None:
         assert refused.value.status == 400
     with pytest.raises(ValueError, match=r"balance_every must be in \[0, inf\], got -1"):
         LighthouseState(PLAN, balance_every=-1)
+
+
+class Fleet:
+    """Simulated Managers over a balanced lighthouse: each replays its own ledger, re-weighs, reports lazily."""
+
+    def __init__(self, plan: EpochPlan, data: st.DataObject) -> None:
+        self.data = data
+        self.log: dict[int, tuple[int, list[int]]] = {}
+        self.state = LighthouseState(
+            plan, 1, 1.0, 2.0, on_commit=self._committed, require_digest=True, balance_every=EVERY
+        )
+        self.now = 0.0
+        self.ledgers: dict[str, DataLedger | None] = {}
+        self.reports: dict[str, tuple[int, str | None, dict[str, Any] | None]] = {}
+        self.next_id = 0
+
+    def _committed(self, epoch: int, step: int, positions: Any) -> None:
+        self.log[step] = (epoch, positions.tolist())
+
+    @property
+    def members(self) -> list[str]:
+        quorum = self.state.quorum
+        return [] if quorum is None else list(quorum.members)
+
+    def spawn(self) -> str:
+        name = f"w{self.next_id}"
+        self.next_id += 1
+        self.ledgers[name], self.reports[name] = None, (0, None, None)
+        self.state.connected(name, self.now)
+        return name
+
+    def ask(self, member: str, reason: str) -> None:
+        quorum = self.state.quorum
+        quorum_id = None if reason == "join" or quorum is None else quorum.quorum_id
+        self.state.request(QuorumRequest(member, *self._quorum_fields(member, quorum_id, reason)), self.now)
+
+    def _quorum_fields(self, member: str, quorum_id: int | None, reason: str) -> tuple[Any, ...]:
+        step, digest, weights = self.reports[member]
+        return step, quorum_id, reason, digest, weights
+
+    def heartbeat(self, members: list[str] | None = None) -> None:
+        for member in self.ledgers if members is None else members:
+            self.state.heartbeat(member, *self.reports[member][:1], self.now, *self.reports[member][1:])
+
+    def kill(self, member: str) -> None:
+        del self.ledgers[member], self.reports[member]
+        if self.data.draw(st.booleans(), label="socket closes"):
+            self.state.disconnected(member, self.now)
+
+    def settle(self) -> Formation:
+        for _ in range(80):
+            formation = self.state.tick(self.now)
+            if formation is not None:
+                break
+            self.now += 0.25
+            self.heartbeat()
+        else:
+            raise AssertionError(f"no quorum formed; pending {self.state.pending}")
+        targets = [] if formation.heal is None else formation.heal["targets"]
+        for member in formation.members:
+            self.ledgers[member] = DataLedger.from_state_dict(formation.ledger)
+            if member in targets:
+                self.reports[member] = (formation.applied_step, None, None)
+        return formation
+
+    def begin(self) -> None:
+        """Every quorum member enters the step (as the Manager does); all compute the same shares."""
+        splits = []
+        for member in self.members:
+            ledger = self.ledgers[member]
+            assert ledger is not None
+            if not ledger.in_step:
+                ledger.begin_step(self.members)
+            splits.append(ledger.in_flight)
+        assert all({m: s.tolist() for m, s in split.items()} == {m: s.tolist() for m, s in splits[0].items()}
+                   for split in splits)  # fmt: skip
+
+    def finish(self, member: str, weights: dict[str, int]) -> None:
+        """``member`` applies its step, re-weighs at a decision step (every member the same), and may report."""
+        ledger = self.ledgers[member]
+        assert ledger is not None
+        ledger.commit()
+        if ledger.step % EVERY == 0 and weights:
+            ledger.reweigh(weights)
+        self.reports[member] = (ledger.step, ledger_digest(ledger.state_dict()), ledger.weights_record())
+        if self.data.draw(st.integers(0, 3), label="reports now") == 0:
+            self.heartbeat([member])
+
+    def draw_weights(self) -> dict[str, int]:
+        chosen = self.data.draw(st.lists(st.sampled_from(self.members), unique=True), label="weighed")
+        return {member: self.data.draw(st.integers(1, 9), label="weight") for member in chosen}
+
+
+@settings(max_examples=60, deadline=None)
+@given(plan=st.builds(
+    lambda size, batch, multiple: EpochPlan(max(size, batch), batch, local_batch_multiple=min(multiple, batch)),
+    st.integers(8, 160), st.integers(4, 24), st.integers(1, 4),
+), data=st.data())  # fmt: skip
+def test_random_failures_joins_and_re_weighings_keep_the_lighthouse_in_step_exactly_once(
+    plan: EpochPlan, data: st.DataObject
+) -> None:
+    fleet = Fleet(plan, data)
+    names = [fleet.spawn() for _ in range(data.draw(st.integers(1, 4), label="initial members"))]
+    for name in names:
+        fleet.ask(name, "join")
+    fleet.settle()
+    for _ in range(300):
+        if fleet.state.step and (fleet.state.to_status()["ledger"]["epoch"] > 0 or fleet.state.step > 40):
+            break
+        fleet.begin()
+        members = fleet.members
+        weights = fleet.draw_weights()
+        event = data.draw(st.sampled_from(["step", "step", "fail", "join"]), label="event")
+        if event == "fail" and len(members) > 1:
+            in_step = {m: fleet.ledgers[m].in_flight for m in members}  # type: ignore[union-attr]
+            finished = data.draw(st.lists(st.sampled_from(members), unique=True), label="finished")
+            for member in finished:
+                fleet.finish(member, weights)
+            dead = data.draw(
+                st.lists(st.sampled_from(members), min_size=1, max_size=len(members) - 1, unique=True), label="dead"
+            )
+            for member in dead:
+                fleet.kill(member)
+            survivors = [m for m in members if m not in dead]
+            for member in survivors:
+                fleet.ask(member, "failure")
+            formation = fleet.settle()
+            if not set(finished) & set(survivors):  # the step is still in progress: survivors keep their work
+                for member in survivors:
+                    kept = set(in_step[member][member].tolist())
+                    assert kept <= set(formation.ledger["in_flight"][member]), "the replay split by the weights"
+            continue
+        if event == "join":
+            fleet.ask(fleet.spawn(), "join")
+        for member in members:
+            fleet.finish(member, weights)
+        if fleet.state.reconfigure_pending:
+            for member in fleet.members:
+                fleet.ask(member, "reconfigure")
+            fleet.settle()
+    fleet.heartbeat()
+    assert fleet.state.step == max(step for step, _, _ in fleet.reports.values())
+    for member in fleet.members:
+        ledger = fleet.ledgers[member]
+        assert ledger is not None
+        assert fleet.state.ledger_state() == ledger.state_dict(), "the lighthouse holds the members' ledger"
+    committed = sorted(p for step, (epoch, positions) in fleet.log.items() if epoch == 0 for p in positions)
+    assert len(committed) == len(set(committed)), "no position of the epoch committed twice"
+    if fleet.state.to_status()["ledger"]["epoch"] > 0:
+        assert committed == list(range(plan.epoch_length)), "every position of the epoch committed once"
