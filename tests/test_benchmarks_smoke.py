@@ -143,3 +143,21 @@ def test_hsdp_recovery_measures_a_failure() -> None:
     assert "recovery (s)" in completed.stdout and "rejoin (s)" in completed.stdout
     assert "recovery from a SIGKILL under 1 s" in completed.stdout
     assert "not measured" not in completed.stdout
+
+
+def test_stragglers_quick_run_measures_both_runs() -> None:
+    env = {**os.environ, "COLUMNS": "240"}
+    completed = subprocess.run(
+        [sys.executable, "-m", "benchmarks.stragglers", "--quick"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    # columns: round, order, equal (ms), balanced (ms), ratio, weights, exact
+    cells = _table_row(completed.stdout, "1", "equal then balanced")
+    assert float(cells[2]) > 0 and float(cells[3]) > 0 and float(cells[4]) > 0, cells
+    assert len(cells[5].split()) == 3 and cells[6] == "yes", cells

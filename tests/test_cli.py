@@ -236,6 +236,13 @@ def test_plan_contradicting_the_state_is_a_usage_error(tmp_path: Path, never_ser
     refused(CliRunner().invoke(lighthouse_command, arguments), "--dataset-size", "99", str(state))
 
 
+def test_balance_contradicting_the_state_is_a_usage_error(tmp_path: Path, never_serve: None) -> None:
+    state = tmp_path / "state.db"
+    save_state(state, LighthouseState(EpochPlan(10, 2), balance_every=5).state_dict())
+    arguments = ["--min-replicas", "1", "--state", str(state), "--balance-every", "0"]
+    refused(CliRunner().invoke(lighthouse_command, arguments), "--balance-every", "balance_every=5", str(state))
+
+
 def test_plan_options_are_required_without_a_state(never_serve: None) -> None:
     refused(CliRunner().invoke(lighthouse_command, ["--min-replicas", "1"]), "--dataset-size", "--global-batch")
 

@@ -13,7 +13,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from stalwart.coord.persist import read_plan
+from stalwart.coord.persist import read_ledger, read_plan
 from stalwart.coord.server import Lighthouse
 from stalwart.data.plan import EpochPlan
 
@@ -102,6 +102,14 @@ def _non_empty(context: click.Context, parameter: click.Parameter, value: str | 
 )
 @click.option("--drop-last", is_flag=True, help="Skip the tail shorter than a step.")
 @click.option("--no-shuffle", is_flag=True, help="Keep the dataset's order.")
+@click.option(
+    "--balance-every",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Straggler relief: every this many steps the members re-weigh their shares by measured throughput, "
+    "in chunks of --multiple (0: equal shares).",
+)
 def lighthouse_command(
     min_replicas: int,
     start_replicas: int | None,
@@ -112,6 +120,7 @@ def lighthouse_command(
     token: str | None,
     heartbeat_timeout: float,
     join_timeout: float,
+    balance_every: int,
     **plan_options: Any,
 ) -> None:
     """Serve membership, quorums and the data ledger to the workers of one job.
@@ -127,6 +136,7 @@ def lighthouse_command(
     if port and port == store_port:
         raise click.BadParameter(f"must differ from --port, both are {port}", param_hint="'--store-port'")
     plan = _plan(click.get_current_context(), state_path, plan_options)
+    balance = _balance(click.get_current_context(), state_path, balance_every)
     try:
         lighthouse = Lighthouse(
             plan,
@@ -139,6 +149,7 @@ def lighthouse_command(
             heartbeat_timeout=heartbeat_timeout,
             join_timeout=join_timeout,
             store_port=store_port,
+            balance_every=balance,
         )
     except _MALFORMED_STATE as error:
         # The arguments are checked above: what is left to fail is reading the persisted state.
@@ -175,6 +186,26 @@ def _plan(context: click.Context, state_path: Path | None, options: dict[str, An
                 f"{flag} says {field}={wanted[field]!r} but the state in {state_path} has {field}={saved[field]!r}"
             )
     return persisted
+
+
+def _balance(context: click.Context, state_path: Path | None, balance_every: int) -> int | None:
+    """``--balance-every`` for a new state; None (the persisted setting) when --state holds one it must agree with."""
+    if state_path is None:
+        return balance_every
+    try:
+        ledger = read_ledger(state_path)
+    except _MALFORMED_STATE as error:
+        raise _unusable_state(state_path, error) from error
+    if ledger is None:
+        return balance_every
+    saved = ledger.get("balance", {}).get("every", 0)
+    given = context.get_parameter_source("balance_every") not in (ParameterSource.DEFAULT, None)
+    if given and balance_every != saved:
+        raise click.UsageError(
+            f"--balance-every says balance_every={balance_every} but the state in {state_path} has "
+            f"balance_every={saved}"
+        )
+    return None
 
 
 def _persisted_plan(path: Path) -> EpochPlan | None:

@@ -42,8 +42,9 @@ INCARNATION_HEADER = "X-Stalwart-Incarnation"
 SECRET_HEADER = "X-Stalwart-Secret"
 
 T = TypeVar("T")
-Report = int | tuple[int, str | None]
-"""What ``start_heartbeat``'s callable returns: ``applied_step``, or ``(applied_step, ledger digest or None)``."""
+Report = int | tuple[int, str | None] | tuple[int, str | None, dict[str, Any] | None]
+"""What ``start_heartbeat``'s callable returns: ``applied_step``, or ``(applied_step, ledger digest or None)``,
+or ``(applied_step, digest, weights record or None)`` (a balanced ledger's ``weights_record()``)."""
 
 
 class LighthouseError(RuntimeError):
@@ -223,8 +224,9 @@ class LighthouseClient:
 
         It returns the applied step, or ``(applied_step, digest)`` with the
         member's ``ledger_digest`` at that step: the lighthouse commits steps
-        only on a matching digest. Quorum requests and ``leave`` for the same
-        step carry the same digest.
+        only on a matching digest; a balanced ledger adds its weights record,
+        ``(applied_step, digest, weights)``. Quorum requests and ``leave`` for
+        the same step carry the same digest and weights.
         """
         if not callable(get_applied_step):
             raise TypeError(f"get_applied_step must be callable, got {get_applied_step!r}")
@@ -245,9 +247,7 @@ class LighthouseClient:
         (``status`` 409 with ``body["quorum_id"]``: stale, ask with ``join``).
         """
         body = {"member": self.member, "applied_step": applied_step, "quorum_id": quorum_id, "reason": reason}
-        digest = self._digest_at(applied_step)
-        if digest is not None:
-            body["digest"] = digest
+        body.update(self._reported_at(applied_step))
         try:
             QuorumRequest.from_json(body)
         except RequestError as error:
@@ -273,9 +273,7 @@ class LighthouseClient:
         body: dict[str, Any] = {"member": self.member}
         if applied_step is not None:
             body["applied_step"] = applied_step
-            digest = self._digest_at(applied_step)
-            if digest is not None:
-                body["digest"] = digest
+            body.update(self._reported_at(applied_step))
         self._run(self._authenticated_request("POST", "/v1/leave", body))
 
     def report_checkpoint(self, step: int, path: str, ledger: dict[str, Any], digest: str) -> dict[str, Any]:
@@ -287,20 +285,26 @@ class LighthouseClient:
         body = {"member": self.member, "step": step, "path": path, "ledger": ledger, "digest": digest}
         return self._run(self._authenticated_request("POST", "/v1/checkpoint", body))
 
-    def _report(self) -> tuple[int, str | None]:
-        """The heartbeat callable's ``(applied_step, digest)``."""
+    def _report(self) -> dict[str, Any]:
+        """The heartbeat callable's report as a message: ``applied_step``, and ``digest`` and ``weights`` if set."""
         assert self._get_applied_step is not None
         report = self._get_applied_step()
-        if isinstance(report, tuple):
-            return int(report[0]), report[1]
-        return int(report), None
+        step, digest, weights = (*report, None, None)[:3] if isinstance(report, tuple) else (report, None, None)
+        message: dict[str, Any] = {"applied_step": int(step)}
+        if digest is not None:
+            message["digest"] = digest
+        if weights is not None:
+            message["weights"] = weights
+        return message
 
-    def _digest_at(self, applied_step: int) -> str | None:
-        """The reported digest when the heartbeat reports ``applied_step`` too, else None."""
+    def _reported_at(self, applied_step: int) -> dict[str, Any]:
+        """The reported ``digest`` and ``weights`` when the heartbeat reports ``applied_step`` too, else nothing."""
         if self._get_applied_step is None:
-            return None
-        step, digest = self._report()
-        return digest if step == applied_step else None
+            return {}
+        message = self._report()
+        if message.pop("applied_step") != applied_step:
+            return {}
+        return message
 
     def identity_headers(self) -> dict[str, str]:
         """The headers that authenticate this incarnation (registering first if needed), for tools and tests."""
@@ -486,11 +490,7 @@ class LighthouseClient:
         receiver = asyncio.create_task(self._receive(socket))
         try:
             while not receiver.done():
-                applied_step, digest = self._report()
-                message: dict[str, Any] = {"applied_step": applied_step}
-                if digest is not None:
-                    message["digest"] = digest
-                await socket.send_json(message)
+                await socket.send_json(self._report())
                 await asyncio.wait({receiver}, timeout=self.heartbeat_interval)
         finally:
             receiver.cancel()

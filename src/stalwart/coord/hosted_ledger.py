@@ -7,13 +7,24 @@ reassigns), and a snapshot of the state before the last commit for the
 rollback case (a member that applied a step died before any survivor did).
 Catching up replays ``begin_step(members)`` and ``commit()``, exactly what
 every member does on the fast path.
+
+A balanced ledger's weights change at step boundaries the members decide
+from their all-reduce, which the lighthouse does not see: each report that
+commits steps carries the reporter's weights record ``{"step", "weights"}``,
+and the catch-up records those weights when it reaches their step (the step
+itself, and which positions a step commits, do not depend on the weights;
+only the split, and the state's digest, do). The weights in effect between
+where a catch-up began and that step are not known when a report reveals a
+change there (the members may have changed them more than once), so the
+digests of those steps are forgotten rather than guessed: a checkpoint of
+such a step is not vouched for.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,8 +80,8 @@ class StepRecord:
 class HostedLedger:
     """The committed :class:`DataLedger`, the record of the step in progress and the rollback snapshot."""
 
-    def __init__(self, plan: EpochPlan) -> None:
-        self.ledger = DataLedger(plan)
+    def __init__(self, plan: EpochPlan, balance_every: int = 0) -> None:
+        self.ledger = DataLedger(plan, balance_every=balance_every)
         self.record: StepRecord | None = None
         self.snapshot: dict[str, Any] | None = None
         self.digests: dict[int, str] = {0: ledger_digest(self.ledger.state_dict())}
@@ -96,6 +107,39 @@ class HostedLedger:
         self._remember_digest()
         return epoch, step, positions
 
+    def catch_up(
+        self, members: list[str], step: int, weights: Mapping[str, Any] | None = None
+    ) -> Iterator[tuple[int, int, Positions]]:
+        """Commit through ``step`` (see ``commit_one``), yielding each ``(epoch, step, positions)`` as it commits.
+
+        ``weights``: the reporter's weights record at ``step`` (balanced
+        ledgers), recorded when the ledger reaches its step.
+        """
+        start = self.step
+        if start >= step:
+            return
+        self._adopt(weights, start)
+        while self.step < step:
+            yield self.commit_one(members)
+            self._adopt(weights, start)
+
+    def _adopt(self, weights: Mapping[str, Any] | None, start: int) -> None:
+        """Record the reported weights if the ledger is at their step and holds older ones (see the module doc)."""
+        ledger = self.ledger
+        if (
+            weights is None
+            or not ledger.balanced
+            or ledger.in_step
+            or self.record is not None
+            or weights["step"] != ledger.step
+            or ledger.weights_step >= weights["step"]
+        ):
+            return
+        ledger.reweigh(weights["weights"])
+        for unknown in range(start + 1, ledger.step):
+            self.digests.pop(unknown, None)
+        self._remember_digest()
+
     def _remember_digest(self) -> None:
         self.digests[self.ledger.step] = ledger_digest(self.ledger.state_dict())
         for old in [step for step in self.digests if step <= self.ledger.step - DIGEST_HISTORY]:
@@ -109,11 +153,11 @@ class HostedLedger:
         self.digests = {step: digest for step, digest in self.digests.items() if step < self.ledger.step}
         self._remember_digest()
 
-    def digest_after(self, members: list[str], step: int) -> str:
+    def digest_after(self, members: list[str], step: int, weights: Mapping[str, Any] | None = None) -> str:
         """The digest of the ledger committed through ``step`` (a replay on a copy; nothing changes)."""
         trial = HostedLedger.from_json(self.to_json())
-        while trial.step < step:
-            trial.commit_one(members)
+        for _ in trial.catch_up(members, step, weights):
+            pass
         return ledger_digest(trial.ledger.state_dict())
 
     def rollback(self) -> None:

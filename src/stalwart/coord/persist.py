@@ -119,8 +119,8 @@ class StateStore:
         self._connection.close()
 
 
-def read_plan(path: str | os.PathLike[str]) -> EpochPlan | None:
-    """The plan persisted in ``path``, or None when the file does not exist or holds no state."""
+def read_ledger(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The ledger state persisted in ``path``, or None when the file does not exist or holds no state."""
     if not Path(path).exists():
         return None
     store = StateStore(path)
@@ -128,6 +128,10 @@ def read_plan(path: str | os.PathLike[str]) -> EpochPlan | None:
         state = store.load()
     finally:
         store.close()
-    if state is None:
-        return None
-    return EpochPlan(**state["ledger"]["plan"])
+    return None if state is None else dict(state["ledger"])
+
+
+def read_plan(path: str | os.PathLike[str]) -> EpochPlan | None:
+    """The plan persisted in ``path``, or None when the file does not exist or holds no state."""
+    ledger = read_ledger(path)
+    return None if ledger is None else EpochPlan(**ledger["plan"])

@@ -37,7 +37,10 @@ The ledger
     snapshot of the state before the last commit for the rollback case: a
     member that applied a step died before any survivor did, so the step is
     recomputed. Catching up replays ``begin_step(quorum.members)`` and
-    ``commit()``, exactly what every member does on the fast path.
+    ``commit()``, exactly what every member does on the fast path. With
+    ``balance_every`` the ledger is balanced: reports that commit steps carry
+    the reporter's weights record, which the catch-up records at its step
+    (see :mod:`~stalwart.coord.hosted_ledger`).
 
 Healing
     Members asking at a step below ``A`` (or joiners above it) are healed from
@@ -83,6 +86,7 @@ from stalwart.coord.wire import (
     parse_member,
     parse_report,
     parse_step,
+    parse_weights,
 )
 from stalwart.data.ledger import Positions
 from stalwart.data.plan import EpochPlan
@@ -105,6 +109,7 @@ __all__ = [
     "parse_member",
     "parse_report",
     "parse_step",
+    "parse_weights",
 ]
 
 STATE_VERSION = 1
@@ -188,6 +193,7 @@ class LighthouseState:
         on_commit: CommitListener | None = None,
         max_members: int = MAX_MEMBERS,
         require_digest: bool = False,
+        balance_every: int = 0,
     ) -> None:
         if not isinstance(plan, EpochPlan):
             raise TypeError(f"plan must be an EpochPlan, got {type(plan).__name__}")
@@ -207,7 +213,7 @@ class LighthouseState:
         """Members of the current quorum that no longer count for it (``hung``, ``restarted``) until the next one."""
         self.revision = 0
         """Grows with every change that must be persisted (commits, quorums, history)."""
-        self._hosted = HostedLedger(plan)
+        self._hosted = HostedLedger(plan, check_int("balance_every", balance_every, minimum=0))
         self._checkpoint: CheckpointRecord | None = None
         self._quorum: Quorum | None = None
         self._members = Membership(self.heartbeat_timeout)
@@ -357,6 +363,11 @@ class LighthouseState:
         """``RequestError`` 403 unless ``incarnation`` and ``secret`` are ``member``'s current ones."""
         self._identities.check(member, incarnation, secret)
 
+    @property
+    def balance_every(self) -> int:
+        """Every how many steps the members rebalance their shares (0: shares are equal)."""
+        return self._hosted.ledger.balance_every
+
     def incarnation(self, member: str) -> str | None:
         """The registered incarnation of ``member`` (None if none)."""
         identity = self._identities.current.get(member)
@@ -377,31 +388,48 @@ class LighthouseState:
         if record.alive:
             self._mark_dead(member, now, "socket closed")
 
-    def heartbeat(self, member: str, applied_step: int, now: float, digest: str | None = None) -> None:
+    def heartbeat(
+        self,
+        member: str,
+        applied_step: int,
+        now: float,
+        digest: str | None = None,
+        weights: Mapping[str, Any] | None = None,
+    ) -> None:
         """``member`` reports ``applied_step``; the ledger commits through the largest a quorum member reports.
 
         ``digest`` is the member's ``ledger_digest`` at ``applied_step``: a
         report that would commit steps is refused (``RequestError`` 422,
         nothing changes) when the lighthouse's replay disagrees, or when it is
-        missing and ``require_digest`` is set.
+        missing and ``require_digest`` is set. ``weights``: the member's
+        weights record at ``applied_step`` (balanced ledgers; see
+        :func:`~stalwart.coord.wire.parse_weights`).
         """
         member = parse_member(member)
         applied_step = parse_step(applied_step)
         digest = parse_digest(digest)
+        weights = parse_weights(weights)
         self._check_catch_up(member, applied_step)
-        self._check_digest(member, applied_step, digest)
+        self._check_digest(member, applied_step, digest, weights)
         record = self._touch(member, now)
         record.report(applied_step)
-        self._progress(member, applied_step)
+        self._progress(member, applied_step, weights)
 
-    def leave(self, member: str, now: float, applied_step: int | None = None, digest: str | None = None) -> None:
-        """A clean exit: ``member`` is dead at once, after its last ``applied_step`` (and ``digest``) count as a
-        heartbeat."""
+    def leave(
+        self,
+        member: str,
+        now: float,
+        applied_step: int | None = None,
+        digest: str | None = None,
+        weights: Mapping[str, Any] | None = None,
+    ) -> None:
+        """A clean exit: ``member`` is dead at once, after its last ``applied_step`` (with ``digest`` and
+        ``weights``) counts as a heartbeat."""
         record = self._members.get(parse_member(member))
         if record is None:
             raise RequestError(404, f"member {member!r} is not known to the lighthouse", field="member")
         if applied_step is not None and record.alive:
-            self.heartbeat(member, applied_step, now, digest)
+            self.heartbeat(member, applied_step, now, digest, weights)
         record.connected = False
         if record.alive:
             self._mark_dead(member, now, "left")
@@ -441,7 +469,7 @@ class LighthouseState:
         record = self._touch(request.member, now)
         if request.reason != "join":
             record.report(request.applied_step)
-            self._progress(request.member, request.applied_step)
+            self._progress(request.member, request.applied_step, request.weights)
         previous = self._pending.get(request.member)
         if previous is None or previous.request != request:
             self._arrivals += 1
@@ -548,8 +576,9 @@ class LighthouseState:
         """Form the quorum; members of the old one that did not ask by the timeout are excluded as of ``since``."""
         previous = self._quorum
         if mode == "catch-up":
-            while self._hosted.step < target:
-                self._commit_one()
+            asked = [self._pending[m].request for m in members if m not in self._healing]
+            reports = [r.weights for r in asked if r.reason != "join" and r.applied_step == target]
+            self._catch_up(target, reports[0] if reports else None)
         elif mode == "rollback":
             self._hosted.rollback()
             self.history.rollback()
@@ -632,12 +661,13 @@ class LighthouseState:
 
     # --- the ledger ------------------------------------------------------------------------------
 
-    def _commit_one(self) -> None:
+    def _catch_up(self, step: int, weights: Mapping[str, Any] | None) -> None:
+        """Commit the hosted ledger through ``step`` with the quorum's members (``weights``: the report's)."""
         assert self._quorum is not None
-        epoch, step, positions = self._hosted.commit_one(list(self._quorum.members))
-        self.revision += 1
-        if self.on_commit is not None:
-            self.on_commit(epoch, step, positions)
+        for epoch, committed, positions in self._hosted.catch_up(list(self._quorum.members), step, weights):
+            self.revision += 1
+            if self.on_commit is not None:
+                self.on_commit(epoch, committed, positions)
 
     def _would_commit(self, member: str, applied_step: int) -> bool:
         """Whether ``member``'s report of ``applied_step`` would commit steps (see ``_progress``)."""
@@ -649,7 +679,9 @@ class LighthouseState:
                 return False
         return applied_step > self._hosted.step
 
-    def _check_digest(self, member: str, applied_step: int, digest: str | None) -> None:
+    def _check_digest(
+        self, member: str, applied_step: int, digest: str | None, weights: Mapping[str, Any] | None
+    ) -> None:
         """Refuse (422) a report that would commit steps the lighthouse's own replay does not reach."""
         if not self._would_commit(member, applied_step):
             return
@@ -664,7 +696,7 @@ class LighthouseState:
                 )
             return
         assert self._quorum is not None
-        ours = self._hosted.digest_after(list(self._quorum.members), applied_step)
+        ours = self._hosted.digest_after(list(self._quorum.members), applied_step, weights)
         if not hmac.compare_digest(ours, digest):
             raise RequestError(
                 422,
@@ -673,7 +705,7 @@ class LighthouseState:
                 field="digest",
             )
 
-    def _progress(self, member: str, applied_step: int) -> None:
+    def _progress(self, member: str, applied_step: int, weights: Mapping[str, Any] | None) -> None:
         """Commit through ``applied_step`` if ``member`` is a quorum member whose reports count."""
         if self._quorum is None or member not in self._quorum.members or member in self._evicted:
             return
@@ -684,8 +716,7 @@ class LighthouseState:
                 return
             del self._healing[member]
             self.revision += 1
-        while self._hosted.step < applied_step:
-            self._commit_one()
+        self._catch_up(applied_step, weights)
 
     def _known_step(self) -> int:
         """The furthest step the lighthouse knows of: its ledger or a report of a live quorum member."""
@@ -744,7 +775,7 @@ class LighthouseState:
                 members=list(quorum.members),
             )
         self._check_catch_up(request.member, request.applied_step)
-        self._check_digest(request.member, request.applied_step, request.digest)
+        self._check_digest(request.member, request.applied_step, request.digest, request.weights)
 
     # --- liveness and history --------------------------------------------------------------------
 
@@ -816,6 +847,9 @@ class LighthouseState:
                 "epoch_length": length,
                 "epoch_progress": 1.0 if ledger.epoch_complete else (ledger.base_index - missing) / length,
                 "step_in_progress": self._hosted.record is not None,
+                "balance": None
+                if not ledger.balanced
+                else {"every": ledger.balance_every, "step": ledger.weights_step, "weights": ledger.weights},
             },
             "plan": self.plan.to_dict(),
             "counts": dict(self.counts),

@@ -55,12 +55,15 @@ from stalwart.coord.quorum import (
     parse_member,
     parse_report,
     parse_step,
+    parse_weights,
 )
 from stalwart.data.plan import EpochPlan
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 * 1024
+MAX_HEARTBEAT_BYTES = 4096
+"""Largest heartbeat message; a balanced ledger's carry the weights and may take up to ``MAX_BODY_BYTES``."""
 MAX_WAITERS = 4096
 """Default cap on pending quorum long polls (``max_waiters``)."""
 INCARNATION_HEADER = "X-Stalwart-Incarnation"
@@ -75,7 +78,9 @@ class Lighthouse:
     With ``state_path`` the state lives in that SQLite file; when it already
     holds a state, that state (and its plan) is resumed and ``plan`` must equal
     it. ``port=0`` and ``store_port=0`` pick free ports (see ``port`` and
-    ``store_port`` once started).
+    ``store_port`` once started). ``balance_every=K > 0`` balances the ledger:
+    members' shares follow their measured throughput, decided every ``K``
+    steps (None: as persisted, else 0, off; a persisted state must agree).
     """
 
     def __init__(
@@ -94,6 +99,7 @@ class Lighthouse:
         tick_interval: float = 0.05,
         max_members: int = MAX_MEMBERS,
         max_waiters: int = MAX_WAITERS,
+        balance_every: int | None = None,
     ) -> None:
         if not isinstance(plan, EpochPlan):
             raise TypeError(f"plan must be an EpochPlan, got {type(plan).__name__}")
@@ -109,11 +115,21 @@ class Lighthouse:
         self.tick_interval = check_seconds("tick_interval", tick_interval)
         self.max_waiters = check_int("max_waiters", max_waiters, minimum=1)
         check_int("max_members", max_members, minimum=1)
+        if balance_every is not None:
+            check_int("balance_every", balance_every, minimum=0)
         self._database = StateStore(state_path) if state_path is not None else None
         try:
             self.state = self._load_state(
-                plan, state_path, min_replicas, start_replicas, heartbeat_timeout, join_timeout, max_members
+                plan,
+                state_path,
+                min_replicas,
+                start_replicas,
+                heartbeat_timeout,
+                join_timeout,
+                max_members,
+                balance_every,
             )
+
         except BaseException:
             if self._database is not None:
                 self._database.close()
@@ -143,8 +159,9 @@ class Lighthouse:
         heartbeat_timeout: float,
         join_timeout: float,
         max_members: int,
+        balance_every: int | None,
     ) -> LighthouseState:
-        """The persisted state when there is one (its plan must equal ``plan``), else a fresh one."""
+        """The persisted state when there is one (its plan and balance must agree), else a fresh one."""
         persisted = self._database.load() if self._database is not None else None
         if persisted is None:
             return LighthouseState(
@@ -155,6 +172,7 @@ class Lighthouse:
                 start_replicas=start_replicas,
                 max_members=max_members,
                 require_digest=True,
+                balance_every=balance_every or 0,
             )
         state = LighthouseState.from_state_dict(
             persisted,
@@ -167,6 +185,11 @@ class Lighthouse:
             require_digest=True,
         )
         _check_same_plan(plan, state.plan, state_path)
+        if balance_every is not None and balance_every != state.balance_every:
+            raise ValueError(
+                f"balance_every={balance_every} does not match the state persisted in {state_path}: "
+                f"balance_every={state.balance_every}"
+            )
         return state
 
     # --- addresses -------------------------------------------------------------------------------
@@ -426,7 +449,8 @@ class Lighthouse:
     async def _heartbeat(self, request: web.Request) -> web.WebSocketResponse:
         member = parse_member(request.query.get("member"))
         self._authenticate(request, member)
-        ws = web.WebSocketResponse(max_msg_size=4096, timeout=1.0)
+        limit = MAX_BODY_BYTES if self.state.balance_every else MAX_HEARTBEAT_BYTES
+        ws = web.WebSocketResponse(max_msg_size=limit, timeout=1.0)
         await ws.prepare(request)
         previous = self._sockets.get(member)
         self._sockets[member] = ws
@@ -445,8 +469,8 @@ class Lighthouse:
                     await ws.send_json({"type": "error", "error": "heartbeats must be JSON text messages"})
                     continue
                 try:
-                    applied_step, digest = parse_report(json.loads(message.data))
-                    self.state.heartbeat(member, applied_step, time.time(), digest)
+                    applied_step, digest, weights = parse_report(json.loads(message.data))
+                    self.state.heartbeat(member, applied_step, time.time(), digest, weights)
                 except (ValueError, RecursionError, RequestError) as error:
                     text = error.message if isinstance(error, RequestError) else f"not JSON: {error}"
                     await ws.send_json({"type": "error", "error": text})
@@ -504,16 +528,19 @@ class Lighthouse:
 
     async def _leave(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
-        allowed = {"member", "applied_step", "digest"}
+        allowed = {"member", "applied_step", "digest", "weights"}
         if not isinstance(body, dict) or "member" not in body or not set(body) <= allowed:
             raise RequestError(
-                400, f'the body must be {{"member": str, "applied_step"?: int, "digest"?: str}}, got {body!r}'
+                400,
+                f'the body must be {{"member": str, "applied_step"?: int, "digest"?: str, "weights"?: ...}}, '
+                f"got {body!r:.200}",
             )
         member = parse_member(body["member"])
         applied_step = parse_step(body["applied_step"]) if "applied_step" in body else None
         digest = parse_digest(body.get("digest"))
+        weights = parse_weights(body.get("weights"))
         self._authenticate(request, member)
-        self.state.leave(member, time.time(), applied_step, digest)
+        self.state.leave(member, time.time(), applied_step, digest, weights)
         self._advance()
         for waiter in self._waiters.get(member, []):
             if not waiter.done():

@@ -55,14 +55,40 @@ def parse_digest(value: Any, name: str = "digest") -> str | None:
     return value
 
 
-def parse_report(body: Any) -> tuple[int, str | None]:
-    """Return ``(applied_step, digest)`` from a heartbeat message ``{"applied_step": int, "digest"?: str}``."""
+def parse_weights(value: Any, name: str = "weights") -> dict[str, Any] | None:
+    """Return a balanced ledger's weights record ``{"step": int, "weights": {member: int >= 1}}``, or None.
+
+    Else ``RequestError`` 400 naming the field and the value.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or set(value) != {"step", "weights"} or not isinstance(value["weights"], Mapping):
+        raise RequestError(
+            400, f'{name} must be {{"step": int, "weights": {{member: int}}}} or null, got {value!r:.200}', field=name
+        )
+    weights = {}
+    for member, weight in value["weights"].items():
+        parse_member(member, f"{name}['weights']")
+        if isinstance(weight, bool) or not isinstance(weight, int) or weight < 1:
+            raise RequestError(400, f"{name}['weights'][{member!r}] must be an int >= 1, got {weight!r}", field=name)
+        weights[member] = weight
+    return {"step": parse_step(value["step"], f"{name}['step']"), "weights": weights}
+
+
+def parse_report(body: Any) -> tuple[int, str | None, dict[str, Any] | None]:
+    """Return ``(applied_step, digest, weights)`` from a heartbeat message.
+
+    The message is ``{"applied_step": int, "digest"?: str, "weights"?: {...}}``
+    (``weights``: see :func:`parse_weights`; balanced ledgers only).
+    """
     if not isinstance(body, Mapping) or "applied_step" not in body:
-        raise RequestError(400, f'a heartbeat must be an object {{"applied_step": int, "digest"?: str}}, got {body!r}')
-    unknown = sorted(set(body) - {"applied_step", "digest"})
+        raise RequestError(
+            400, f'a heartbeat must be an object {{"applied_step": int, "digest"?: str, "weights"?: ...}}, got {body!r}'
+        )
+    unknown = sorted(set(body) - {"applied_step", "digest", "weights"})
     if unknown:
         raise RequestError(400, f"unknown heartbeat fields {unknown}", field=unknown[0])
-    return parse_step(body["applied_step"]), parse_digest(body.get("digest"))
+    return parse_step(body["applied_step"]), parse_digest(body.get("digest")), parse_weights(body.get("weights"))
 
 
 def parse_heartbeat(body: Any) -> int:
@@ -80,13 +106,15 @@ class QuorumRequest:
     reason: str
     digest: str | None = None
     """The member's ledger digest at ``applied_step`` (see ``ledger_digest``); needed to commit steps."""
+    weights: dict[str, Any] | None = None
+    """A balanced ledger's weights record at ``applied_step`` (see :func:`parse_weights`)."""
 
     @classmethod
     def from_json(cls, body: Any) -> QuorumRequest:
         """Validate a decoded JSON body; ``RequestError`` 400 names the bad field and value."""
         if not isinstance(body, Mapping):
             raise RequestError(400, f"the body must be a JSON object, got {type(body).__name__}")
-        unknown = sorted(set(body) - {"member", "applied_step", "quorum_id", "reason", "digest"})
+        unknown = sorted(set(body) - {"member", "applied_step", "quorum_id", "reason", "digest", "weights"})
         if unknown:
             raise RequestError(400, f"unknown fields {unknown}", field=unknown[0])
         for name in ("member", "applied_step", "reason"):
@@ -102,7 +130,14 @@ class QuorumRequest:
             quorum_id = parse_step(quorum_id, "quorum_id")
         elif reason != "join":
             raise RequestError(400, f"quorum_id must be an int for reason {reason!r}, got None", field="quorum_id")
-        return cls(member, applied_step, quorum_id, reason, parse_digest(body.get("digest")))
+        return cls(
+            member,
+            applied_step,
+            quorum_id,
+            reason,
+            parse_digest(body.get("digest")),
+            parse_weights(body.get("weights")),
+        )
 
 
 def check_seconds(name: str, value: Any) -> float:

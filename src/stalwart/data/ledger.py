@@ -16,6 +16,13 @@ A step goes::
 total. Committing without it is the proposal's re-queue mode: the lost
 positions go first into the next step (``missing_indices``).
 
+A *balanced* ledger (``balance_every=K``) also records one weight per member
+(``reweigh``, between steps; see :mod:`stalwart.data.balance`): shares, and
+reassigned work, follow the weights instead of being equal. The weights and
+the step they were recorded at are part of the state (and so of its digest);
+a ledger with ``balance_every=0`` (the default) has neither, and its shares
+and state are those of an unbalanced ledger.
+
 Invariant: whatever the sequence of joins, failures, reassigns and re-queues,
 each epoch commits every position of ``[0, plan.epoch_length)`` exactly once,
 and replaying the same sequence gives the same shares.
@@ -25,12 +32,14 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Mapping, Sequence
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from stalwart._validate import check_int
+from stalwart.data.balance import weighted_split_sizes
 from stalwart.data.plan import EpochPlan
 from stalwart.data.schedule import split_sizes, step_total
 
@@ -40,12 +49,19 @@ _EMPTY: Positions = np.zeros(0, dtype=np.int64)
 
 
 class DataLedger:
-    """Per-epoch record of fresh, in-flight, missing and committed positions."""
+    """Per-epoch record of fresh, in-flight, missing and committed positions (and, balanced, members' weights).
 
-    def __init__(self, plan: EpochPlan) -> None:
+    ``balance_every``: 0 splits every step equally; ``K > 0`` splits by the
+    recorded weights, which the runtime decides every ``K`` steps.
+    """
+
+    def __init__(self, plan: EpochPlan, *, balance_every: int = 0) -> None:
         if not isinstance(plan, EpochPlan):
             raise TypeError(f"plan must be an EpochPlan, got {type(plan).__name__}")
         self.plan = plan
+        self.balance_every = check_int("balance_every", balance_every, minimum=0)
+        self._weights: dict[str, int] = {}
+        self._weights_step = 0
         self.epoch = 0
         self.step = 0
         self.epoch_step = 0
@@ -82,6 +98,49 @@ class DataLedger:
         return self._step_missing.copy()
 
     @property
+    def balanced(self) -> bool:
+        """Whether shares follow the recorded weights (``balance_every > 0``)."""
+        return self.balance_every > 0
+
+    @property
+    def weights(self) -> dict[str, int]:
+        """The recorded weights (a copy; empty until the first ``reweigh``, and when not balanced)."""
+        return dict(self._weights)
+
+    @property
+    def weights_step(self) -> int:
+        """The step at which the recorded weights were recorded (0 before the first ``reweigh``)."""
+        return self._weights_step
+
+    def weights_record(self) -> dict[str, Any] | None:
+        """``{"step", "weights"}``: what a member reports with its digest so the lighthouse can replay its shares.
+
+        None when the ledger is not balanced.
+        """
+        if not self.balanced:
+            return None
+        return {"step": self._weights_step, "weights": dict(self._weights)}
+
+    def effective_weights(self, members: Sequence[str]) -> list[int]:
+        """Each member's weight in a split: its recorded one, else (a newcomer) the mean of those recorded.
+
+        All 1 when no member has a recorded weight (equal shares), and when the
+        ledger is not balanced.
+        """
+        known = [self._weights[member] for member in members if member in self._weights]
+        default = max(1, (sum(known) + len(known) // 2) // len(known)) if known else 1
+        return [self._weights.get(member, default) for member in members]
+
+    def reweigh(self, weights: Mapping[str, int]) -> None:
+        """Record ``weights`` (between steps): the shares of this step on follow them."""
+        if not self.balanced:
+            raise RuntimeError("reweigh() needs a balanced ledger (balance_every > 0)")
+        if self.in_step:
+            raise RuntimeError(f"reweigh() must be called between steps, but step {self.step} is in progress")
+        self._weights = _check_weights("weights", weights)
+        self._weights_step = self.step
+
+    @property
     def epoch_complete(self) -> bool:
         """True once every position of the epoch is committed; the next ``begin_step`` starts a new epoch."""
         return not self.in_step and self.base_index >= self.plan.epoch_length and self._missing.size == 0
@@ -116,7 +175,11 @@ class DataLedger:
         self.base_index += fresh
         shares: dict[str, Positions] = {}
         start = 0
-        for member, size in zip(members, split_sizes(total, len(members), plan.local_batch_multiple), strict=True):
+        if self.balanced:
+            sizes = weighted_split_sizes(total, self.effective_weights(members), plan.local_batch_multiple)
+        else:
+            sizes = split_sizes(total, len(members), plan.local_batch_multiple)
+        for member, size in zip(members, sizes, strict=True):
             shares[member] = step_positions[start : start + size]
             start += size
         self._members = members
@@ -144,9 +207,10 @@ class DataLedger:
         """Hand this step's missing positions to ``survivors`` as extra work, balanced, in multiples.
 
         Chunks of ``local_batch_multiple`` positions go one at a time to the
-        survivor holding the fewest positions (ties: rank order), so loads stay
-        within one multiple of each other where possible. Returns each
-        survivor's extra positions (possibly empty).
+        survivor that would then hold the fewest positions per unit of weight
+        (ties: rank order; unbalanced, every weight is 1, and loads stay within
+        one multiple of each other where possible). Returns each survivor's extra
+        positions (possibly empty).
         """
         self._check_in_step("reassign")
         survivors = _check_members("survivors", survivors)
@@ -154,16 +218,21 @@ class DataLedger:
             if member not in self._in_flight:
                 raise ValueError(f"survivors must be live members of this step {self.members}, got {member!r}")
         multiple = self.plan.local_batch_multiple
-        heap = [(self._in_flight[member].size, rank, member) for rank, member in enumerate(survivors)]
+        weights = dict(zip(survivors, self.effective_weights(survivors), strict=True))
+        loads = {member: self._in_flight[member].size for member in survivors}
+        heap = [
+            (_after(loads[member], multiple, weights[member]), rank, member) for rank, member in enumerate(survivors)
+        ]
         heapq.heapify(heap)
         sizes = dict.fromkeys(survivors, 0)
         remaining = self._step_missing.size
         while remaining:
-            load, rank, member = heapq.heappop(heap)
+            _, rank, member = heapq.heappop(heap)
             take = min(multiple, remaining)
             sizes[member] += take
+            loads[member] += take
             remaining -= take
-            heapq.heappush(heap, (load + take, rank, member))
+            heapq.heappush(heap, (_after(loads[member], multiple, weights[member]), rank, member))
         extra: dict[str, Positions] = {}
         start = 0
         for member in survivors:
@@ -190,8 +259,11 @@ class DataLedger:
         return committed
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable state; ``DataLedger.from_state_dict`` continues identically."""
-        return {
+        """JSON-serialisable state; ``DataLedger.from_state_dict`` continues identically.
+
+        A balanced ledger's state also has ``balance``: ``{"every", "step", "weights"}``.
+        """
+        state: dict[str, Any] = {
             "version": STATE_VERSION,
             "plan": self.plan.to_dict(),
             "epoch": self.epoch,
@@ -203,13 +275,20 @@ class DataLedger:
             "in_flight": {member: positions.tolist() for member, positions in self._in_flight.items()},
             "step_missing": self._step_missing.tolist(),
         }
+        if self.balanced:
+            state["balance"] = {"every": self.balance_every, "step": self._weights_step, "weights": dict(self._weights)}
+        return state
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any]) -> DataLedger:
         """Rebuild a ledger from ``state_dict()`` output, checking that it is well formed."""
         if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
             raise ValueError(f"state must be a ledger state_dict of version {STATE_VERSION}")
-        ledger = cls(EpochPlan(**state["plan"]))
+        balance = state.get("balance")
+        if balance is not None and (not isinstance(balance, Mapping) or set(balance) != {"every", "step", "weights"}):
+            raise ValueError(f"state['balance'] must be a mapping with keys every, step and weights, got {balance!r}")
+        every = 0 if balance is None else check_int("state['balance']['every']", balance["every"], minimum=1)
+        ledger = cls(EpochPlan(**state["plan"]), balance_every=every)
         length = ledger.plan.epoch_length
         ledger.epoch = check_int("state['epoch']", state["epoch"], minimum=0)
         ledger.step = check_int("state['step']", state["step"], minimum=0)
@@ -224,6 +303,11 @@ class DataLedger:
                 for member, positions in state["in_flight"].items()
                 if member in ledger._members
             }
+        if balance is not None:
+            ledger._weights_step = check_int(
+                "state['balance']['step']", balance["step"], minimum=0, maximum=ledger.step
+            )
+            ledger._weights = _check_weights("state['balance']['weights']", balance["weights"])
         return ledger
 
     def _check_in_step(self, operation: str) -> None:
@@ -245,6 +329,22 @@ def _check_members(name: str, members: Sequence[str]) -> list[str]:
     if len(set(members)) != len(members):
         raise ValueError(f"{name} must not repeat a member, got {members}")
     return members
+
+
+def _after(load: int, chunk: int, weight: int) -> Fraction:
+    """A survivor's load per unit of weight once it took one more chunk (the order ``reassign`` deals in)."""
+    return Fraction(load + chunk, weight)
+
+
+def _check_weights(name: str, weights: Any) -> dict[str, int]:
+    if not isinstance(weights, Mapping):
+        raise TypeError(f"{name} must map member names to ints >= 1, got {weights!r}")
+    checked = {}
+    for member, weight in weights.items():
+        if not isinstance(member, str) or not member:
+            raise ValueError(f"{name} must have non-empty member names as keys, got {member!r}")
+        checked[member] = check_int(f"{name}[{member!r}]", weight, minimum=1)
+    return checked
 
 
 def _positions(name: str, values: Any, length: int) -> Positions:

@@ -38,6 +38,10 @@ and exits 0.
 FSDP2's ``fully_shard`` over a mesh of its processes (fault-tolerant HSDP);
 the final parameters are saved whole (``full_tensor()``).
 
+``--sample-seconds S`` adds ``S`` seconds of simulated compute per sample of
+each micro-batch: a straggler is a worker with a larger ``S`` than the others
+(what a lighthouse started with ``--balance-every`` relieves).
+
 ``--corrupt-at STEP`` adds noise to this worker's parameters at the start of
 step STEP, for tests of the replica-consistency check (the Manager must heal
 it from the others before the step is applied).
@@ -56,6 +60,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -141,6 +146,17 @@ def parse_kill_at(text: str | None) -> tuple[int, str] | None:
     return int(step_text), point
 
 
+def _sample_seconds(text: str) -> float:
+    """Parse ``--sample-seconds``: a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"--sample-seconds must be a number of seconds in [0, inf), got {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     """Join the lighthouse and train until the job has committed ``--max-steps`` steps."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -183,6 +199,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--loader-workers", type=int, default=0, help="The DataLoader's num_workers (with --loader dataloader)."
+    )
+    parser.add_argument(
+        "--sample-seconds",
+        type=_sample_seconds,
+        default=0.0,
+        help="Extra seconds of simulated compute per sample trained.",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -262,6 +284,7 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
                     if elastic is None:
                         base_index = manager.get_data_loading_info().base_index
                     kill_if("before_forward", number)
+                    time.sleep(args.sample_seconds * len(batch[0]))  # type: ignore[index]
                     loss = summed_loss(model, [tensor.to(device) for tensor in batch])  # type: ignore[attr-defined]
                     if args.kill_at == (number, "during_backward"):
                         loss.register_hook(lambda grad, step_number=number: kill_if("during_backward", step_number))

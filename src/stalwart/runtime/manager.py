@@ -47,6 +47,7 @@ from torch.utils.data import DataLoader
 from stalwart._validate import check_int
 from stalwart.coord.client import CheckpointAnnouncement, LighthouseClient, LighthouseError, QuorumAnswer
 from stalwart.coord.hosted_ledger import ledger_digest
+from stalwart.data.balance import group_measurements, rebalance, resolution
 from stalwart.data.info import DataLoadingInfo, split_group_share
 from stalwart.data.ledger import DataLedger
 from stalwart.data.sampler import ManagedDistributedSampler
@@ -81,6 +82,8 @@ _ANNOUNCE_RETRIES = 50
 """A checkpoint is reported until the lighthouse has committed its step (heartbeats lag): ~10 s at most."""
 _CLOSE_WAIT = 120.0
 """Seconds ``close()`` waits for a checkpoint being written and reported."""
+BALANCE_SLOTS = 2
+"""Tail slots per process on a balanced ledger: its compute seconds and samples since the last re-weighing."""
 
 
 class JoinError(RuntimeError):
@@ -179,6 +182,13 @@ class Manager:
     checkpoints yet, and their replicas are not checksummed (``check_every``
     applies to unsharded models).
 
+    When the lighthouse balances the ledger (``stalwart lighthouse
+    --balance-every K``), each process also puts its compute seconds and
+    samples since the last re-weighing into the tail; every ``K`` steps every
+    member derives the same new weights from the reduced values
+    (:func:`~stalwart.data.balance.rebalance`) and records them in its ledger,
+    so the next steps' shares follow the members' throughput.
+
     Every step's all-reduce also carries two checks (see
     :mod:`stalwart.runtime.consistency`): a checksum of each process's
     parameters and applied step every ``check_every`` steps (default: every
@@ -259,8 +269,9 @@ class Manager:
             prepare_fsdp(model)
         self._layout = sharding_layout(model) if self._sharded else _REPLICATED
         self._client: LighthouseClient | None = None
-        self._report: tuple[int, str | None] = (0, None)
-        """``(applied_step, ledger digest)`` for the heartbeat: the lighthouse commits only on a matching digest."""
+        self._report: tuple[int, str | None, dict[str, Any] | None] = (0, None, None)
+        """``(applied_step, ledger digest, weights record)`` for the heartbeat: the lighthouse commits only on a
+        matching digest, replaying a balanced ledger's weights from the record."""
         if self._group.is_leader:
             self._client = LighthouseClient(lighthouse, member, token=token, heartbeat_interval=heartbeat_interval)
             try:
@@ -307,6 +318,11 @@ class Manager:
         self.drift_heals = 0
         self._step_drift_heals = 0
         self._index_sum = 0
+        self._part_started = 0.0
+        self._step_seconds = 0.0
+        self._window_seconds = 0.0
+        self._window_samples = 0
+        """This process's compute seconds and samples since the last re-weighing (balanced ledgers)."""
         self._reducer = GradientReducer(
             self._params, device=self.device, bucket_cap_mb=bucket_cap_mb, reduce_dtype=reduce_dtype
         )
@@ -512,6 +528,7 @@ class Manager:
     def _microbatches(self, loader: Source) -> Iterator[object]:
         while True:
             part = self._next_part()
+            self._part_started = time.perf_counter()
             count = -(-part.size // self.max_microbatch)
             batches = loader.microbatches(self.ledger.epoch, self._indices(part), self.max_microbatch) if count else ()
             for number, batch in enumerate(batches, start=1):
@@ -537,9 +554,10 @@ class Manager:
     def _arm(self, loader: Source) -> None:
         """Start this round's reduction; the tail's values that are known before the last backward go in now.
 
-        The tail is ``[drift slots, audit pieces, sample count, reconfigure
-        flag, loss sum]``; the loss sum is the one value that the last
-        backward still adds to, and it stays on the device (no host sync).
+        The tail is ``[balance slots (balanced ledgers), drift slots, audit
+        pieces, sample count, reconfigure flag, loss sum]``; the loss sum (and
+        the compute time in the balance slots) is known only when the last
+        backward is done, and the loss sum stays on the device (no host sync).
         """
         assert self._comm is not None and self._grad_comm is not None
         self._index_sum = (self._index_sum + _produced_checksum(loader)) % (1 << 64)
@@ -552,12 +570,48 @@ class Manager:
         flag = 1.0 if self._client is not None and self._client.reconfigure_requested else 0.0
         counts = torch.tensor([float(self._samples), flag])
         head = torch.cat([drift, audit_pieces(self._index_sum), counts]).to(self.device)
+        balance = BALANCE_SLOTS * world if self.ledger.balanced else 0
         self._reducer.arm(
             self._grad_comm,
-            lambda: torch.cat([head, self._loss_sum.reshape(1).float()]),
-            head.numel() + 1,
+            lambda: torch.cat([*self._balance_slots(world), head, self._loss_sum.reshape(1).float()]),
+            balance + head.numel() + 1,
             tail_comm=None if self._grad_comm is self._comm else self._comm,
         )
+
+    def _balance_slots(self, world: int) -> list[torch.Tensor]:
+        """Balanced ledgers: this process's compute seconds and samples over the window, in its own two slots.
+
+        Called as the tail is launched: the part's compute ends there.
+        """
+        if not self.ledger.balanced:
+            return []
+        assert self._comm is not None
+        self._step_seconds += time.perf_counter() - self._part_started
+        slots = torch.zeros(BALANCE_SLOTS * world)
+        slots[BALANCE_SLOTS * self._comm.rank] = self._window_seconds + self._step_seconds
+        slots[BALANCE_SLOTS * self._comm.rank + 1] = float(self._window_samples + self._samples)
+        return [slots.to(self.device)]
+
+    def _rebalance(self, reduced: torch.Tensor) -> None:
+        """Add the step to the window; every ``balance_every`` steps re-weigh the members by the reduced slots.
+
+        Every member reads the same reduced values, so every member records the
+        same weights (or none).
+        """
+        self._window_seconds += self._step_seconds
+        self._window_samples += self._samples
+        ledger = self.ledger
+        if ledger.step % ledger.balance_every:
+            return
+        self._window_seconds, self._window_samples = 0.0, 0
+        members = self._answer_members()
+        slots = reduced[: BALANCE_SLOTS * sum(self._group_sizes)].tolist()
+        samples, seconds = group_measurements(slots, self._group_sizes, BALANCE_SLOTS)
+        current = ledger.effective_weights(members)
+        weights = rebalance(current, samples, seconds, resolution(ledger.plan, len(members)))
+        if weights is not None:
+            ledger.reweigh(dict(zip(members, weights, strict=True)))
+            log.info("%s: step %d re-weighed the shares %s -> %s", self.member, ledger.step, current, weights)
 
     def _reduce(self, loader: Source) -> torch.Tensor:
         """Finish the round's reduction (launch what backward did not, wait); the reduced tail on the CPU."""
@@ -652,7 +706,9 @@ class Manager:
         )
         self.applied_step += 1
         self._step_drift_heals = 0
-        self._report = (self.applied_step, ledger_digest(self.ledger.state_dict()))
+        if self.ledger.balanced:
+            self._rebalance(reduced)
+        self._report = (self.applied_step, ledger_digest(self.ledger.state_dict()), self.ledger.weights_record())
         self._reset_step()
         self._reconfigure = float(reduced[-2]) > 0
         self._trained_step = self.applied_step
@@ -683,7 +739,7 @@ class Manager:
             obj.load_state_dict(state["states"][name])
         self._ledger = DataLedger.from_state_dict(state["ledger"])
         self.applied_step = check_int("state['applied_step']", state["applied_step"], minimum=0)
-        self._report = (self.applied_step, ledger_digest(self._ledger.state_dict()))
+        self._report = (self.applied_step, ledger_digest(self._ledger.state_dict()), self._ledger.weights_record())
 
     def _is_checkpoint_writer(self) -> bool:
         return self._checkpointer is not None and self._comm is not None and self._comm.rank == 0
@@ -752,12 +808,13 @@ class Manager:
                 f"the lighthouse announced step {announcement.step} (digest {announcement.digest})"
             )
         self.applied_step = meta.step
-        self._report = (meta.step, meta.digest)
+        self._report = (meta.step, meta.digest, self.ledger.weights_record())
         log.info("%s: resumed from checkpoint %s at step %d", self.member, announcement.path, meta.step)
 
     def _reset_step(self) -> None:
         self._group_done = _NO_POSITIONS
         self._samples = 0
+        self._step_seconds = 0.0
         self._loss_sum = torch.zeros((), device=self.device)
         self._index_sum = 0
 
@@ -920,7 +977,7 @@ class Manager:
         else:
             source = sum(self._group_sizes[: answer.heal.source_rank])
             self.applied_step = self._transfer(source, is_target=is_target)
-        self._report = (self.applied_step, None)
+        self._report = (self.applied_step, None, None)
         if is_target:
             self._after_heal()
 
