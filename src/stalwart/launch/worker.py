@@ -327,6 +327,8 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
         manager.close()
         if elastic is not None:
             elastic.close()
+        if dist.is_initialized():  # the group's own (FSDP2) process group: never left to interpreter teardown
+            dist.destroy_process_group()
 
 
 def _fully_shard(model: torch.nn.Module, group: WorldInfo, device: torch.device) -> None:
