@@ -18,7 +18,8 @@ from torch.utils.data import DataLoader
 
 from stalwart.data.audit import audit_directory, coverage
 from stalwart.data.schedule import split_sizes, step_boundary
-from stalwart.data.streaming import InMemoryShard, ParquetShard, ShardedStream, StreamBatch, StreamOrder
+from stalwart.data.shards import InMemoryShard, ParquetShard
+from stalwart.data.streaming import ShardedStream, StreamBatch, StreamOrder
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "rank_seeded_shuffle_overlap.py"
 

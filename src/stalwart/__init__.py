@@ -27,6 +27,8 @@ _DATA_NAMES = (
     "LocalLedgerSource",
     "ManagedDistributedSampler",
     "ParquetShard",
+    "ShardError",
+    "ShardedDataset",
     "ShardedStream",
     "StreamBatch",
     "StreamOrder",

@@ -41,86 +41,22 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import pyarrow.parquet as pq
 from torch.utils.data import IterableDataset, get_worker_info
 
 from stalwart._validate import check_int
 from stalwart.data.audit import AuditWriter, write_expected
 from stalwart.data.plan import EpochPlan
 from stalwart.data.schedule import split_sizes
+from stalwart.data.shards import Shard
 
 DEFAULT_BLOCK_SIZE = 256
 STATE_VERSION = 1
 _SHARD_DOMAIN, _BLOCK_DOMAIN, _ROW_DOMAIN = 0, 1, 2
 _CACHED_BLOCKS = 2
-
-
-@runtime_checkable
-class Shard(Protocol):
-    """A source of rows addressed by number: ``read(start, stop)`` returns rows ``start..stop-1``."""
-
-    num_rows: int
-
-    def read(self, start: int, stop: int) -> list[Any]: ...
-
-
-class InMemoryShard:
-    """A shard over a sequence already in memory (tests, small data, generated rows)."""
-
-    def __init__(self, rows: Sequence[Any]) -> None:
-        if isinstance(rows, str | bytes) or not isinstance(rows, Sequence):
-            raise TypeError(f"rows must be a sequence of rows, got {type(rows).__name__}")
-        self.rows = rows
-        self.num_rows = len(rows)
-
-    def read(self, start: int, stop: int) -> list[Any]:
-        """Rows ``start..stop-1``."""
-        start = check_int("start", start, minimum=0, maximum=self.num_rows)
-        stop = check_int("stop", stop, minimum=start, maximum=self.num_rows)
-        return list(self.rows[start:stop])
-
-
-class ParquetShard:
-    """One Parquet file as a shard; rows come back as dicts of the chosen ``columns`` (all by default).
-
-    ``num_rows`` comes from the file's metadata (no data is read) and
-    ``read`` reads only the row groups that hold the requested range.
-    """
-
-    def __init__(self, path: str | os.PathLike[str], columns: Sequence[str] | None = None) -> None:
-        self.path = Path(path)
-        metadata = pq.read_metadata(self.path)
-        self.num_rows: int = metadata.num_rows
-        group_rows = [metadata.row_group(group).num_rows for group in range(metadata.num_row_groups)]
-        self._group_starts = np.concatenate([[0], np.cumsum(group_rows, dtype=np.int64)])
-        if columns is not None:
-            if isinstance(columns, str) or not isinstance(columns, Sequence):
-                raise TypeError(f"columns must be a sequence of column names or None, got {columns!r}")
-            available = pq.read_schema(self.path).names
-            unknown = [name for name in columns if name not in available]
-            if unknown:
-                raise ValueError(f"columns must be among {available} of {self.path}, got unknown {unknown}")
-            columns = list(columns)
-        self.columns: list[str] | None = columns
-
-    def read(self, start: int, stop: int) -> list[Any]:
-        """Rows ``start..stop-1`` as dicts, reading the row groups that cover them and no others."""
-        start = check_int("start", start, minimum=0, maximum=self.num_rows)
-        stop = check_int("stop", stop, minimum=start, maximum=self.num_rows)
-        if start == stop:
-            return []
-        first = int(np.searchsorted(self._group_starts, start, side="right")) - 1
-        last = int(np.searchsorted(self._group_starts, stop - 1, side="right")) - 1
-        with pq.ParquetFile(self.path) as file:
-            table = file.read_row_groups(list(range(first, last + 1)), columns=self.columns)
-        return table.slice(start - int(self._group_starts[first]), stop - start).to_pylist()
-
-    def __repr__(self) -> str:
-        return f"ParquetShard({str(self.path)!r}, columns={self.columns!r})"
 
 
 @dataclass(frozen=True)
