@@ -37,6 +37,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
+import pyarrow as pa
 import pyarrow.parquet as pq
 from torch.utils.data import Dataset
 
@@ -216,7 +217,7 @@ class ShardedDataset(Dataset[Any]):
         cls, paths: Iterable[str | os.PathLike[str]], columns: Sequence[str] | None = None, **options: int
     ) -> ShardedDataset:
         """One shard per Parquet file, in the order given (sort the file names: every member must list the same)."""
-        return cls([ParquetShard(path, columns) for path in paths], **options)
+        return cls([_open_parquet(path, columns) for path in paths], **options)
 
     @classmethod
     def from_hf_iterable(cls, dataset: Any, num_rows: Sequence[int] | None = None, **options: int) -> ShardedDataset:
@@ -305,8 +306,7 @@ class ShardedDataset(Dataset[Any]):
         except ShardError:
             raise
         except Exception as error:
-            failure = f"{type(error).__name__}: {error}"
-            raise ShardError(f"{where} failed to read rows {start}..{stop - 1}: {failure}") from error
+            raise ShardError(f"{where} failed to read rows {start}..{stop - 1}: {_one_line(error)}") from error
         finally:
             self._touch(shard)
         if len(rows) != stop - start:
@@ -323,6 +323,18 @@ class ShardedDataset(Dataset[Any]):
         if len(self._opened) > self.open_shards:
             oldest, _ = self._opened.popitem(last=False)
             _close(self.shards[oldest])
+
+
+def _open_parquet(path: str | os.PathLike[str], columns: Sequence[str] | None) -> ParquetShard:
+    try:
+        return ParquetShard(path, columns)
+    except (OSError, pa.ArrowException) as error:
+        raise ShardError(f"{path} cannot be opened as a Parquet shard: {_one_line(error)}") from error
+
+
+def _one_line(error: BaseException) -> str:
+    """``Type: message`` on one line (pyarrow's messages span several)."""
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"
 
 
 def _close(shard: Shard) -> None:

@@ -37,6 +37,11 @@ and exits 0.
 FSDP2's ``fully_shard`` over a mesh of its processes (fault-tolerant HSDP);
 the final parameters are saved whole (``full_tensor()``).
 
+``--data SPEC`` trains on the digits read from shards instead of memory:
+``parquet:DIR``, ``hf:DIR`` or ``hf-iterable:DIR`` (see
+:func:`~stalwart.launch.digits.digits_source`); a shard that cannot be read
+ends the process with one line and exit status 2, like the errors above.
+
 ``--corrupt-at STEP`` adds noise to this worker's parameters at the start of
 step STEP, for tests of the replica-consistency check (the Manager must heal
 it from the others before the step is applied).
@@ -62,13 +67,14 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from stalwart.coord.client import LighthouseError, LighthouseUnreachable
+from stalwart.data.shards import ShardError
 from stalwart.data.world import WorldInfo
 from stalwart.launch.digits import (
     DEFAULT_LR,
-    digits_dataset,
     digits_model,
     digits_optimizer,
     digits_scheduler,
+    digits_source,
     summed_loss,
 )
 from stalwart.runtime.comm import default_device
@@ -156,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--kill-at", type=parse_kill_at, default=None, help="STEP:POINT to SIGKILL itself (tests).")
     parser.add_argument("--corrupt-at", type=int, default=None, help="Perturb the parameters at this step (tests).")
+    parser.add_argument("--data", default="digits", help="digits, or parquet:DIR, hf:DIR, hf-iterable:DIR (shards).")
     parser.add_argument("--fsdp", action="store_true", help="Shard the model over the group's processes (FSDP2).")
     parser.add_argument("--hold-file", type=Path, default=None, help="Wait before steps >= the number it holds.")
     parser.add_argument(
@@ -171,7 +178,14 @@ def main(argv: list[str] | None = None) -> None:
     events.write("started")
     try:
         _train(args, group, name, events)
-    except (LighthouseError, LighthouseUnreachable, PlanMismatchError, ShardingMismatchError, StateLostError) as error:
+    except (
+        LighthouseError,
+        LighthouseUnreachable,
+        PlanMismatchError,
+        ShardingMismatchError,
+        StateLostError,
+        ShardError,
+    ) as error:
         events.write("error", message=str(error))
         print(f"stalwart worker {name}: {error}", file=sys.stderr)
         raise SystemExit(EXIT_USER_ERROR) from None
@@ -193,7 +207,8 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
             events.write(event, step=step, quorum_id=manager.quorum_id, world_size=manager.world_size)
 
     device = default_device()
-    loader = ElasticLoader(digits_dataset(), seed=args.seed)
+    dataset, collate = digits_source(args.data)
+    loader = ElasticLoader(dataset, collate_fn=collate, seed=args.seed)
     model = digits_model(args.seed).to(device)
     if args.fsdp:
         _fully_shard(model, group, device)

@@ -35,6 +35,13 @@ Where samples are loaded
     start method is ``fork``; with ``spawn`` or ``forkserver``, the dataset
     and transform must be picklable.
 
+Reading in groups
+    A dataset with ``__getitems__(indices)`` (PyTorch's batched-fetch
+    convention: :class:`~stalwart.data.shards.ShardedDataset`, a Hugging Face
+    ``datasets.Dataset``) is asked for each micro-batch's missing samples, each
+    prefetched request and each worker's chunk in one call, so that it can read
+    each shard piece once; other datasets are indexed one sample at a time.
+
 Random augmentation must not depend on which process loads a sample, or a
 reassigned sample would be transformed differently: ``transform(sample,
 generator)`` receives :func:`sample_generator` seeded by (seed, epoch, index),
@@ -52,7 +59,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 from stalwart._validate import check_bool, check_int
 from stalwart.data.schedule import split_microbatches
@@ -80,14 +87,30 @@ class _KeyedSamples(Dataset[tuple[Key, Any]]):
         self.seed = seed
 
     def load(self, key: Key) -> Any:
-        epoch, index = key
-        sample = self.dataset[index]
+        return self.load_many([key])[0]
+
+    def load_many(self, keys: list[Key]) -> list[Any]:
+        """The samples of ``keys`` in order: one ``dataset.__getitems__`` call when the dataset has it."""
+        getitems = getattr(self.dataset, "__getitems__", None)
+        if getitems is None:
+            samples = [self.dataset[index] for _, index in keys]
+        else:
+            samples = list(getitems([index for _, index in keys]))
+            if len(samples) != len(keys):
+                raise RuntimeError(f"dataset.__getitems__ returned {len(samples)} samples for {len(keys)} indices")
         if self.transform is not None:
-            sample = self.transform(sample, sample_generator(self.seed, epoch, index))
-        return sample
+            transform = self.transform
+            samples = [
+                transform(sample, sample_generator(self.seed, epoch, index))
+                for sample, (epoch, index) in zip(samples, keys, strict=True)
+            ]
+        return samples
 
     def __getitem__(self, key: Key) -> tuple[Key, Any]:
         return key, self.load(key)
+
+    def __getitems__(self, keys: list[Key]) -> list[tuple[Key, Any]]:
+        return list(zip(keys, self.load_many(keys), strict=True))
 
 
 def _uncollated(pairs: list[tuple[Key, Any]]) -> list[tuple[Key, Any]]:
@@ -127,17 +150,19 @@ class _ThreadSource:
         if self._prefetched_keys.isdisjoint(keys):
             self._drop()
 
-    def take(self, key: Key) -> Any:
-        if self._prefetched is not None and key in self._prefetched_keys:
-            return self._prefetched.result()[key]
-        return self._samples.load(key)
+    def take(self, keys: list[Key]) -> list[Any]:
+        prefetched = self._prefetched_keys.intersection(keys)
+        ready = self._prefetched.result() if prefetched and self._prefetched is not None else {}
+        missing = [key for key in keys if key not in prefetched]
+        loaded = dict(zip(missing, self._samples.load_many(missing), strict=True)) if missing else {}
+        return [ready[key] if key in prefetched else loaded[key] for key in keys]
 
     def close(self) -> None:
         self._drop()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _load_all(self, keys: list[Key]) -> dict[Key, Any]:
-        return {key: self._samples.load(key) for key in keys}
+        return dict(zip(keys, self._samples.load_many(keys), strict=True))
 
     def _drop(self) -> None:
         if self._prefetched is not None:
@@ -181,13 +206,17 @@ class _WorkerSource:
                 self._receive()
             self._start(missing)
 
-    def take(self, key: Key) -> Any:
-        """The sample of ``key``: received from the workers if they have it in hand, else loaded here."""
-        while key not in self._ready:
-            if key not in self._pending:
-                return self._samples.load(key)
-            self._receive()
-        return self._ready.pop(key)
+    def take(self, keys: list[Key]) -> list[Any]:
+        """The samples of ``keys``: received from the workers where they have them in hand, the rest loaded here."""
+        taken = {}
+        for key in keys:
+            while key not in self._ready and key in self._pending:
+                self._receive()
+            if key in self._ready:
+                taken[key] = self._ready.pop(key)
+        missing = [key for key in keys if key not in taken]
+        taken.update(zip(missing, self._samples.load_many(missing) if missing else [], strict=True))
+        return [taken[key] for key in keys]
 
     def close(self) -> None:
         if self._pass is not None:
@@ -227,8 +256,12 @@ class ElasticLoader:
         """``prefetch`` loads the next step's foreseen share in the background: worth it when loading waits on
         I/O or runs in worker processes (``num_workers``); for in-memory data on few cores it costs more than it
         saves (see ``benchmarks/runtime.py``), hence off by default."""
-        if not hasattr(dataset, "__getitem__"):
-            raise TypeError(f"dataset must support indexing (a map-style dataset), got {type(dataset).__name__}")
+        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
+            raise TypeError(
+                f"dataset must support indexing (a map-style dataset), got {type(dataset).__name__}: for shards or a "
+                "Hugging Face IterableDataset use stalwart.data.ShardedDataset (ShardedDataset(stream.shards), "
+                "ShardedDataset.from_hf_iterable(dataset)) with a lighthouse plan of --block-size/--window"
+            )
         if not callable(collate_fn):
             raise TypeError(f"collate_fn must be callable, got {collate_fn!r}")
         if transform is not None and not callable(transform):
@@ -294,7 +327,7 @@ class ElasticLoader:
     def _collated(self, keys: list[Key], chunks: list[list[Key]]) -> Iterator[Any]:
         self._source.request(keys)
         for chunk in chunks:
-            batch = self.collate_fn([self._source.take(key) for key in chunk])
+            batch = self.collate_fn(self._source.take(chunk))
             self._produced.extend(chunk)
             yield batch
 
