@@ -38,6 +38,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from torch.utils.data import Dataset
 
@@ -60,9 +61,11 @@ class Shard(Protocol):
     Optional attributes that :class:`ShardedDataset` uses when present:
     ``piece_starts`` (ascending row numbers from 0 to ``num_rows`` where
     independent reads begin, e.g. Parquet row groups; by default every
-    ``DEFAULT_PIECE_ROWS`` rows), ``name`` (what
-    identifies the shard across machines, in the fingerprint and in errors)
-    and ``close()`` (release open files).
+    ``DEFAULT_PIECE_ROWS`` rows), ``read_arrow(start, stop)`` (the rows as
+    a ``pyarrow.Table``: pieces are then cached as Arrow data and only the
+    rows asked for become Python objects), ``name`` (what identifies the shard
+    across machines, in the fingerprint and in errors) and ``close()``
+    (release open files).
     """
 
     num_rows: int
@@ -120,14 +123,18 @@ class ParquetShard:
 
     def read(self, start: int, stop: int) -> list[Any]:
         """Rows ``start..stop-1`` as dicts, reading the row groups that cover them and no others."""
+        return self.read_arrow(start, stop).to_pylist()
+
+    def read_arrow(self, start: int, stop: int) -> pa.Table:
+        """Rows ``start..stop-1`` as a table, reading the row groups that cover them and no others."""
         start = check_int("start", start, minimum=0, maximum=self.num_rows)
         stop = check_int("stop", stop, minimum=start, maximum=self.num_rows)
         if start == stop:
-            return []
+            return pq.read_schema(self.path).empty_table().select(self.columns or slice(None))
         first = int(np.searchsorted(self.piece_starts, start, side="right")) - 1
         last = int(np.searchsorted(self.piece_starts, stop - 1, side="right")) - 1
         table = self._open().read_row_groups(list(range(first, last + 1)), columns=self.columns)
-        return table.slice(start - self.piece_starts[first], stop - start).to_pylist()
+        return table.slice(start - self.piece_starts[first], stop - start)
 
     def close(self) -> None:
         """Close the file (it is opened again on the next read)."""
@@ -208,7 +215,7 @@ class ShardedDataset(Dataset[Any]):
             raise ValueError(f"shards must hold at least one row in total, got {len(self.shards)} empty shards")
         self.cached_pieces = check_int("cached_pieces", cached_pieces, minimum=1)
         self.open_shards = check_int("open_shards", open_shards, minimum=1)
-        self._pieces: OrderedDict[tuple[int, int], list[Any]] = OrderedDict()
+        self._pieces: OrderedDict[tuple[int, int], list[Any] | pa.Table] = OrderedDict()
         self._opened: OrderedDict[int, None] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -283,10 +290,15 @@ class ShardedDataset(Dataset[Any]):
         for piece in np.unique(piece_of).tolist():
             inside = piece_of == piece
             data = self._piece(shard, piece, starts[piece], starts[piece + 1])
-            for slot, row in zip(where[inside].tolist(), (rows[inside] - starts[piece]).tolist(), strict=True):
-                found[slot] = data[row]
+            local = rows[inside] - starts[piece]
+            if isinstance(data, pa.Table):
+                values = pc.take(data, local).to_pylist()
+            else:
+                values = [data[row] for row in local.tolist()]
+            for slot, value in zip(where[inside].tolist(), values, strict=True):
+                found[slot] = value
 
-    def _piece(self, shard: int, piece: int, start: int, stop: int) -> list[Any]:
+    def _piece(self, shard: int, piece: int, start: int, stop: int) -> list[Any] | pa.Table:
         key = (shard, piece)
         if key in self._pieces:
             self._pieces.move_to_end(key)
@@ -297,12 +309,13 @@ class ShardedDataset(Dataset[Any]):
             self._pieces.popitem(last=False)
         return data
 
-    def _read(self, shard: int, start: int, stop: int) -> list[Any]:
-        """Rows ``start..stop-1`` of ``shard``, or :class:`ShardError` saying which shard failed and how."""
+    def _read(self, shard: int, start: int, stop: int) -> list[Any] | pa.Table:
+        """Rows ``start..stop-1`` of ``shard`` (Arrow when it can), or :class:`ShardError` saying what failed."""
         source = self.shards[shard]
         where = f"shard {shard} ({getattr(source, 'name', type(source).__name__)})"
         try:
-            rows = source.read(start, stop)
+            read_arrow = getattr(source, "read_arrow", None)
+            rows = source.read(start, stop) if read_arrow is None else read_arrow(start, stop)
         except ShardError:
             raise
         except Exception as error:
