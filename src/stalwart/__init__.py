@@ -31,7 +31,6 @@ _DATA_NAMES = (
     "ShardedDataset",
     "ShardedStream",
     "StreamBatch",
-    "StreamOrder",
     "WorldInfo",
     "audit_directory",
     "coverage",

@@ -12,7 +12,7 @@ from stalwart.data.plan import EpochPlan
 from stalwart.data.sampler import ManagedDistributedSampler
 from stalwart.data.schedule import split_microbatches, split_sizes, step_boundary, step_total
 from stalwart.data.shards import InMemoryShard, ParquetShard, ShardedDataset, ShardError
-from stalwart.data.streaming import ShardedStream, StreamBatch, StreamOrder
+from stalwart.data.streaming import ShardedStream, StreamBatch
 from stalwart.data.world import WorldInfo
 
 __all__ = [
@@ -30,7 +30,6 @@ __all__ = [
     "ShardedDataset",
     "ShardedStream",
     "StreamBatch",
-    "StreamOrder",
     "WorldInfo",
     "audit_directory",
     "coverage",

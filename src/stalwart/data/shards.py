@@ -130,7 +130,8 @@ class ParquetShard:
         start = check_int("start", start, minimum=0, maximum=self.num_rows)
         stop = check_int("stop", stop, minimum=start, maximum=self.num_rows)
         if start == stop:
-            return pq.read_schema(self.path).empty_table().select(self.columns or slice(None))
+            empty = self._open().schema_arrow.empty_table()
+            return empty if self.columns is None else empty.select(self.columns)
         first = int(np.searchsorted(self.piece_starts, start, side="right")) - 1
         last = int(np.searchsorted(self.piece_starts, stop - 1, side="right")) - 1
         table = self._open().read_row_groups(list(range(first, last + 1)), columns=self.columns)
@@ -250,7 +251,7 @@ class ShardedDataset(Dataset[Any]):
     def __getitem__(self, index: int) -> Any:
         return self.__getitems__([index])[0]
 
-    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+    def __getitems__(self, indices: Sequence[int] | npt.NDArray[np.integer]) -> list[Any]:
         """The rows at ``indices``, in that order, reading each piece they fall in once."""
         array = np.asarray(indices, dtype=np.int64).reshape(-1)
         if array.size and (array.min() < 0 or array.max() >= len(self)):
