@@ -11,6 +11,7 @@ input: members reading different shards, and a shard that fails to read.
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -67,6 +68,40 @@ def test_the_loader_reads_a_share_through_getitems_one_piece_at_a_time(num_worke
         loader.close()
     if num_workers == 0:  # the reads happened in this process: each 20-row piece at most once per share
         assert sum(shard.reads for shard in shards) <= plan.steps_per_epoch * (50 // 20 + 2)
+
+
+class LoggedShard(InMemoryShard):
+    """Rows in memory in pieces of ``piece`` rows; appends ``pid shard start`` to ``log`` at every read."""
+
+    def __init__(self, rows: list[Any], piece: int, number: int, log: Path) -> None:
+        super().__init__(rows)
+        self.piece_starts = (*range(0, len(rows), piece), len(rows))
+        self.number, self.log = number, log
+
+    def read(self, start: int, stop: int) -> list[Any]:
+        with self.log.open("a") as log:
+            log.write(f"{os.getpid()} {self.number} {start}\n")
+        return super().read(start, stop)
+
+
+def test_dataloader_workers_each_read_their_own_run_of_blocks(tmp_path: Path) -> None:
+    log = tmp_path / "reads.log"
+    shards = [LoggedShard(list(range(start, start + 100)), 20, start // 100, log) for start in range(0, 400, 100)]
+    loader = ElasticLoader(ShardedDataset(shards), collate_fn=list, num_workers=2, prefetch=True)
+    plan = EpochPlan(400, 100, block_size=20, window=5, seed=2)
+    try:
+        for step in range(plan.steps_per_epoch):
+            share = plan.indices(0, plan.step_start(step), plan.step_start(step + 1)).tolist()
+            loader.prefetch(0, share)
+            assert [row for batch in loader.microbatches(0, share, 16) for row in batch] == share
+    finally:
+        loader.close()
+    readers: dict[tuple[str, str], set[str]] = {}
+    for line in log.read_text().splitlines():
+        pid, shard, start = line.split()
+        readers.setdefault((shard, start), set()).add(pid)
+    assert len(readers) == 20  # every 20-row piece read
+    assert sum(len(pids) for pids in readers.values()) <= 20 + plan.steps_per_epoch  # one split block per step
 
 
 def test_the_loader_reads_a_hugging_face_dataset_in_groups(tmp_path: Path) -> None:

@@ -24,8 +24,9 @@ Where samples are loaded
     a persistent ``DataLoader`` (``persistent_workers=True``) loads them in
     worker processes. Its batch sampler does not sample: before each
     ``iter()`` the main process sets the request (the keys to load, cut into
-    at most ``prefetch_factor * num_workers`` chunks), and ``iter()`` hands
-    every chunk to the workers at once, so the whole request loads in the
+    at most ``prefetch_factor * num_workers`` chunks, each worker's a
+    contiguous run of the request), and ``iter()`` hands every chunk to the
+    workers at once, so the whole request loads in the
     background while training goes on. Workers return uncollated
     ``(key, sample)`` pairs; collation happens in the main process. One pass
     runs at a time: to load extra samples, the loader first receives what is
@@ -52,6 +53,7 @@ The loader is used from one thread (the training loop's).
 
 from __future__ import annotations
 
+import itertools
 import numbers
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -62,7 +64,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 from stalwart._validate import check_bool, check_int
-from stalwart.data.schedule import split_microbatches
+from stalwart.data.schedule import split_microbatches, split_sizes
 
 Transform = Callable[[Any, torch.Generator], Any]
 Key = tuple[int, int]
@@ -227,8 +229,7 @@ class _WorkerSource:
 
     def _start(self, keys: list[Key]) -> None:
         """Hand ``keys`` to the workers; whatever the previous pass still had in flight is discarded by ``iter()``."""
-        chunk_size = max(1, -(-len(keys) // (_CHUNKS_PER_WORKER * self._num_workers)))
-        self._requests.chunks = split_microbatches(keys, chunk_size)
+        self._requests.chunks = _worker_chunks(keys, self._num_workers)
         self._pass = iter(self._loader)
         self._pending = set(keys)
 
@@ -330,6 +331,21 @@ class ElasticLoader:
             batch = self.collate_fn(self._source.take(chunk))
             self._produced.extend(chunk)
             yield batch
+
+
+def _worker_chunks(keys: list[Key], workers: int) -> list[list[Key]]:
+    """``keys`` in at most ``_CHUNKS_PER_WORKER`` chunks per worker, listed so that the DataLoader's round-robin
+    (chunk ``j`` to worker ``(first + j) % workers``) hands each worker one contiguous run of the keys: a block of
+    consecutive positions is then read by one worker instead of by every worker."""
+    if len(keys) < workers * _CHUNKS_PER_WORKER:
+        return split_microbatches(keys, 1)
+    runs, start = [], 0
+    for size in split_sizes(len(keys), workers):
+        run = keys[start : start + size]
+        offsets = np.cumsum([0, *split_sizes(size, _CHUNKS_PER_WORKER)]).tolist()
+        runs.append([run[low:high] for low, high in itertools.pairwise(offsets)])
+        start += size
+    return [run[number] for number in range(_CHUNKS_PER_WORKER) for run in runs]
 
 
 def _keys(epoch: int, indices: Sequence[int]) -> list[Key]:
