@@ -154,6 +154,8 @@ class _ThreadSource:
 
     def take(self, keys: list[Key]) -> list[Any]:
         prefetched = self._prefetched_keys.intersection(keys)
+        if not prefetched:
+            return self._samples.load_many(keys)
         ready = self._prefetched.result() if prefetched and self._prefetched is not None else {}
         missing = [key for key in keys if key not in prefetched]
         loaded = dict(zip(missing, self._samples.load_many(missing), strict=True)) if missing else {}
@@ -356,7 +358,7 @@ def _keys(epoch: int, indices: Sequence[int]) -> list[Key]:
     array = np.asarray(indices)
     if array.size == 0:
         return []
-    has_bool = not isinstance(indices, np.ndarray) and any(isinstance(index, bool) for index in indices)
+    has_bool = not isinstance(indices, np.ndarray) and bool in set(map(type, indices))
     if array.ndim != 1 or array.dtype.kind not in "iu" or array.min() < 0 or has_bool:
         bad = next((i for i in indices if isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0), indices)
         raise ValueError(f"indices must be non-negative ints, got {bad!r}")
@@ -365,4 +367,4 @@ def _keys(epoch: int, indices: Sequence[int]) -> list[Key]:
         raise ValueError(
             f"indices must be distinct (a share holds each sample once), got repeated {values[counts > 1].tolist()}"
         )
-    return [(epoch, index) for index in array.tolist()]
+    return list(zip(itertools.repeat(epoch), array.tolist()))
