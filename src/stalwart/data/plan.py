@@ -113,14 +113,14 @@ class EpochPlan:
         """Sample indices at the given positions of epoch ``epoch``'s order (int64, same shape)."""
         epoch = check_int("epoch", epoch, minimum=0)
         array = np.asarray(positions, dtype=np.int64)
+        if self.shuffle and self.block_size * self.window == 1:
+            return _permutation(self.dataset_size, (self.seed, epoch))(array)  # it checks the range itself
         if array.size and (array.min() < 0 or array.max() >= self.dataset_size):
             raise ValueError(
                 f"positions must be in [0, {self.dataset_size - 1}], got values in [{array.min()}, {array.max()}]"
             )
         if not self.shuffle:
             return array.copy()
-        if self.block_size * self.window == 1:
-            return _permutation(self.dataset_size, (self.seed, epoch))(array)
         return _block_order(self, epoch, array.ravel()).reshape(array.shape)
 
     def to_dict(self) -> dict[str, Any]:
