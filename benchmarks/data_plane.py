@@ -5,7 +5,7 @@ Run from the repository root, with the virtual environment active::
     python -m benchmarks.data_plane           # full run, a few minutes
     python -m benchmarks.data_plane --quick   # small sizes, a few seconds (numbers indicative only)
 
-Three measurements, each printed as a table, then a summary of the goals:
+Four measurements, each printed as a table, then a summary of the goals:
 
 1. **First batch of an epoch.** Time and peak memory from nothing to the first
    global batch of ``B = 1024`` samples: stalwart's ``EpochPlan(N, B).indices(0, 0, B)``
@@ -25,6 +25,19 @@ Three measurements, each printed as a table, then a summary of the goals:
    ``plan.indices`` in a process pinned to one core with one-thread pools, for
    ``N = 10^8`` (uint32 arithmetic) and ``10^10`` (uint64), in chunks of 65536
    and 10^6. Goal: at least 10 million indices per second in every case.
+4. **Member reads from shards.** Rows per second that one member of a
+   ``world``-member job delivers over an epoch of the windowed block order
+   (``EpochPlan(block_size=row group, window=...)``), through ``ElasticLoader``
+   in micro-batches, next to a sequential read of the same shards into the
+   same Python rows, each in a fresh process pinned to one core: Parquet files
+   (``ShardedDataset``), a Hugging Face ``Dataset`` (memory-mapped Arrow) and
+   a Hugging Face ``IterableDataset`` over the same files
+   (``ShardedDataset.from_hf_iterable``), and the global shuffle for contrast;
+   both sides first warm pyarrow's compute kernels up (a one-time ~0.5 s).
+   Goal: at 4 members, Parquet and the ``Dataset`` at least 80% of the
+   sequential rate. An ``IterableDataset`` shard reads only forwards, so every
+   member that needs one of its rows reads it whole: about ``1 / world`` of
+   the sequential rate, shown, not a goal.
 
 The benchmark reports; it never fails because a goal is missed.
 """
@@ -32,14 +45,20 @@ The benchmark reports; it never fails because a goal is missed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import torch
 from rich.console import Console
 from rich.progress import Progress, TaskID
@@ -55,7 +74,7 @@ from benchmarks._measure import (
     progress_display,
     run_isolated,
 )
-from stalwart.data import DataLedger, EpochPlan, FeistelPermutation
+from stalwart.data import DataLedger, EpochPlan, FeistelPermutation, ShardedDataset, split_sizes
 
 FIRST_BATCH_SIZE = 1024
 TORCH_NUM_REPLICAS = 8
@@ -67,6 +86,10 @@ FIRST_BATCH_GOAL_SIZE = 10**8
 FIRST_BATCH_GOAL_RATIO = 100.0
 LEDGER_GOAL = (1024, 65536, 1000.0)  # members, global batch, microseconds
 THROUGHPUT_GOAL = 10e6  # indices per second
+READ_GOAL_RATIO = 0.8
+READ_GOAL_WORLD = 4
+READ_MICROBATCH = 256
+READ_FEATURES = 64
 _MODULE = "benchmarks.data_plane"
 
 
@@ -84,6 +107,12 @@ class Settings:
     throughput_chunks: tuple[int, ...]
     throughput_indices: int
     throughput_repeats: int
+    read_files: int
+    read_rows_per_file: int
+    read_row_group: int
+    read_global_batch: int
+    read_window: int
+    read_repeats: int
 
 
 FULL = Settings(
@@ -97,6 +126,12 @@ FULL = Settings(
     throughput_chunks=(65536, 10**6),
     throughput_indices=5 * 10**7,
     throughput_repeats=3,
+    read_files=16,
+    read_rows_per_file=8192,
+    read_row_group=512,
+    read_global_batch=4096,
+    read_window=8,
+    read_repeats=4,
 )
 QUICK = Settings(
     compared_sizes=(10**5,),
@@ -109,6 +144,12 @@ QUICK = Settings(
     throughput_chunks=(65536,),
     throughput_indices=10**6,
     throughput_repeats=1,
+    read_files=4,
+    read_rows_per_file=2048,
+    read_row_group=256,
+    read_global_batch=2048,
+    read_window=4,
+    read_repeats=1,
 )
 
 
@@ -296,6 +337,176 @@ def measure_throughput(settings: Settings, progress: Progress, task: TaskID) -> 
     return rows
 
 
+def _read_source(kind: str, directory: str) -> Any:
+    """The dataset a member reads: ``parquet`` and ``hf-iterable`` as ShardedDataset, ``hf`` a datasets.Dataset."""
+    files = sorted(str(path) for path in Path(directory, "parquet").glob("*.parquet"))
+    if kind == "parquet":
+        return ShardedDataset.from_parquet(files)
+    import datasets
+
+    if kind == "hf":
+        return datasets.load_from_disk(str(Path(directory, "hf")))
+    stream = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)
+    return ShardedDataset.from_hf_iterable(stream, num_rows=[pq.read_metadata(file).num_rows for file in files])
+
+
+def _warm_up_arrow() -> None:
+    """Run pyarrow's take kernel once on a one-row table: its first call in a process takes ~0.5 s of set-up."""
+    pc.take(pa.table({"x": [0]}), pa.array([0])).to_pylist()
+
+
+def member_read(kind: str, directory: str, plan: dict[str, Any], world: int, steps: int) -> dict[str, Any]:
+    """Seconds member 0 of ``world`` takes to load its shares of the first ``steps`` steps in micro-batches."""
+    from stalwart.runtime.loader import ElasticLoader
+
+    epoch_plan = EpochPlan(**plan)
+    loader = ElasticLoader(_read_source(kind, directory), collate_fn=list)
+    _warm_up_arrow()
+    rows = 0
+    start_time = time.perf_counter()
+    for step in range(steps):
+        start = epoch_plan.step_start(step)
+        share = epoch_plan.indices(0, start, start + split_sizes(epoch_plan.step_total(step), world)[0])
+        for batch in loader.microbatches(0, share.tolist(), READ_MICROBATCH):
+            rows += len(batch)
+    seconds = time.perf_counter() - start_time
+    loader.close()
+    return {"rows": rows, "seconds": seconds}
+
+
+def sequential_read(kind: str, directory: str) -> dict[str, Any]:
+    """Seconds to read every row of the shards in order into Python rows (what a member's reads turn into).
+
+    Parquet: pyarrow's row groups in file order; HF Dataset: its ``__getitems__``
+    over consecutive indices; HF IterableDataset: its own iteration.
+    """
+    files = sorted(Path(directory, "parquet").glob("*.parquet"))
+    _warm_up_arrow()
+    rows = 0
+    start_time = time.perf_counter()
+    if kind == "parquet":
+        for file in files:
+            with pq.ParquetFile(file) as parquet:
+                for group in range(parquet.num_row_groups):
+                    rows += len(parquet.read_row_group(group).to_pylist())
+    elif kind == "hf":
+        import datasets
+
+        dataset = datasets.load_from_disk(str(Path(directory, "hf")))
+        batch = pq.read_metadata(files[0]).row_group(0).num_rows
+        for first in range(0, len(dataset), batch):
+            rows += len(dataset.__getitems__(list(range(first, min(first + batch, len(dataset))))))
+    else:
+        import datasets
+
+        stream = datasets.load_dataset("parquet", data_files=[str(f) for f in files], split="train", streaming=True)
+        rows = sum(1 for _ in stream)
+    return {"rows": rows, "seconds": time.perf_counter() - start_time}
+
+
+@dataclass(frozen=True)
+class ReadRow:
+    """One member's read rate and the sequential rate of the same shards (rows per second)."""
+
+    source: str
+    order: str
+    world: int
+    shards_per_step: float
+    member_rows_per_second: float
+    sequential_rows_per_second: float
+
+    @property
+    def ratio(self) -> float:
+        return self.member_rows_per_second / self.sequential_rows_per_second
+
+
+READ_CASES = (
+    ("parquet", "block", 1),
+    ("parquet", "block", READ_GOAL_WORLD),
+    ("parquet", "global", READ_GOAL_WORLD),
+    ("hf", "block", READ_GOAL_WORLD),
+    ("hf-iterable", "block", READ_GOAL_WORLD),
+)
+"""(source, order, members) of table 4's rows; the global order reads so slowly that it runs two steps only."""
+_SOURCE_LABELS = {"parquet": "Parquet files", "hf": "HF Dataset", "hf-iterable": "HF IterableDataset"}
+
+
+def write_read_data(settings: Settings, directory: Path) -> EpochPlan:
+    """Parquet shards (and the same rows as a saved HF Dataset) under ``directory``; the block plan over them."""
+    rng = np.random.default_rng(0)
+    (directory / "parquet").mkdir(parents=True)
+    for number in range(settings.read_files):
+        first = number * settings.read_rows_per_file
+        ids = np.arange(first, first + settings.read_rows_per_file)
+        features = rng.random((ids.size, READ_FEATURES), dtype=np.float32)
+        table = pa.table(
+            {
+                "id": ids,
+                "label": ids % 10,
+                "text": [f"sample {i} of shard {number}" for i in ids.tolist()],
+                "features": pa.FixedSizeListArray.from_arrays(pa.array(features.ravel()), READ_FEATURES),
+            }
+        )
+        path = directory / "parquet" / f"part-{number:03d}.parquet"
+        pq.write_table(table, path, row_group_size=settings.read_row_group)
+    try:
+        import datasets
+    except ImportError:
+        pass
+    else:
+        files = sorted(str(path) for path in (directory / "parquet").glob("*.parquet"))
+        datasets.disable_progress_bars()
+        hf = datasets.Dataset.from_parquet(files, cache_dir=str(directory / "cache"))
+        hf.save_to_disk(str(directory / "hf"))
+    size = settings.read_files * settings.read_rows_per_file
+    return EpochPlan(size, settings.read_global_batch, block_size=settings.read_row_group, window=settings.read_window)
+
+
+def measure_reads(settings: Settings, progress: Progress, task: TaskID) -> list[ReadRow]:
+    """Table 4: each case's member rate and its source's sequential rate, medians of fresh single-core processes."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="stalwart-reads-") as temporary:
+        directory = Path(temporary)
+        progress.update(task, description="member reads: writing shards")
+        block_plan = write_read_data(settings, directory)
+        has_hf = (directory / "hf").exists()
+        offsets = np.arange(settings.read_files + 1) * settings.read_rows_per_file
+        sequential: dict[str, float] = {}
+        for source, order, world in READ_CASES:
+            progress.update(task, description=f"member reads: {source}, {order} order, {world} members")
+            if source != "parquet" and not has_hf:
+                progress.advance(task)
+                continue
+            plan = block_plan if order == "block" else dataclasses.replace(block_plan, block_size=1, window=1)
+            steps = plan.steps_per_epoch if order == "block" else 2
+            member = {"kind": source, "directory": temporary, "plan": plan.to_dict(), "world": world, "steps": steps}
+            reading = {"kind": source, "directory": temporary}
+            rate, baseline = _best_rates(member, reading, settings.read_repeats)
+            sequential[source] = max(baseline, sequential.get(source, 0.0))
+            touched = [
+                np.unique(np.searchsorted(offsets, share, side="right")).size
+                for share in (
+                    plan.indices(0, plan.step_start(s), plan.step_start(s) + split_sizes(plan.step_total(s), world)[0])
+                    for s in range(steps)
+                )
+            ]
+            rows.append(ReadRow(source, order, world, float(np.mean(touched)), rate, sequential[source]))
+            progress.advance(task)
+    return rows
+
+
+def _best_rates(member: dict[str, Any], reading: dict[str, Any], repeats: int) -> tuple[float, float]:
+    """Best rows per second of the member and of the sequential read, each in ``repeats`` fresh single-core
+    processes, run in turns so that both meet the same load (the best run is the least disturbed one)."""
+    member_rates, sequential_rates = [], []
+    for _ in range(repeats):
+        result = run_isolated(f"{_MODULE}:member_read", member, single_core=True).result
+        member_rates.append(result["rows"] / result["seconds"])
+        result = run_isolated(f"{_MODULE}:sequential_read", reading, single_core=True).result
+        sequential_rates.append(result["rows"] / result["seconds"])
+    return max(member_rates), max(sequential_rates)
+
+
 # Goals and tables.
 
 
@@ -332,6 +543,54 @@ def throughput_goal(rows: Sequence[ThroughputRow]) -> Goal:
         f"(N={_size_label(slowest.dataset_size)}, chunks of {slowest.chunk_size:,})"
     )
     return Goal(description, slowest.indices_per_second >= THROUGHPUT_GOAL, detail)
+
+
+def read_goal(rows: Sequence[ReadRow]) -> Goal:
+    """Goal 4, judged on the block order at ``READ_GOAL_WORLD`` members for Parquet and the HF Dataset."""
+    description = (
+        f"a member's reads >= {READ_GOAL_RATIO:.0%} of a sequential read of the same shards "
+        f"({READ_GOAL_WORLD} members, Parquet and HF Dataset)"
+    )
+    judged = [r for r in rows if r.order == "block" and r.world == READ_GOAL_WORLD and r.source in {"parquet", "hf"}]
+    if not judged:
+        return Goal(description, None, "not measured")
+    worst = min(judged, key=lambda row: row.ratio)
+    detail = ", ".join(f"{_SOURCE_LABELS[row.source]} {row.ratio:.2f}" for row in judged)
+    return Goal(description, worst.ratio >= READ_GOAL_RATIO, detail)
+
+
+def print_reads(console: Console, rows: Sequence[ReadRow], settings: Settings) -> None:
+    """Table 4."""
+    print_table(
+        console,
+        "4. A member's reads from shards against a sequential read of the same shards",
+        [
+            Column("source", justify="left"),
+            Column("order", justify="left"),
+            *("members", "shards per share", "member rows/s", "sequential rows/s", "ratio"),
+        ],
+        [
+            [
+                _SOURCE_LABELS[row.source],
+                row.order,
+                str(row.world),
+                f"{row.shards_per_step:.1f}",
+                _number(row.member_rows_per_second),
+                _number(row.sequential_rows_per_second),
+                f"{row.ratio:.2f}",
+            ]
+            for row in rows
+        ],
+        caption=(
+            f"{settings.read_files} Parquet files of {settings.read_rows_per_file:,} rows (id, label, text, "
+            f"{READ_FEATURES} float32), row groups of {settings.read_row_group}; global batch "
+            f"{settings.read_global_batch:,}; block order: block_size={settings.read_row_group}, "
+            f"window={settings.read_window}; member 0's shares of an epoch (global order: 2 steps) in micro-batches "
+            f"of {READ_MICROBATCH}; sequential: pyarrow row groups in file order (Parquet), __getitems__ over "
+            f"consecutive indices (HF Dataset), iteration (HF IterableDataset); one core per process, best of "
+            f"{settings.read_repeats} runs taken in turns (the sequential rate: best over the source's rows)."
+        ),
+    )
 
 
 def print_first_batch(console: Console, result: FirstBatchResult) -> None:
@@ -456,16 +715,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     first_batch_units = repeats * (1 + 2 * len(settings.compared_sizes) + len(settings.stalwart_only_sizes))
     ledger_units = len(settings.ledger_members) * len(settings.ledger_batches)
     throughput_units = len(settings.throughput_sizes) * len(settings.throughput_chunks)
+    total = first_batch_units + ledger_units + throughput_units + len(READ_CASES)
     with progress_display(console) as progress:
-        task = progress.add_task("starting", total=first_batch_units + ledger_units + throughput_units)
+        task = progress.add_task("starting", total=total)
         first_batch = measure_first_batch(settings, progress, task)
         ledger = measure_ledger(settings, progress, task)
         throughput = measure_throughput(settings, progress, task)
+        reads = measure_reads(settings, progress, task)
 
     print_first_batch(console, first_batch)
     print_ledger(console, ledger)
     print_throughput(console, throughput)
-    print_goals(console, [first_batch_goal(first_batch), ledger_goal(ledger), throughput_goal(throughput)])
+    print_reads(console, reads, settings)
+    goals = [first_batch_goal(first_batch), ledger_goal(ledger), throughput_goal(throughput), read_goal(reads)]
+    print_goals(console, goals)
     return 0
 
 

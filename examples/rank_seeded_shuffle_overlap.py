@@ -28,7 +28,8 @@ from rich.table import Table
 from torch.utils.data import DataLoader
 
 from stalwart.data.audit import AuditReport, AuditWriter, audit_directory
-from stalwart.data.streaming import ParquetShard, ShardedStream
+from stalwart.data.shards import ParquetShard
+from stalwart.data.streaming import ShardedStream
 
 ROW_GROUP_SIZE = 16
 

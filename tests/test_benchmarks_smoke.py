@@ -35,6 +35,7 @@ def test_quick_run_prints_every_table_and_goal() -> None:
         "1. First batch of an epoch",
         "2. Ledger cost per step",
         "3. Index throughput of EpochPlan.indices on one core",
+        "4. A member's reads from shards against a sequential read of the same shards",
         "Goals",
     ):
         assert title in output
@@ -47,12 +48,14 @@ def test_quick_run_prints_every_table_and_goal() -> None:
         "memory ratio",
         "median (us)",
         "M indices/s",
+        "member rows/s",
+        "sequential rows/s",
     ):
         assert header in output
     assert "(estimate)" in output  # the stalwart-only row says torch's figures are extrapolated
     statuses = ("met:", "MISSED:", "not measured:")
     goal_lines = [line for line in output.splitlines() if line.lstrip().startswith(statuses)]
-    assert len(goal_lines) == 3
+    assert len(goal_lines) == 4
 
 
 def test_redundancy_quick_run_measures_every_codec() -> None:

@@ -247,6 +247,15 @@ def test_plan_options_are_required_without_a_state(never_serve: None) -> None:
     refused(CliRunner().invoke(lighthouse_command, ["--min-replicas", "1"]), "--dataset-size", "--global-batch")
 
 
+def test_block_order_options_reach_the_plan_and_are_checked(tmp_path: Path, never_serve: None) -> None:
+    arguments = ["--min-replicas", "1", *PLAN, "--block-size", "4", "--window", "5"]
+    refused(CliRunner().invoke(lighthouse_command, arguments), "window must be in [1, 3], got 5")
+    state = tmp_path / "state.db"
+    save_state(state, LighthouseState(EpochPlan(10, 2, block_size=4)).state_dict())
+    arguments = ["--min-replicas", "1", "--state", str(state), "--block-size", "2"]
+    refused(CliRunner().invoke(lighthouse_command, arguments), "--block-size", "block_size=2", "block_size=4")
+
+
 def test_empty_token_is_a_bad_parameter(never_serve: None) -> None:
     result = CliRunner().invoke(lighthouse_command, ["--min-replicas", "1", "--token", "", *PLAN])
     refused(result, "--token", "secrets.token_urlsafe(32)")

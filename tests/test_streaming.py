@@ -18,7 +18,8 @@ from torch.utils.data import DataLoader
 
 from stalwart.data.audit import audit_directory, coverage
 from stalwart.data.schedule import split_sizes, step_boundary
-from stalwart.data.streaming import InMemoryShard, ParquetShard, ShardedStream, StreamBatch, StreamOrder
+from stalwart.data.shards import InMemoryShard, ParquetShard
+from stalwart.data.streaming import ShardedStream, StreamBatch
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "rank_seeded_shuffle_overlap.py"
 
@@ -52,44 +53,28 @@ def stream_settings(draw: st.DrawFn) -> dict[str, Any]:
     }
 
 
-# --- the epoch order, alone ---------------------------------------------------------------------------------------
+# --- the epoch order: the plan's windowed block shuffle (tests/test_block_order.py) --------------------------------
 
 
-@settings(max_examples=150, deadline=None)
-@given(shard_sizes, st.integers(1, 12), st.integers(0, 1000), st.integers(0, 5), st.data())
-def test_order_is_a_permutation_of_whole_shards_and_blocks(
-    sizes: list[int], block_size: int, seed: int, epoch: int, data: st.DataObject
+@settings(max_examples=60, deadline=None)
+@given(shard_sizes, stream_settings(), st.integers(0, 5))
+def test_the_stream_follows_the_plan_and_reads_blocks_as_runs(
+    sizes: list[int], kwargs: dict[str, Any], epoch: int
 ) -> None:
-    order = StreamOrder(sizes, seed, block_size)
+    stream = ShardedStream(memory_shards(sizes), rank=0, world_size=1, **kwargs)
     total = sum(sizes)
-    ids = order.global_ids(epoch, 0, total)
-    assert sorted(ids.tolist()) == list(range(total))
-    slices = order.locate(epoch, 0, total)
-    for piece in slices:
-        assert piece.start % block_size == 0
-        assert piece.stop == min(piece.start + block_size, sizes[piece.shard])
-        assert np.all((piece.rows >= piece.start) & (piece.rows < piece.stop))
-    shard_runs = [shard for shard, _ in itertools.groupby(piece.shard for piece in slices)]
-    assert len(shard_runs) == len(set(shard_runs)), "each shard is streamed in one run"
-    block_runs = [block for block, _ in itertools.groupby((piece.shard, piece.start) for piece in slices)]
-    assert len(block_runs) == len(set(block_runs)), "each block is streamed in one run"
-    start = data.draw(st.integers(0, total))
-    stop = data.draw(st.integers(start, total))
-    assert order.global_ids(epoch, start, stop).tolist() == ids[start:stop].tolist()
+    plan = stream.plan
+    assert (plan.dataset_size, plan.seed, plan.block_size) == (total, kwargs["seed"], min(kwargs["block_size"], total))
+    ids = np.concatenate([stream.batch(epoch, step).indices for step in range(stream.steps_per_epoch)])
+    assert ids.tolist() == plan.indices(epoch, 0, total).tolist()
+    runs = [block for block, _ in itertools.groupby((ids // plan.block_size).tolist())]
+    assert len(runs) == len(set(runs)), "each block is streamed in one run"
 
 
-def test_order_depends_on_seed_and_epoch_only() -> None:
-    sizes = [50, 0, 30, 70, 9]
-    first = StreamOrder(sizes, 7, 8).global_ids(0, 0, 159)
-    assert first.tolist() == StreamOrder(sizes, 7, 8).global_ids(0, 0, 159).tolist()
-    assert first.tolist() != StreamOrder(sizes, 7, 8).global_ids(1, 0, 159).tolist()
-    assert first.tolist() != StreamOrder(sizes, 8, 8).global_ids(0, 0, 159).tolist()
-    rows_within_blocks = StreamOrder([64], 7, 64).global_ids(0, 0, 64)
-    assert rows_within_blocks.tolist() != sorted(rows_within_blocks.tolist()), "rows inside a block are shuffled"
-    block_starts = [piece.start for piece in StreamOrder([64], 7, 4).locate(0, 0, 64)]
-    assert block_starts != sorted(block_starts), "blocks inside a shard are shuffled"
-    shard_orders = {tuple(StreamOrder([1] * 8, 7, 4).shard_order(epoch).tolist()) for epoch in range(3)}
-    assert len(shard_orders) == 3, "shards are shuffled per epoch"
+def test_the_default_window_holds_about_one_shard() -> None:
+    assert ShardedStream(memory_shards([100, 100, 60]), 8, rank=0, world_size=1, block_size=10).plan.window == 9
+    assert ShardedStream(memory_shards([5, 0, 7]), 8, rank=0, world_size=1, block_size=10).plan.window == 1
+    assert ShardedStream(memory_shards([50]), 8, rank=0, world_size=1, block_size=10, window=2).plan.window == 2
 
 
 # --- the split over ranks -----------------------------------------------------------------------------------------
@@ -102,7 +87,6 @@ def test_ranks_split_every_step_and_cover_the_epoch_exactly_once(
 ) -> None:
     ranks = streams(memory_shards(sizes), world_size, **kwargs)
     total, batch, multiple = sum(sizes), kwargs["global_batch_size"], kwargs["local_batch_multiple"]
-    order = StreamOrder(sizes, kwargs["seed"], kwargs["block_size"])
     consumed: list[np.ndarray] = []
     for step in range(ranks[0].steps_per_epoch):
         start, stop = (min(step_boundary(t, batch, multiple), total) for t in (step, step + 1))
@@ -110,7 +94,8 @@ def test_ranks_split_every_step_and_cover_the_epoch_exactly_once(
         parts = [stream.batch(epoch, step) for stream in ranks]
         assert [len(part.indices) for part in parts] == split_sizes(stop - start, world_size, multiple)
         assert (
-            np.concatenate([part.indices for part in parts]).tolist() == order.global_ids(epoch, start, stop).tolist()
+            np.concatenate([part.indices for part in parts]).tolist()
+            == ranks[0].plan.indices(epoch, start, stop).tolist()
         )
         for part in parts:
             assert (part.epoch, part.step) == (epoch, step)
@@ -190,12 +175,14 @@ def test_consumption_out_of_order_is_refused() -> None:
 
 
 def test_state_of_another_stream_is_refused() -> None:
-    stream = ShardedStream(memory_shards([30, 10]), 4, rank=0, world_size=2, seed=1)
+    stream = ShardedStream(memory_shards([30, 10]), 4, rank=0, world_size=2, seed=1, block_size=10)  # window 2
     state = stream.state_dict()
     for other in (
-        ShardedStream(memory_shards([30, 10]), 4, rank=0, world_size=2, seed=2),
-        ShardedStream(memory_shards([10, 30]), 4, rank=0, world_size=2, seed=1),
-        ShardedStream(memory_shards([30, 10]), 5, rank=0, world_size=2, seed=1),
+        ShardedStream(memory_shards([30, 10]), 4, rank=0, world_size=2, seed=2, block_size=10),
+        ShardedStream(memory_shards([10, 30]), 4, rank=0, world_size=2, seed=1, block_size=10),
+        ShardedStream(memory_shards([30, 10]), 5, rank=0, world_size=2, seed=1, block_size=10),
+        ShardedStream(memory_shards([30, 10]), 4, rank=0, world_size=2, seed=1, block_size=10, window=1),
+        ShardedStream(memory_shards([30, 10]), 4, rank=0, world_size=2, seed=1, block_size=5, window=2),
     ):
         with pytest.raises(ValueError, match="a stream resumes only over the same shards"):
             other.load_state_dict(state)
@@ -286,6 +273,7 @@ def test_parquet_shard_reads_ranges_across_row_groups(tmp_path: Path, monkeypatc
         ({"shards": [object()]}, TypeError, r"shards\[0\] must have num_rows and read"),
         ({"shards": [InMemoryShard([])]}, ValueError, "shards must hold at least one row"),
         ({"block_size": 0}, ValueError, r"block_size must be in \[1, inf\], got 0"),
+        ({"window": 3}, ValueError, r"window must be in \[1, 1\], got 3"),
         ({"rank": 3}, ValueError, r"rank must be in \[0, 2\], got 3"),
         ({"rank": -1}, ValueError, r"rank must be in \[0, 2\], got -1"),
         ({"world_size": 0, "rank": 0}, ValueError, r"world_size must be in \[1, inf\], got 0"),
@@ -300,16 +288,6 @@ def test_bad_arguments_name_the_parameter(kwargs: dict[str, Any], error: type[Ex
     arguments.update(kwargs)
     with pytest.raises(error, match=message):
         ShardedStream(arguments.pop("shards"), arguments.pop("global_batch_size"), **arguments)
-
-
-def test_bad_order_arguments_name_the_parameter() -> None:
-    with pytest.raises(ValueError, match=r"shard_sizes\[1\] must be in \[0, inf\], got -2"):
-        StreamOrder([3, -2])
-    order = StreamOrder([3, 4])
-    with pytest.raises(ValueError, match=r"stop must be in \[5, 7\], got 8"):
-        order.locate(0, 5, 8)
-    with pytest.raises(ValueError, match=r"epoch must be in \[0, inf\], got -1"):
-        order.locate(-1, 0, 1)
 
 
 # --- the example --------------------------------------------------------------------------------------------------

@@ -24,6 +24,8 @@ _PLAN_OPTIONS = {
     "multiple": ("--multiple", "local_batch_multiple"),
     "drop_last": ("--drop-last", "drop_last"),
     "no_shuffle": ("--no-shuffle", "shuffle"),
+    "block_size": ("--block-size", "block_size"),
+    "window": ("--window", "window"),
 }
 _MALFORMED_STATE = (sqlite3.Error, AttributeError, KeyError, TypeError, ValueError)
 """What reading a file that is not a lighthouse state, or a damaged one, raises."""
@@ -109,6 +111,20 @@ def _non_empty(context: click.Context, parameter: click.Parameter, value: str | 
     show_default=True,
     help="Straggler relief: every this many steps the members re-weigh their shares by measured throughput, "
     "in chunks of --multiple (0: equal shares).",
+)
+@click.option(
+    "--block-size",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Shuffle in blocks of this many consecutive samples (a Parquet row group): a member reads whole blocks.",
+)
+@click.option(
+    "--window",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Blocks whose order is shuffled together; windows are shuffled too (1 and 1: the global shuffle).",
 )
 def lighthouse_command(
     min_replicas: int,

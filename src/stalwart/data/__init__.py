@@ -11,7 +11,8 @@ from stalwart.data.permutation import FeistelPermutation
 from stalwart.data.plan import EpochPlan
 from stalwart.data.sampler import ManagedDistributedSampler
 from stalwart.data.schedule import split_microbatches, split_sizes, step_boundary, step_total
-from stalwart.data.streaming import InMemoryShard, ParquetShard, ShardedStream, StreamBatch, StreamOrder
+from stalwart.data.shards import InMemoryShard, ParquetShard, ShardedDataset, ShardError
+from stalwart.data.streaming import ShardedStream, StreamBatch
 from stalwart.data.world import WorldInfo
 
 __all__ = [
@@ -25,9 +26,10 @@ __all__ = [
     "LocalLedgerSource",
     "ManagedDistributedSampler",
     "ParquetShard",
+    "ShardError",
+    "ShardedDataset",
     "ShardedStream",
     "StreamBatch",
-    "StreamOrder",
     "WorldInfo",
     "audit_directory",
     "coverage",

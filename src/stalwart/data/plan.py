@@ -30,6 +30,18 @@ class EpochPlan:
 
     With ``drop_last=True`` an epoch covers the positions of its full steps,
     ``[0, epoch_length)``; the tail shorter than a step is not trained on.
+
+    ``block_size`` and ``window`` make the shuffled order keep locality for
+    sharded sources (Parquet files, Hugging Face datasets; see
+    :mod:`stalwart.data.shards`). Sample indices are cut into *blocks* of
+    ``block_size`` consecutive indices and blocks into *windows* of ``window``
+    consecutive blocks; each epoch permutes the windows, the blocks inside
+    each window, and the rows inside each block. Every block is then a run of
+    consecutive positions, so a member's contiguous share of a step reads
+    about ``share / block_size + 1`` blocks, and a step stays within one or
+    two windows (a few neighbouring shards). Where the size does not divide
+    evenly, the shorter last window (and block) sits at a random place of the
+    order. The default ``block_size=1, window=1`` is the global shuffle.
     """
 
     dataset_size: int
@@ -38,6 +50,8 @@ class EpochPlan:
     shuffle: bool = field(default=True, kw_only=True)
     drop_last: bool = field(default=False, kw_only=True)
     local_batch_multiple: int = field(default=1, kw_only=True)
+    block_size: int = field(default=1, kw_only=True)
+    window: int = field(default=1, kw_only=True)
 
     def __post_init__(self) -> None:
         check_int("dataset_size", self.dataset_size, minimum=1, maximum=1 << 62)
@@ -46,6 +60,13 @@ class EpochPlan:
         check_bool("shuffle", self.shuffle)
         check_bool("drop_last", self.drop_last)
         check_int("local_batch_multiple", self.local_batch_multiple, minimum=1, maximum=self.global_batch_size)
+        check_int("block_size", self.block_size, minimum=1, maximum=self.dataset_size)
+        check_int("window", self.window, minimum=1, maximum=-(-self.dataset_size // self.block_size))
+        if not self.shuffle and (self.block_size, self.window) != (1, 1):
+            raise ValueError(
+                f"block_size and window shape a shuffled order and must stay 1 with shuffle=False, "
+                f"got block_size={self.block_size}, window={self.window}"
+            )
         first_step = step_boundary(1, self.global_batch_size, self.local_batch_multiple)
         if self.drop_last and first_step > self.dataset_size:
             raise ValueError(
@@ -92,19 +113,73 @@ class EpochPlan:
         """Sample indices at the given positions of epoch ``epoch``'s order (int64, same shape)."""
         epoch = check_int("epoch", epoch, minimum=0)
         array = np.asarray(positions, dtype=np.int64)
+        if self.shuffle and self.block_size * self.window == 1:
+            return _permutation(self.dataset_size, (self.seed, epoch))(array)  # it checks the range itself
+        if array.size and (array.min() < 0 or array.max() >= self.dataset_size):
+            raise ValueError(
+                f"positions must be in [0, {self.dataset_size - 1}], got values in [{array.min()}, {array.max()}]"
+            )
         if not self.shuffle:
-            if array.size and (array.min() < 0 or array.max() >= self.dataset_size):
-                raise ValueError(f"positions must be in [0, {self.dataset_size - 1}]")
             return array.copy()
-        return _permutation(self.dataset_size, self.seed, epoch)(array)
+        return _block_order(self, epoch, array.ravel()).reshape(array.shape)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form; ``EpochPlan(**d)`` restores it."""
         return asdict(self)
 
 
-@functools.lru_cache(maxsize=8)
-def _permutation(size: int, seed: int, epoch: int) -> FeistelPermutation:
-    """The permutation of one epoch, keyed by (seed, epoch)."""
-    key = int(np.random.SeedSequence([seed, epoch]).generate_state(1, dtype=np.uint64)[0])
-    return FeistelPermutation(size, key)
+_BLOCKS, _ROWS, _ROTATION = 1, 2, 3
+"""Domains of the keys below the window level (which is keyed by (seed, epoch) alone, as the global shuffle)."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _permutation(size: int, key: tuple[int, ...]) -> FeistelPermutation:
+    """The permutation of ``size`` items keyed by ``key`` (the global shuffle's is (seed, epoch))."""
+    return FeistelPermutation(size, _key(key))
+
+
+def _key(parts: tuple[int, ...]) -> int:
+    return int(np.random.SeedSequence(list(parts)).generate_state(1, dtype=np.uint64)[0])
+
+
+def _units(
+    positions: npt.NDArray[np.int64], length: int, unit: int, key: tuple[int, ...]
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """Cut ``[0, length)`` into runs of ``unit`` positions and map each run to a unit in a keyed order.
+
+    Returns, for each position, its unit (``index // unit`` of the rows it
+    stands for) and its offset inside the unit. The full units are permuted;
+    a shorter last unit is placed after them, then the whole sequence is
+    rotated by a keyed number of full units, so that it lands anywhere.
+    """
+    full, tail = divmod(length, unit)
+    if tail and full:
+        rotation = _key((*key, _ROTATION)) % (full + 1)
+        positions = (positions + rotation * unit) % length
+    slots, offsets = np.divmod(positions, unit)
+    if full > 1:
+        inside = slots < full
+        slots[inside] = _permutation(full, key)(slots[inside])
+    return slots, offsets
+
+
+def _block_order(plan: EpochPlan, epoch: int, positions: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """Sample indices at ``positions`` of the windowed block shuffle (see :class:`EpochPlan`)."""
+    size, block, span = plan.dataset_size, plan.block_size, plan.block_size * plan.window
+    windows, offsets = _units(positions, size, span, (plan.seed, epoch))
+    indices = np.empty_like(positions)
+    for window in np.unique(windows).tolist():
+        in_window = np.flatnonzero(windows == window)
+        window_start = window * span
+        blocks, rows = _units(
+            offsets[in_window], min(span, size - window_start), block, (plan.seed, epoch, _BLOCKS, window)
+        )
+        for number in np.unique(blocks).tolist():
+            in_block = blocks == number
+            start = window_start + number * block
+            length = min(block, size - start)
+            picked = rows[in_block]
+            if length > 1:
+                picked = _permutation(length, (plan.seed, epoch, _ROWS, window, number))(picked)
+            indices[in_window[in_block]] = start + picked
+    return indices

@@ -1,24 +1,18 @@
 """Sharded streams: an iterable dataset split over ranks and DataLoader workers, exactly once per epoch.
 
 Epoch order
-    The rows of all shards form one stream of ``total_rows`` positions per
-    epoch, shuffled in three cheap levels, each keyed by the seed and the epoch
-    only, so every rank computes the same order without talking to the others:
-
-    * the shards, in an order permuted by ``(seed, epoch)``;
-    * inside a shard, blocks of ``block_size`` consecutive rows (the last one
-      may be shorter), in an order permuted by ``(seed, epoch, shard)``;
-    * inside a block, its rows, permuted by ``(seed, epoch, shard, block)``.
-
-    A block is the unit that is read, so shuffling rows inside it costs no
-    extra I/O; a larger block mixes rows better, a smaller one reads less
-    (see ``ShardedStream``). :class:`StreamOrder` is this mapping from stream
-    positions to (shard, row), pure numpy and no I/O.
+    The rows of all shards, concatenated in order, are the samples of an
+    :class:`~stalwart.data.plan.EpochPlan` with ``block_size`` and ``window``:
+    the windowed block shuffle that training through failures uses too (see
+    its docstring), keyed by the seed and the epoch only, so every rank
+    computes the same order without talking to the others. A block is a run
+    of consecutive positions and is read in Parquet row groups (or pieces) by
+    :class:`~stalwart.data.shards.ShardedDataset`; a window brings a few
+    neighbouring shards into the same steps.
 
 Steps and shares
-    Step ``t`` of an epoch covers the stream positions of step ``t`` of the
-    ledger's schedule (:class:`~stalwart.data.plan.EpochPlan` with
-    ``dataset_size = total_rows``, unshuffled, no ``drop_last``), so the global
+    Step ``t`` of an epoch covers the positions of step ``t`` of the
+    ledger's schedule (the same plan, no ``drop_last``), so the global
     batch is constant and ``local_batch_multiple`` is honoured. Within a step
     the ranks take contiguous parts sized by
     :func:`~stalwart.data.schedule.split_sizes` in rank order. A step's
@@ -34,181 +28,26 @@ DataLoader workers
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import pyarrow.parquet as pq
 from torch.utils.data import IterableDataset, get_worker_info
 
 from stalwart._validate import check_int
 from stalwart.data.audit import AuditWriter, write_expected
 from stalwart.data.plan import EpochPlan
 from stalwart.data.schedule import split_sizes
+from stalwart.data.shards import Shard, ShardedDataset
 
 DEFAULT_BLOCK_SIZE = 256
-STATE_VERSION = 1
-_SHARD_DOMAIN, _BLOCK_DOMAIN, _ROW_DOMAIN = 0, 1, 2
-_CACHED_BLOCKS = 2
-
-
-@runtime_checkable
-class Shard(Protocol):
-    """A source of rows addressed by number: ``read(start, stop)`` returns rows ``start..stop-1``."""
-
-    num_rows: int
-
-    def read(self, start: int, stop: int) -> list[Any]: ...
-
-
-class InMemoryShard:
-    """A shard over a sequence already in memory (tests, small data, generated rows)."""
-
-    def __init__(self, rows: Sequence[Any]) -> None:
-        if isinstance(rows, str | bytes) or not isinstance(rows, Sequence):
-            raise TypeError(f"rows must be a sequence of rows, got {type(rows).__name__}")
-        self.rows = rows
-        self.num_rows = len(rows)
-
-    def read(self, start: int, stop: int) -> list[Any]:
-        """Rows ``start..stop-1``."""
-        start = check_int("start", start, minimum=0, maximum=self.num_rows)
-        stop = check_int("stop", stop, minimum=start, maximum=self.num_rows)
-        return list(self.rows[start:stop])
-
-
-class ParquetShard:
-    """One Parquet file as a shard; rows come back as dicts of the chosen ``columns`` (all by default).
-
-    ``num_rows`` comes from the file's metadata (no data is read) and
-    ``read`` reads only the row groups that hold the requested range.
-    """
-
-    def __init__(self, path: str | os.PathLike[str], columns: Sequence[str] | None = None) -> None:
-        self.path = Path(path)
-        metadata = pq.read_metadata(self.path)
-        self.num_rows: int = metadata.num_rows
-        group_rows = [metadata.row_group(group).num_rows for group in range(metadata.num_row_groups)]
-        self._group_starts = np.concatenate([[0], np.cumsum(group_rows, dtype=np.int64)])
-        if columns is not None:
-            if isinstance(columns, str) or not isinstance(columns, Sequence):
-                raise TypeError(f"columns must be a sequence of column names or None, got {columns!r}")
-            available = pq.read_schema(self.path).names
-            unknown = [name for name in columns if name not in available]
-            if unknown:
-                raise ValueError(f"columns must be among {available} of {self.path}, got unknown {unknown}")
-            columns = list(columns)
-        self.columns: list[str] | None = columns
-
-    def read(self, start: int, stop: int) -> list[Any]:
-        """Rows ``start..stop-1`` as dicts, reading the row groups that cover them and no others."""
-        start = check_int("start", start, minimum=0, maximum=self.num_rows)
-        stop = check_int("stop", stop, minimum=start, maximum=self.num_rows)
-        if start == stop:
-            return []
-        first = int(np.searchsorted(self._group_starts, start, side="right")) - 1
-        last = int(np.searchsorted(self._group_starts, stop - 1, side="right")) - 1
-        with pq.ParquetFile(self.path) as file:
-            table = file.read_row_groups(list(range(first, last + 1)), columns=self.columns)
-        return table.slice(start - int(self._group_starts[first]), stop - start).to_pylist()
-
-    def __repr__(self) -> str:
-        return f"ParquetShard({str(self.path)!r}, columns={self.columns!r})"
-
-
-@dataclass(frozen=True)
-class BlockSlice:
-    """Consecutive stream positions that fall in one block: the block's row range and the rows, in stream order."""
-
-    shard: int
-    start: int
-    stop: int
-    rows: npt.NDArray[np.int64]
-
-
-class StreamOrder:
-    """The order of an epoch's stream: which (shard, row) sits at each position (see the module doc).
-
-    Pure and deterministic: the same shard sizes, seed and block size give the
-    same order in every process, and each epoch's order differs.
-    """
-
-    def __init__(self, shard_sizes: Sequence[int], seed: int = 0, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
-        if isinstance(shard_sizes, str) or not isinstance(shard_sizes, Sequence) or not shard_sizes:
-            raise ValueError(f"shard_sizes must be a non-empty sequence of row counts, got {shard_sizes!r}")
-        sizes = [check_int(f"shard_sizes[{index}]", size, minimum=0) for index, size in enumerate(shard_sizes)]
-        self.shard_sizes: tuple[int, ...] = tuple(sizes)
-        self.seed = check_int("seed", seed, minimum=0)
-        self.block_size = check_int("block_size", block_size, minimum=1)
-        self.offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
-        self.total_rows = int(self.offsets[-1])
-
-    def shard_order(self, epoch: int) -> npt.NDArray[np.int64]:
-        """The shards in the order epoch ``epoch`` streams them."""
-        epoch = check_int("epoch", epoch, minimum=0)
-        return _shard_layout(self.shard_sizes, self.seed, epoch)[0].copy()
-
-    def locate(self, epoch: int, start: int, stop: int) -> list[BlockSlice]:
-        """Where positions ``start..stop-1`` of epoch ``epoch`` are: one slice per run within a block."""
-        epoch = check_int("epoch", epoch, minimum=0)
-        start = check_int("start", start, minimum=0, maximum=self.total_rows)
-        stop = check_int("stop", stop, minimum=start, maximum=self.total_rows)
-        order, ends = _shard_layout(self.shard_sizes, self.seed, epoch)
-        slices = []
-        position = start
-        while position < stop:
-            ordinal = int(np.searchsorted(ends, position, side="right"))
-            shard = int(order[ordinal])
-            shard_start = int(ends[ordinal]) - self.shard_sizes[shard]
-            shard_stop = min(stop, int(ends[ordinal]))
-            blocks, block_ends = _block_layout(self.shard_sizes[shard], self.block_size, self.seed, epoch, shard)
-            while position < shard_stop:
-                offset = position - shard_start
-                block_ordinal = int(np.searchsorted(block_ends, offset, side="right"))
-                block_start = int(blocks[block_ordinal]) * self.block_size
-                length = min(self.block_size, self.shard_sizes[shard] - block_start)
-                within = offset - (int(block_ends[block_ordinal]) - length)
-                take = min(length - within, shard_stop - position)
-                rows = _row_order(self.seed, epoch, shard, block_start, length)[within : within + take]
-                slices.append(BlockSlice(shard, block_start, block_start + length, block_start + rows))
-                position += take
-        return slices
-
-    def global_ids(self, epoch: int, start: int, stop: int) -> npt.NDArray[np.int64]:
-        """Global row ids (shard offset + row) at positions ``start..stop-1`` of epoch ``epoch``."""
-        slices = self.locate(epoch, start, stop)
-        return np.concatenate([np.zeros(0, dtype=np.int64), *(self.offsets[s.shard] + s.rows for s in slices)])
-
-
-@functools.lru_cache(maxsize=16)
-def _shard_layout(sizes: tuple[int, ...], seed: int, epoch: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    """The shard order of an epoch and the stream position where each shard in that order ends."""
-    order = np.random.default_rng([seed, epoch, _SHARD_DOMAIN]).permutation(len(sizes)).astype(np.int64)
-    return order, np.cumsum(np.asarray(sizes, dtype=np.int64)[order])
-
-
-@functools.lru_cache(maxsize=256)
-def _block_layout(
-    size: int, block_size: int, seed: int, epoch: int, shard: int
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    """A shard's block order in an epoch and the shard offset where each block in that order ends."""
-    count = -(-size // block_size)
-    order = np.random.default_rng([seed, epoch, _BLOCK_DOMAIN, shard]).permutation(count).astype(np.int64)
-    lengths = np.minimum(block_size, size - order * block_size)
-    return order, np.cumsum(lengths)
-
-
-@functools.lru_cache(maxsize=1024)
-def _row_order(seed: int, epoch: int, shard: int, block_start: int, length: int) -> npt.NDArray[np.int64]:
-    """The order of the rows of one block (offsets from the block's first row)."""
-    return np.random.default_rng([seed, epoch, _ROW_DOMAIN, shard, block_start]).permutation(length).astype(np.int64)
+STATE_VERSION = 2
+"""Version 2: the order is the plan's windowed block shuffle (version 1 had an order of its own)."""
 
 
 @dataclass(frozen=True)
@@ -245,9 +84,11 @@ class ShardedStream(IterableDataset[StreamBatch]):
     After the last step of an epoch the state moves to step 0 of the next
     epoch. A stream built for another world size (and rank) loads the same
     state and continues at that step, re-splitting the rest of the epoch.
-    Each iteration reads every block it touches whole (a block is read by up
-    to ``world_size * num_workers`` readers), so keep ``block_size`` near a
-    rank's share of a step unless a better shuffle is worth more reading.
+    Each iteration reads the row groups (pieces) it touches once; a block cut
+    by the edge of a rank's part is read by both ranks, so keep ``block_size``
+    (a multiple of the row-group size) below a rank's share of a step unless a
+    better shuffle is worth more reading. ``window`` (blocks whose order is
+    shuffled together) defaults to about one shard's worth of rows.
     """
 
     def __init__(
@@ -259,33 +100,41 @@ class ShardedStream(IterableDataset[StreamBatch]):
         world_size: int,
         seed: int = 0,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        window: int | None = None,
         local_batch_multiple: int = 1,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         audit_dir: str | os.PathLike[str] | None = None,
     ) -> None:
-        if isinstance(shards, str) or not isinstance(shards, Sequence) or not shards:
-            raise ValueError(f"shards must be a non-empty sequence of shards, got {shards!r}")
-        for index, shard in enumerate(shards):
-            if not isinstance(shard, Shard):
-                raise TypeError(f"shards[{index}] must have num_rows and read(start, stop), got {shard!r}")
-        self.shards = list(shards)
+        self.dataset = ShardedDataset(shards)
         self.world_size = check_int("world_size", world_size, minimum=1)
         self.rank = check_int("rank", rank, minimum=0, maximum=self.world_size - 1)
-        self.order = StreamOrder([shard.num_rows for shard in self.shards], seed, block_size)
-        if self.order.total_rows == 0:
-            raise ValueError(f"shards must hold at least one row in total, got {len(self.shards)} empty shards")
+        total = len(self.dataset)
+        self.block_size = min(check_int("block_size", block_size, minimum=1), total)
+        if window is None:
+            filled = [shard.num_rows for shard in self.shards if shard.num_rows]
+            window = max(1, min(round(sum(filled) / len(filled) / self.block_size), -(-total // self.block_size)))
         self.plan = EpochPlan(
-            self.order.total_rows, global_batch_size, shuffle=False, local_batch_multiple=local_batch_multiple
+            total,
+            global_batch_size,
+            seed=check_int("seed", seed, minimum=0),
+            block_size=self.block_size,
+            window=window,
+            local_batch_multiple=local_batch_multiple,
         )
         if collate_fn is not None and not callable(collate_fn):
             raise TypeError(f"collate_fn must be callable or None, got {collate_fn!r}")
         self.collate_fn = collate_fn
         self.audit_dir = None if audit_dir is None else Path(audit_dir)
         if self.audit_dir is not None:
-            write_expected(self.audit_dir, {"dataset_size": self.order.total_rows})
+            write_expected(self.audit_dir, {"dataset_size": total})
         self._audit_writer: AuditWriter | None = None
         self._epoch = 0
         self._step = 0
+
+    @property
+    def shards(self) -> list[Shard]:
+        """The shards, in the order their rows are numbered."""
+        return self.dataset.shards
 
     @property
     def epoch(self) -> int:
@@ -323,15 +172,14 @@ class ShardedStream(IterableDataset[StreamBatch]):
 
     def batch(self, epoch: int, step: int) -> StreamBatch:
         """This rank's batch of step ``step`` of epoch ``epoch``, read from the shards."""
-        return self._read_batch(check_int("epoch", epoch, minimum=0), step, _BlockCache(self.shards))
+        return self._read_batch(check_int("epoch", epoch, minimum=0), step)
 
     def __iter__(self) -> Iterator[StreamBatch]:
         """This rank's batches of the current epoch from the current step (this worker's steps only)."""
         info = get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
-        blocks = _BlockCache(self.shards)
         for step in range(self.step + worker, self.steps_per_epoch, workers):
-            yield self._read_batch(self.epoch, step, blocks)
+            yield self._read_batch(self.epoch, step)
 
     def consume(self, batches: Iterable[StreamBatch]) -> Iterator[StreamBatch]:
         """Yield ``batches`` (what a DataLoader over this stream yields), recording each as consumed."""
@@ -376,14 +224,15 @@ class ShardedStream(IterableDataset[StreamBatch]):
             if state.get(key) != value:
                 raise ValueError(
                     f"state[{key!r}] is {state.get(key)!r} but this stream has {value!r}: a stream resumes only "
-                    "over the same shards, seed, block_size, global_batch_size and local_batch_multiple"
+                    "over the same shards, seed, block_size, window, global_batch_size and local_batch_multiple"
                 )
         epoch = check_int("state['epoch']", state["epoch"], minimum=0)
         step = check_int("state['step']", state["step"], minimum=0, maximum=self.steps_per_epoch - 1)
         self._epoch, self._step = epoch, step
 
     def close(self) -> None:
-        """Close the audit file, if one is open."""
+        """Close the audit file, if one is open, and the shards this process opened."""
+        self.dataset.close()
         if self._audit_writer is not None:
             self._audit_writer.close()
             self._audit_writer = None
@@ -394,47 +243,19 @@ class ShardedStream(IterableDataset[StreamBatch]):
         return state
 
     def _fingerprint(self) -> dict[str, Any]:
-        sizes = np.asarray(self.order.shard_sizes, dtype="<i8").tobytes()
+        sizes = np.asarray([shard.num_rows for shard in self.shards], dtype="<i8").tobytes()
         return {
-            "total_rows": self.order.total_rows,
+            "total_rows": self.plan.dataset_size,
             "shard_sizes_sha256": hashlib.sha256(sizes).hexdigest(),
-            "seed": self.order.seed,
-            "block_size": self.order.block_size,
+            "seed": self.plan.seed,
+            "block_size": self.plan.block_size,
+            "window": self.plan.window,
             "global_batch_size": self.plan.global_batch_size,
             "local_batch_multiple": self.plan.local_batch_multiple,
         }
 
-    def _read_batch(self, epoch: int, step: int, blocks: _BlockCache) -> StreamBatch:
+    def _read_batch(self, epoch: int, step: int) -> StreamBatch:
         start, stop = self.positions(step)
-        rows: list[Any] = []
-        ids = []
-        for piece in self.order.locate(epoch, start, stop):
-            block = blocks.read(piece)
-            rows.extend(block[row] for row in (piece.rows - piece.start).tolist())
-            ids.append(self.order.offsets[piece.shard] + piece.rows)
-        indices = np.concatenate([np.zeros(0, dtype=np.int64), *ids])
+        indices = self.plan.indices(epoch, start, stop)
+        rows = self.dataset.__getitems__(indices)
         return StreamBatch(epoch, step, rows if self.collate_fn is None else self.collate_fn(rows), indices)
-
-
-class _BlockCache:
-    """The last few blocks read by one iterator, so that consecutive steps in one block read it once."""
-
-    def __init__(self, shards: Sequence[Shard]) -> None:
-        self._shards = shards
-        self._blocks: OrderedDict[tuple[int, int], list[Any]] = OrderedDict()
-
-    def read(self, piece: BlockSlice) -> list[Any]:
-        key = (piece.shard, piece.start)
-        if key in self._blocks:
-            self._blocks.move_to_end(key)
-            return self._blocks[key]
-        rows = self._shards[piece.shard].read(piece.start, piece.stop)
-        if len(rows) != piece.stop - piece.start:
-            raise RuntimeError(
-                f"shard {piece.shard} returned {len(rows)} rows for read({piece.start}, {piece.stop}); "
-                f"expected {piece.stop - piece.start}"
-            )
-        self._blocks[key] = rows
-        if len(self._blocks) > _CACHED_BLOCKS:
-            self._blocks.popitem(last=False)
-        return rows

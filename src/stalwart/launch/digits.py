@@ -1,19 +1,32 @@
 """The demo's task: an MLP on scikit-learn's handwritten digits.
 
 The data set (1797 8x8 images) ships inside the scikit-learn package, so the
-demo needs no download. The model is seeded, so every worker starts from the
-same parameters; the loss is summed over samples, as the Manager divides the
-reduced gradient by the step's sample count.
+demo needs no download. :func:`write_digits_shards` writes it as Parquet or
+JSON-lines shards and :func:`digits_source` reads it back through
+:class:`~stalwart.data.shards.ShardedDataset` or Hugging Face ``datasets``, in
+the same index order, so a run over shards trains exactly as over memory.
+The model is seeded, so every worker starts from the same parameters; the
+loss is summed over samples, as the Manager divides the reduced gradient by
+the step's sample count.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, TensorDataset, default_collate
 
 from stalwart.data.plan import EpochPlan
+from stalwart.data.shards import ShardedDataset
+
+SOURCE_KINDS = ("digits", "parquet", "hf", "hf-iterable")
 
 
 def digits_dataset() -> TensorDataset:
@@ -24,6 +37,58 @@ def digits_dataset() -> TensorDataset:
     features = torch.tensor(digits.data / 16.0, dtype=torch.float32)
     labels = torch.tensor(digits.target, dtype=torch.int64)
     return TensorDataset(features, labels)
+
+
+def write_digits_shards(directory: Path, shards: int, *, kind: str = "parquet", row_group: int = 32) -> list[Path]:
+    """Write the digits in index order as ``shards`` files ``part-K.parquet`` (row groups of ``row_group``) or
+    ``part-K.jsonl`` (``kind="jsonl"``); rows are ``{"features": 64 floats, "label": int}``."""
+    features, labels = digits_dataset().tensors
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for number, rows in enumerate(np.array_split(np.arange(len(labels)), shards)):
+        table = {"features": features[rows].tolist(), "label": labels[rows].tolist()}
+        if kind == "parquet":
+            path = directory / f"part-{number:03d}.parquet"
+            schema = pa.schema([("features", pa.list_(pa.float32())), ("label", pa.int64())])
+            pq.write_table(pa.table(table, schema=schema), path, row_group_size=row_group)
+        elif kind == "jsonl":
+            path = directory / f"part-{number:03d}.jsonl"
+            lines = (json.dumps({"features": f, "label": y}) for f, y in zip(*table.values(), strict=True))
+            path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        else:
+            raise ValueError(f"kind must be 'parquet' or 'jsonl', got {kind!r}")
+        paths.append(path)
+    return paths
+
+
+def digits_rows_collate(rows: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``{"features", "label"}`` (from shards) as the (features, labels) batch of :func:`summed_loss`."""
+    features = torch.tensor([row["features"] for row in rows], dtype=torch.float32)
+    return features, torch.tensor([row["label"] for row in rows], dtype=torch.int64)
+
+
+def digits_source(spec: str) -> tuple[Dataset[Any], Callable[[list[Any]], Any]]:
+    """The digits and their collate function from ``spec``: ``digits`` (in memory), ``parquet:DIR``
+    (:class:`ShardedDataset` over DIR's Parquet files), ``hf:DIR`` (a ``datasets.Dataset`` saved with
+    ``save_to_disk``) or ``hf-iterable:DIR`` (an ``IterableDataset`` over DIR's JSON-lines or Parquet files)."""
+    kind, _, location = spec.partition(":")
+    if kind not in SOURCE_KINDS or (kind == "digits") != (location == ""):
+        raise ValueError(f"data must be 'digits' or KIND:DIR with KIND in {SOURCE_KINDS[1:]}, got {spec!r}")
+    if kind == "digits":
+        return digits_dataset(), default_collate
+    directory = Path(location)
+    if kind == "parquet":
+        return ShardedDataset.from_parquet(sorted(directory.glob("*.parquet"))), digits_rows_collate
+    import datasets
+
+    if kind == "hf":
+        return datasets.load_from_disk(str(directory)), digits_rows_collate
+    files = sorted(str(path) for path in directory.glob("*.jsonl")) or sorted(
+        str(path) for path in directory.glob("*.parquet")
+    )
+    builder = "json" if files and files[0].endswith(".jsonl") else "parquet"
+    stream = datasets.load_dataset(builder, data_files=files, split="train", streaming=True)
+    return ShardedDataset.from_hf_iterable(stream), digits_rows_collate
 
 
 def digits_model(seed: int = 0, hidden: int = 64) -> torch.nn.Module:

@@ -42,6 +42,11 @@ the final parameters are saved whole (``full_tensor()``).
 each micro-batch: a straggler is a worker with a larger ``S`` than the others
 (what a lighthouse started with ``--balance-every`` relieves).
 
+``--data SPEC`` trains on the digits read from shards instead of memory:
+``parquet:DIR``, ``hf:DIR`` or ``hf-iterable:DIR`` (see
+:func:`~stalwart.launch.digits.digits_source`); a shard that cannot be read
+ends the process with one line and exit status 2, like the errors above.
+
 ``--corrupt-at STEP`` adds noise to this worker's parameters at the start of
 step STEP, for tests of the replica-consistency check (the Manager must heal
 it from the others before the step is applied).
@@ -65,9 +70,9 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 import torch
 import torch.distributed as dist
@@ -78,13 +83,14 @@ from torch.utils.data import DataLoader
 
 from stalwart.coord.client import LighthouseError, LighthouseUnreachable
 from stalwart.data.sampler import ManagedDistributedSampler
+from stalwart.data.shards import ShardError
 from stalwart.data.world import WorldInfo
 from stalwart.launch.digits import (
     DEFAULT_LR,
-    digits_dataset,
     digits_model,
     digits_optimizer,
     digits_scheduler,
+    digits_source,
     summed_loss,
 )
 from stalwart.runtime.comm import default_device
@@ -186,6 +192,7 @@ def main(argv: list[str] | None = None) -> None:
         "--kill-rank", type=int, default=None, help="With --kill-at: only the process of this intra-group rank."
     )
     parser.add_argument("--corrupt-at", type=int, default=None, help="Perturb the parameters at this step (tests).")
+    parser.add_argument("--data", default="digits", help="digits, or parquet:DIR, hf:DIR, hf-iterable:DIR (shards).")
     parser.add_argument("--fsdp", action="store_true", help="Shard the model over the group's processes (FSDP2).")
     parser.add_argument("--hold-file", type=Path, default=None, help="Wait before steps >= the number it holds.")
     parser.add_argument(
@@ -216,7 +223,14 @@ def main(argv: list[str] | None = None) -> None:
     events.write("started")
     try:
         _train(args, group, name, events)
-    except (LighthouseError, LighthouseUnreachable, PlanMismatchError, ShardingMismatchError, StateLostError) as error:
+    except (
+        LighthouseError,
+        LighthouseUnreachable,
+        PlanMismatchError,
+        ShardingMismatchError,
+        StateLostError,
+        ShardError,
+    ) as error:
         events.write("error", message=str(error))
         print(f"stalwart worker {name}: {error}", file=sys.stderr)
         raise SystemExit(EXIT_USER_ERROR) from None
@@ -238,8 +252,8 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
             events.write(event, step=step, quorum_id=manager.quorum_id, world_size=manager.world_size)
 
     device = default_device()
-    dataset = digits_dataset()
-    elastic = ElasticLoader(dataset, seed=args.seed) if args.loader == "elastic" else None
+    dataset, collate = digits_source(args.data)
+    elastic = ElasticLoader(dataset, collate_fn=collate, seed=args.seed) if args.loader == "elastic" else None
     model = digits_model(args.seed).to(device)
     if args.fsdp:
         _fully_shard(model, group, device)
@@ -265,7 +279,10 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
     )
     manager.register_state("lr_scheduler", scheduler)
     loader: ElasticLoader | DataLoader[Any] = elastic or DataLoader(
-        dataset, batch_sampler=ManagedDistributedSampler(manager, dataset), num_workers=args.loader_workers
+        dataset,
+        batch_sampler=ManagedDistributedSampler(manager, cast(Sized, dataset)),
+        num_workers=args.loader_workers,
+        collate_fn=collate,
     )
     try:
         with open(args.run_dir / f"steps-{name}.jsonl", "a", encoding="utf-8") as steps_file:

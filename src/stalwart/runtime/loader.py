@@ -24,8 +24,9 @@ Where samples are loaded
     a persistent ``DataLoader`` (``persistent_workers=True``) loads them in
     worker processes. Its batch sampler does not sample: before each
     ``iter()`` the main process sets the request (the keys to load, cut into
-    at most ``prefetch_factor * num_workers`` chunks), and ``iter()`` hands
-    every chunk to the workers at once, so the whole request loads in the
+    at most ``prefetch_factor * num_workers`` chunks, each worker's a
+    contiguous run of the request), and ``iter()`` hands every chunk to the
+    workers at once, so the whole request loads in the
     background while training goes on. Workers return uncollated
     ``(key, sample)`` pairs; collation happens in the main process. One pass
     runs at a time: to load extra samples, the loader first receives what is
@@ -34,6 +35,13 @@ Where samples are loaded
     before anything that starts threads (the Manager's heartbeat) when the
     start method is ``fork``; with ``spawn`` or ``forkserver``, the dataset
     and transform must be picklable.
+
+Reading in groups
+    A dataset with ``__getitems__(indices)`` (PyTorch's batched-fetch
+    convention: :class:`~stalwart.data.shards.ShardedDataset`, a Hugging Face
+    ``datasets.Dataset``) is asked for each micro-batch's missing samples, each
+    prefetched request and each worker's chunk in one call, so that it can read
+    each shard piece once; other datasets are indexed one sample at a time.
 
 Random augmentation must not depend on which process loads a sample, or a
 reassigned sample would be transformed differently: ``transform(sample,
@@ -45,6 +53,7 @@ The loader is used from one thread (the training loop's).
 
 from __future__ import annotations
 
+import itertools
 import numbers
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -52,10 +61,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 from stalwart._validate import check_bool, check_int
-from stalwart.data.schedule import split_microbatches
+from stalwart.data.schedule import split_microbatches, split_sizes
 
 Transform = Callable[[Any, torch.Generator], Any]
 Key = tuple[int, int]
@@ -80,14 +89,30 @@ class _KeyedSamples(Dataset[tuple[Key, Any]]):
         self.seed = seed
 
     def load(self, key: Key) -> Any:
-        epoch, index = key
-        sample = self.dataset[index]
+        return self.load_many([key])[0]
+
+    def load_many(self, keys: list[Key]) -> list[Any]:
+        """The samples of ``keys`` in order: one ``dataset.__getitems__`` call when the dataset has it."""
+        getitems = getattr(self.dataset, "__getitems__", None)
+        if getitems is None:
+            samples = [self.dataset[index] for _, index in keys]
+        else:
+            samples = list(getitems([index for _, index in keys]))
+            if len(samples) != len(keys):
+                raise RuntimeError(f"dataset.__getitems__ returned {len(samples)} samples for {len(keys)} indices")
         if self.transform is not None:
-            sample = self.transform(sample, sample_generator(self.seed, epoch, index))
-        return sample
+            transform = self.transform
+            samples = [
+                transform(sample, sample_generator(self.seed, epoch, index))
+                for sample, (epoch, index) in zip(samples, keys, strict=True)
+            ]
+        return samples
 
     def __getitem__(self, key: Key) -> tuple[Key, Any]:
         return key, self.load(key)
+
+    def __getitems__(self, keys: list[Key]) -> list[tuple[Key, Any]]:
+        return list(zip(keys, self.load_many(keys), strict=True))
 
 
 def _uncollated(pairs: list[tuple[Key, Any]]) -> list[tuple[Key, Any]]:
@@ -127,17 +152,21 @@ class _ThreadSource:
         if self._prefetched_keys.isdisjoint(keys):
             self._drop()
 
-    def take(self, key: Key) -> Any:
-        if self._prefetched is not None and key in self._prefetched_keys:
-            return self._prefetched.result()[key]
-        return self._samples.load(key)
+    def take(self, keys: list[Key]) -> list[Any]:
+        prefetched = self._prefetched_keys.intersection(keys)
+        if not prefetched:
+            return self._samples.load_many(keys)
+        ready = self._prefetched.result() if prefetched and self._prefetched is not None else {}
+        missing = [key for key in keys if key not in prefetched]
+        loaded = dict(zip(missing, self._samples.load_many(missing), strict=True)) if missing else {}
+        return [ready[key] if key in prefetched else loaded[key] for key in keys]
 
     def close(self) -> None:
         self._drop()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _load_all(self, keys: list[Key]) -> dict[Key, Any]:
-        return {key: self._samples.load(key) for key in keys}
+        return dict(zip(keys, self._samples.load_many(keys), strict=True))
 
     def _drop(self) -> None:
         if self._prefetched is not None:
@@ -181,13 +210,17 @@ class _WorkerSource:
                 self._receive()
             self._start(missing)
 
-    def take(self, key: Key) -> Any:
-        """The sample of ``key``: received from the workers if they have it in hand, else loaded here."""
-        while key not in self._ready:
-            if key not in self._pending:
-                return self._samples.load(key)
-            self._receive()
-        return self._ready.pop(key)
+    def take(self, keys: list[Key]) -> list[Any]:
+        """The samples of ``keys``: received from the workers where they have them in hand, the rest loaded here."""
+        taken = {}
+        for key in keys:
+            while key not in self._ready and key in self._pending:
+                self._receive()
+            if key in self._ready:
+                taken[key] = self._ready.pop(key)
+        missing = [key for key in keys if key not in taken]
+        taken.update(zip(missing, self._samples.load_many(missing) if missing else [], strict=True))
+        return [taken[key] for key in keys]
 
     def close(self) -> None:
         if self._pass is not None:
@@ -198,8 +231,7 @@ class _WorkerSource:
 
     def _start(self, keys: list[Key]) -> None:
         """Hand ``keys`` to the workers; whatever the previous pass still had in flight is discarded by ``iter()``."""
-        chunk_size = max(1, -(-len(keys) // (_CHUNKS_PER_WORKER * self._num_workers)))
-        self._requests.chunks = split_microbatches(keys, chunk_size)
+        self._requests.chunks = _worker_chunks(keys, self._num_workers)
         self._pass = iter(self._loader)
         self._pending = set(keys)
 
@@ -227,8 +259,12 @@ class ElasticLoader:
         """``prefetch`` loads the next step's foreseen share in the background: worth it when loading waits on
         I/O or runs in worker processes (``num_workers``); for in-memory data on few cores it costs more than it
         saves (see ``benchmarks/runtime.py``), hence off by default."""
-        if not hasattr(dataset, "__getitem__"):
-            raise TypeError(f"dataset must support indexing (a map-style dataset), got {type(dataset).__name__}")
+        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
+            raise TypeError(
+                f"dataset must support indexing (a map-style dataset), got {type(dataset).__name__}: for shards or a "
+                "Hugging Face IterableDataset use stalwart.data.ShardedDataset (ShardedDataset(stream.shards), "
+                "ShardedDataset.from_hf_iterable(dataset)) with a lighthouse plan of --block-size/--window"
+            )
         if not callable(collate_fn):
             raise TypeError(f"collate_fn must be callable, got {collate_fn!r}")
         if transform is not None and not callable(transform):
@@ -294,9 +330,24 @@ class ElasticLoader:
     def _collated(self, keys: list[Key], chunks: list[list[Key]]) -> Iterator[Any]:
         self._source.request(keys)
         for chunk in chunks:
-            batch = self.collate_fn([self._source.take(key) for key in chunk])
+            batch = self.collate_fn(self._source.take(chunk))
             self._produced.extend(chunk)
             yield batch
+
+
+def _worker_chunks(keys: list[Key], workers: int) -> list[list[Key]]:
+    """``keys`` in at most ``_CHUNKS_PER_WORKER`` chunks per worker, listed so that the DataLoader's round-robin
+    (chunk ``j`` to worker ``(first + j) % workers``) hands each worker one contiguous run of the keys: a block of
+    consecutive positions is then read by one worker instead of by every worker."""
+    if len(keys) < workers * _CHUNKS_PER_WORKER:
+        return split_microbatches(keys, 1)
+    runs, start = [], 0
+    for size in split_sizes(len(keys), workers):
+        run = keys[start : start + size]
+        offsets = np.cumsum([0, *split_sizes(size, _CHUNKS_PER_WORKER)]).tolist()
+        runs.append([run[low:high] for low, high in itertools.pairwise(offsets)])
+        start += size
+    return [run[number] for number in range(_CHUNKS_PER_WORKER) for run in runs]
 
 
 def _keys(epoch: int, indices: Sequence[int]) -> list[Key]:
@@ -307,7 +358,7 @@ def _keys(epoch: int, indices: Sequence[int]) -> list[Key]:
     array = np.asarray(indices)
     if array.size == 0:
         return []
-    has_bool = not isinstance(indices, np.ndarray) and any(isinstance(index, bool) for index in indices)
+    has_bool = not isinstance(indices, np.ndarray) and bool in set(map(type, indices))
     if array.ndim != 1 or array.dtype.kind not in "iu" or array.min() < 0 or has_bool:
         bad = next((i for i in indices if isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0), indices)
         raise ValueError(f"indices must be non-negative ints, got {bad!r}")
@@ -316,4 +367,4 @@ def _keys(epoch: int, indices: Sequence[int]) -> list[Key]:
         raise ValueError(
             f"indices must be distinct (a share holds each sample once), got repeated {values[counts > 1].tolist()}"
         )
-    return [(epoch, index) for index in array.tolist()]
+    return list(zip(itertools.repeat(epoch), array.tolist()))

@@ -297,6 +297,8 @@ class Manager:
         self._user_states: dict[str, Stateful] = {}
         self._rng_states: dict[str, Stateful] = {**host_rng_states(), **device_rng_states()}
         self._started = False
+        self._data_fingerprint = ""
+        """The loader's dataset's fingerprint ("" when it has none), compared with the quorum's at each join."""
         self._heals = 0
         self._trained_step = -1
         """The step this member reached by applying it itself (a heal to a step does not count)."""
@@ -410,8 +412,11 @@ class Manager:
         ``loader``: an :class:`ElasticLoader`, or a ``DataLoader`` whose
         ``batch_sampler`` is ``ManagedDistributedSampler(self, dataset)``.
         Raises :class:`PlanMismatchError` when the lighthouse's plan does not
-        fit the loader's dataset (checked when this member first joins).
+        fit the loader's dataset (checked when this member first joins), or
+        when the dataset's ``fingerprint`` (:class:`~stalwart.data.shards.ShardedDataset`)
+        differs from the quorum's reference member's (checked at every join).
         """
+        self._data_fingerprint = str(getattr(loader.dataset, "fingerprint", ""))
         self._max_steps = check_int("max_steps", max_steps, minimum=0)
         source = self._source(loader)
         self._started = True
@@ -905,8 +910,10 @@ class Manager:
             if self._group.is_leader:
                 store.set(f"group_size/{self.member}", str(self._group.size))
             store.set(f"layout/{self.member}/{self._group.rank}", self._layout)
+            store.set(f"data/{self.member}/{self._group.rank}", self._data_fingerprint)
             self._group_sizes = [int(store.get(f"group_size/{member}")) for member in answer.members]
             self._check_layout(answer, store)
+            self._check_data(answer, store)
         except (RuntimeError, dist.DistError) as error:  # a member that never wrote its keys: it died
             raise CollectiveError(f"quorum {answer.quorum_id}'s store did not answer: {error}") from error
         offset = sum(self._group_sizes[: answer.rank])
@@ -949,6 +956,21 @@ class Manager:
                 f"process {self._group.rank} of replica group {self.member!r} holds its shard with layout "
                 f"{self._layout}, group {name!r}'s with {theirs}: every group must fully_shard the same model "
                 "the same way (see stalwart.runtime.sharding.sharding_layout)"
+            )
+
+    def _check_data(self, answer: QuorumAnswer, store: dist.Store) -> None:
+        """Refuse to train beside a member whose dataset has other shards: the same index would be another sample."""
+        heal = answer.heal
+        reference = 0 if heal is None or heal.source_rank is None else heal.source_rank
+        if reference == answer.rank:
+            return
+        name = answer.members[reference]
+        theirs = store.get(f"data/{name}/0").decode()
+        if theirs and self._data_fingerprint and theirs != self._data_fingerprint:
+            raise PlanMismatchError(
+                f"member {self.member!r} reads a dataset with fingerprint {self._data_fingerprint} and member "
+                f"{name!r} one with {theirs}: every member must read the same shards in the same order (the same file "
+                "names and row counts; sort the file list)"
             )
 
     def _heal(self, answer: QuorumAnswer) -> None:
