@@ -416,9 +416,9 @@ class Manager:
         when the dataset's ``fingerprint`` (:class:`~stalwart.data.shards.ShardedDataset`)
         differs from the quorum's reference member's (checked at every join).
         """
-        self._data_fingerprint = str(getattr(loader.dataset, "fingerprint", ""))
         self._max_steps = check_int("max_steps", max_steps, minimum=0)
         source = self._source(loader)
+        self._data_fingerprint = str(getattr(loader.dataset, "fingerprint", ""))
         self._started = True
         try:
             while True:
