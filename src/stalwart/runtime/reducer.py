@@ -237,7 +237,7 @@ class GradientReducer:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
                 gradient = local_tensor(param.grad)
-                gradient.copy_(buffer[offset : offset + gradient.numel()].view(gradient.shape)).div_(samples)
+                torch.div(buffer[offset : offset + gradient.numel()].view(gradient.shape), samples, out=gradient)
 
     def close(self) -> None:
         """Remove the autograd hooks."""
