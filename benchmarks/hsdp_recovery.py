@@ -26,6 +26,7 @@ benchmark reports; it never fails because a goal is missed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -76,6 +77,16 @@ def child_pids(agent: subprocess.Popen[bytes]) -> list[int]:
         if parent == agent.pid:
             pids.append(int(entry.name))
     return sorted(pids)
+
+
+def end_group(agent: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a launch's workers (torchrun may start them in sessions of their own) and its agent."""
+    for pid in child_pids(agent):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    if agent.poll() is None:
+        os.killpg(agent.pid, signal.SIGKILL)
+    agent.wait(timeout=10)
 
 
 def records(path: Path) -> list[dict[str, Any]]:
@@ -156,9 +167,7 @@ def measure(failures: int, run_dir: Path, tick: Callable[[], None]) -> list[dict
                 agent.wait(timeout=WAIT_LIMIT)
         finally:
             for agent in agents.values():
-                if agent.poll() is None:
-                    os.killpg(agent.pid, signal.SIGKILL)
-                    agent.wait(timeout=10)
+                end_group(agent)
     return results
 
 

@@ -13,8 +13,6 @@ exactly once, and end with the failure-free parameters on all four processes.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -28,7 +26,7 @@ from stalwart.launch.cluster import latest_step
 from stalwart.launch.digits import reference_run
 from stalwart.launch.report import audit_steps, committed_steps, planned_total
 from tests.support import wait_until
-from tests.test_replica_groups import launch_group
+from tests.test_replica_groups import end_group, launch_group
 
 STEPS = 24
 KILL_AT = 7
@@ -83,9 +81,8 @@ def kill_restart_and_heal(tmp_path: Path, lighthouse: Lighthouse, envs: Mapping[
         assert restarted.wait(timeout=TIMEOUT) == 0
     finally:
         for agent in [*agents.values(), restarted]:
-            if agent is not None and agent.poll() is None:
-                os.killpg(agent.pid, signal.SIGKILL)
-                agent.wait(timeout=10)
+            if agent is not None:
+                end_group(agent)
     steps = committed_steps(tmp_path)
     assert [record["step"] for record in steps] == list(range(STEPS))
     assert [record["samples"] for record in steps] == [planned_total(PLAN, step) for step in range(STEPS)]
@@ -112,12 +109,36 @@ def test_a_group_that_does_not_shard_like_the_others_is_refused(tmp_path: Path, 
         codes = {name: agent.wait(timeout=TIMEOUT) for name, agent in agents.items()}
     finally:
         for agent in agents.values():
-            if agent.poll() is None:
-                os.killpg(agent.pid, signal.SIGKILL)
-                agent.wait(timeout=10)
+            end_group(agent)
     refused = [name for name, code in codes.items() if code != 0]
     assert len(refused) == 1, codes
     log = (tmp_path / f"{refused[0]}.log").read_text()
     assert "shard" in log and "every group of a job must run the same training script" in log
     assert latest_step(tmp_path)[0] == STEPS
     assert audit_steps(PLAN, committed_steps(tmp_path)) == (True, 0, 0)
+
+
+UNEVEN_PLAN = EpochPlan(1797, 400, seed=0, local_batch_multiple=4)
+"""Four full steps, then 197 samples: the groups' processes get 13 and 12 micro-batches at step 4."""
+
+
+def test_fsdp_groups_run_in_step_when_their_processes_get_unequal_parts(tmp_path: Path) -> None:
+    steps = 6
+    with Lighthouse(UNEVEN_PLAN, min_replicas=2, heartbeat_timeout=5.0, join_timeout=30.0) as server:
+        more = ["--fsdp", "--max-steps", str(steps), "--step-seconds", "0"]
+        agents = [launch_group(server.url, name, tmp_path, more) for name in ("group-a", "group-b")]
+        try:
+            codes = [agent.wait(timeout=TIMEOUT) for agent in agents]
+        finally:
+            for agent in agents:
+                end_group(agent)
+    assert codes == [0, 0]
+    records = committed_steps(tmp_path)
+    assert [record["samples"] for record in records] == [planned_total(UNEVEN_PLAN, step) for step in range(steps)]
+    assert records[4]["samples"] == 197
+    assert audit_steps(UNEVEN_PLAN, records) == (True, 0, 0)
+    reference, _ = reference_run(UNEVEN_PLAN, steps)
+    for path in sorted(tmp_path.glob("final-*.pt")):
+        parameters = torch.load(path, weights_only=True)
+        worst = max(float((parameters[key] - value).abs().max()) for key, value in reference.items())
+        assert worst < PARAM_TOLERANCE, path.name

@@ -11,6 +11,7 @@ the failure-free parameters on every surviving process.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -62,6 +63,18 @@ def launch_group(
     return process
 
 
+def end_group(agent: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a launch's workers (torchrun may start them in sessions of their own) and its agent, if running."""
+    if agent.poll() is not None:
+        return
+    for pid in worker_pids(agent).values():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(agent.pid, signal.SIGKILL)
+    agent.wait(timeout=10)
+
+
 def worker_pids(agent: subprocess.Popen[bytes]) -> dict[int, int]:
     """Intra-group rank -> pid of the worker processes torchrun started."""
     workers = {}
@@ -93,9 +106,7 @@ def test_groups_split_shares_and_a_lost_group_is_recomputed(tmp_path: Path, ligh
             agent.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         for agent in agents.values():
-            if agent.poll() is None:
-                os.killpg(agent.pid, signal.SIGKILL)
-                agent.wait(timeout=10)
+            end_group(agent)
     assert agents["group-a"].returncode == 0
     assert agents["group-b"].returncode != 0
     steps = committed_steps(tmp_path)

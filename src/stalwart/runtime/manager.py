@@ -34,7 +34,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -325,6 +325,8 @@ class Manager:
         self._window_seconds = 0.0
         self._window_samples = 0
         """This process's compute seconds and samples since the last re-weighing (balanced ledgers)."""
+        self._template: Any = None
+        """The last batch this process trained on: the shape of a zero-sample batch (FSDP2 groups)."""
         self._reducer = GradientReducer(
             self._params, device=self.device, bucket_cap_mb=bucket_cap_mb, reduce_dtype=reduce_dtype
         )
@@ -521,22 +523,31 @@ class Manager:
         assert self._answer is not None
         return list(self._answer.members)
 
-    def _next_part(self) -> np.ndarray:
-        """This process's part of the group's positions not yet covered in this step (marked covered)."""
+    def _next_part(self) -> tuple[np.ndarray, int]:
+        """This process's part of the group's positions not yet covered in this step (marked covered).
+
+        Also how many micro-batches this process runs on it: its own count, or
+        in an FSDP2 group the largest count of the group's processes (every
+        forward and backward is a collective over the group).
+        """
         group_share = self.ledger.in_flight.get(self.member, _NO_POSITIONS)
         fresh = group_share[~np.isin(group_share, self._group_done)]
         self._group_done = np.concatenate([self._group_done, fresh])
-        part = split_group_share(fresh, self._group.size, self._group.rank, self.ledger.plan.local_batch_multiple)
+        multiple = self.ledger.plan.local_batch_multiple
+        part = split_group_share(fresh, self._group.size, self._group.rank, multiple)
         self._samples += part.size
-        return part
+        ranks = range(self._group.size) if self._sharded else (self._group.rank,)
+        sizes = [split_group_share(fresh, self._group.size, rank, multiple).size for rank in ranks]
+        return part, max(-(-size // self.max_microbatch) for size in sizes)
 
     def _microbatches(self, loader: Source) -> Iterator[object]:
         while True:
-            part = self._next_part()
+            part, count = self._next_part()
             self._part_started = time.perf_counter()
-            count = -(-part.size // self.max_microbatch)
-            batches = loader.microbatches(self.ledger.epoch, self._indices(part), self.max_microbatch) if count else ()
-            for number, batch in enumerate(batches, start=1):
+            batches = (
+                loader.microbatches(self.ledger.epoch, self._indices(part), self.max_microbatch) if part.size else ()
+            )
+            for number, batch in enumerate(self._padded(batches, count, loader), start=1):
                 if self._sharded:  # FSDP2 reduce-scatters in the group only on the part's last backward
                     set_gradient_sync(self.model, number == count)
                 if number == count:
@@ -555,6 +566,30 @@ class Manager:
                 continue
             self._apply(reduced)
             return
+
+    def _padded(self, batches: Iterable[Any], count: int, loader: Source) -> Iterator[Any]:
+        """``batches``, then zero-sample batches up to ``count`` (FSDP2 groups: the group's processes run in step).
+
+        A zero-sample batch is a real batch with every tensor cut to 0 rows: the
+        model runs its collectives on it and its summed loss is 0.
+        """
+        produced = 0
+        for batch in batches:
+            self._template = batch
+            produced += 1
+            yield batch
+        for _ in range(count - produced):
+            yield _zero_rows(self._template if self._template is not None else self._sample_batch(loader))
+
+    def _sample_batch(self, loader: Source) -> Any:
+        """A one-sample batch (any sample of the epoch), for the shape of a zero-sample batch; not audited."""
+        if not isinstance(loader, ElasticLoader):
+            raise RuntimeError(
+                "an FSDP2 group's process got no samples before its first step with a DataLoader: use an "
+                "ElasticLoader, or a plan whose steps give every process samples"
+            )
+        index = int(self.ledger.plan.indices_at(self.ledger.epoch, np.zeros(1, dtype=np.int64))[0])
+        return loader.collate_fn([loader.load(self.ledger.epoch, index)])
 
     def _arm(self, loader: Source) -> None:
         """Start this round's reduction; the tail's values that are known before the last backward go in now.
@@ -1088,6 +1123,17 @@ def _step_began(ledger: DataLedger) -> tuple[int, np.ndarray]:
 def _ends_epoch(ledger: DataLedger) -> bool:
     """Whether the step in progress holds the epoch's last positions (it completes the epoch when it commits)."""
     return ledger.base_index >= ledger.plan.epoch_length and not ledger.missing_indices.size
+
+
+def _zero_rows(batch: Any) -> Any:
+    """``batch`` with every tensor cut to its first 0 rows (tuples, lists and dicts followed)."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:0] if batch.dim() else batch
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_zero_rows(item) for item in batch)
+    if isinstance(batch, dict):
+        return {key: _zero_rows(value) for key, value in batch.items()}
+    return batch
 
 
 def _check_dataset(loader: ElasticLoader | DataLoader[Any], ledger: DataLedger) -> None:
