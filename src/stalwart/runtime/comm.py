@@ -67,6 +67,8 @@ from torch._C._distributed_c10d import WorkResult  # type: ignore[attr-defined]
 _FIRST_POLL = 20e-6
 _LAST_POLL = 1e-3
 """Polling a collective starts every 20 us (a small model's all-reduce is done in ~100 us) and backs off to 1 ms."""
+_ABANDON_CHECK = 0.005
+"""Seconds between two looks at ``abandon()`` while a Gloo collective's future is awaited."""
 _GRACE = 1.0
 """Seconds past a collective's timeout before the Communicator gives up itself (the backend should have first)."""
 ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
@@ -176,14 +178,28 @@ class Communicator:
             self._group.set_timeout(datetime.timedelta(seconds=seconds))
 
     def _wait(self, work: dist.Work, name: str, deadline: float) -> None:
+        """Wait for ``work`` while watching ``abandon()`` and the deadline.
+
+        Gloo: the work's future wakes this thread the moment it completes (a
+        poll's sleep would add a scheduler wake-up per check on a busy
+        machine); ``abandon()`` is checked every ``_ABANDON_CHECK`` seconds
+        meanwhile. NCCL: polled, since its future completes through the
+        stream rather than on the host.
+        """
+        done = threading.Event()
+        if self.device.type != "cuda":
+            work.get_future().add_done_callback(lambda _: done.set())
         delay = _FIRST_POLL
-        while not work.is_completed():
+        while not (done.is_set() or work.is_completed()):
             if self._abandon():
                 raise CollectiveError(f"{name} abandoned on rank {self.rank}: a member of this quorum is dead")
             if time.monotonic() > deadline:
                 raise CollectiveError(f"{name} on rank {self.rank}/{self.world_size} passed its deadline")
-            time.sleep(delay)
-            delay = min(2 * delay, _LAST_POLL)
+            if self.device.type == "cuda":
+                time.sleep(delay)
+                delay = min(2 * delay, _LAST_POLL)
+            else:
+                done.wait(_ABANDON_CHECK)
         try:
             work.wait()
         except (RuntimeError, dist.DistError) as error:
