@@ -70,6 +70,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Callable, Sized
 from pathlib import Path
 from typing import Any, TextIO, cast
@@ -358,5 +359,27 @@ def _fully_shard(model: torch.nn.Module, group: WorldInfo, device: torch.device)
     fully_shard(model, mesh=mesh)
 
 
+def run() -> None:
+    """The process's entry: :func:`main`, then an exit that skips the interpreter's teardown.
+
+    Everything is written and closed by then; what teardown would still do is
+    destroy torch.distributed's C++ objects (aborted process groups and their
+    threads), which can end in ``std::terminate`` and turn exit status 0 or 2
+    into a SIGABRT.
+    """
+    status = 1
+    try:
+        main()
+        status = 0
+    except SystemExit as stop:
+        status = 0 if stop.code is None else stop.code if isinstance(stop.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+
+
 if __name__ == "__main__":
-    main()
+    run()
