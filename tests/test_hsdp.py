@@ -26,13 +26,10 @@ from stalwart.launch.cluster import latest_step
 from stalwart.launch.digits import reference_run
 from stalwart.launch.report import audit_steps, committed_steps, planned_total
 from tests.support import wait_until
-from tests.test_replica_groups import end_group, launch_group
+from tests.test_replica_groups import PARAM_TOLERANCE, PLAN, STEPS, end_group, launch_group  # launch_group runs STEPS
 
-STEPS = 24
 KILL_AT = 7
 HOLD_AT = 12
-PLAN = EpochPlan(1797, 48, seed=0, local_batch_multiple=4)
-PARAM_TOLERANCE = 1e-4
 TIMEOUT = 240.0
 
 
