@@ -92,7 +92,7 @@ class CollectiveError(RuntimeError):
 
 
 class Communicator:
-    """A process group for one quorum, with the two collectives the runtime needs."""
+    """A process group for one quorum, with the collectives the runtime needs."""
 
     def __init__(
         self,
@@ -165,6 +165,33 @@ class Communicator:
             options.rootRank = source_rank
             options.timeout = datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3))
             self._wait(self._group.broadcast([tensor], options), "broadcast", deadline + _GRACE)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` (equal sizes on every rank), concatenated in rank order."""
+        out = torch.empty(tensor.numel() * self.world_size, dtype=tensor.dtype, device=tensor.device)
+        self._run(lambda: self._group._allgather_base(out, tensor.reshape(-1)), "all-gather")
+        return out
+
+    def all_to_all(self, tensor: torch.Tensor, send_sizes: list[int], receive_sizes: list[int]) -> torch.Tensor:
+        """Send ``send_sizes[r]`` consecutive elements of ``tensor`` to each rank ``r``; what each rank sent here.
+
+        Both size lists are per rank, in rank order; the result holds what
+        rank 0 sent, then rank 1, and so on.
+        """
+        out = torch.empty(sum(receive_sizes), dtype=tensor.dtype, device=tensor.device)
+        self._run(
+            lambda: self._group.alltoall_base(out, tensor, receive_sizes, send_sizes, dist.AllToAllOptions()),
+            "all-to-all",
+        )
+        return out
+
+    def _run(self, start: Callable[[], dist.Work], name: str) -> None:
+        """Start a collective and wait for it within the collective timeout (``CollectiveError`` on failure)."""
+        try:
+            work = start()
+        except (RuntimeError, dist.DistError) as error:
+            raise CollectiveError(f"{name} could not start on rank {self.rank}/{self.world_size}: {error}") from error
+        self._wait(work, name, time.monotonic() + self.timeout + _GRACE)
 
     def abort(self) -> None:
         """Abandon the group: pending collectives end, sockets close (NCCL: ``ncclCommAbort`` ends its kernels)."""
