@@ -60,7 +60,8 @@ return {
   connection: document.getElementById("connection").textContent,
   alive: value("tile-alive"), quorum_size: value("tile-quorum"), steps: value("tile-steps"),
   samples: value("tile-samples"), failures: value("tile-failures"), recoveries: value("tile-recoveries"),
-  members: Object.fromEntries(rows("#members tbody tr").map((row) => [row.dataset.key, row.dataset.state])),
+  members: Object.fromEntries(rows("#members tbody tr").map(
+    (row) => [row.dataset.key, [row.dataset.state, row.cells[4].textContent, row.cells[6].textContent]])),
   failure_rows: rows("#failures tbody tr").map((row) => [...row.cells].map((cell) => cell.textContent)),
   failure_marks: rows("#timeline .mark-failure").length,
 };
@@ -241,6 +242,11 @@ def page_figures(browser: Any) -> dict[str, Any]:
     return browser.execute_script(PAGE_FIGURES)
 
 
+def step_text(step: int | None) -> str:
+    """A member's step as the members table shows it."""
+    return "-" if step is None else str(step)
+
+
 def status_figures(status: dict[str, Any]) -> dict[str, Any]:
     """What the page must show, computed from ``/v1/status`` (and the plan, for samples)."""
     return {
@@ -250,7 +256,9 @@ def status_figures(status: dict[str, Any]) -> dict[str, Any]:
         "samples": sum(planned_total(PLAN, step) for step in range(status["ledger"]["step"])),
         "failures": status["counts"]["failures"],
         "recoveries": status["counts"]["recoveries"],
-        "members": {member["member"]: member["state"] for member in status["members"]},
+        "members": {
+            m["member"]: [m["state"], step_text(m["applied_step"]), "yes" * m["healing"]] for m in status["members"]
+        },
     }
 
 
@@ -385,6 +393,7 @@ def test_dashboard_in_chromium_shows_what_status_says_live(cluster_run: ClusterR
     assert after_kill["connection"] == page["connection"] == "live"
     assert any(row[1] == f"worker-{KILLED}" and row[2] == "socket_closed" for row in after_kill["failure_rows"])
     assert shown(page) == status_figures(cluster_run.status)
-    assert page["members"] == {f"worker-{w}": "alive" for w in range(WORKERS)}
+    step = str(cluster_run.status["ledger"]["step"])
+    assert page["members"] == {f"worker-{w}": ["alive", step, ""] for w in range(WORKERS)}
     assert page["failure_marks"] == min(cluster_run.status["counts"]["failures"], 200)
     assert cluster_run.screenshot is not None and cluster_run.screenshot.stat().st_size > 10_000

@@ -162,7 +162,7 @@ class Dashboard:
             await response.write(b"retry: 1000\n\n")
             sent_revision, sent_at = -1, -math.inf
             loop = asyncio.get_running_loop()
-            while not self._closing:
+            while not self._closing and request.transport is not None and not request.transport.is_closing():
                 revision = self._revision()
                 if revision != sent_revision or loop.time() - sent_at >= interval:
                     await response.write(self._event(revision))
