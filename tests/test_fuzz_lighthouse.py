@@ -48,6 +48,8 @@ FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCh
 # test_the_fuzzed_routes_are_all_the_routes until it is listed (and fuzzed) here.
 GET_ROUTES = ("/healthz", "/status", "/v1/status", "/v1/heartbeat")
 POST_ROUTES = ("/v1/register", "/v1/quorum", "/v1/leave", "/v1/checkpoint")
+DASHBOARD_ROUTES = ("/", "/v1/events", "/metrics")
+"""The dashboard's routes (HTML, an endless event stream, Prometheus text): fuzzed on their own."""
 
 
 @dataclass
@@ -304,7 +306,7 @@ def test_the_fuzzed_routes_are_all_the_routes(world: World) -> None:
     runner = world.lighthouse._runner
     assert runner is not None
     served = {(r.method, r.resource.canonical) for r in runner.app.router.routes() if r.method != "HEAD"}
-    fuzzed = {("GET", p) for p in GET_ROUTES} | {("POST", p) for p in POST_ROUTES}
+    fuzzed = {("GET", p) for p in (*GET_ROUTES, *DASHBOARD_ROUTES)} | {("POST", p) for p in POST_ROUTES}
     assert served == fuzzed, "a route was added or removed: list it in GET_ROUTES/POST_ROUTES and fuzz it"
     assert set(TEMPLATES) == set(POST_ROUTES) == set(BAD_FIELDS)
 
@@ -425,6 +427,43 @@ def test_get_routes_answer_2xx_or_4xx_and_refusals_change_nothing(
     else:
         assert method == "GET" and path != "/v1/heartbeat", (status, target)
         assert json.loads(answer)
+    assert read_state(world.lighthouse) == before
+
+
+dashboard_queries = st.dictionaries(
+    st.sampled_from(["token", "interval", "x"]),
+    query_values | st.sampled_from([TOKEN, "0.5", "1", "0", "nan", "-1", "1e9"]),
+    max_size=2,
+)
+DASHBOARD_TYPES = {"/": "text/html", "/v1/events": "text/event-stream", "/metrics": "text/plain"}
+
+
+@FUZZ
+@given(
+    data=st.data(),
+    path=st.sampled_from(DASHBOARD_ROUTES),
+    method=st.sampled_from(["GET", "GET", "PUT", "DELETE", "PATCH"]),
+    query=dashboard_queries,
+)
+def test_dashboard_routes_answer_2xx_or_4xx_and_change_nothing(
+    world: World, data: st.DataObject, path: str, method: str, query: dict[str, str]
+) -> None:
+    headers = data.draw(tokens(), label="token")
+    target = path + ("?" + urllib.parse.urlencode(query) if query else "")
+    before = read_state(world.lighthouse)
+    connection = http.client.HTTPConnection("127.0.0.1", world.port, timeout=20)
+    try:
+        connection.request(method, target, body=b"{}" if method != "GET" else None, headers=headers)
+        response = connection.getresponse()
+        status, content_type = response.status, response.getheader("Content-Type", "")
+        answer = response.read1(4096) if status == 200 and path == "/v1/events" else response.read()
+    finally:
+        connection.close()  # an event stream never ends: the server notices the closed connection
+    assert status < 500, (status, answer[:300], target, headers)
+    if status >= 400:
+        check_refused(status, answer, (method, target))
+    else:
+        assert method == "GET" and content_type.startswith(DASHBOARD_TYPES[path]), (status, target, content_type)
     assert read_state(world.lighthouse) == before
 
 

@@ -8,7 +8,9 @@ does not know the incarnation (it restarted without its state), the client
 registers again transparently. The
 heartbeat keeps a websocket open (``GET /v1/heartbeat``), sends the worker's
 ``applied_step`` every ``heartbeat_interval`` and reconnects with bounded
-backoff when the lighthouse restarts; a ``{"type": "reconfigure"}`` push sets
+backoff when the lighthouse restarts (once the worker was healed, each
+heartbeat also carries its heal totals: :meth:`LighthouseClient.report_heal`);
+a ``{"type": "reconfigure"}`` push sets
 the thread-safe :attr:`LighthouseClient.reconfigure_requested` flag that the
 worker folds into its next all-reduce. The worker's main thread calls the
 synchronous methods (``quorum``, ``status``, ``leave``), which run on the
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -29,6 +32,8 @@ from typing import Any, TypeVar
 
 import aiohttp
 
+from stalwart._validate import check_int
+from stalwart.coord.heal_report import HEAL_FIELD, HealTotals
 from stalwart.coord.wire import QuorumRequest, RequestError, check_seconds, parse_member
 from stalwart.data.ledger import DataLedger
 
@@ -191,6 +196,7 @@ class LighthouseClient:
         self._quorum_id: int | None = None
         self._get_applied_step: Callable[[], Report] | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
+        self._heal_totals = HealTotals()
         self._closed = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"lighthouse-client-{member}", daemon=True)
@@ -238,6 +244,13 @@ class LighthouseClient:
             return asyncio.create_task(self._heartbeat_forever())
 
         self._heartbeat_task = self._run(spawn())
+
+    def report_heal(self, nbytes: int, seconds: float) -> None:
+        """Count a heal this worker loaded (``nbytes`` of state in ``seconds``); its heartbeats carry the totals."""
+        nbytes = check_int("nbytes", nbytes, minimum=0)
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 <= seconds < math.inf:
+            raise ValueError(f"seconds must be a finite number >= 0, got {seconds!r}")
+        self._heal_totals = self._heal_totals.add(nbytes, float(seconds))
 
     def quorum(self, applied_step: int, quorum_id: int | None, reason: str, timeout: float = 60.0) -> QuorumAnswer:
         """Ask for the next quorum (long poll); retries 408s and connection errors until ``timeout`` seconds.
@@ -490,7 +503,11 @@ class LighthouseClient:
         receiver = asyncio.create_task(self._receive(socket))
         try:
             while not receiver.done():
-                await socket.send_json(self._report())
+                message = self._report()
+                heal = self._heal_totals
+                if heal.heals:
+                    message[HEAL_FIELD] = heal.to_json()
+                await socket.send_json(message)
                 await asyncio.wait({receiver}, timeout=self.heartbeat_interval)
         finally:
             receiver.cancel()

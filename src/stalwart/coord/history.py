@@ -8,7 +8,7 @@ inserts only the new rows.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 HISTORY_LIMIT = 1000
@@ -36,6 +36,8 @@ class History:
         }
         self.journal: list[tuple[str, dict[str, Any]]] = []
         """``(kind, event)`` appended since the last :meth:`drain`."""
+        self.listener: Callable[[str, dict[str, Any]], None] | None = None
+        """Called with ``(kind, event)`` for every event appended (the lighthouse's metrics)."""
 
     def _append(self, kind: str, event: dict[str, Any]) -> None:
         events: list[dict[str, Any]] = getattr(self, kind)
@@ -43,6 +45,8 @@ class History:
         del events[:-HISTORY_LIMIT]
         self.counts[kind] += 1
         self.journal.append((kind, event))
+        if self.listener is not None:
+            self.listener(kind, event)
 
     def failure(self, member: str, now: float, reason: str, *, in_quorum: bool) -> None:
         """Record that ``member`` failed (``reason``); a quorum member's failure awaits a recovery."""

@@ -3,7 +3,8 @@
 Endpoints (``docs/protocol.md``): ``GET /healthz``, ``GET /v1/status``,
 ``POST /v1/register``, ``GET /v1/heartbeat?member=ID`` (websocket),
 ``POST /v1/quorum`` (long poll), ``POST /v1/leave`` and ``POST /v1/checkpoint``
-(a member wrote a durable checkpoint); all but the first two
+(a member wrote a durable checkpoint), and the dashboard's ``GET /``,
+``GET /v1/events`` and ``GET /metrics`` (:mod:`stalwart.coord.dashboard`); all but the first two
 and register carry the member's incarnation and secret in the
 ``X-Stalwart-Incarnation`` and ``X-Stalwart-Secret`` headers. Every event is handed to the pure state with the
 wall-clock time; a periodic task (every ``tick_interval``) expires heartbeats
@@ -43,6 +44,8 @@ from typing import Any
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from stalwart._validate import check_int
+from stalwart.coord.dashboard import Dashboard, browser_credential
+from stalwart.coord.metrics import LighthouseMetrics
 from stalwart.coord.persist import StateStore
 from stalwart.coord.quorum import (
     MAX_MEMBERS,
@@ -134,6 +137,9 @@ class Lighthouse:
             if self._database is not None:
                 self._database.close()
             raise
+        self.metrics = LighthouseMetrics()
+        self.state.history.listener = self.metrics.on_history_event
+        self._dashboard = Dashboard(self._status, lambda: self.state.revision, self.state.incarnation, self.metrics)
         self._saved_revision = -1
         self._save_failing = False
         self._save_lock: asyncio.Lock | None = None
@@ -303,6 +309,7 @@ class Lighthouse:
         app.router.add_post("/v1/quorum", self._quorum)
         app.router.add_post("/v1/leave", self._leave)
         app.router.add_post("/v1/checkpoint", self._checkpoint)
+        self._dashboard.add_routes(app)
         self._runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=2.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self._requested_port)
@@ -315,6 +322,7 @@ class Lighthouse:
 
     async def _stop(self) -> None:
         self._stopping = True
+        self._dashboard.close()
         if self._ticker is not None:
             self._ticker.cancel()
         for waiters in self._waiters.values():
@@ -349,6 +357,7 @@ class Lighthouse:
         now = time.time() if now is None else now
         formation = self.state.tick(now)
         if formation is not None:
+            self.metrics.on_formation(formation.reason, self.state.state_dict())
             self._answer_waiters(formation)
         self._push_broken_quorum()
 
@@ -385,7 +394,9 @@ class Lighthouse:
             core = self.state.core_state_dict()
             loop = asyncio.get_running_loop()
             try:
+                started = time.perf_counter()
                 await loop.run_in_executor(self._saver, self._database.save, core, events, revision, time.time())
+                self.metrics.on_save(time.perf_counter() - started)
             except Exception as error:
                 self.state.history.journal[:0] = events
                 if not self._save_failing:
@@ -424,10 +435,13 @@ class Lighthouse:
     async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """Bearer-token check (all but ``/healthz``) and JSON errors for refused requests."""
         if self._token is not None and request.path not in _PUBLIC_PATHS:
-            given = request.headers.get("Authorization", "").encode()
+            given = (request.headers.get("Authorization") or browser_credential(request)).encode()
             if not hmac.compare_digest(given, f"Bearer {self._token}".encode()):
                 return web.json_response(
-                    {"error": "missing or wrong bearer token in the Authorization header"},
+                    {
+                        "error": "missing or wrong bearer token in the Authorization header "
+                        "(the dashboard's / and /v1/events also take ?token= or the stalwart_token cookie)"
+                    },
                     status=401,
                     headers={"WWW-Authenticate": "Bearer"},
                 )
@@ -469,7 +483,11 @@ class Lighthouse:
                     await ws.send_json({"type": "error", "error": "heartbeats must be JSON text messages"})
                     continue
                 try:
-                    applied_step, digest, weights = parse_report(json.loads(message.data))
+                    report = json.loads(message.data)
+                    heal_error = self.metrics.take_heal_report(member, self.state.incarnation(member), report)
+                    if heal_error is not None:
+                        await ws.send_json({"type": "error", "error": heal_error})
+                    applied_step, digest, weights = parse_report(report)
                     self.state.heartbeat(member, applied_step, time.time(), digest, weights)
                 except (ValueError, RecursionError, RequestError) as error:
                     text = error.message if isinstance(error, RequestError) else f"not JSON: {error}"

@@ -69,7 +69,7 @@ from stalwart.runtime.consistency import (
 )
 from stalwart.runtime.feed import SamplerFeed
 from stalwart.runtime.group import GroupLink
-from stalwart.runtime.heal import transfer_state
+from stalwart.runtime.heal import state_specs, transfer_state
 from stalwart.runtime.loader import ElasticLoader
 from stalwart.runtime.reducer import DEFAULT_BUCKET_CAP_MB, GradientReducer
 from stalwart.runtime.sharding import is_sharded, prepare_fsdp, set_gradient_sync, sharding_layout
@@ -1017,7 +1017,9 @@ class Manager:
             if is_target and finished:
                 self.joined_after_end = True
             elif is_target:
+                started = time.monotonic()
                 self._load_checkpoint(answer.heal.checkpoint)
+                self._report_heal(time.monotonic() - started)
                 self._after_heal()
             return
         if answer.heal.source_rank is None:
@@ -1029,6 +1031,7 @@ class Manager:
                 "from: run the workers with a checkpoint directory (Manager(checkpoint_dir=..., "
                 "checkpoint_every=...)) so that a whole-fleet restart resumes"
             )
+        started = time.monotonic()
         if self._sharded:  # process r of the source group sends its shard to process r of the others
             self.applied_step = self._transfer(answer.heal.source_rank, is_target=is_target, comm=self._grad_comm)
         else:
@@ -1036,7 +1039,13 @@ class Manager:
             self.applied_step = self._transfer(source, is_target=is_target)
         self._report = (self.applied_step, None, None)
         if is_target:
+            self._report_heal(time.monotonic() - started)
             self._after_heal()
+
+    def _report_heal(self, seconds: float) -> None:
+        """Count a heal this member loaded (its state's bytes, ``seconds``) in the heartbeats (a group's leader)."""
+        if self._client is not None:
+            self._client.report_heal(sum(spec.nbytes for spec in state_specs(self.states)), seconds)
 
     def _after_heal(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
