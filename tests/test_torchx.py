@@ -35,6 +35,7 @@ pytest.importorskip("torchx", reason="torchx is not installed (the dev set-up's 
 import torch
 from torchx.runner import Runner, get_runner
 from torchx.specs import AppState
+from torchx.specs.builders import materialize_appdef
 
 from stalwart.data.plan import EpochPlan
 from stalwart.launch.cluster import read_status
@@ -240,6 +241,15 @@ def test_the_worker_command_expands_the_lighthouse_host_in_bash(token: str, runn
     shown = subprocess.run(["bash", "-c", script], env=environ, capture_output=True, text=True, timeout=60).stdout
     assert "--lighthouse http://stalwart-x-lighthouse-0.stalwart-x:29510 " in shown
     assert "--member group-0 --run-dir run" in shown
+
+
+def test_torchx_run_parses_the_component_arguments(token: str) -> None:
+    """``torchx run ... src/stalwart/torchx.py:job --groups 3 ... -- WORKER_ARGS`` builds the same app."""
+    argv = ["--groups", "3", "--nproc_per_group", "2", "--host", "127.0.0.1", "--", "--step-seconds", "0"]
+    app = materialize_appdef(job, argv)
+    assert [role.name for role in app.roles] == ["lighthouse", "group-0", "group-1", "group-2"]
+    script = app.roles[3].args[1]
+    assert "--nproc-per-node 2 " in script and "--step-seconds 0 --lighthouse http://127.0.0.1:29510 " in script
 
 
 def test_an_external_lighthouse_leaves_only_the_groups(token: str) -> None:

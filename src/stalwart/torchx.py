@@ -27,9 +27,9 @@ one (e.g. the Service of ``deploy/kubernetes/lighthouse.yaml``).
 The shared token is read here from the environment variable ``token_env``
 and handed to every role as ``STALWART_LIGHTHOUSE_TOKEN``, never on a
 command line. This module sits at the launch layer; nothing imports it.
+Its annotations stay real types (no ``from __future__ import annotations``):
+``torchx run`` reads them to parse the component's arguments.
 """
-
-from __future__ import annotations
 
 import os
 import shlex
