@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -111,7 +112,7 @@ def test_a_killed_group_is_restarted_in_its_role_rejoins_and_is_healed(
     app = job(
         *WORKER_ARGS, "--hold-file", str(hold),
         groups=2, nproc_per_group=2, max_steps=STEPS, dataset_size=PLAN.dataset_size,
-        global_batch=PLAN.global_batch_size, host="127.0.0.1", port=port, store_port=store_port,
+        global_batch=PLAN.global_batch_size, join_timeout=TIMEOUT, host="127.0.0.1", port=port, store_port=store_port,
         state=str(tmp_path / "lighthouse.sqlite"), run_dir=str(run_dir), python=sys.executable,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -219,6 +220,7 @@ def test_the_kubernetes_rendering_has_the_roles_retries_service_and_secret(token
     assert command[command.index("--host") + 1] == "0.0.0.0"
     assert command[command.index("--state") + 1] == f"{STATE_MOUNT}/lighthouse.sqlite"
     assert command[command.index("--start-replicas") + 1] == "3"
+    assert command[command.index("--join-timeout") + 1] == "30.0"
     ports = {port.name: port.container_port for port in lighthouse.containers[0].ports}
     assert ports == {"http": 29510, "store": 29511}
     claims = [
@@ -266,17 +268,22 @@ def test_an_external_lighthouse_leaves_only_the_groups(token: str) -> None:
         ({"port": 29510, "store_port": 29510}, "store_port must differ from port, both are 29510"),
         ({"lighthouse_url": "stalwart-lighthouse:29510"}, "lighthouse_url must be an http:// or https:// URL"),
         ({"run_dir": " "}, "run_dir must not be empty"),
+        ({"join_timeout": 0}, "join_timeout must be a number of seconds in (0, inf), got 0"),
         ({"token_env": "STALWART_NO_SUCH_TOKEN"}, "$STALWART_NO_SUCH_TOKEN is unset or empty"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(token: str, options: dict[str, Any], message: str) -> None:
-    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("$", r"\$")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         job(**options)
 
 
-def test_a_wrong_type_is_refused_by_name(token: str) -> None:
-    with pytest.raises(TypeError, match="max_retries must be an int, got '3'"):
-        job(max_retries="3")  # type: ignore[arg-type]
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [({"max_retries": "3"}, "max_retries must be an int, got '3'"), ({"host": None}, "host must be a str, got None")],
+)
+def test_a_wrong_type_is_refused_by_name(token: str, options: dict[str, Any], message: str) -> None:
+    with pytest.raises(TypeError, match=re.escape(message)):
+        job(**options)
 
 
 def test_the_app_stops_when_cancelled(tmp_path: Path, token: str, runner: Runner) -> None:

@@ -31,6 +31,7 @@ Its annotations stay real types (no ``from __future__ import annotations``):
 ``torchx run`` reads them to parse the component's arguments.
 """
 
+import math
 import os
 import shlex
 from pathlib import PurePosixPath
@@ -55,6 +56,7 @@ def job(
     global_batch: int = 64,
     min_replicas: int = 1,
     start_replicas: int = 0,
+    join_timeout: float = 30.0,
     host: str = "",
     port: int = 29510,
     store_port: int = 29511,
@@ -82,6 +84,7 @@ def job(
         global_batch: samples per step, whatever the number of live groups
         min_replicas: fewest groups a quorum may have
         start_replicas: groups the first quorum waits for (0: all of them)
+        join_timeout: seconds a quorum waits for groups that have not asked (the first one: for start_replicas)
         host: the address every role binds and is reached on (127.0.0.1 on one machine); empty: the pods' own
         port: the lighthouse's HTTP port
         store_port: the lighthouse's TCPStore port (quorum rendezvous)
@@ -111,6 +114,13 @@ def job(
     check_int("max_restarts", max_restarts, minimum=0)
     check_int("cpu", cpu, minimum=1)
     check_int("memMB", memMB, minimum=1)
+    if not isinstance(join_timeout, (int, float)) or isinstance(join_timeout, bool) or not 0 < join_timeout < math.inf:
+        raise ValueError(f"join_timeout must be a number of seconds in (0, inf), got {join_timeout!r}")
+    texts = {"host": host, "lighthouse_url": lighthouse_url, "state_claim": state_claim, "image": image}
+    texts.update({"state": state, "run_dir": run_dir, "module": module, "python": python, "token_env": token_env})
+    for name, value in {**texts, **{f"worker_args[{i}]": arg for i, arg in enumerate(worker_args)}}.items():
+        if not isinstance(value, str):
+            raise TypeError(f"{name} must be a str, got {value!r} ({type(value).__name__})")
     if port == store_port:
         raise ValueError(f"store_port must differ from port, both are {port}")
     if lighthouse_url and not lighthouse_url.startswith(("http://", "https://")):
@@ -126,6 +136,8 @@ def job(
         )
     env = {TOKEN_VARIABLE: token}
     resource = specs.Resource(cpu=cpu, gpu=0, memMB=memMB)
+    replicas = ["--min-replicas", str(min_replicas), "--start-replicas", str(start_replicas or groups)]
+    replicas += ["--join-timeout", str(join_timeout)]
     roles = []
     if not lighthouse_url:
         roles.append(
@@ -138,7 +150,7 @@ def job(
                 state=state,
                 state_claim=state_claim,
                 plan=["--dataset-size", str(dataset_size), "--global-batch", str(global_batch)],
-                replicas=["--min-replicas", str(min_replicas), "--start-replicas", str(start_replicas or groups)],
+                replicas=replicas,
                 env=env,
                 resource=resource,
                 max_retries=max_retries,
