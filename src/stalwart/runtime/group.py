@@ -14,6 +14,11 @@ the all-reduce), so the n-th answer is the one all of them wait for. When the
 lighthouse reports the quorum broken, the leader also raises a flag in the
 group store so that the other processes abandon the collective too, and it
 relays the lighthouse's request for a step boundary the same way.
+
+torchrun keeps its store when it restarts a failed group in place
+(``--max-restarts``), so the keys live under the launch's restart count
+(``TORCHELASTIC_RESTART_COUNT``): a restarted group never reads the answers
+relayed to the one before it.
 """
 
 from __future__ import annotations
@@ -51,7 +56,8 @@ class GroupLink:
                     f"(MASTER_ADDR={address!r}, MASTER_PORT={port!r}) or pass group_store"
                 )
             store = dist.TCPStore(address, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout))
-        self._store = None if store is None else dist.PrefixStore("stalwart/", store)
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self._store = None if store is None else dist.PrefixStore(f"stalwart/{restart}/", store)
         self._answers = 0
         self._last_broken_check = 0.0
         self._boundaries: set[int] = set()
