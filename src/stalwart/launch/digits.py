@@ -108,6 +108,24 @@ def digits_optimizer(model: torch.nn.Module, lr: float = DEFAULT_LR) -> torch.op
     return torch.optim.Adam(model.parameters(), lr=lr)
 
 
+def digits_sgd(model: torch.nn.Module, lr: float = DEFAULT_LR) -> torch.optim.Optimizer:
+    """SGD with momentum 0.9 (its learning rate ten times Adam's)."""
+    return torch.optim.SGD(model.parameters(), lr=10 * lr, momentum=0.9)
+
+
+def digits_adamw(model: torch.nn.Module, lr: float = DEFAULT_LR) -> torch.optim.Optimizer:
+    """AdamW with weight decay 0.01."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+
+
+OPTIMIZERS: dict[str, Callable[[torch.nn.Module, float], torch.optim.Optimizer]] = {
+    "adam": digits_optimizer,
+    "adamw": digits_adamw,
+    "sgd": digits_sgd,
+}
+"""The optimizers a worker may train with, by name."""
+
+
 def digits_scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
     """Halve the learning rate every 10 steps: state outside the optimizer that a heal must carry too."""
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)

@@ -88,18 +88,34 @@ from stalwart.data.shards import ShardError
 from stalwart.data.world import WorldInfo
 from stalwart.launch.digits import (
     DEFAULT_LR,
+    OPTIMIZERS,
     digits_model,
-    digits_optimizer,
     digits_scheduler,
     digits_source,
     summed_loss,
 )
+from stalwart.redundancy.config import Overlap, parse_parity
+from stalwart.redundancy.layout import ShardsLostError
 from stalwart.runtime.comm import default_device
 from stalwart.runtime.loader import ElasticLoader
 from stalwart.runtime.manager import Manager, PlanMismatchError, ShardingMismatchError, StateLostError
 
-KILL_POINTS = ("before_forward", "during_backward", "during_reduce", "after_reduce")
-_MANAGER_EVENTS = {"reduce_started": "during_reduce", "reduce_finished": "after_reduce"}
+KILL_POINTS = (
+    "before_forward",
+    "during_backward",
+    "during_reduce",
+    "after_reduce",
+    "during_update",
+    "during_gather",
+    "during_parity",
+)
+_MANAGER_EVENTS = {
+    "reduce_started": "during_reduce",
+    "reduce_finished": "after_reduce",
+    "update_started": "during_update",
+    "gather_started": "during_gather",
+    "parity_started": "during_parity",
+}
 HOLD_LIMIT = 600.0
 """Seconds a worker waits at most on a hold file (a bound, should the holder die)."""
 EXIT_USER_ERROR = 2
@@ -195,6 +211,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--corrupt-at", type=int, default=None, help="Perturb the parameters at this step (tests).")
     parser.add_argument("--data", default="digits", help="digits, or parquet:DIR, hf:DIR, hf-iterable:DIR (shards).")
     parser.add_argument("--fsdp", action="store_true", help="Shard the model over the group's processes (FSDP2).")
+    redundancy = parser.add_mutually_exclusive_group()
+    redundancy.add_argument(
+        "--overlap", type=float, default=None, help="Shard the optimizer state; each shard held by round(F*N) more."
+    )
+    redundancy.add_argument("--parity", type=parse_parity, default=None, help="Shard the optimizer state; K,M parity.")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam", help="The optimizer.")
+    parser.add_argument("--node", default=None, help="This process's node label (default: the host name).")
     parser.add_argument("--hold-file", type=Path, default=None, help="Wait before steps >= the number it holds.")
     parser.add_argument(
         "--step-seconds", type=float, default=0.0, help="Extra seconds of simulated compute at the start of each step."
@@ -231,6 +254,7 @@ def main(argv: list[str] | None = None) -> None:
         ShardingMismatchError,
         StateLostError,
         ShardError,
+        ShardsLostError,
     ) as error:
         events.write("error", message=str(error))
         print(f"stalwart worker {name}: {error}", file=sys.stderr)
@@ -258,7 +282,8 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
     model = digits_model(args.seed).to(device)
     if args.fsdp:
         _fully_shard(model, group, device)
-    optimizer = digits_optimizer(model, args.lr)
+    optimizer = OPTIMIZERS[args.optimizer](model, args.lr)
+    redundancy = args.parity if args.parity is not None else None if args.overlap is None else Overlap(args.overlap)
     scheduler = digits_scheduler(optimizer)
     manager = Manager(
         model,
@@ -277,6 +302,8 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
         on_event=on_event,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
+        redundancy=redundancy,
+        node=args.node,
     )
     manager.register_state("lr_scheduler", scheduler)
     loader: ElasticLoader | DataLoader[Any] = elastic or DataLoader(
@@ -340,13 +367,26 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
             for key, value in model.state_dict().items()
         }
         torch.save(whole, args.run_dir / f"final-{name}.pt")
-        events.write("finished", step=manager.ledger.step)
+        events.write("finished", step=manager.ledger.step, **_redundancy_report(manager))
     finally:
         manager.close()
         if elastic is not None:
             elastic.close()
         if dist.is_initialized():  # the group's own (FSDP2) process group: never left to interpreter teardown
             dist.destroy_process_group()
+
+
+def _redundancy_report(manager: Manager) -> dict[str, Any]:
+    """Sharded optimizer state: this process's state bytes and what its reshards did (nothing without redundancy)."""
+    if manager.redundancy_stats is None:
+        return {}
+    state_bytes, stats = manager.redundancy_stats
+    return {
+        "state_bytes": state_bytes,
+        "repairs": stats.repairs,
+        "repair_seconds": stats.seconds,
+        "shards_rebuilt": stats.shards_rebuilt,
+    }
 
 
 def _fully_shard(model: torch.nn.Module, group: WorldInfo, device: torch.device) -> None:

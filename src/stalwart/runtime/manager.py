@@ -33,6 +33,7 @@ import copy
 import dataclasses
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ from stalwart.data.info import DataLoadingInfo, split_group_share
 from stalwart.data.ledger import DataLedger
 from stalwart.data.sampler import ManagedDistributedSampler
 from stalwart.data.world import WorldInfo
+from stalwart.redundancy.config import Redundancy
 from stalwart.runtime.checkpoint import Checkpointer, CheckpointError, CheckpointMeta, load_checkpoint
 from stalwart.runtime.comm import CollectiveError, Communicator, default_device, device_rng_states, quorum_store
 from stalwart.runtime.consistency import (
@@ -75,6 +77,7 @@ from stalwart.runtime.reducer import DEFAULT_BUCKET_CAP_MB, GradientReducer
 from stalwart.runtime.sharding import is_sharded, prepare_fsdp, set_gradient_sync, sharding_layout
 from stalwart.runtime.state import Stateful, check_state_name, host_rng_states
 from stalwart.runtime.timeouts import Timeouts
+from stalwart.runtime.zero import RepairStats, ShardedOptimizer
 
 log = logging.getLogger(__name__)
 _ANNOUNCE_BACKOFF = 0.2
@@ -182,6 +185,17 @@ class Manager:
     checkpoints yet, and their replicas are not checksummed (``check_every``
     applies to unsharded models).
 
+    With ``redundancy`` (:class:`~stalwart.redundancy.config.Overlap` or
+    :class:`~stalwart.redundancy.config.Parity`), the optimizer's state and an
+    fp32 master are sharded over the quorum's processes (ZeRO stage 1, see
+    :mod:`stalwart.runtime.zero`): ``optimizer`` (SGD, Adam or AdamW over the
+    model's parameters) gives the update and its hyper-parameters, each
+    process updates the shards it holds, and the parameters are all-gathered
+    after each step. ``node`` labels this process's machine (default: the
+    host name): copies and parity go to other nodes. Every change of the
+    quorum reshards in memory; more failures than the redundancy covers raise
+    :class:`~stalwart.redundancy.layout.ShardsLostError`.
+
     When the lighthouse balances the ledger (``stalwart lighthouse
     --balance-every K``), each process also puts its compute seconds and
     samples since the last re-weighing into the tail; every ``K`` steps every
@@ -227,6 +241,8 @@ class Manager:
         checkpoint_seconds: float | None = None,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         reduce_dtype: torch.dtype | None = None,
+        redundancy: Redundancy | None = None,
+        node: str | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -267,6 +283,14 @@ class Manager:
             )
         if self._sharded:
             prepare_fsdp(model)
+        self._zero: ShardedOptimizer | None = None
+        if redundancy is not None:
+            if self._sharded or checkpoint_dir is not None:
+                raise ValueError(
+                    f"redundancy={redundancy}: sharded optimizer state is not supported yet with "
+                    f"{'an FSDP2-sharded model' if self._sharded else 'checkpoint_dir'}"
+                )
+            self._zero = ShardedOptimizer(self._params, optimizer, redundancy, node=node or socket.gethostname())
         self._layout = sharding_layout(model) if self._sharded else _REPLICATED
         self._client: LighthouseClient | None = None
         self._report: tuple[int, str | None, dict[str, Any] | None] = (0, None, None)
@@ -330,6 +354,11 @@ class Manager:
         self._reducer = GradientReducer(
             self._params, device=self.device, bucket_cap_mb=bucket_cap_mb, reduce_dtype=reduce_dtype
         )
+
+    @property
+    def redundancy_stats(self) -> tuple[int, RepairStats] | None:
+        """With ``redundancy``: this process's sharded state bytes and what its reshards did; else None."""
+        return None if self._zero is None else (self._zero.state_bytes, self._zero.stats)
 
     def register_state(self, name: str, obj: Stateful) -> None:
         """Make ``obj`` part of this member's state, healed with the model and optimizer under ``name``.
@@ -726,11 +755,16 @@ class Manager:
                 f"step {self.ledger.step}: the quorum reduced {samples} samples, the ledger holds {expected}"
             )
         loaded_checksum = self._audit(reduced)
+        step, epoch = self.ledger.step, self.ledger.epoch
         if samples:
             self._reducer.apply(samples)
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        step, epoch = self.ledger.step, self.ledger.epoch
+            if self._zero is None:
+                self.optimizer.step()
+            else:
+                self._notify("update_started")
+                self._zero.update()  # its sync, below, clears the gradients
+        if self._zero is None or not samples:
+            self.optimizer.zero_grad(set_to_none=True)
         committed = self.ledger.commit()
         self.last_report = StepReport(
             step=step,
@@ -752,6 +786,22 @@ class Manager:
         self._reset_step()
         self._reconfigure = float(reduced[-2]) > 0
         self._trained_step = self.applied_step
+        if self._zero is not None and samples:
+            self._sync_shards(step)
+
+    def _sync_shards(self, step: int) -> None:
+        """Gather the updated parameters and re-encode parity; a failure here is repaired when the quorum re-forms.
+
+        The step is committed already: every survivor holds its updated
+        shards (and, for parity, its shard as before the update), so the next
+        quorum's reshard finishes the update without training anything again.
+        """
+        assert self._zero is not None and self._comm is not None
+        try:
+            self._zero.sync(self._comm, lambda event: self._notify(event, step))
+        except CollectiveError as error:
+            log.warning("%s: step %d's parameter gather failed (%s); asking for a new quorum", self.member, step, error)
+            self._reconfigure = True
 
     # --- checkpoints -----------------------------------------------------------------------------
 
@@ -858,10 +908,10 @@ class Manager:
         self._loss_sum = torch.zeros((), device=self.device)
         self._index_sum = 0
 
-    def _notify(self, event: str) -> None:
-        """Tell the ``on_event`` hook (tracing, chaos tests) that ``event`` happened in the current step."""
+    def _notify(self, event: str, step: int | None = None) -> None:
+        """Tell the ``on_event`` hook (tracing, chaos tests) that ``event`` happened in ``step`` (default: current)."""
         if self._on_event is not None:
-            self._on_event(event, self.ledger.step)
+            self._on_event(event, self.ledger.step if step is None else step)
 
     def _abandon(self) -> bool:
         """Whether the current quorum is known broken (polled while a collective runs)."""
@@ -911,6 +961,9 @@ class Manager:
                 self._heals = 0  # heal keys count from 0 in each quorum's store, the same on every member
                 if answer.heal is not None:
                     self._heal(answer)
+                if self._zero is not None:
+                    assert self._comm is not None
+                    self._zero.reshard(self._comm, self.applied_step)
             except CollectiveError as error:
                 log.warning(
                     "%s: quorum %d could not start (%s); asking again (attempt %d of %d)",

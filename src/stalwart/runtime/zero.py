@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from stalwart.redundancy.config import Parity, Redundancy
+from stalwart.redundancy.config import Overlap, Parity, Redundancy
 from stalwart.redundancy.layout import (
     Range,
     RepairPlan,
@@ -262,15 +262,21 @@ class ShardedOptimizer:
         self.stats.seconds += time.perf_counter() - started
 
     def _new_layout(self, nodes: list[str]) -> ShardLayout:
-        """The same redundancy over the new world; parity's ``k`` shrinks to fit, node spreading yields if it must."""
-        redundancy = self.redundancy
-        if isinstance(redundancy, Parity) and redundancy.k + redundancy.m > len(nodes):
-            if len(nodes) <= redundancy.m:
-                raise ShardsLostError(
-                    (), f"{redundancy} needs more than {redundancy.m} processes, the quorum has {len(nodes)}"
-                )
-            log.warning("%s shrinks to k = %d for %d processes", redundancy, len(nodes) - redundancy.m, len(nodes))
-            redundancy = Parity(len(nodes) - redundancy.m, redundancy.m)
+        """The same redundancy over the new world; parity shrinks to fit a small world, nodes yield if they must.
+
+        Parity ``(k, m)`` over ``N < k + m`` processes becomes ``(k', m')`` with
+        ``m' = min(m, N - 1)`` and ``k' = min(k, N - m')`` (one process: no
+        redundancy); the run's own ``(k, m)`` comes back when the world grows.
+        """
+        redundancy: Redundancy = self.redundancy
+        processes = len(nodes)
+        if isinstance(redundancy, Parity) and redundancy.k + redundancy.m > processes:
+            if processes == 1:
+                redundancy = Overlap(0.0)
+            else:
+                m = min(redundancy.m, processes - 1)
+                redundancy = Parity(min(redundancy.k, processes - m), m)
+            log.warning("%s shrinks to %s for %d processes", self.redundancy, redundancy, processes)
         try:
             return make_layout(redundancy, nodes, self.parameters)
         except ValueError as error:
@@ -347,7 +353,7 @@ class ShardedOptimizer:
         """A rebuilt cell's rows as they were before the update, updated again with the kept gradient."""
         assert self._snapshot is not None
         master = before[0].clone().to(self._params[0].device)
-        replay = type(self._template)([master], **self._snapshot.hyperparameters)
+        replay = self._optimizer([master], self._snapshot.hyperparameters)
         previous = [key for key in self._snapshot_keys()]
         if previous:
             replay.state[master] = {key: before[1 + i].clone() for i, key in enumerate(previous)} | _clone(
@@ -426,7 +432,7 @@ class ShardedOptimizer:
         """Hold ``rows`` (per shard: master, then state ``keys``) under ``layout`` as process ``rank``."""
         self.layout, self.rank = layout, rank
         self._masters = {shard: rows[shard][0].clone() for shard in layout.held_shards(rank)}
-        self._inner = type(self._template)(list(self._masters.values()), **self._hyperparameters())
+        self._inner = self._optimizer(list(self._masters.values()), self._hyperparameters())
         for shard, master in self._masters.items():
             if keys:
                 state = {key: rows[shard][1 + i].clone() for i, key in enumerate(keys)}
@@ -524,6 +530,12 @@ class ShardedOptimizer:
         master = next(iter(self._masters.values()))
         keys = set(self._keys())
         return {k: v for k, v in self._inner.state.get(master, {}).items() if k not in keys}
+
+    def _optimizer(self, masters: list[torch.Tensor], hyperparameters: dict[str, Any]) -> torch.optim.Optimizer:
+        """The template's optimizer class over ``masters``, its group set to ``hyperparameters``."""
+        optimizer = type(self._template)(masters, **self._template.defaults)
+        optimizer.param_groups[0].update(hyperparameters)
+        return optimizer
 
     def _hyperparameters(self) -> dict[str, Any]:
         return {key: value for key, value in self._template.param_groups[0].items() if key != "params"}

@@ -1,0 +1,149 @@
+"""A job of ShardedOptimizer processes over real Gloo groups, for tests/test_zero.py (run as a script).
+
+Process ``p`` of ``--world`` trains a small linear model with the same
+per-step gradients everywhere (as after an all-reduce); ``--kill STEP:POINT:P``
+makes process ``P`` exit at ``POINT`` of ``STEP`` (``before_update``,
+``gather_started``, ``parity_started``, ``after_sync``); the survivors form a
+new group (a new store prefix, ranks in order) and reshard; ``--join STEP``
+adds a new process at ``STEP`` (its parameters copied from the survivors, as
+a heal would). Each process writes its final parameters, optimizer rows and
+state bytes to ``OUT/rank-P.pt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from stalwart.redundancy.config import Overlap, parse_parity
+from stalwart.redundancy.layout import ShardsLostError
+from stalwart.runtime.comm import CollectiveError, Communicator
+from stalwart.runtime.zero import ShardedOptimizer
+
+FEATURES = 13
+
+
+def model_and_optimizer(kind: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    if kind == "adam":
+        return model, torch.optim.Adam(model.parameters(), lr=0.01)
+    if kind == "adamw":
+        return model, torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def gradients(model: torch.nn.Module, step: int) -> None:
+    """The step's mean gradient, the same on every process: a loss on a batch seeded by the step."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    inputs = torch.randn(16, FEATURES, generator=generator)
+    targets = torch.randn(16, 3, generator=generator)
+    model.zero_grad()
+    torch.nn.functional.mse_loss(model(inputs), targets).backward()
+
+
+def reference(kind: str, steps: int) -> dict[str, torch.Tensor]:
+    model, optimizer = model_and_optimizer(kind)
+    for step in range(steps):
+        gradients(model, step)
+        optimizer.step()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--optimizer", default="adam")
+    parser.add_argument("--overlap", type=float, default=None)
+    parser.add_argument("--parity", type=parse_parity, default=None)
+    parser.add_argument("--nodes", default="", help="comma-separated node labels, one per process")
+    parser.add_argument("--kill", action="append", default=[], help="STEP:POINT:PROCESS")
+    parser.add_argument("--join-at", type=int, default=None)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    redundancy = args.parity if args.parity is not None else Overlap(args.overlap)
+    kills = {}
+    for text in args.kill:
+        step, point, process = text.split(":")
+        kills[(int(step), point)] = kills.get((int(step), point), set()) | {int(process)}
+    nodes = args.nodes.split(",") if args.nodes else [f"node{p}" for p in range(args.world + 1)]
+    model, template = model_and_optimizer(args.optimizer)
+    sharded = ShardedOptimizer(list(model.parameters()), template, redundancy, node=nodes[args.rank])
+    store = dist.TCPStore("127.0.0.1", args.port, is_master=False, timeout=datetime.timedelta(seconds=120))
+    me = args.rank
+    joiner = args.join_at is not None and me == args.world
+    alive = list(range(args.world))
+    quorum = 0
+    start = 0
+    if joiner:  # wait for the survivors to reach the join, then take their parameters as a heal would
+        members = json.loads(store.get(f"join/{args.join_at}"))
+        alive, quorum, start = members["alive"], members["quorum"], args.join_at
+        for name, value in torch.load(args.out / "heal.pt").items():
+            dict(model.named_parameters())[name].data.copy_(value)
+
+    def comm_for() -> Communicator:
+        prefix = dist.PrefixStore(f"q{quorum}/", store)
+        return Communicator(prefix, alive.index(me), len(alive), timeout=60.0, device=torch.device("cpu"))
+
+    def point(step: int, name: str) -> None:
+        if me in kills.get((step, name), ()):
+            os._exit(0)
+
+    comm = comm_for()
+    sharded.reshard(comm, applied_step=start)
+    step = start
+    while step < args.steps:
+        if args.join_at == step and not joiner:
+            alive = [*alive, args.world]
+            quorum += 1
+            if alive.index(me) == 0:
+                torch.save({n: p.detach() for n, p in model.named_parameters()}, args.out / "heal.pt")
+                store.set(f"join/{step}", json.dumps({"alive": alive, "quorum": quorum}))
+            comm.abort()
+            comm = comm_for()
+            sharded.reshard(comm, applied_step=step)
+        gradients(model, step)
+        point(step, "before_update")
+        sharded.update()
+        step += 1
+        try:
+            sharded.sync(comm, notify=lambda event, at=step - 1: point(at, event))
+        except CollectiveError:
+            dead = {p for (at, _), victims in kills.items() if at <= step - 1 for p in victims}
+            alive = [p for p in alive if p not in dead]
+            quorum += 1
+            comm.abort()
+            comm = comm_for()
+            try:
+                sharded.reshard(comm, applied_step=step)
+            except ShardsLostError as error:
+                (args.out / f"lost-{me}.json").write_text(
+                    json.dumps({"shards": list(error.shards), "message": str(error)})
+                )
+                sys.exit(3)
+        point(step - 1, "after_sync")
+    result = {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "rows": sharded.held_rows(),
+        "layout_processes": sharded.layout.processes if sharded.layout else 0,
+        "state_bytes": sharded.state_bytes,
+        "repairs": sharded.stats.repairs,
+        "rank": sharded.rank,
+        "nodes": list(sharded.layout.placement.nodes) if sharded.layout else [],
+    }
+    torch.save(result, args.out / f"rank-{me}.pt")
+    comm.abort()
+
+
+if __name__ == "__main__":
+    main()
