@@ -40,6 +40,11 @@ def model_and_optimizer(kind: str) -> tuple[torch.nn.Module, torch.optim.Optimiz
     return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
+def parameters() -> int:
+    """Elements of the model's parameters (the flat state's length)."""
+    return sum(p.numel() for p in model_and_optimizer("adam")[0].parameters())
+
+
 def gradients(model: torch.nn.Module, step: int) -> None:
     """The step's mean gradient, the same on every process: a loss on a batch seeded by the step."""
     generator = torch.Generator().manual_seed(1000 + step)
@@ -91,15 +96,50 @@ def main() -> None:
         for name, value in torch.load(args.out / "heal.pt").items():
             dict(model.named_parameters())[name].data.copy_(value)
 
-    def comm_for() -> Communicator:
+    def comm_for(quorum: int, alive: list[int]) -> Communicator:
+        """The group of ``alive``; a collective is abandoned once a peer announced its death (as the lighthouse's
+        push would)."""
+        peers = [f"dead/{peer}" for peer in alive if peer != me]
         prefix = dist.PrefixStore(f"q{quorum}/", store)
-        return Communicator(prefix, alive.index(me), len(alive), timeout=60.0, device=torch.device("cpu"))
+        return Communicator(
+            prefix,
+            alive.index(me),
+            len(alive),
+            timeout=120.0,
+            device=torch.device("cpu"),
+            abandon=lambda: any(store.check([key]) for key in peers),
+        )
 
     def point(step: int, name: str) -> None:
         if me in kills.get((step, name), ()):
+            store.set(f"dead/{me}", "1")
             os._exit(0)
 
-    comm = comm_for()
+    def repair(failed: int, comm: Communicator, quorum: int, alive: list[int]) -> tuple[Communicator, int, list[int]]:
+        """A new group of the survivors of step ``failed``'s failure, resharded.
+
+        The processes agree on the group as the lighthouse would make them:
+        each waits for the deaths its step's kills announce.
+        """
+        victims = {
+            p for (at, name), ps in kills.items() if at < failed or (at == failed and name != "after_sync") for p in ps
+        }
+        if me in victims:  # its step failed before it reached its own kill point: it dies all the same
+            store.set(f"dead/{me}", "1")
+            os._exit(0)
+        store.wait([f"dead/{p}" for p in victims & set(alive)], datetime.timedelta(seconds=120))
+        alive = [p for p in alive if p not in victims]
+        comm.abort()
+        comm = comm_for(quorum + 1, alive)
+        try:
+            sharded.reshard(comm, applied_step=step)
+        except ShardsLostError as error:
+            lost = {"shards": list(error.shards), "message": str(error)}
+            (args.out / f"lost-{me}.json").write_text(json.dumps(lost))
+            sys.exit(3)
+        return comm, quorum + 1, alive
+
+    comm = comm_for(quorum, alive)
     sharded.reshard(comm, applied_step=start)
     step = start
     while step < args.steps:
@@ -110,27 +150,23 @@ def main() -> None:
                 torch.save({n: p.detach() for n, p in model.named_parameters()}, args.out / "heal.pt")
                 store.set(f"join/{step}", json.dumps({"alive": alive, "quorum": quorum}))
             comm.abort()
-            comm = comm_for()
+            comm = comm_for(quorum, alive)
             sharded.reshard(comm, applied_step=step)
         gradients(model, step)
+        try:
+            comm.all_gather(torch.zeros(1))  # stands for the gradient all-reduce: a step's first collective
+        except CollectiveError:
+            comm, quorum, alive = repair(step, comm, quorum, alive)
+            step = sharded.updates  # a process behind the others (it missed the end of a step) catches up
+            continue
         point(step, "before_update")
         sharded.update()
         step += 1
         try:
             sharded.sync(comm, notify=lambda event, at=step - 1: point(at, event))
         except CollectiveError:
-            dead = {p for (at, _), victims in kills.items() if at <= step - 1 for p in victims}
-            alive = [p for p in alive if p not in dead]
-            quorum += 1
-            comm.abort()
-            comm = comm_for()
-            try:
-                sharded.reshard(comm, applied_step=step)
-            except ShardsLostError as error:
-                (args.out / f"lost-{me}.json").write_text(
-                    json.dumps({"shards": list(error.shards), "message": str(error)})
-                )
-                sys.exit(3)
+            comm, quorum, alive = repair(step - 1, comm, quorum, alive)
+            step = sharded.updates
         point(step - 1, "after_sync")
     result = {
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},

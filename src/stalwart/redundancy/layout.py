@@ -117,7 +117,9 @@ class Rebuild:
     """Lost cell ``cell`` (an element range), unit ``unit`` of ``stripe``'s code, rebuilt on new process ``rebuilder``.
 
     ``units`` pairs each unit of the stripe's code used (``0..k-1`` data cells,
-    ``k..k+m-1`` parity) with the new process that sends it.
+    ``k..k+m-1`` parity) with the new process that sends it. Without parity
+    (an overlap), ``stripe`` is the shard and the one unit is a copy held by a
+    process one update behind.
     """
 
     stripe: int
@@ -138,7 +140,7 @@ class Move:
 
 @dataclass(frozen=True)
 class RepairPlan:
-    """Rebuilds from parity first, then moves; ``rebuilt`` lists the old shards that lost their primary."""
+    """Rebuilds first, then moves; ``rebuilt`` lists the old shards with no valid holder left."""
 
     rebuilds: tuple[Rebuild, ...]
     moves: tuple[Move, ...]
@@ -146,31 +148,43 @@ class RepairPlan:
 
 
 def plan_repair(
-    old: ShardLayout, valid: Mapping[int, int], new: ShardLayout, *, parity_valid: Set[int] | None = None
+    old: ShardLayout,
+    valid: Mapping[int, int],
+    new: ShardLayout,
+    *,
+    parity_valid: Set[int] | None = None,
+    behind: Mapping[int, int] | None = None,
 ) -> RepairPlan:
     """How the new world gets its units from the old one.
 
     ``valid`` maps each old process whose units are current and alive to its
-    rank in the new world; ``parity_valid`` (default: all of them) are those
-    whose parity units are current too. Every element range a new process
-    holds is sent by one valid old holder (the lowest new rank; a move may be
-    from a process to itself), or by the new process that rebuilt it from
-    parity. Raises :class:`ShardsLostError` when some shard has no valid
-    holder and cannot be rebuilt.
+    rank in the new world; ``behind`` (default none) those alive one update
+    behind (they missed the end of the last step); ``parity_valid`` (default:
+    all of them) are those whose parity units are current too. Every element
+    range a new process holds is sent by one valid old holder (the lowest new
+    rank; a move may be from a process to itself), or by the valid process
+    that rebuilt it: from parity, or from a holder that is behind (the
+    rebuilder then applies the last update again). Raises
+    :class:`ShardsLostError` when some shard cannot be rebuilt.
     """
     if old.parameters != new.parameters:
         raise ValueError(f"the new layout has {new.parameters} elements, the old one {old.parameters}")
-    for process, rank in valid.items():
+    behind = dict(behind or {})
+    usable = {**valid, **behind}
+    for process, rank in usable.items():
         check_int("old process", process, minimum=0, maximum=old.processes - 1)
         check_int("new rank", rank, minimum=0, maximum=new.processes - 1)
-    failed = [process for process in range(old.processes) if process not in valid]
+    failed = [process for process in range(old.processes) if process not in usable]
     lost = lost_shards(old.placement, failed)
     if lost:
         raise ShardsLostError(
             lost,
-            f"shards {list(lost)} of {old.processes} are lost: old processes {failed} failed or are behind, more "
-            f"than {old.placement.redundancy} covers; resume from a checkpoint",
+            f"shards {list(lost)} of {old.processes} are lost: old processes {failed} failed, more than "
+            f"{old.placement.redundancy} covers; resume from a checkpoint",
         )
+    if not valid:
+        raise ValueError("plan_repair needs at least one valid old process")
+    parity_usable = set(usable) if parity_valid is None else set(parity_valid) | set(behind)
     sources: list[tuple[Range, int]] = []  # element range -> new rank that will hold it after the rebuilds
     rebuilds: list[Rebuild] = []
     rebuilt: list[int] = []
@@ -181,7 +195,11 @@ def plan_repair(
             continue
         rebuilt.append(shard)
         for index, cell in enumerate(old.cell_ranges[shard]):
-            rebuild = _rebuild(old, valid, set(valid) if parity_valid is None else parity_valid, shard, index, cell)
+            if old.parity is None:  # a copy one update behind, updated again by a valid process
+                holder = min(usable[h] for h in old.holders(shard) if h in usable)
+                rebuild = Rebuild(shard, 0, cell, min(valid.values()), ((0, holder),))
+            else:
+                rebuild = _rebuild(old, usable, parity_usable, set(valid.values()), shard, index, cell)
             rebuilds.append(rebuild)
             sources.append((cell, rebuild.rebuilder))
     moves = [
@@ -195,30 +213,37 @@ def plan_repair(
 
 
 def _rebuild(
-    old: ShardLayout, valid: Mapping[int, int], parity_valid: Set[int], shard: int, index: int, cell: Range
+    old: ShardLayout,
+    usable: Mapping[int, int],
+    parity_usable: Set[int],
+    rebuilders: Set[int],
+    shard: int,
+    index: int,
+    cell: Range,
 ) -> Rebuild:
-    """Cell ``index`` of ``shard`` (its primary is gone), rebuilt from the first ``k`` live units of its stripe."""
+    """Cell ``index`` of ``shard`` rebuilt from the first ``k`` usable units of its stripe, on a valid process."""
     parity = old.parity
-    assert parity is not None  # an overlap shard with no live holder is in lost_shards
+    assert parity is not None
     number, stripe = next(
         (number, stripe)
         for number, stripe in enumerate(old.placement.stripes)
         if any(c.shard == shard and c.index == index for c in stripe.cells)
     )
     data = [c.shard for c in stripe.cells]
-    usable = [(unit, holder) for unit, holder in enumerate(data) if holder in valid] + [
-        (parity.k + slot, holder)
+    units = [(unit, usable[holder]) for unit, holder in enumerate(data) if holder in usable] + [
+        (parity.k + slot, usable[holder])
         for slot, holder in enumerate(stripe.redundant)
-        if holder in valid and holder in parity_valid
+        if holder in usable and holder in parity_usable
     ]
-    if len(usable) < parity.k:
+    if len(units) < parity.k:
         raise ShardsLostError(
             (shard,),
-            f"shard {shard} is lost: its stripe {number} has {len(usable)} current units left, {parity.k} are needed "
+            f"shard {shard} is lost: its stripe {number} has {len(units)} current units left, {parity.k} are needed "
             "(a failure during a repair left parity incomplete); resume from a checkpoint",
         )
-    units = [(unit, valid[holder]) for unit, holder in usable[: parity.k]]
-    return Rebuild(number, data.index(shard), cell, units[0][1], tuple(units))
+    chosen = tuple(units[: parity.k])
+    senders = sorted(rank for _, rank in chosen if rank in rebuilders)
+    return Rebuild(number, data.index(shard), cell, senders[0] if senders else min(rebuilders), chosen)
 
 
 def _runs(start: int, lengths: Sequence[int]) -> tuple[Range, ...]:

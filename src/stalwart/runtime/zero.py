@@ -45,6 +45,7 @@ import torch
 from stalwart.redundancy.config import Overlap, Parity, Redundancy
 from stalwart.redundancy.layout import (
     Range,
+    Rebuild,
     RepairPlan,
     ShardLayout,
     ShardsLostError,
@@ -77,11 +78,11 @@ class RepairStats:
 
 @dataclass
 class _Snapshot:
-    """Parity: this process's shard rows, scalar state and hyper-parameters before the update not yet synced."""
+    """The scalar state and hyper-parameters before the update not yet synced; with parity, this shard's rows too."""
 
-    rows: torch.Tensor
     scalars: dict[str, Any]
     hyperparameters: dict[str, Any]
+    rows: torch.Tensor | None
 
 
 class ShardedOptimizer:
@@ -142,8 +143,8 @@ class ShardedOptimizer:
         assert self._inner is not None and self.layout is not None
         hyperparameters = self._hyperparameters()
         self._inner.param_groups[0].update(hyperparameters)
-        if self.layout.parity is not None:
-            self._snapshot = _Snapshot(self._rows(self.rank).clone(), _clone(self._scalars()), hyperparameters)
+        rows = self._rows(self.rank).clone() if self.layout.parity is not None else None
+        self._snapshot = _Snapshot(_clone(self._scalars()), hyperparameters, rows)
         for shard, master in self._masters.items():
             master.grad = self._flat_grads(self.layout.shard_ranges[shard])
         self._inner.step()
@@ -188,6 +189,11 @@ class ShardedOptimizer:
         self._pending, self._committed = False, True
 
     @property
+    def updates(self) -> int:
+        """Updates the held state has had: after a reshard, the newest of the quorum's."""
+        return self._updates
+
+    @property
     def state_bytes(self) -> int:
         """Bytes of sharded state this process holds: masters and optimizer state of its shards, parity units."""
         held = sum(self._rows_numel(shard) for shard in self._masters) * 4
@@ -217,7 +223,7 @@ class ShardedOptimizer:
             "parity_valid": self._parity_valid,
             "keys": self._keys(),
             "scalars": _encode_scalars(self._scalars()),
-            "rows_before": self._snapshot.rows.shape[0] if self._snapshot is not None else 1 + len(self._keys()),
+            "rows_before": len(self._keys()) + 1 if self._snapshot is None else len(self._snapshot_keys()) + 1,
         }
         comm.store.set(f"zero/{comm.rank}", json.dumps(info))
         infos = [json.loads(comm.store.get(f"zero/{rank}")) for rank in range(comm.world_size)]
@@ -225,11 +231,8 @@ class ShardedOptimizer:
         holding = [peer for peer in infos if peer["layout"] is not None]
         newest = max((int(peer["updates"]) for peer in holding), default=0)
         reference = next((peer for peer in holding if int(peer["updates"]) == newest), None)
-        valid = {
-            int(peer["rank"]): rank
-            for rank, peer in enumerate(infos)
-            if reference is not None and peer["layout"] == reference["layout"] and int(peer["updates"]) == newest
-        }
+        same = [(rank, peer) for rank, peer in enumerate(infos) if reference and peer["layout"] == reference["layout"]]
+        valid = {int(peer["rank"]): rank for rank, peer in same if int(peer["updates"]) == newest}
         if reference is None:
             if applied_step > 0:
                 raise ShardsLostError(
@@ -242,8 +245,11 @@ class ShardedOptimizer:
             old = layout_from(reference["layout"])
             parity_valid = {int(peer["rank"]) for peer in infos if peer["parity_valid"]} & set(valid)
             committed = any(infos[rank]["committed"] for rank in valid.values())
+            # Before the update's sync ended anywhere, a process that missed the update (it did not see the
+            # gradient's reduction end) holds the state as it was before it: usable, once updated again.
+            behind = {} if committed else {int(p["rank"]): rank for rank, p in same if int(p["updates"]) == newest - 1}
             try:
-                plan = plan_repair(old, valid, new, parity_valid=parity_valid)
+                plan = plan_repair(old, valid, new, parity_valid=parity_valid, behind=behind)
             except ShardsLostError as error:
                 self.stats.shards_lost += len(error.shards)
                 raise
@@ -286,16 +292,16 @@ class ShardedOptimizer:
     def _rebuild(
         self, comm: Communicator, old: ShardLayout, plan: RepairPlan, committed: bool, rows: int, keys: list[str]
     ) -> dict[Range, torch.Tensor]:
-        """Rebuild the lost cells from parity (one all-to-all of their units to the rebuilders); their rows.
+        """Rebuild cells (one all-to-all of their units to the rebuilders): from parity, or from a copy behind.
 
-        Before the update's parity was in place everywhere (``committed``
-        false), the cells are rebuilt as they were before the update, from the
-        old parity and the other cells' snapshots, and updated again.
+        Before the update's sync ended anywhere (``committed`` false), a cell
+        is rebuilt as it was before the update, from the old parity and the
+        other cells' snapshots (or from a copy one update behind), and updated
+        again with the kept gradient.
         """
         if not plan.rebuilds:
             return {}
-        assert old.parity is not None
-        code = ParityCode(old.parity)
+        code = None if old.parity is None else ParityCode(old.parity)
         me, world = comm.rank, comm.world_size
         send: list[list[torch.Tensor]] = [[] for _ in range(world)]
         local: dict[tuple[int, int], torch.Tensor] = {}
@@ -303,13 +309,13 @@ class ShardedOptimizer:
         for number, rebuild in enumerate(plan.rebuilds):
             for unit, sender in rebuild.units:
                 if sender == me:
-                    data = self._unit(old, rebuild.stripe, unit, committed)
+                    data = self._unit(old, rebuild, unit, committed)
                     if rebuild.rebuilder == me:
                         local[(number, unit)] = data
                     else:
                         send[rebuild.rebuilder].append(data)
                 elif rebuild.rebuilder == me:
-                    receive_sizes[sender] += _unit_bytes(old, rebuild.stripe, unit, rows)
+                    receive_sizes[sender] += _unit_bytes(old, rebuild, unit, rows)
         flat = [torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8) for chunks in send]
         received = comm.all_to_all(
             torch.cat(flat).to(comm.device), [chunk.numel() for chunk in flat], receive_sizes
@@ -324,29 +330,32 @@ class ShardedOptimizer:
                 if sender == me:
                     units[unit] = local[(number, unit)]
                 else:
-                    size = _unit_bytes(old, rebuild.stripe, unit, rows)
+                    size = _unit_bytes(old, rebuild, unit, rows)
                     units[unit] = received[offsets[sender] : offsets[sender] + size]
                     offsets[sender] += size
-            lengths = [(end - start) * rows * 4 for start, end in old.stripe_cells(rebuild.stripe)]
-            cell = (
-                code.decode(units, lengths)[rebuild.unit]
-                .view(torch.float32)
-                .reshape(rows, rebuild.cell[1] - rebuild.cell[0])
-            )
-            if not committed and self._snapshot is not None:
+            if code is None:
+                data = units[0]
+            else:
+                lengths = [(end - start) * rows * 4 for start, end in old.stripe_cells(rebuild.stripe)]
+                data = code.decode(units, lengths)[rebuild.unit]
+            cell = data.view(torch.float32).reshape(rows, rebuild.cell[1] - rebuild.cell[0])
+            if not committed:
                 cell = self._replay(cell, rebuild.cell, keys)
             rebuilt[rebuild.cell] = cell.to(self._params[0].device)
         return rebuilt
 
-    def _unit(self, old: ShardLayout, stripe: int, unit: int, committed: bool) -> torch.Tensor:
-        """Unit ``unit`` of ``stripe``'s code as this process holds it: a data cell's rows or a parity unit, bytes."""
-        k = len(old.placement.stripes[stripe].cells)
+    def _unit(self, old: ShardLayout, rebuild: Rebuild, unit: int, committed: bool) -> torch.Tensor:
+        """Unit ``unit`` of a rebuild as this process holds it: a data cell's rows, a parity unit or a copy; bytes."""
+        if old.parity is None:  # a copy held one update behind: this process's rows of that shard as they are
+            return byte_view(self._rows(rebuild.stripe)).cpu()
+        k = old.parity.k
         if unit >= k:
             parity = self._staged_parity if committed and self._staged_parity is not None else self._parity
-            return parity[(stripe, unit - k)].cpu()
-        start, end = old.stripe_cells(stripe)[unit]
+            return parity[(rebuild.stripe, unit - k)].cpu()
+        start, end = old.stripe_cells(rebuild.stripe)[unit]
         own_start = old.shard_ranges[self.rank][0]
-        source = self._snapshot.rows if not committed and self._snapshot is not None else self._rows(self.rank)
+        snapshot = None if committed or self._snapshot is None else self._snapshot.rows
+        source = self._rows(self.rank) if snapshot is None else snapshot
         return byte_view(source[:, start - own_start : end - own_start].contiguous()).cpu()
 
     def _replay(self, before: torch.Tensor, cell: Range, keys: list[str]) -> torch.Tensor:
@@ -365,9 +374,9 @@ class ShardedOptimizer:
         return torch.stack([master.detach(), *(state[key] for key in keys)])
 
     def _snapshot_keys(self) -> list[str]:
-        """The per-element state keys of the snapshot: those of the update's result, unless it was the first."""
+        """The per-element state keys before the update not yet synced: none before the optimizer's first step."""
         assert self._snapshot is not None
-        return self._keys() if self._snapshot.rows.shape[0] > 1 else []
+        return self._keys() if self._updates > 1 else []
 
     def _move(
         self,
@@ -533,7 +542,7 @@ class ShardedOptimizer:
 
     def _optimizer(self, masters: list[torch.Tensor], hyperparameters: dict[str, Any]) -> torch.optim.Optimizer:
         """The template's optimizer class over ``masters``, its group set to ``hyperparameters``."""
-        optimizer = type(self._template)(masters, **self._template.defaults)
+        optimizer = type(self._template)(masters, lr=self._template.defaults["lr"])
         optimizer.param_groups[0].update(hyperparameters)
         return optimizer
 
@@ -555,10 +564,12 @@ class ShardedOptimizer:
         return torch.cat(pieces) if pieces else torch.zeros(0, device=self._params[0].device)
 
 
-def _unit_bytes(layout: ShardLayout, stripe: int, unit: int, rows: int) -> int:
-    """Bytes of unit ``unit`` of ``stripe``: a data cell's rows, or a parity unit (its longest cell's)."""
-    cells = layout.stripe_cells(stripe)
-    length = cells[unit][1] - cells[unit][0] if unit < len(cells) else layout.unit_length(stripe)
+def _unit_bytes(layout: ShardLayout, rebuild: Rebuild, unit: int, rows: int) -> int:
+    """Bytes of a rebuild's unit: a copy's or data cell's rows, or a parity unit (its stripe's longest cell's)."""
+    if layout.parity is None:
+        return rows * (rebuild.cell[1] - rebuild.cell[0]) * 4
+    cells = layout.stripe_cells(rebuild.stripe)
+    length = cells[unit][1] - cells[unit][0] if unit < len(cells) else layout.unit_length(rebuild.stripe)
     return rows * length * 4
 
 

@@ -1,0 +1,127 @@
+"""ShardedOptimizer over real Gloo groups of processes that exit at named points of the sharded step.
+
+``tests/zero_job.py`` runs the processes: every process gets the same mean
+gradient each step (as after the all-reduce), so the final parameters must
+equal a single-process run of the same optimizer bit for bit whatever fails,
+and every copy of a shard must be bitwise equal to its primary.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from stalwart.redundancy.config import Overlap, Parity
+from stalwart.redundancy.layout import make_layout
+from stalwart.redundancy.memory import state_bytes
+from tests import zero_job
+
+JOB = Path(__file__).with_name("zero_job.py")
+STEPS = 6
+JOB_TIMEOUT = 300
+
+
+def run_job(tmp_path: Path, world: int, options: list[str], *, join_at: int | None = None) -> list[int]:
+    """Run ``world`` processes (and a joiner at ``join_at``); their exit codes."""
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=JOB_TIMEOUT)
+    )
+    processes = world + (join_at is not None)
+    common = ["--world", str(world), "--port", str(store.port), "--steps", str(STEPS), "--out", str(tmp_path)]
+    joining = [] if join_at is None else ["--join-at", str(join_at)]
+    launched = [
+        subprocess.Popen([sys.executable, str(JOB), "--rank", str(rank), *common, *options, *joining])
+        for rank in range(processes)
+    ]
+    try:
+        return [process.wait(timeout=JOB_TIMEOUT) for process in launched]
+    finally:
+        for process in launched:
+            process.kill()
+
+
+def results(tmp_path: Path) -> dict[int, dict]:
+    return {int(path.stem.split("-")[1]): torch.load(path) for path in sorted(tmp_path.glob("rank-*.pt"))}
+
+
+def check_run(tmp_path: Path, optimizer: str, finishers: int) -> dict[int, dict]:
+    """Final parameters equal the single-process run bit for bit; copies equal their primaries bit for bit."""
+    expected = zero_job.reference(optimizer, STEPS)
+    finished = results(tmp_path)
+    assert len(finished) == finishers
+    holders: dict[int, list[torch.Tensor]] = {}
+    for result in finished.values():
+        for name, value in expected.items():
+            assert torch.equal(result["params"][name], value), name
+        for shard, rows in result["rows"].items():
+            holders.setdefault(shard, []).append(rows)
+    for copies in holders.values():
+        assert all(torch.equal(copy, copies[0]) for copy in copies)
+    return finished
+
+
+CASES = [
+    (["--overlap", "0.25"], ["3:before_update:1"]),
+    (["--overlap", "0.25"], ["3:gather_started:2"]),
+    (["--overlap", "0.25"], ["2:after_sync:0"]),
+    (["--parity", "3,1"], ["3:before_update:3"]),
+    (["--parity", "3,1"], ["3:parity_started:1"]),
+    (["--parity", "3,1"], ["2:after_sync:2"]),
+    (["--parity", "2,2"], ["3:gather_started:0", "3:gather_started:3"]),
+    (["--parity", "2,2", "--optimizer", "sgd"], ["1:before_update:1", "1:before_update:2"]),
+    (["--overlap", "0.5", "--optimizer", "adamw"], ["4:gather_started:1", "4:before_update:2"]),
+]
+
+
+@pytest.mark.parametrize(("options", "kills"), CASES, ids=lambda value: " ".join(value))
+def test_exit_at_a_point_of_the_sharded_step(tmp_path: Path, options: list[str], kills: list[str]) -> None:
+    codes = run_job(tmp_path, 4, [*options, *(f"--kill={kill}" for kill in kills)])
+    assert codes == [0, 0, 0, 0]
+    optimizer = options[options.index("--optimizer") + 1] if "--optimizer" in options else "adam"
+    finished = check_run(tmp_path, optimizer, finishers=4 - len(kills))
+    assert all(result["layout_processes"] == 4 - len(kills) for result in finished.values())
+    assert all(result["repairs"] == 1 for result in finished.values())
+
+
+def test_two_processes_of_one_node_are_survived_by_node_aware_copies(tmp_path: Path) -> None:
+    """Six processes on three nodes, overlap 1/3 (two copies): node b's two processes die at once."""
+    nodes = "a,a,b,b,c,c"
+    codes = run_job(
+        tmp_path, 6, ["--overlap", "0.34", "--nodes", nodes, "--kill=3:gather_started:2", "--kill=3:gather_started:3"]
+    )
+    assert codes == [0] * 6
+    check_run(tmp_path, "adam", finishers=4)
+
+
+def test_a_joiner_gets_its_shards_without_disk(tmp_path: Path) -> None:
+    codes = run_job(tmp_path, 3, ["--parity", "2,1"], join_at=3)
+    assert codes == [0, 0, 0, 0]
+    finished = check_run(tmp_path, "adam", finishers=4)
+    layout = make_layout(Parity(2, 1), ["node0", "node1", "node2", "node3"], zero_job.parameters())
+    expected = state_bytes(layout.placement, zero_job.parameters(), state_elements=3)
+    assert sorted(result["state_bytes"] for result in finished.values()) == sorted(expected)
+    assert {result["layout_processes"] for result in finished.values()} == {4}
+
+
+def test_state_bytes_follow_the_formula(tmp_path: Path) -> None:
+    assert run_job(tmp_path, 4, ["--overlap", "0.25"]) == [0] * 4
+    finished = check_run(tmp_path, "adam", finishers=4)
+    layout = make_layout(Overlap(0.25), [f"node{p}" for p in range(4)], zero_job.parameters())
+    expected = state_bytes(layout.placement, zero_job.parameters(), state_elements=3)
+    assert tuple(finished[rank]["state_bytes"] for rank in range(4)) == expected
+
+
+def test_more_failures_than_the_redundancy_covers_name_the_lost_shards(tmp_path: Path) -> None:
+    codes = run_job(tmp_path, 4, ["--overlap", "0", "--kill=2:gather_started:1"])
+    assert codes[1] == 0 and sorted(codes[:1] + codes[2:]) == [3, 3, 3]
+    for rank in (0, 2, 3):
+        lost = json.loads((tmp_path / f"lost-{rank}.json").read_text())
+        assert lost["shards"] == [1]
+        assert "resume from a checkpoint" in lost["message"]
