@@ -194,10 +194,10 @@ class DataLedger:
         Returns False (and changes nothing) if the failure was already recorded.
         """
         self._check_in_step("member_failed")
-        if member not in (self._members or []):
-            raise ValueError(f"member must be one of this step's members {self._members}, got {member!r}")
         lost = self._in_flight.pop(member, None)
         if lost is None:
+            if member not in (self._members or []):
+                raise ValueError(f"member must be one of this step's members {self._members}, got {member!r}")
             return False
         self._intact_step = None
         self._step_missing = np.concatenate([self._step_missing, lost])
@@ -257,6 +257,15 @@ class DataLedger:
         self.step += 1
         self.epoch_step += 1
         return committed
+
+    def copy(self) -> DataLedger:
+        """An independent ledger in the same state; cheap, as the ledger never writes into its position arrays."""
+        twin = DataLedger.__new__(DataLedger)
+        twin.__dict__.update(self.__dict__)
+        twin._members = None if self._members is None else list(self._members)
+        twin._in_flight = dict(self._in_flight)
+        twin._weights = dict(self._weights)
+        return twin
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable state; ``DataLedger.from_state_dict`` continues identically.
