@@ -40,6 +40,8 @@ MIN_BACKOFF = 0.05
 MAX_BACKOFF = 0.5
 """Reconnection backoff bounds (seconds): well under the default heartbeat timeout of 2 s."""
 _RETRIED_STATUSES = frozenset({408, 503})
+KEEPALIVE_S = 60.0
+"""How long an idle connection to the lighthouse is kept for the next request (aiohttp's server keeps it 75 s)."""
 INCARNATION_HEADER = "X-Stalwart-Incarnation"
 SECRET_HEADER = "X-Stalwart-Secret"
 
@@ -388,7 +390,9 @@ class LighthouseClient:
 
     async def _open_session(self) -> aiohttp.ClientSession:
         self._register_lock = asyncio.Lock()
-        return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.request_timeout))
+        # a quorum request after a failure reuses the connection of the last one (the lighthouse keeps it 75 s)
+        connector = aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S)
+        return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=self.request_timeout))
 
     async def _shutdown(self) -> None:
         if self._heartbeat_task is not None:

@@ -72,6 +72,7 @@ Refusals (``RequestError``, nothing changes)
 from __future__ import annotations
 
 import hmac
+import json
 import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -127,6 +128,9 @@ STATE_VERSION = 2
 """Version 2 persists each formation's ledger in its compact form; a version 1 state resumes without its formation."""
 MAX_MEMBERS = 4096
 """Default cap on live members (``max_members``)."""
+HUNG_CHECK_S = 0.5
+"""How often, at most, :meth:`LighthouseState.tick` looks for hung members (a walk of the quorum); at least ten
+times per ``join_timeout``, so a hang is found within 110% of it."""
 MAX_CATCH_UP = 100_000
 """How far a quorum member's ``applied_step`` may run ahead of the ledger (a bound on catch-up work)."""
 
@@ -196,6 +200,7 @@ class LighthouseState:
         self.history = History()
         self._formation_changed = False
         self._members_changed: set[str] = set()
+        self._hung_checked = float("-inf")
 
     # --- read-only views -------------------------------------------------------------------------
 
@@ -243,6 +248,11 @@ class LighthouseState:
     def live_members(self) -> int:
         """How many members are alive."""
         return self._members.live
+
+    @property
+    def asking(self) -> int:
+        """How many quorum requests wait for the next quorum."""
+        return len(self._pending)
 
     @property
     def pending(self) -> dict[str, QuorumRequest]:
@@ -464,7 +474,9 @@ class LighthouseState:
             self._identities.forget(forgotten)
             self._members_changed.add(forgotten)
             self.revision += 1
-        self._detect_hung(now)
+        if now - self._hung_checked >= min(HUNG_CHECK_S, self.join_timeout / 10) or now < self._hung_checked:
+            self._hung_checked = now
+            self._detect_hung(now)
         return self.try_form(now)
 
     def _detect_hung(self, now: float) -> None:
@@ -877,12 +889,13 @@ class LighthouseState:
 
     def _core_state(self) -> dict[str, Any]:
         history = self.history.to_json()
+        kept = {key: value for key, value in history.items() if key not in HISTORY_KINDS}
         return {
             "version": STATE_VERSION,
             **self._hosted.to_json(),
             "healing": dict(self._healing),
             "heal_step": self._heal_step,
-            "history": {key: value for key, value in history.items() if key not in HISTORY_KINDS},
+            "history": json.loads(json.dumps(kept)),  # a copy: the save thread reads it while the loop goes on
             "checkpoint": None if self._checkpoint is None else self._checkpoint.to_json(),
         }
 

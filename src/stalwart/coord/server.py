@@ -43,6 +43,7 @@ from typing import Any
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from stalwart._validate import check_int
+from stalwart.coord.collector import QuietCollector
 from stalwart.coord.persist import StateStore
 from stalwart.coord.quorum import (
     MAX_MEMBERS,
@@ -153,6 +154,8 @@ class Lighthouse:
         self._waiting = 0
         """How many quorum long polls wait (the sum of ``_waiters``' lengths)."""
         self._broken_pushed: set[int] = set()
+        self._collector: QuietCollector | None = None
+        """Set by ``serve_forever`` (the process is the lighthouse's): full collections at quiet times only."""
         self._stopping = False
 
     def _load_state(
@@ -267,9 +270,16 @@ class Lighthouse:
         self._loop = None
 
     def serve_forever(self) -> None:
-        """Serve until SIGINT or SIGTERM (call from the main thread), then stop cleanly."""
+        """Serve until SIGINT or SIGTERM (call from the main thread), then stop cleanly.
+
+        The process is the lighthouse's: garbage collection pauses are kept out of failure handling
+        (:mod:`stalwart.coord.collector`).
+        """
         if self._thread is None:
             self.start()
+        collector = QuietCollector()
+        collector.start()
+        self._collector = collector
         stop = threading.Event()
         previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
@@ -310,7 +320,10 @@ class Lighthouse:
         app.router.add_post("/v1/checkpoint", self._checkpoint)
         self._runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=2.0)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self._requested_port)
+        # every member may connect at once (a quorum request after a failure): a short accept queue drops their
+        # connections, which the kernel retries after 1, 3, 7... s
+        backlog = max(128, self.state.max_members)
+        site = web.TCPSite(self._runner, self.host, self._requested_port, backlog=backlog)
         await site.start()
         self._port = int(self._runner.addresses[0][1])
         self.state.expect_quorum(time.time())
@@ -360,6 +373,9 @@ class Lighthouse:
         if formation is not None:
             self._answer_waiters(formation)
         self._push_broken_quorum()
+        if self._collector is not None:
+            busy = bool(self._waiting or self.state.asking or self.state.quorum_broken)
+            self._collector.update(now, busy=busy, formed=formation is not None)
 
     def heartbeat_interval(self) -> float:
         """The interval the lighthouse asks its members to heartbeat at, at least (for the members it expects)."""
