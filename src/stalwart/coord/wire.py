@@ -132,9 +132,7 @@ class QuorumRequest:
         """Validate a decoded JSON body; ``RequestError`` 400 names the bad field and value."""
         if not isinstance(body, Mapping):
             raise RequestError(400, f"the body must be a JSON object, got {type(body).__name__}")
-        unknown = sorted(
-            set(body) - {"member", "applied_step", "quorum_id", "reason", "digest", "weights", "known"}
-        )
+        unknown = sorted(set(body) - {"member", "applied_step", "quorum_id", "reason", "digest", "weights", "known"})
         if unknown:
             raise RequestError(400, f"unknown fields {unknown}", field=unknown[0])
         for name in ("member", "applied_step", "reason"):
