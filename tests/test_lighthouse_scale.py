@@ -251,20 +251,23 @@ def test_quiet_collector_pauses_collection_while_busy_and_collects_when_quiet() 
     collector = QuietCollector(delay=1.0, max_busy=10.0)
     try:
         collector.start()
-        collector.update(0.0, busy=True, formed=False)
+        collector.update(0.0, busy=True, formed=False, gone=0)
         assert not gc.isenabled(), "no collection while requests wait"
         node = Node()
         node.partner = node
         dead = weakref.ref(node)
         del node
         gc.freeze()  # as if frozen by an earlier collection: only a full collection that unfreezes reclaims it
-        collector.update(0.5, busy=True, formed=True)
-        collector.update(1.0, busy=False, formed=False)
-        assert gc.isenabled() and dead() is not None, "quiet, but the full collection is not due yet"
-        collector.update(1.6, busy=False, formed=False)
+        collector.update(0.5, busy=True, formed=True, gone=0)
+        collector.update(1.6, busy=False, formed=False, gone=0)
+        assert gc.isenabled() and dead() is not None, "no member died: nothing frozen to reclaim"
+        collector.update(2.0, busy=True, formed=True, gone=1)
+        collector.update(2.5, busy=False, formed=False, gone=1)
+        assert dead() is not None, "quiet, but the full collection is not due yet"
+        collector.update(3.1, busy=False, formed=False, gone=1)
         assert dead() is None and gc.get_freeze_count() > 0, "collected while quiet, then frozen again"
-        collector.update(2.0, busy=True, formed=False)
-        collector.update(12.5, busy=True, formed=False)
+        collector.update(4.0, busy=True, formed=False, gone=1)
+        collector.update(14.5, busy=True, formed=False, gone=1)
         assert gc.isenabled(), "busy for longer than max_busy: collection resumes"
     finally:
         gc.unfreeze()

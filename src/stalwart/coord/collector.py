@@ -11,7 +11,8 @@ allocated at once) is what triggers one. :class:`QuietCollector`:
 - switches automatic collection off while the lighthouse is *busy* (requests
   wait, or the quorum is broken), for at most ``max_busy`` seconds;
 - runs the full collection (unfreeze, collect, freeze) when it is quiet again,
-  ``delay`` seconds after a quorum formed, so frozen objects that died are
+  ``delay`` seconds after a quorum formed, if members died or left since the
+  last one (their connections are the garbage frozen with them), so it is
   reclaimed while nothing waits on the lighthouse.
 
 ``Lighthouse.serve_forever`` uses it; an embedded lighthouse leaves its host's
@@ -40,14 +41,17 @@ class QuietCollector:
         self.max_busy = max_busy
         self._due: float | None = None
         self._busy_since: float | None = None
+        self._gone = 0
+        """Members that had died or left at the last full collection."""
 
     def start(self) -> None:
         """Collect and freeze what the start-up left (imports, the store): later collections skip it."""
         gc.collect()
         gc.freeze()
 
-    def update(self, now: float, *, busy: bool, formed: bool) -> None:
-        """After an event or a tick at ``now``: ``busy`` while requests wait or the quorum is broken."""
+    def update(self, now: float, *, busy: bool, formed: bool, gone: int) -> None:
+        """After an event or a tick at ``now``: ``busy`` while requests wait or the quorum is broken; ``gone``
+        counts the members that ever died or left."""
         if formed:
             self._due = now + self.delay
         if busy:
@@ -59,8 +63,8 @@ class QuietCollector:
         else:
             self._busy_since = None
         gc.enable()
-        if self._due is not None and now >= self._due and not busy:
-            self._due = None
+        if self._due is not None and now >= self._due and not busy and gone != self._gone:
+            self._due, self._gone = None, gone
             started = time.perf_counter()
             gc.unfreeze()
             collected = gc.collect()

@@ -375,7 +375,8 @@ class Lighthouse:
         self._push_broken_quorum()
         if self._collector is not None:
             busy = bool(self._waiting or self.state.asking or self.state.quorum_broken)
-            self._collector.update(now, busy=busy, formed=formation is not None)
+            gone = self.state.counts["failures"] + self.state.counts["departures"]
+            self._collector.update(now, busy=busy, formed=formation is not None, gone=gone)
 
     def heartbeat_interval(self) -> float:
         """The interval the lighthouse asks its members to heartbeat at, at least (for the members it expects)."""
