@@ -66,7 +66,7 @@ LOCAL_BATCH = 32
 PHASE_LIMIT = 60.0
 """Seconds any single phase may take (a bound, not an expectation)."""
 PROBE_INTERVAL = 0.005
-QUIET_COLLECTION = re.compile(r"^([0-9.]+) \S+: full garbage collection while quiet: \d+ objects freed in (\d+) ms$")
+QUIET_COLLECTION = re.compile(r"^([0-9.]+) \S+: INFO full garbage collection while quiet: \d+ objects freed in (\d+)")
 OBSERVERS = 32
 """Members in a process of their own that does little else: their push and answer times are the lighthouse's,
 not the time a process running a thousand simulated members takes to get to them."""
@@ -105,7 +105,9 @@ def _serve(
     """The lighthouse process: serve until SIGTERM, logging to ``log_path`` (its full collections among it)."""
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    logging.basicConfig(filename=log_path, level=logging.INFO, format="%(created).3f %(name)s: %(message)s")
+    logging.basicConfig(
+        filename=log_path, level=logging.INFO, format="%(created).3f %(name)s: %(levelname)s %(message)s"
+    )
     from stalwart.coord.server import Lighthouse
 
     lighthouse = Lighthouse(
@@ -188,6 +190,8 @@ class Fleet:
         self.errors: list[str] = []
         self.retried: dict[int, int] = {}
         """Quorum requests asked again, by the status that made them (408: nothing formed yet, 503: busy)."""
+        self.first_retried: dict[int, str] = {}
+        """The first answer of each status asked again."""
 
     async def serve(self) -> None:
         """Answer the driver's commands until ``stop``."""
@@ -266,7 +270,8 @@ class Fleet:
                 continue
             if sim.pushed_at is None:
                 sim.pushed_at = time.time()
-            if not sim.asking and not sim.dead:
+            if not sim.asking and not sim.dead:  # a heartbeat's reply says "broken" too: ask once
+                sim.asking = True
                 sim.tasks.append(asyncio.create_task(self._ask(sim, "failure")))
 
     async def _ask(self, sim: Sim, reason: str) -> None:
@@ -286,7 +291,7 @@ class Fleet:
                     raw = await response.read()
                     if response.status in (408, 503):
                         if response.status not in self.retried:
-                            self.errors.append(f"{sim.name}: {response.status} (asked again) {raw[:160]!r}")
+                            self.first_retried[response.status] = raw[:200].decode(errors="replace")
                         self.retried[response.status] = self.retried.get(response.status, 0) + 1
                         await asyncio.sleep(0.05)
                         continue
@@ -335,6 +340,7 @@ class Fleet:
             "bytes": self.answer_bytes,
             "errors": sorted({error.split(": ", 1)[1][:160] for error in self.errors})[:5],
             "retried": self.retried,
+            "first_retried": self.first_retried,
         }
 
     async def advance(self, step: int) -> dict[str, Any]:
@@ -360,7 +366,7 @@ class Fleet:
         for sim in self.sims.values():
             sim.pushed_at = sim.answered_at = None
         self.answer_bytes = []
-        self.retried = {}
+        self.retried, self.first_retried = {}, {}
         return {}
 
     async def kill(self, names: Sequence[str]) -> dict[str, Any]:
@@ -389,6 +395,7 @@ class Fleet:
             "bytes": self.answer_bytes,
             "errors": sorted({error.split(": ", 1)[1][:160] for error in self.errors})[:5],
             "retried": self.retried,
+            "first_retried": self.first_retried,
         }
 
 
@@ -555,7 +562,7 @@ class Driver:
             await asyncio.sleep(PROBE_INTERVAL)
 
     async def _summary(self) -> dict[str, Any]:
-        """What the lighthouse says when a phase failed: its quorum, counts and members by state."""
+        """What the lighthouse says: its quorum, counts, members by state, and its log's warnings and errors."""
         try:
             status = await self._status()
         except (aiohttp.ClientError, asyncio.TimeoutError) as error:
@@ -569,7 +576,9 @@ class Driver:
         reasons: dict[str, int] = {}
         for failure in status["failures"]:
             reasons[failure["reason"]] = reasons.get(failure["reason"], 0) + 1
+        logged = self.log.read_text().splitlines() if self.log.exists() else []
         return {
+            "log": [line for line in logged if "WARNING" in line or "ERROR" in line or "Traceback" in line][-5:],
             "quorum_size": size,
             "reconfigure_pending": status["reconfigure_pending"],
             "counts": status["counts"],
@@ -667,6 +676,7 @@ class Driver:
             "answered": sum(t is not None for t in answered),
             "refused": sum(answer["refused"] for answer in everyone),
             "retried": _merge(answer["retried"] for answer in everyone),
+            "first_retried": {s: b for answer in everyone for s, b in answer["first_retried"].items()},
             "errors": sorted({error for answer in everyone for error in answer["errors"]})[:8],
             "window": (killed_at, settled),
             "cpu_ms": 1000 * cpu,
