@@ -172,6 +172,16 @@ def test_a_member_seen_twice_at_the_same_instant_expires_once() -> None:
     assert members.expired(1.6) == ["b"] and members.live == 1
 
 
+def test_silence_while_the_lighthouse_could_not_listen_is_excused() -> None:
+    members = Membership(heartbeat_timeout=1.0)
+    members.touch("a", 0.0)
+    members.excuse(1.5, 0.9)  # the loop was blocked from -0.6 to 0.9
+    assert members.expired(2.4) == [], "1 s timeout plus the 1.5 s the lighthouse was deaf"
+    assert members.expired(2.6) == ["a"]
+    members.touch("b", 2.6)
+    assert members.expired(4.0) == ["b"], "the excuse lasts one timeout past the pause"
+
+
 def test_dead_members_are_forgotten_oldest_death_first_never_the_quorums() -> None:
     members = Membership(heartbeat_timeout=1.0)
     extra = 5
@@ -251,24 +261,34 @@ def test_quiet_collector_pauses_collection_while_busy_and_collects_when_quiet() 
     collector = QuietCollector(delay=1.0, max_busy=10.0)
     try:
         collector.start()
-        collector.update(0.0, busy=True, formed=False, gone=0)
+        collector.update(0.0, busy=True, formed=False, gone=0, live=4)
         assert not gc.isenabled(), "no collection while requests wait"
         node = Node()
         node.partner = node
         dead = weakref.ref(node)
         del node
         gc.freeze()  # as if frozen by an earlier collection: only a full collection that unfreezes reclaims it
-        collector.update(0.5, busy=True, formed=True, gone=0)
-        collector.update(1.6, busy=False, formed=False, gone=0)
+        collector.update(0.5, busy=True, formed=True, gone=0, live=4)
+        collector.update(1.6, busy=False, formed=False, gone=0, live=4)
         assert gc.isenabled() and dead() is not None, "no member died: nothing frozen to reclaim"
-        collector.update(2.0, busy=True, formed=True, gone=1)
-        collector.update(2.5, busy=False, formed=False, gone=1)
+        collector.update(2.0, busy=True, formed=True, gone=1, live=4)
+        collector.update(2.5, busy=False, formed=False, gone=1, live=4)
         assert dead() is not None, "quiet, but the full collection is not due yet"
-        collector.update(3.1, busy=False, formed=False, gone=1)
+        collector.update(3.1, busy=False, formed=False, gone=1, live=4)
         assert dead() is None and gc.get_freeze_count() > 0, "collected while quiet, then frozen again"
-        collector.update(4.0, busy=True, formed=False, gone=1)
-        collector.update(14.5, busy=True, formed=False, gone=1)
+        collector.update(4.0, busy=True, formed=False, gone=1, live=4)
+        collector.update(14.5, busy=True, formed=False, gone=1, live=4)
         assert gc.isenabled(), "busy for longer than max_busy: collection resumes"
+        node = Node()
+        node.partner = node
+        dead = weakref.ref(node)
+        del node
+        gc.freeze()
+        collector.update(15.0, busy=False, formed=True, gone=2, live=400)
+        collector.update(16.5, busy=False, formed=False, gone=2, live=400)
+        assert dead() is not None, "one of 400 members lost: not worth a full collection yet"
+        collector.update(17.0, busy=False, formed=False, gone=101, live=300)
+        assert dead() is None
     finally:
         gc.unfreeze()
         gc.enable()

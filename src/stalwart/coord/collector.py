@@ -11,9 +11,11 @@ allocated at once) is what triggers one. :class:`QuietCollector`:
 - switches automatic collection off while the lighthouse is *busy* (requests
   wait, or the quorum is broken), for at most ``max_busy`` seconds;
 - runs the full collection (unfreeze, collect, freeze) when it is quiet again,
-  ``delay`` seconds after a quorum formed, if members died or left since the
-  last one (their connections are the garbage frozen with them), so it is
-  reclaimed while nothing waits on the lighthouse.
+  ``delay`` seconds after a quorum formed, once members that died or left
+  since the last one number a quarter of the live ones (at least one): their
+  connections are the garbage frozen with them (some 80 objects each), so
+  what is frozen but dead stays under a quarter of the fleet's, and the
+  pause (linear in the members) is paid once per quarter of them lost.
 
 ``Lighthouse.serve_forever`` uses it; an embedded lighthouse leaves its host's
 collector alone.
@@ -29,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 DELAY_S = 5.0
 """How long after a quorum formed the full collection waits (its answers are out, the fleet is training)."""
+GONE_FRACTION = 0.25
+"""A full collection once this fraction of the live members died or left since the last one."""
 MAX_BUSY_S = 60.0
 """The longest automatic collection stays off while busy (a quorum that cannot form must not grow memory)."""
 
@@ -49,9 +53,9 @@ class QuietCollector:
         gc.collect()
         gc.freeze()
 
-    def update(self, now: float, *, busy: bool, formed: bool, gone: int) -> None:
+    def update(self, now: float, *, busy: bool, formed: bool, gone: int, live: int) -> None:
         """After an event or a tick at ``now``: ``busy`` while requests wait or the quorum is broken; ``gone``
-        counts the members that ever died or left."""
+        counts the members that ever died or left, ``live`` those alive."""
         if formed:
             self._due = now + self.delay
         if busy:
@@ -63,7 +67,8 @@ class QuietCollector:
         else:
             self._busy_since = None
         gc.enable()
-        if self._due is not None and now >= self._due and not busy and gone != self._gone:
+        lost = gone - self._gone >= max(1, GONE_FRACTION * live)
+        if self._due is not None and now >= self._due and not busy and lost:
             self._due, self._gone = None, gone
             started = time.perf_counter()
             gc.unfreeze()

@@ -50,6 +50,8 @@ class Membership:
         """``(last_seen, member)`` for every sighting not yet older than the timeout (a heap; stale ones skipped)."""
         self._dead: dict[str, None] = {}
         """Dead members, those that died first first."""
+        self._excuse = 0.0
+        self._excused_until = float("-inf")
 
     def __contains__(self, member: object) -> bool:
         return member in self.records
@@ -96,11 +98,20 @@ class Membership:
             self.live += 1
             self._dead.pop(record.name, None)
 
+    def excuse(self, seconds: float, now: float) -> None:
+        """The lighthouse was not listening for ``seconds`` before ``now`` (its loop was blocked): for the next
+        ``heartbeat_timeout`` a member may be silent that much longer before it expires."""
+        if now >= self._excused_until:
+            self._excuse = 0.0
+        self._excuse += seconds
+        self._excused_until = now + self.heartbeat_timeout + self._excuse
+
     def expired(self, now: float) -> list[str]:
-        """Live members silent for more than ``heartbeat_timeout`` at ``now`` (costs what expired, not M)."""
+        """Live members silent for more than ``heartbeat_timeout`` (and any excuse) at ``now``; costs what expired."""
+        timeout = self.heartbeat_timeout + (self._excuse if now < self._excused_until else 0.0)
         expired: dict[str, None] = {}
         sightings = self._sightings
-        while sightings and now - sightings[0][0] > self.heartbeat_timeout:
+        while sightings and now - sightings[0][0] > timeout:
             seen, name = heapq.heappop(sightings)
             record = self.records.get(name)
             if record is not None and record.alive and record.last_seen == seen:

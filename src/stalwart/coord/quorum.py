@@ -466,6 +466,10 @@ class LighthouseState:
         self._pending.add(request, now, self._roster.counts(request.member))
         return None
 
+    def excuse_silence(self, seconds: float, now: float) -> None:
+        """The lighthouse could not listen for ``seconds`` before ``now``: no member expires for that silence."""
+        self._members.excuse(seconds, now)
+
     def tick(self, now: float) -> Formation | None:
         """Expire heartbeats and join timeouts, forget long-dead members; form the next quorum when the rules allow."""
         for name in self._members.expired(now):

@@ -352,9 +352,14 @@ class Lighthouse:
     # --- the state -------------------------------------------------------------------------------
 
     async def _tick_forever(self) -> None:
+        last = time.monotonic()
         while True:
             await asyncio.sleep(self.tick_interval)
+            woke = time.monotonic()
+            lag, last = woke - last - self.tick_interval, woke
             try:
+                if lag > self.tick_interval:  # the loop was blocked: heartbeats waited unread in the sockets
+                    self.state.excuse_silence(lag, time.time())
                 self._advance(tick=True)
                 await self._durable()
             except Exception:
@@ -376,7 +381,8 @@ class Lighthouse:
         if self._collector is not None:
             busy = bool(self._waiting or self.state.asking or self.state.quorum_broken)
             gone = self.state.counts["failures"] + self.state.counts["departures"]
-            self._collector.update(now, busy=busy, formed=formation is not None, gone=gone)
+            live = self.state.live_members
+            self._collector.update(now, busy=busy, formed=formation is not None, gone=gone, live=live)
 
     def heartbeat_interval(self) -> float:
         """The interval the lighthouse asks its members to heartbeat at, at least (for the members it expects)."""
