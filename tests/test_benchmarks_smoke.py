@@ -6,6 +6,7 @@ only that the runs that should have been measured were.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -164,3 +165,21 @@ def test_stragglers_quick_run_measures_both_runs() -> None:
     cells = _table_row(completed.stdout, "1", "equal then balanced")
     assert float(cells[2]) > 0 and float(cells[3]) > 0 and float(cells[4]) > 0, cells
     assert len(cells[5].split()) == 3 and cells[6] == "yes", cells
+
+
+def test_lighthouse_scale_runs_every_phase(tmp_path: Path) -> None:
+    report = tmp_path / "scale.json"
+    arguments = ["--members", "48", "--processes", "1", "--seconds", "1", "--step-seconds", "0.2"]
+    completed = _run_benchmark(
+        *arguments, "--report", str(report), "--compare", str(report), module="benchmarks.lighthouse_scale"
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    (result,) = json.loads(report.read_text())
+    assert "error" not in result, result["error"]
+    assert result["joined"] == 48 and len(result["steady"]) == 3
+    for phase in ("failure", "mass_failure"):
+        measured = result[phase]
+        assert measured["quorums"] == 1 and measured["answered"] == measured["survivors"], measured
+        assert measured["formed_ms"] is not None and measured["push_observers_ms"] is not None, measured
+    for title in ("One lighthouse, simulated members on 127.0.0.1", "Before and after", "Goals"):
+        assert title in completed.stdout

@@ -21,7 +21,7 @@ from stalwart.cli.lighthouse import lighthouse_command
 from stalwart.cli.redundancy import redundancy_command
 from stalwart.cli.simulate import simulate_command
 from stalwart.coord.persist import StateStore
-from stalwart.coord.quorum import LighthouseState
+from stalwart.coord.quorum import Changes, LighthouseState
 from stalwart.coord.server import Lighthouse
 from stalwart.data.plan import EpochPlan
 
@@ -89,7 +89,7 @@ def never_serve(monkeypatch: pytest.MonkeyPatch) -> None:
 def save_state(path: Path, state: dict[str, Any]) -> None:
     store = StateStore(path)
     try:
-        store.save(state, [], revision=1, saved_at=0.0)
+        store.save(Changes(revision=1, core=state, formation=None, members={}, events=[]), saved_at=0.0)
     finally:
         store.close()
 

@@ -91,7 +91,7 @@ def read_state(lighthouse: Lighthouse) -> dict[str, Any]:
     """Everything a refused request must not change: the state dict, its revision and /status without clocks."""
 
     async def read() -> dict[str, Any]:
-        return {"revision": lighthouse.state.revision, "state": lighthouse.state.core_state_dict()}
+        return {"revision": lighthouse.state.revision, "state": lighthouse.state.state_dict()}
 
     loop = lighthouse._loop
     assert loop is not None

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import heapq
 import json
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stalwart.data.ledger import DataLedger
+from stalwart.data.ledger import DataLedger, greedy_sizes
 from stalwart.data.plan import EpochPlan
 from stalwart.data.schedule import step_total
 
@@ -239,3 +241,88 @@ def test_epochs_roll_over() -> None:
     assert ledger.epoch_complete and ledger.epoch == 0
     ledger.begin_step(["a"])
     assert ledger.epoch == 1 and ledger.base_index == 10 and ledger.epoch_step == 0
+
+
+def handed_out_one_by_one(loads: list[int], total: int, multiple: int) -> list[int]:
+    """The reference: chunks of ``multiple`` (the last one smaller) to the least loaded, ties to the lowest index."""
+    heap = [(load, index) for index, load in enumerate(loads)]
+    heapq.heapify(heap)
+    sizes = [0] * len(loads)
+    while total:
+        load, index = heapq.heappop(heap)
+        take = min(multiple, total)
+        sizes[index] += take
+        total -= take
+        heapq.heappush(heap, (load + take, index))
+    return sizes
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    loads=st.lists(st.integers(0, 60), min_size=1, max_size=12),
+    total=st.integers(0, 200),
+    multiple=st.integers(1, 9),
+)
+def test_greedy_sizes_hand_out_what_one_chunk_at_a_time_would(loads: list[int], total: int, multiple: int) -> None:
+    sizes = greedy_sizes(np.array(loads, dtype=np.int64), total, multiple)
+    assert sizes.tolist() == handed_out_one_by_one(loads, total, multiple)
+
+
+def test_a_quarter_of_4096_members_failing_is_reassigned_as_chunk_by_chunk() -> None:
+    plan = EpochPlan(1 << 40, 32 * 4096, seed=0, shuffle=False)
+    members = [f"m{n}" for n in range(4096)]
+    ledger = DataLedger(plan)
+    before = ledger.begin_step(members)
+    for member in members[::4]:
+        ledger.member_failed(member)
+    survivors = ledger.members
+    extra = ledger.reassign(survivors)
+    loads = [before[m].size for m in survivors]
+    assert [extra[m].size for m in survivors] == handed_out_one_by_one(loads, 32 * 1024, 1)
+
+
+def weighted_one_by_one(loads: list[int], weights: list[int], total: int, multiple: int) -> list[int]:
+    """The weighted reference: each chunk to the holder whose load per weight would then be least, ties by index."""
+    sizes = [0] * len(loads)
+    held = list(loads)
+    while total:
+        index = min(range(len(held)), key=lambda i: (Fraction(held[i] + multiple, weights[i]), i))
+        take = min(multiple, total)
+        sizes[index] += take
+        held[index] += take
+        total -= take
+    return sizes
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    members=st.integers(2, 9),
+    multiple=st.integers(1, 5),
+    batch_chunks=st.integers(1, 40),
+    weights=st.lists(st.integers(1, 6), min_size=9, max_size=9),
+    equal=st.booleans(),
+    failed=st.sets(st.integers(0, 8), min_size=1, max_size=8),
+)
+def test_balanced_reassign_hands_out_chunk_by_chunk_by_weight(
+    members: int, multiple: int, batch_chunks: int, weights: list[int], equal: bool, failed: set[int]
+) -> None:
+    """Equal weights take the binary search (greedy_sizes), unequal ones the heap: both are the weighted greedy."""
+    names = [f"m{n}" for n in range(members)]
+    plan = EpochPlan(10_000, batch_chunks * multiple + 1, seed=0, local_batch_multiple=multiple)
+    ledger = DataLedger(plan, balance_every=1)
+    ledger.begin_step(names)
+    ledger.commit()
+    ledger.reweigh({name: weights[0] if equal else weights[n] for n, name in enumerate(names)})
+    before = ledger.begin_step(names)
+    for n in sorted(failed):
+        if n < members - 1:
+            ledger.member_failed(names[n])
+    survivors = ledger.members
+    lost = sum(before[name].size for name in names if name not in survivors)
+    extra = ledger.reassign(survivors)
+    expected = weighted_one_by_one(
+        [before[m].size for m in survivors], ledger.effective_weights(survivors), lost, multiple
+    )
+    assert [extra[m].size for m in survivors] == expected
+    positions = np.concatenate([ledger.in_flight[m] for m in survivors])
+    assert np.unique(positions).size == positions.size == plan.step_total(1)

@@ -61,7 +61,7 @@ def test_history_rows_are_appended_and_trimmed_and_load_back(tmp_path: Path) -> 
             state.connected(f"m{n}", float(n))
             state.disconnected(f"m{n}", float(n))
             if n % 100 == 0 or n == HISTORY_LIMIT + 29:
-                store.save(state.core_state_dict(), state.history.drain(), state.revision, float(n))
+                store.save(state.changes(), float(n))
         rows = store._connection.execute("SELECT COUNT(*) FROM history WHERE kind = 'failures'").fetchone()[0]
         assert rows == HISTORY_LIMIT
         loaded = store.load()

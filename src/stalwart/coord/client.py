@@ -33,7 +33,9 @@ from typing import Any, TypeVar
 import aiohttp
 
 from stalwart._validate import check_int
+from stalwart.coord.formation import MemberDelta, step_ledger
 from stalwart.coord.heal_report import HEAL_FIELD, HealTotals
+from stalwart.coord.hosted_ledger import ledger_digest
 from stalwart.coord.wire import QuorumRequest, RequestError, check_seconds, parse_member
 from stalwart.data.ledger import DataLedger
 
@@ -43,6 +45,8 @@ MIN_BACKOFF = 0.05
 MAX_BACKOFF = 0.5
 """Reconnection backoff bounds (seconds): well under the default heartbeat timeout of 2 s."""
 _RETRIED_STATUSES = frozenset({408, 503})
+KEEPALIVE_S = 60.0
+"""How long an idle connection to the lighthouse is kept for the next request (aiohttp's server keeps it 75 s)."""
 INCARNATION_HEADER = "X-Stalwart-Incarnation"
 SECRET_HEADER = "X-Stalwart-Secret"
 
@@ -63,6 +67,10 @@ class LighthouseError(RuntimeError):
 
 class LighthouseUnreachable(ConnectionError):
     """Nothing answered at the lighthouse's address within the time allowed (the message names both)."""
+
+
+class StaleAnswer(ValueError):
+    """A wire-2 answer's delta does not apply to the answer the member holds: ask again for the whole answer."""
 
 
 @dataclass(frozen=True)
@@ -111,14 +119,22 @@ class QuorumAnswer:
     ledger: dict[str, Any]
 
     @classmethod
-    def from_json(cls, data: Any) -> QuorumAnswer:
-        """Build from the decoded JSON answer; ``ValueError`` when it is not well formed."""
+    def from_json(cls, data: Any, previous: QuorumAnswer | None = None) -> QuorumAnswer:
+        """Build from the decoded JSON answer, of either wire (``docs/protocol.md``); ``ValueError`` when it is not
+        well formed.
+
+        A wire-2 answer carries the ledger as the committed ledger plus the
+        step's events, rebuilt here and checked against its digest; its members
+        may come as a delta from ``previous`` (the answer the member holds):
+        :class:`StaleAnswer` when that delta or digest does not fit it.
+        """
         try:
             store = data["store"]
             heal = data["heal"]
+            members = cls._members(data, previous)
             answer = cls(
                 quorum_id=int(data["quorum_id"]),
-                members=tuple(str(member) for member in data["members"]),
+                members=members,
                 rank=int(data["rank"]),
                 world_size=int(data["world_size"]),
                 store=StoreAddress(str(store["host"]), int(store["port"]), str(store["prefix"])),
@@ -136,13 +152,45 @@ class QuorumAnswer:
                         str(heal["checkpoint"]["digest"]),
                     ),
                 ),
-                ledger=dict(data["ledger"]),
+                ledger=cls._ledger(data, members, previous),
             )
+        except StaleAnswer:
+            raise
         except (KeyError, TypeError, ValueError) as error:
-            raise ValueError(f"malformed quorum answer {data!r}: {error}") from error
+            raise ValueError(f"malformed quorum answer {data!r:.2000}: {error}") from error
         if answer.world_size != len(answer.members) or not 0 <= answer.rank < answer.world_size:
             raise ValueError(f"malformed quorum answer: rank {answer.rank} of members {list(answer.members)}")
         return answer
+
+    @staticmethod
+    def _members(data: Any, previous: QuorumAnswer | None) -> tuple[str, ...]:
+        if "delta" not in data:
+            return tuple(str(member) for member in data["members"])
+        delta = data["delta"]
+        if previous is None or previous.quorum_id != int(delta["from"]):
+            held = None if previous is None else previous.quorum_id
+            raise StaleAnswer(f"the answer is a delta from quorum {delta['from']}, but this member holds {held}")
+        change = MemberDelta(int(delta["from"]), tuple(delta["removed"]), tuple(delta["added"]), False)
+        return change.apply(previous.members)
+
+    @staticmethod
+    def _ledger(data: Any, members: tuple[str, ...], previous: QuorumAnswer | None) -> dict[str, Any]:
+        """The ledger in the answer's step: as sent (wire 1), or rebuilt and checked against its digest (wire 2)."""
+        ledger = data["ledger"]
+        if "base" not in ledger:
+            return dict(ledger)
+        begun_by = ledger["begun_by"]
+        if begun_by == "members":
+            begun_by = members
+        elif begun_by == "from":
+            if previous is None:
+                raise StaleAnswer("the answer's step began with the members of a quorum this member does not hold")
+            begun_by = previous.members
+        state = step_ledger(ledger["base"], begun_by, ledger["failed"]).state_dict()
+        if ledger_digest(state) != ledger["digest"]:
+            error = StaleAnswer if "delta" in data else ValueError
+            raise error(f"the ledger rebuilt from the answer does not match its digest {ledger['digest']}")
+        return state
 
     @property
     def member(self) -> str:
@@ -194,6 +242,10 @@ class LighthouseClient:
         self._register_lock: asyncio.Lock | None = None
         self._superseded: LighthouseError | None = None
         self._quorum_id: int | None = None
+        self._answer: QuorumAnswer | None = None
+        """The last quorum answer: the next request names it (``known``) so the next answer can be a delta."""
+        self._recommended_interval = 0.0
+        """The least heartbeat interval the lighthouse asked for (its register and quorum answers say)."""
         self._get_applied_step: Callable[[], Report] | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._heal_totals = HealTotals()
@@ -269,6 +321,7 @@ class LighthouseClient:
         answer = self._run(self._ask_quorum(body, time.monotonic() + timeout), timeout + self.request_timeout)
         if self.member in answer.members:
             self._quorum_id = answer.quorum_id
+            self._answer = answer
             self._reconfigure.clear()
             self._broken.clear()
         return answer
@@ -350,7 +403,9 @@ class LighthouseClient:
 
     async def _open_session(self) -> aiohttp.ClientSession:
         self._register_lock = asyncio.Lock()
-        return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.request_timeout))
+        # a quorum request after a failure reuses the connection of the last one (the lighthouse keeps it 75 s)
+        connector = aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S)
+        return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=self.request_timeout))
 
     async def _shutdown(self) -> None:
         if self._heartbeat_task is not None:
@@ -396,12 +451,25 @@ class LighthouseClient:
             if self._secret is None:
                 body = {"member": self.member, "incarnation": self.incarnation}
                 try:
-                    self._secret = str((await self._request("POST", "/v1/register", body))["secret"])
+                    registered = await self._request("POST", "/v1/register", body)
+                    self._secret = str(registered["secret"])
+                    self._adopt_interval(registered)
                 except LighthouseError as error:
                     if error.body.get("code") == "superseded":
                         self._superseded = error
                     raise
         return {**self._headers, INCARNATION_HEADER: self.incarnation, SECRET_HEADER: self._secret}
+
+    def _adopt_interval(self, answer: Mapping[str, Any]) -> None:
+        """Heartbeat no faster than the lighthouse asks (``heartbeat_interval`` in its answers, when it says)."""
+        recommended = answer.get("heartbeat_interval")
+        if isinstance(recommended, int | float) and not isinstance(recommended, bool) and 0 <= recommended < 3600:
+            self._recommended_interval = float(recommended)
+
+    @property
+    def effective_heartbeat_interval(self) -> float:
+        """The interval heartbeats go at: ``heartbeat_interval``, or longer when the lighthouse asks for it."""
+        return max(self.heartbeat_interval, self._recommended_interval)
 
     def _forget_secret(self, secret: str | None) -> None:
         """Register again before the next call (the lighthouse no longer knows ``secret``)."""
@@ -423,6 +491,9 @@ class LighthouseClient:
         raise AssertionError("unreachable")
 
     async def _ask_quorum(self, body: dict[str, Any], deadline: float) -> QuorumAnswer:
+        """Ask until answered; the request names the quorum this member holds, so the answer may be a delta."""
+        previous = self._answer
+        body = {**body, "known": None if previous is None else previous.quorum_id}
         backoff = MIN_BACKOFF
         unreachable: str | None = None
         while True:
@@ -444,7 +515,13 @@ class LighthouseClient:
                     data = await _json(response)
                     unreachable = None
                     if response.status == 200:
-                        return QuorumAnswer.from_json(data)
+                        self._adopt_interval(data)
+                        try:
+                            return QuorumAnswer.from_json(data, previous)
+                        except StaleAnswer as error:
+                            logger.warning("%s: %s; asking for the whole answer", self.member, error)
+                            body["known"] = previous = None
+                            continue
                     if response.status == 403 and data.get("code") == "unregistered":
                         self._forget_secret(headers[SECRET_HEADER])
                         continue
@@ -508,7 +585,7 @@ class LighthouseClient:
                 if heal.heals:
                     message[HEAL_FIELD] = heal.to_json()
                 await socket.send_json(message)
-                await asyncio.wait({receiver}, timeout=self.heartbeat_interval)
+                await asyncio.wait({receiver}, timeout=self.effective_heartbeat_interval)
         finally:
             receiver.cancel()
             await asyncio.gather(receiver, return_exceptions=True)

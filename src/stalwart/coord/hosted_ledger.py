@@ -45,6 +45,23 @@ def ledger_digest(state: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
+def adopt_weights(ledger: DataLedger, weights: Mapping[str, Any] | None) -> bool:
+    """Record a reported weights record on ``ledger`` between steps if it is at their step and holds older ones.
+
+    Returns whether it did (see the module doc).
+    """
+    if (
+        weights is None
+        or not ledger.balanced
+        or ledger.in_step
+        or weights["step"] != ledger.step
+        or ledger.weights_step >= weights["step"]
+    ):
+        return False
+    ledger.reweigh(weights["weights"])
+    return True
+
+
 @dataclass
 class StepRecord:
     """How the ledger's step in progress began: its members, then ``(failed, reassigned_to)`` events."""
@@ -82,10 +99,51 @@ class HostedLedger:
 
     def __init__(self, plan: EpochPlan, balance_every: int = 0) -> None:
         self.ledger = DataLedger(plan, balance_every=balance_every)
-        self.record: StepRecord | None = None
+        self._record: StepRecord | None = None
+        self._in_step: DataLedger | None = None
+        """The ledger with the record replayed (cached until the record or the ledger changes)."""
         self.snapshot: dict[str, Any] | None = None
         self.digests: dict[int, str] = {0: ledger_digest(self.ledger.state_dict())}
         """Digest of the ledger after each recent commit, by step (bounded; rebuilt from the members' reports)."""
+
+    @property
+    def record(self) -> StepRecord | None:
+        """How the step in progress began, when a quorum formed in it (None otherwise)."""
+        return self._record
+
+    @record.setter
+    def record(self, record: StepRecord | None) -> None:
+        self._record = record
+        self._in_step = None
+
+    def begin(self, members: list[str]) -> None:
+        """A quorum of ``members`` forms at a step boundary: they begin the step in progress."""
+        self.record = StepRecord(list(members))
+
+    def fail(self, members: list[str], survivors: list[str]) -> list[str]:
+        """The step in progress (begun by ``members`` unless a record says otherwise) goes on with ``survivors``.
+
+        The others fail and their positions are reassigned to the survivors;
+        returns the failed members. ``survivors`` keep the step's rank order.
+        """
+        record = self._record or StepRecord(list(members))
+        kept = set(survivors)
+        failed = [member for member in record.live if member not in kept]
+        if [member for member in record.live if member in kept] != survivors:
+            raise ValueError(f"survivors {survivors} must be live members of the step in its rank order")
+        if failed:
+            record.failures.append((failed, list(survivors)))
+        self.record = record
+        return failed
+
+    def in_step(self) -> DataLedger:
+        """The ledger in the step in progress when a record says how it began, else the committed one (cached)."""
+        if self._in_step is None:
+            ledger = self.ledger.copy()
+            if self._record is not None:
+                self._record.replay(ledger)
+            self._in_step = ledger
+        return self._in_step
 
     @property
     def step(self) -> int:
@@ -97,9 +155,13 @@ class HostedLedger:
 
         Returns ``(epoch, step, positions)`` of the committed step.
         """
-        record = self.record or StepRecord(list(members))
+        record = self._record or StepRecord(list(members))
         snapshot = {"ledger": self.ledger.state_dict(), "record": record.to_json()}
-        epoch = record.replay(self.ledger)
+        if self._record is not None:
+            self.ledger = self.in_step()
+            epoch = self.ledger.epoch
+        else:
+            epoch = record.replay(self.ledger)
         step = self.ledger.step
         positions = self.ledger.commit()
         self.snapshot = snapshot
@@ -125,18 +187,10 @@ class HostedLedger:
 
     def _adopt(self, weights: Mapping[str, Any] | None, start: int) -> None:
         """Record the reported weights if the ledger is at their step and holds older ones (see the module doc)."""
-        ledger = self.ledger
-        if (
-            weights is None
-            or not ledger.balanced
-            or ledger.in_step
-            or self.record is not None
-            or weights["step"] != ledger.step
-            or ledger.weights_step >= weights["step"]
-        ):
+        if self._record is not None or not adopt_weights(self.ledger, weights):
             return
-        ledger.reweigh(weights["weights"])
-        for unknown in range(start + 1, ledger.step):
+        self._in_step = None
+        for unknown in range(start + 1, self.ledger.step):
             self.digests.pop(unknown, None)
         self._remember_digest()
 
@@ -155,10 +209,14 @@ class HostedLedger:
 
     def digest_after(self, members: list[str], step: int, weights: Mapping[str, Any] | None = None) -> str:
         """The digest of the ledger committed through ``step`` (a replay on a copy; nothing changes)."""
-        trial = HostedLedger.from_json(self.to_json())
-        for _ in trial.catch_up(members, step, weights):
-            pass
-        return ledger_digest(trial.ledger.state_dict())
+        trial = self.in_step().copy()
+        while trial.step < step:
+            if not trial.in_step:
+                adopt_weights(trial, weights)
+                trial.begin_step(members)
+            trial.commit()
+        adopt_weights(trial, weights)
+        return ledger_digest(trial.state_dict())
 
     def rollback(self) -> None:
         """Return to the state before the last commit (its step is in progress again)."""
@@ -169,10 +227,7 @@ class HostedLedger:
 
     def ledger_state(self) -> dict[str, Any]:
         """The ledger as the members see it: in the step in progress when a quorum formed in it, else committed."""
-        ledger = DataLedger.from_state_dict(self.ledger.state_dict())
-        if self.record is not None:
-            self.record.replay(ledger)
-        return ledger.state_dict()
+        return self.in_step().state_dict()
 
     def to_json(self) -> dict[str, Any]:
         """The ``ledger``, ``record`` and ``snapshot`` entries of the lighthouse's state dict."""

@@ -113,6 +113,16 @@ class Identities:
         self.current.pop(member, None)
         self.retired.pop(member, None)
 
+    def member_json(self, member: str) -> dict[str, Any]:
+        """What is known of one member: ``{"identity": {incarnation, secret_sha256} | None, "retired": [...]}``."""
+        identity = self.current.get(member)
+        return {
+            "identity": None
+            if identity is None
+            else {"incarnation": identity.incarnation, "secret_sha256": identity.secret_sha256},
+            "retired": list(self.retired.get(member, ())),
+        }
+
     def to_json(self) -> dict[str, Any]:
         """JSON form (hashes only, never a secret)."""
         return {

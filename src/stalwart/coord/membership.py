@@ -2,12 +2,16 @@
 
 A member is alive while it sent something (a heartbeat or a request) within
 ``heartbeat_timeout`` and its socket did not close; a later heartbeat revives
-it. Dead members outside the quorum are forgotten beyond ``HISTORY_LIMIT``.
+it. Every sighting costs O(log M) (a deadline heap) and finding the expired
+members costs what expired, so heartbeats stay cheap with thousands of
+members. Dead members outside the quorum are forgotten beyond
+``HISTORY_LIMIT``, those that died longest ago first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+import heapq
+from collections.abc import Container, Iterator
 from dataclasses import dataclass
 
 from stalwart.coord.history import HISTORY_LIMIT
@@ -35,11 +39,19 @@ class MemberRecord:
 
 
 class Membership:
-    """The :class:`MemberRecord` of every member seen, by id."""
+    """The :class:`MemberRecord` of every member seen, by id, and how many are alive."""
 
     def __init__(self, heartbeat_timeout: float) -> None:
         self.heartbeat_timeout = heartbeat_timeout
         self.records: dict[str, MemberRecord] = {}
+        self.live = 0
+        """How many members are alive."""
+        self._sightings: list[tuple[float, str]] = []
+        """``(last_seen, member)`` for every sighting not yet older than the timeout (a heap; stale ones skipped)."""
+        self._dead: dict[str, None] = {}
+        """Dead members, those that died first first."""
+        self._excuse = 0.0
+        self._excused_until = float("-inf")
 
     def __contains__(self, member: object) -> bool:
         return member in self.records
@@ -61,39 +73,74 @@ class Membership:
         """``member`` said something at ``now``: it is alive (created if new)."""
         record = self.records.get(member)
         if record is None:
-            record = self.records[member] = MemberRecord(member, last_seen=now)
+            record = self.records[member] = MemberRecord(member, alive=False, last_seen=now)
         record.last_seen = max(record.last_seen, now)
-        record.alive = True
-        record.left = False
+        self._revive(record)
         return record
 
     def expect(self, member: str, now: float) -> None:
         """Count ``member`` alive as of ``now`` (a restarted lighthouse gives it a heartbeat timeout to reconnect)."""
-        record = self.records.setdefault(member, MemberRecord(member))
-        record.alive = True
-        record.left = False
+        record = self.records.setdefault(member, MemberRecord(member, alive=False))
         record.last_seen = now
+        self._revive(record)
+
+    def restore(self, member: str, applied_step: int | None, now: float) -> MemberRecord:
+        """A member of a persisted state: dead (as of ``now``) until it is seen or expected."""
+        record = self.records[member] = MemberRecord(member, alive=False, last_seen=now, applied_step=applied_step)
+        self._dead[member] = None
+        return record
+
+    def _revive(self, record: MemberRecord) -> None:
+        heapq.heappush(self._sightings, (record.last_seen, record.name))
+        record.left = False
+        if not record.alive:
+            record.alive = True
+            self.live += 1
+            self._dead.pop(record.name, None)
+
+    def excuse(self, seconds: float, now: float) -> None:
+        """The lighthouse was not listening for ``seconds`` before ``now`` (its loop was blocked): for the next
+        ``heartbeat_timeout`` a member may be silent that much longer before it expires."""
+        if now >= self._excused_until:
+            self._excuse = 0.0
+        self._excuse += seconds
+        self._excused_until = now + self.heartbeat_timeout + self._excuse
 
     def expired(self, now: float) -> list[str]:
-        """Live members silent for more than ``heartbeat_timeout`` at ``now``."""
-        timeout = self.heartbeat_timeout
-        return [name for name, record in self.records.items() if record.alive and now - record.last_seen > timeout]
+        """Live members silent for more than ``heartbeat_timeout`` (and any excuse) at ``now``; costs what expired."""
+        timeout = self.heartbeat_timeout + (self._excuse if now < self._excused_until else 0.0)
+        expired: dict[str, None] = {}
+        sightings = self._sightings
+        while sightings and now - sightings[0][0] > timeout:
+            seen, name = heapq.heappop(sightings)
+            record = self.records.get(name)
+            if record is not None and record.alive and record.last_seen == seen:
+                expired[name] = None  # a member seen twice at the same instant has two equal sightings
+        return list(expired)
 
     def mark_dead(self, member: str) -> None:
         """``member`` is dead (until it speaks again)."""
-        self.records[member].alive = False
+        record = self.records[member]
+        if record.alive:
+            record.alive = False
+            self.live -= 1
+            self._dead[member] = None
 
     def alive(self, member: str) -> bool:
         """Whether ``member`` is known and alive."""
         record = self.records.get(member)
         return record is not None and record.alive
 
-    def forget_dead(self, keep: Collection[str]) -> list[str]:
-        """Forget all but the ``HISTORY_LIMIT`` latest-seen dead members not in ``keep``; returns the forgotten."""
-        dead = [r for r in self.records.values() if not r.alive and r.name not in keep]
-        if len(dead) <= HISTORY_LIMIT:
+    def forget_dead(self, keep: Container[str]) -> list[str]:
+        """Forget the dead members not in ``keep`` beyond the ``HISTORY_LIMIT`` latest to die; returns them.
+
+        Linear in the dead members, and only when there are more than the limit.
+        """
+        if len(self._dead) <= HISTORY_LIMIT:
             return []
-        forgotten = [record.name for record in sorted(dead, key=lambda r: r.last_seen)[: len(dead) - HISTORY_LIMIT]]
+        candidates = [name for name in self._dead if name not in keep]
+        forgotten = candidates[: max(0, len(candidates) - HISTORY_LIMIT)]
         for name in forgotten:
             del self.records[name]
+            del self._dead[name]
         return forgotten

@@ -1,16 +1,20 @@
 """The lighthouse's state in SQLite, so that a killed and restarted lighthouse resumes.
 
-Two tables (JSON, never pickle): ``lighthouse_state`` holds one small *core*
-row (the ledger, the quorum, its formation, members, healing, identities and
-the history's counts: :meth:`LighthouseState.core_state_dict
-<stalwart.coord.quorum.LighthouseState.core_state_dict>`), rewritten on every
-change; ``history`` holds one append-only row per failure, departure, quorum
-and recovery, inserted as it happens and trimmed to ``HISTORY_LIMIT`` rows per
-kind. A save is one transaction, so its cost does not grow with the history.
-The database runs in WAL mode with ``synchronous=NORMAL``: a committed write
-survives the process being killed (SIGKILL) at any instant; only an
-operating-system crash can lose the last writes, and even then the ledger
-catches up again from the members' heartbeats.
+Four tables (JSON, never pickle), each written only when its part changed
+(:class:`~stalwart.coord.quorum.Changes`), so a save costs what changed, not
+the number of members: ``lighthouse_state`` holds one small *core* row (the
+ledger, healing, the history's counts, the checkpoint), rewritten on every
+change; ``parts`` holds the ``formation`` row (the quorum, its formation and
+the requests it answered), rewritten when a quorum forms; ``members`` holds
+one row per member (its registered incarnation and the hashes of its secrets),
+written when it appears, registers or is forgotten; ``history`` holds one
+append-only row per failure, departure, quorum and recovery, trimmed to
+``HISTORY_LIMIT`` rows per kind. A save is one transaction. The database runs
+in WAL mode with ``synchronous=NORMAL``: a committed write survives the process
+being killed (SIGKILL) at any instant; only an operating-system crash can lose
+the last writes, and even then the ledger catches up again from the members'
+heartbeats. A file written before the parts existed (one row holding the whole
+state) loads as before.
 """
 
 from __future__ import annotations
@@ -18,11 +22,11 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from stalwart.coord.history import HISTORY_LIMIT, KINDS
+from stalwart.coord.quorum import Changes
 from stalwart.data.plan import EpochPlan
 
 _SCHEMA = (
@@ -42,6 +46,8 @@ _SCHEMA = (
     )
     """,
     "CREATE INDEX IF NOT EXISTS history_kind ON history (kind, seq)",
+    "CREATE TABLE IF NOT EXISTS parts (name TEXT PRIMARY KEY, state TEXT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS members (name TEXT PRIMARY KEY, state TEXT NOT NULL)",
 )
 
 
@@ -76,6 +82,21 @@ class StateStore:
             raise ValueError(f"the lighthouse state in {self.path} is not valid JSON: {error}") from error
         if not isinstance(state, dict) or not isinstance(state.get("history"), dict):
             raise ValueError(f"the lighthouse state in {self.path} must be a JSON object with a history")
+        for (text,) in self._connection.execute("SELECT state FROM parts WHERE name = 'formation'"):
+            state.update(json.loads(text))
+        members = self._connection.execute("SELECT name, state FROM members ORDER BY rowid").fetchall()
+        if members or "members" not in state:
+            state["members"] = {}
+            state["identities"] = {"current": {}, "retired": {}}
+        for name, text in members:
+            member = json.loads(text)
+            state["members"][name] = None
+            if member["identity"] is not None:
+                state["identities"]["current"][name] = member["identity"]
+            if member["retired"]:
+                state["identities"]["retired"][name] = member["retired"]
+        for key, empty in (("quorum", None), ("formation", None), ("answered", {})):
+            state.setdefault(key, empty)
         history = state["history"]
         rows = self._connection.execute("SELECT kind, event FROM history ORDER BY seq").fetchall()
         if rows or any(kind not in history for kind in KINDS):
@@ -87,19 +108,33 @@ class StateStore:
                 history[kind] = [*history.get(kind, []), *events[kind]][-HISTORY_LIMIT:]
         return state
 
-    def save(
-        self, core: dict[str, Any], events: Sequence[tuple[str, dict[str, Any]]], revision: int, saved_at: float
-    ) -> None:
-        """Replace the core row and append ``events`` (``(kind, event)``), trimming each kind; one transaction."""
-        core_text = _dumps(core)
-        rows = [(kind, _dumps(event)) for kind, event in events]
+    def save(self, changes: Changes, saved_at: float) -> None:
+        """Write what changed: the core row, the formation row and member rows that changed, new events; one
+        transaction."""
+        core_text = _dumps(changes.core)
+        formation_text = None if changes.formation is None else _dumps(changes.formation)
+        upserts = [(name, _dumps(row)) for name, row in changes.members.items() if row is not None]
+        deletes = [(name,) for name, row in changes.members.items() if row is None]
+        rows = [(kind, _dumps(event)) for kind, event in changes.events]
         connection = self._connection
         connection.execute("BEGIN")
         try:
             connection.execute(
                 "INSERT OR REPLACE INTO lighthouse_state (id, revision, saved_at, state) VALUES (0, ?, ?, ?)",
-                (revision, saved_at, core_text),
+                (changes.revision, saved_at, core_text),
             )
+            if formation_text is not None:
+                connection.execute(
+                    "INSERT OR REPLACE INTO parts (name, state) VALUES ('formation', ?)", (formation_text,)
+                )
+            if upserts:
+                connection.executemany(
+                    "INSERT INTO members (name, state) VALUES (?, ?) "
+                    "ON CONFLICT (name) DO UPDATE SET state = excluded.state",  # keeps the row's order
+                    upserts,
+                )
+            if deletes:
+                connection.executemany("DELETE FROM members WHERE name = ?", deletes)
             if rows:
                 connection.executemany("INSERT INTO history (kind, event) VALUES (?, ?)", rows)
                 for kind in {kind for kind, _ in rows}:

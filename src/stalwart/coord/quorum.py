@@ -1,13 +1,22 @@
 """The lighthouse's state machine: the quorum formation policy, composing one-job parts.
 
 The parts: :mod:`~stalwart.coord.wire` (request parsing), :mod:`~stalwart.coord.membership`
-(liveness), :mod:`~stalwart.coord.hosted_ledger` (the ledger of record) and
+(liveness), :mod:`~stalwart.coord.roster` (the current quorum and who still
+counts for it), :mod:`~stalwart.coord.pending` (the waiting requests),
+:mod:`~stalwart.coord.formation` (a formed quorum and its answers),
+:mod:`~stalwart.coord.hosted_ledger` (the ledger of record) and
 :mod:`~stalwart.coord.history` (failures, departures, quorums, recoveries);
 :class:`LighthouseState` ties them together and their public names stay
 importable from here.
 
 Pure: no I/O and no clock. Every event carries the time ``now`` (seconds, any
 origin), so the rules of ``docs/protocol.md`` run in microseconds in tests.
+
+Cost, with M members: a heartbeat, a request that forms nothing, a death and
+:meth:`LighthouseState.try_form` take constant time (commits aside: each
+replays one step of the ledger); forming a quorum, :meth:`~LighthouseState.tick`
+(hung members) and ``to_status`` are linear. So a failure of many members at
+once is handled in time linear in M, and forms one quorum.
 
 Liveness
     A member is alive while its heartbeat socket is open and it sent something
@@ -62,8 +71,8 @@ Refusals (``RequestError``, nothing changes)
 
 from __future__ import annotations
 
-import dataclasses
 import hmac
+import json
 import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -71,11 +80,14 @@ from typing import Any
 
 from stalwart._validate import check_bool, check_int
 from stalwart.coord.checkpoints import CheckpointRecord, parse_checkpoint_report, vouch
+from stalwart.coord.formation import Formation, MemberDelta
 from stalwart.coord.history import HISTORY_LIMIT, History
 from stalwart.coord.history import KINDS as HISTORY_KINDS
 from stalwart.coord.hosted_ledger import HostedLedger, StepRecord, ledger_digest
 from stalwart.coord.identity import Identities, parse_incarnation
 from stalwart.coord.membership import MemberRecord, Membership
+from stalwart.coord.pending import Pending
+from stalwart.coord.roster import Quorum, Roster
 from stalwart.coord.wire import (
     REASONS,
     QuorumRequest,
@@ -112,9 +124,13 @@ __all__ = [
     "parse_weights",
 ]
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+"""Version 2 persists each formation's ledger in its compact form; a version 1 state resumes without its formation."""
 MAX_MEMBERS = 4096
 """Default cap on live members (``max_members``)."""
+HUNG_CHECK_S = 0.5
+"""How often, at most, :meth:`LighthouseState.tick` looks for hung members (a walk of the quorum); at least ten
+times per ``join_timeout``, so a hang is found within 110% of it."""
 MAX_CATCH_UP = 100_000
 """How far a quorum member's ``applied_step`` may run ahead of the ledger (a bound on catch-up work)."""
 
@@ -122,57 +138,18 @@ CommitListener = Callable[[int, int, Positions], None]
 
 
 @dataclass(frozen=True)
-class Quorum:
-    """The members that run the current steps together, in rank order."""
+class Changes:
+    """What changed since the last save, each part only if it changed (see :mod:`stalwart.coord.persist`)."""
 
-    quorum_id: int
-    members: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Formation:
-    """A quorum just formed: what every member is told (``answer``) and why it formed."""
-
-    quorum_id: int
-    members: tuple[str, ...]
-    applied_step: int
-    heal: dict[str, Any] | None
-    ledger: dict[str, Any]
-    reason: str
-    time: float
-    timed_out: bool
-    rolled_back: bool
-    store_prefix: str = ""
-    """The quorum's TCPStore key prefix, ``q{quorum_id}-{128 random bits}/``: told only to its members."""
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON form (for persistence)."""
-        return {**dataclasses.asdict(self), "members": list(self.members)}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Formation:
-        """Inverse of ``to_json``."""
-        return cls(**{**data, "members": tuple(data["members"])})
-
-    def answer(self, member: str) -> dict[str, Any]:
-        """The JSON answer for ``member`` (the server adds ``store``)."""
-        return {
-            "quorum_id": self.quorum_id,
-            "members": list(self.members),
-            "rank": self.members.index(member),
-            "world_size": len(self.members),
-            "applied_step": self.applied_step,
-            "heal": self.heal,
-            "ledger": self.ledger,
-            "store": {"prefix": self.store_prefix or f"q{self.quorum_id}/"},
-        }
-
-
-@dataclass
-class _Pending:
-    request: QuorumRequest
-    time: float
-    order: int
+    revision: int
+    core: dict[str, Any]
+    """The small part rewritten on every change: the ledger, healing, history counts, the checkpoint."""
+    formation: dict[str, Any] | None
+    """The quorum, its formation and the requests it answered; None when unchanged."""
+    members: dict[str, dict[str, Any] | None]
+    """One row per member whose identity changed or that appeared (None: forgotten)."""
+    events: list[tuple[str, dict[str, Any]]]
+    """New history events."""
 
 
 class LighthouseState:
@@ -209,28 +186,28 @@ class LighthouseState:
         self.require_digest = check_bool("require_digest", require_digest)
         """Refuse reports that would commit steps without a ledger digest (the server sets it)."""
         self._identities = Identities()
-        self._evicted: set[str] = set()
-        """Members of the current quorum that no longer count for it (``hung``, ``restarted``) until the next one."""
         self.revision = 0
         """Grows with every change that must be persisted (commits, quorums, history)."""
         self._hosted = HostedLedger(plan, check_int("balance_every", balance_every, minimum=0))
         self._checkpoint: CheckpointRecord | None = None
-        self._quorum: Quorum | None = None
+        self._roster = Roster()
         self._members = Membership(self.heartbeat_timeout)
-        self._pending: dict[str, _Pending] = {}
-        self._arrivals = 0
+        self._pending = Pending()
         self._healing: dict[str, bool] = {}
         self._heal_step = 0
         self._formation: Formation | None = None
         self._answered: dict[str, QuorumRequest] = {}
         self.history = History()
+        self._formation_changed = False
+        self._members_changed: set[str] = set()
+        self._hung_checked = float("-inf")
 
     # --- read-only views -------------------------------------------------------------------------
 
     @property
     def quorum(self) -> Quorum | None:
         """The current quorum (None before the first one)."""
-        return self._quorum
+        return self._roster.quorum
 
     @property
     def step(self) -> int:
@@ -268,33 +245,39 @@ class LighthouseState:
         return self._members.records
 
     @property
+    def live_members(self) -> int:
+        """How many members are alive."""
+        return self._members.live
+
+    @property
+    def asking(self) -> int:
+        """How many quorum requests wait for the next quorum."""
+        return len(self._pending)
+
+    @property
     def pending(self) -> dict[str, QuorumRequest]:
         """The quorum requests waiting for the next quorum, by member."""
-        return {member: pending.request for member, pending in self._pending.items()}
+        return {member: ask.request for member, ask in self._pending.items()}
 
     @property
     def reconfigure_pending(self) -> bool:
         """True while a joiner waits or a member of the quorum is dead: its members should come to a boundary."""
-        quorum = self._quorum
-        if quorum is None:
+        if self._roster.quorum is None:
             return False
-        if self.quorum_broken:
-            return True
-        return any(m not in quorum.members or p.request.reason == "join" for m, p in self._pending.items())
+        # every waiting request but the survivors' (failure or reconfigure from the quorum) is a joiner's
+        return self._roster.broken or len(self._pending) > self._pending.survivors
 
     @property
     def quorum_broken(self) -> bool:
         """True while a member of the current quorum is dead: its collectives cannot complete."""
-        quorum = self._quorum
-        return quorum is not None and any(not self._counts(member) for member in quorum.members)
-
-    def _counts(self, member: str) -> bool:
-        """Whether a member of the current quorum still counts for it: alive and neither hung nor restarted."""
-        return self._members[member].alive and member not in self._evicted
+        return self._roster.broken
 
     def should_reconfigure(self, member: str) -> bool:
-        """Whether ``member``'s heartbeat should be answered with ``{"type": "reconfigure"}``."""
-        return self._quorum is not None and member in self._quorum.members and self.reconfigure_pending
+        """Whether ``member``'s heartbeat should be answered with ``{"type": "reconfigure"}``.
+
+        Not once it asks for the next quorum: it is at the boundary already.
+        """
+        return member in self._roster and member not in self._pending and self.reconfigure_pending
 
     def left_out(self, member: str) -> bool:
         """Whether ``member`` is alive but neither in the current quorum nor asking to join it.
@@ -302,30 +285,35 @@ class LighthouseState:
         Its heartbeat is answered with ``{"type": "reconfigure", "left_out": true}`` so that a member the
         quorum went on without (excluded while it trained alone, say) stops and joins again.
         """
-        record = self._members.get(member)
         return (
-            self._quorum is not None
-            and member not in self._quorum.members
+            self._roster.quorum is not None
+            and member not in self._roster
             and member not in self._pending
-            and record is not None
-            and record.alive
+            and self._members.alive(member)
         )
 
     def ledger_state(self) -> dict[str, Any]:
         """The ledger as the members see it: in the step in progress when a quorum formed in it, else committed."""
         return self._hosted.ledger_state()
 
-    def answer_for(self, request: QuorumRequest) -> dict[str, Any] | None:
-        """The current quorum's answer if it was formed for exactly this request (a retried long poll)."""
+    def formation_for(self, request: QuorumRequest) -> Formation | None:
+        """The current quorum if it was formed for exactly this request (a retried long poll)."""
         if self._formation is None or self._answered.get(request.member) != request:
             return None
-        return self._formation.answer(request.member)
+        return self._formation
+
+    def answer_for(self, request: QuorumRequest) -> dict[str, Any] | None:
+        """The current quorum's (wire 1) answer if it was formed for exactly this request."""
+        formation = self.formation_for(request)
+        return None if formation is None else formation.answer(request.member)
 
     def expect_quorum(self, now: float) -> None:
         """Count the quorum's members as alive and seen at ``now``: after a restart they get
         ``heartbeat_timeout`` to reconnect their heartbeat sockets."""
-        for member in self._quorum.members if self._quorum else ():
+        quorum = self._roster.quorum
+        for member in quorum.members if quorum else ():
             self._members.expect(member, now)
+            self._roster.revived(member)
 
     # --- identity --------------------------------------------------------------------------------
 
@@ -340,21 +328,21 @@ class LighthouseState:
         """
         member = parse_member(member)
         incarnation = parse_incarnation(incarnation)
-        if member not in self._identities:
-            live = sum(record.alive for record in self._members.records.values())
-            if not self._members.alive(member) and live >= self.max_members:
-                raise RequestError(
-                    429,
-                    f"max_members={self.max_members} live members are registered: member {member!r} is refused",
-                    field="member",
-                    cap="max_members",
-                )
+        live = self._members.live
+        if member not in self._identities and not self._members.alive(member) and live >= self.max_members:
+            raise RequestError(
+                429,
+                f"max_members={self.max_members} live members are registered: member {member!r} is refused",
+                field="member",
+                cap="max_members",
+            )
         secret, replaced = self._identities.register(member, incarnation)
         self.revision += 1
+        self._members_changed.add(member)
         if replaced is not None and self._members.alive(member):
             self._mark_dead(member, now, "restarted")
-        if replaced is not None and self._quorum is not None and member in self._quorum.members:
-            self._evicted.add(member)
+        if replaced is not None and member in self._roster:
+            self._roster.evict(member)
         elif replaced is None:
             self._touch(member, now)
         return secret
@@ -456,32 +444,44 @@ class LighthouseState:
         return self._checkpoint
 
     def request(self, request: QuorumRequest, now: float) -> dict[str, Any] | None:
-        """Register a quorum request; returns the answer at once if this very request was already answered.
+        """:meth:`ask`, with the (wire 1) answer as a dict."""
+        formation = self.ask(request, now)
+        return None if formation is None else formation.answer(request.member)
+
+    def ask(self, request: QuorumRequest, now: float) -> Formation | None:
+        """Register a quorum request; returns the quorum at once if this very request was already answered.
 
         Raises ``RequestError`` (and changes nothing) for a stale quorum id, a
         member not in the quorum asking as a survivor, or an impossible step.
         """
-        answer = self.answer_for(request)
-        if answer is not None:
+        formation = self.formation_for(request)
+        if formation is not None:
             self._touch(request.member, now)
-            return answer
+            return formation
         self._check_request(request)
         record = self._touch(request.member, now)
         if request.reason != "join":
             record.report(request.applied_step)
             self._progress(request.member, request.applied_step, request.weights)
-        previous = self._pending.get(request.member)
-        if previous is None or previous.request != request:
-            self._arrivals += 1
-            self._pending[request.member] = _Pending(request, now, self._arrivals)
+        self._pending.add(request, now, self._roster.counts(request.member))
         return None
 
+    def excuse_silence(self, seconds: float, now: float) -> None:
+        """The lighthouse could not listen for ``seconds`` before ``now``: no member expires for that silence."""
+        self._members.excuse(seconds, now)
+
     def tick(self, now: float) -> Formation | None:
-        """Expire heartbeats and join timeouts; form the next quorum when the rules allow."""
+        """Expire heartbeats and join timeouts, forget long-dead members; form the next quorum when the rules allow."""
         for name in self._members.expired(now):
             self._mark_dead(name, now, "heartbeat timeout")
-        self._detect_hung(now)
-        return self._try_form(now)
+        for forgotten in self._members.forget_dead(self._roster):
+            self._identities.forget(forgotten)
+            self._members_changed.add(forgotten)
+            self.revision += 1
+        if now - self._hung_checked >= min(HUNG_CHECK_S, self.join_timeout / 10) or now < self._hung_checked:
+            self._hung_checked = now
+            self._detect_hung(now)
+        return self.try_form(now)
 
     def _detect_hung(self, now: float) -> None:
         """Evict quorum members that live peers wait on (they are ahead) with no progress for ``join_timeout``.
@@ -490,48 +490,70 @@ class LighthouseState:
         blocked in a collective on it. Evicting it breaks the quorum, so the
         peers are told at once and re-form without it (failure reason ``hung``).
         """
-        quorum = self._quorum
+        quorum = self._roster.quorum
         if quorum is None:
             return
-        steps = {
-            m: self._members[m].applied_step
-            for m in quorum.members
-            if self._counts(m) and m not in self._healing and self._members[m].applied_step is not None
-        }
+        records = self._members.records
+        steps: dict[str, int] = {}
+        for member in quorum.members:
+            step = records[member].applied_step
+            if step is not None and self._roster.counts(member) and member not in self._healing:
+                steps[member] = step
         if not steps:
             return
-        ahead = max(step for step in steps.values() if step is not None)
+        ahead = max(steps.values())
         for member, step in steps.items():
-            record = self._members[member]
-            if step is None or step >= ahead or member in self._pending:
+            record = records[member]
+            if step >= ahead or member in self._pending:
                 record.waited_since = None
-                continue
-            if record.waited_since is None:
+            elif record.waited_since is None:
                 record.waited_since = now
             elif now - record.waited_since > self.join_timeout:
-                self._evicted.add(member)
+                self._roster.evict(member)
                 self._record_failure(member, now, "hung", in_quorum=True)
 
     # --- quorum formation ------------------------------------------------------------------------
 
-    def _try_form(self, now: float) -> Formation | None:
-        pending = self._pending
-        if not pending:
+    def try_form(self, now: float) -> Formation | None:
+        """Form the next quorum if the rules allow at ``now``; constant time unless it forms (or a failure waits)."""
+        pending, roster = self._pending, self._roster
+        if not len(pending):
             return None
-        quorum_members = list(self._quorum.members) if self._quorum else []
-        not_dead = [m for m in quorum_members if self._counts(m)]
-        asked = [m for m in not_dead if m in pending]
-        unaccounted = [m for m in not_dead if m not in pending]
-        clock = min(pending[m].time for m in (asked or pending))
-        timed_out = now - clock >= self.join_timeout
+        unaccounted = roster.counting - pending.ours
+        since = pending.first_time()
+        timed_out = now - since >= self.join_timeout
         if unaccounted and not timed_out:
             return None
         # After the join timeout the members that did not ask are excluded: they no longer count for the
         # majority rule, so the askers are the majority of what counts; some member of the quorum must ask.
-        if not_dead and not asked:
+        if roster.counting and not pending.ours:
             return None
+        if not pending.failures and not self._may_form(len(pending), False, timed_out):
+            return None  # without a failure every asker joins the quorum: the counts decide, no walk needed
+        return self._form_from_pending(now, timed_out, since)
+
+    def _may_form(self, size: int, failure: bool, timed_out: bool) -> bool:
+        """Whether a quorum of ``size`` members may form now (``min_replicas``, ``start_replicas``, stragglers)."""
+        if not size or size < self.min_replicas:
+            return False
+        if self._roster.quorum is None and size < self.start_replicas and not timed_out:
+            return False
+        return failure or timed_out or not self._yet_to_ask()
+
+    def _yet_to_ask(self) -> bool:
+        """Whether a live member that counts (not evicted) has not asked: a boundary quorum waits for it."""
+        pending, alive = self._pending, self._members.alive
+        evicted_silent = sum(1 for m in self._roster.evicted if alive(m) and m not in pending)
+        return self._members.live - len(pending) - evicted_silent > 0  # every waiting member is alive
+
+    def _form_from_pending(self, now: float, timed_out: bool, since: float) -> Formation | None:
+        pending, roster = self._pending, self._roster
+        quorum_members = roster.quorum.members if roster.quorum else ()
+        asked = [m for m in quorum_members if roster.counts(m) and m in pending]
+        unaccounted = [m for m in quorum_members if roster.counts(m) and m not in pending]
         survivors = [m for m in asked if pending[m].request.reason != "join"]
-        joiners = sorted((m for m in pending if m not in survivors), key=lambda m: pending[m].order)
+        chosen = set(survivors)
+        joiners = [m for m, _ in pending.items() if m not in chosen]
         # a restarted or hung member of the quorum may come back only as a joiner
         trusted = [m for m in survivors if m not in self._healing]
         target, mode = self._target_step(trusted)
@@ -539,17 +561,9 @@ class LighthouseState:
             pending[m].request.reason == "failure" and pending[m].request.applied_step == target for m in trusted
         )
         members = survivors if failure else survivors + joiners
-        if not members or len(members) < self.min_replicas:
+        if not self._may_form(len(members), failure, timed_out):
             return None
-        if self._quorum is None and len(members) < self.start_replicas and not timed_out:
-            return None
-        if (
-            not failure
-            and not timed_out
-            and any(r.alive and m not in pending and m not in self._evicted for m, r in self.members.items())
-        ):
-            return None
-        return self._form(now, members, target, mode, failure, timed_out, unaccounted, clock)
+        return self._form(now, members, target, mode, failure, timed_out, unaccounted, since)
 
     def _target_step(self, trusted: list[str]) -> tuple[int, str]:
         """``A`` and how the ledger reaches it: ``catch-up``, ``rollback`` or ``keep`` (no survivor holds more)."""
@@ -574,7 +588,7 @@ class LighthouseState:
         since: float,
     ) -> Formation:
         """Form the quorum; members of the old one that did not ask by the timeout are excluded as of ``since``."""
-        previous = self._quorum
+        previous = self._roster.quorum
         if mode == "catch-up":
             asked = [self._pending[m].request for m in members if m not in self._healing]
             reports = [r.weights for r in asked if r.reason != "join" and r.applied_step == target]
@@ -588,14 +602,14 @@ class LighthouseState:
             target = checkpoint.step
         if failure:
             assert previous is not None
-            record = self._hosted.record or StepRecord(list(previous.members))
-            failed = [m for m in record.live if m not in members]
-            if failed:
-                record.failures.append((failed, list(members)))
-            self._hosted.record = record
+            self._hosted.fail(list(previous.members), members)
         else:
-            self._hosted.record = StepRecord(list(members))
-        requests = {m: self._pending.pop(m).request for m in members}
+            self._hosted.begin(members)
+        requests = {}
+        for m in members:
+            ask = self._pending.pop(m)
+            assert ask is not None
+            requests[m] = ask.request
         applied = {m: requests[m].applied_step for m in members}
         targets = [m for m in members if applied[m] != target]
         if previous is None:
@@ -610,27 +624,37 @@ class LighthouseState:
         self._heal_step = target
         self._hosted.snapshot = None
         quorum_id = previous.quorum_id + 1 if previous else 1
-        self._quorum = Quorum(quorum_id, tuple(members))
-        self._evicted = set()
-        for seen in self._members.records.values():
-            seen.waited_since = None
+        for member in previous.members if previous else ():
+            self._members[member].waited_since = None
+        self._roster = Roster(Quorum(quorum_id, tuple(members)))
+        self._pending.regroup(self._roster.counts)
         for member in excluded:
             self._record_failure(member, since, "excluded", in_quorum=True)
+        record = self._hosted.record
+        assert record is not None
         reason = "start-up" if previous is None else "failure" if failure else "boundary"
+        delta = None
+        if previous is not None:
+            delta = MemberDelta.between(previous.quorum_id, previous.members, members, record.members)
         formation = Formation(
             quorum_id,
             tuple(members),
             target,
             heal,
-            self.ledger_state(),
+            self._hosted.ledger.state_dict(),
+            tuple(record.members),
+            tuple(tuple(failed) for failed, _ in record.failures),
+            ledger_digest(self._hosted.ledger_state()),
             reason,
             now,
             timed_out,
             mode == "rollback",
             f"q{quorum_id}-{secrets.token_hex(16)}/",
+            delta,
         )
         self._formation = formation
         self._answered = requests
+        self._formation_changed = True
         self.history.quorum(quorum_id, list(members), reason, now, target, timed_out=timed_out)
         self.revision += 1
         return formation
@@ -648,7 +672,7 @@ class LighthouseState:
 
     def _finished_cleanly(self) -> bool:
         """Whether every member of the last quorum left cleanly (``/v1/leave``) rather than failing."""
-        quorum = self._quorum
+        quorum = self._roster.quorum
         if quorum is None:
             return False
         records = [self._members.get(member) for member in quorum.members]
@@ -663,21 +687,27 @@ class LighthouseState:
 
     def _catch_up(self, step: int, weights: Mapping[str, Any] | None) -> None:
         """Commit the hosted ledger through ``step`` with the quorum's members (``weights``: the report's)."""
-        assert self._quorum is not None
-        for epoch, committed, positions in self._hosted.catch_up(list(self._quorum.members), step, weights):
+        if step <= self._hosted.step:
+            return
+        quorum = self._roster.quorum
+        assert quorum is not None
+        for epoch, committed, positions in self._hosted.catch_up(list(quorum.members), step, weights):
             self.revision += 1
             if self.on_commit is not None:
                 self.on_commit(epoch, committed, positions)
 
-    def _would_commit(self, member: str, applied_step: int) -> bool:
-        """Whether ``member``'s report of ``applied_step`` would commit steps (see ``_progress``)."""
-        if self._quorum is None or member not in self._quorum.members or member in self._evicted:
+    def _reports_count(self, member: str, applied_step: int) -> bool:
+        """Whether ``member``'s report of ``applied_step`` counts towards commits (see ``_progress``)."""
+        if member not in self._roster or member in self._roster.evicted:
             return False
         if member in self._healing:
             ahead = self._healing[member]
-            if not (applied_step == self._heal_step if ahead else applied_step >= self._heal_step):
-                return False
-        return applied_step > self._hosted.step
+            return applied_step == self._heal_step if ahead else applied_step >= self._heal_step
+        return True
+
+    def _would_commit(self, member: str, applied_step: int) -> bool:
+        """Whether ``member``'s report of ``applied_step`` would commit steps (see ``_progress``)."""
+        return applied_step > self._hosted.step and self._reports_count(member, applied_step)
 
     def _check_digest(
         self, member: str, applied_step: int, digest: str | None, weights: Mapping[str, Any] | None
@@ -695,8 +725,9 @@ class LighthouseState:
                     field="digest",
                 )
             return
-        assert self._quorum is not None
-        ours = self._hosted.digest_after(list(self._quorum.members), applied_step, weights)
+        quorum = self._roster.quorum
+        assert quorum is not None
+        ours = self._hosted.digest_after(list(quorum.members), applied_step, weights)
         if not hmac.compare_digest(ours, digest):
             raise RequestError(
                 422,
@@ -707,32 +738,17 @@ class LighthouseState:
 
     def _progress(self, member: str, applied_step: int, weights: Mapping[str, Any] | None) -> None:
         """Commit through ``applied_step`` if ``member`` is a quorum member whose reports count."""
-        if self._quorum is None or member not in self._quorum.members or member in self._evicted:
+        if not self._reports_count(member, applied_step):
             return
         if member in self._healing:
-            ahead = self._healing[member]
-            healed = applied_step == self._heal_step if ahead else applied_step >= self._heal_step
-            if not healed:
-                return
             del self._healing[member]
             self.revision += 1
         self._catch_up(applied_step, weights)
 
-    def _known_step(self) -> int:
-        """The furthest step the lighthouse knows of: its ledger or a report of a live quorum member."""
-        known = self._hosted.step
-        if self._quorum is not None:
-            for member in self._quorum.members:
-                record = self._members[member]
-                if record.alive and record.applied_step is not None and member not in self._healing:
-                    known = max(known, record.applied_step)
-        return known
-
     # --- checks ----------------------------------------------------------------------------------
 
     def _check_catch_up(self, member: str, applied_step: int) -> None:
-        quorum = self._quorum
-        if quorum is not None and member in quorum.members and applied_step > self._hosted.step + MAX_CATCH_UP:
+        if member in self._roster and applied_step > self._hosted.step + MAX_CATCH_UP:
             raise RequestError(
                 422,
                 f"applied_step {applied_step} is impossible: more than {MAX_CATCH_UP} steps ahead of "
@@ -741,14 +757,15 @@ class LighthouseState:
             )
 
     def _check_request(self, request: QuorumRequest) -> None:
-        quorum = self._quorum
+        quorum = self._roster.quorum
         if request.reason == "join":
-            limit = self._known_step() + (1 if quorum is not None else 0)
+            # every report a quorum member makes commits at once, so nothing known is past the ledger's step
+            limit = self._hosted.step + (1 if quorum is not None else 0)
             if request.applied_step > limit:
                 raise RequestError(
                     422,
                     f"applied_step {request.applied_step} is impossible for a join: the ledger is at step "
-                    f"{self._hosted.step} and nothing known is past step {self._known_step()} (was the lighthouse "
+                    f"{self._hosted.step} and nothing known is past it (was the lighthouse "
                     "restarted without its --state file? restart it on that file to go on)",
                     field="applied_step",
                 )
@@ -757,7 +774,7 @@ class LighthouseState:
             raise RequestError(
                 409, f"no quorum has formed yet: ask with reason 'join', not {request.reason!r}", field="reason"
             )
-        if request.member not in quorum.members or request.member in self._evicted:
+        if request.member not in self._roster or request.member in self._roster.evicted:
             raise RequestError(
                 409,
                 f"member {request.member!r} is not (or no longer) in quorum {quorum.quorum_id}: "
@@ -780,20 +797,25 @@ class LighthouseState:
     # --- liveness and history --------------------------------------------------------------------
 
     def _touch(self, member: str, now: float) -> MemberRecord:
-        return self._members.touch(member, now)
+        if member not in self._members:
+            self._members_changed.add(member)
+            self.revision += 1
+        record = self._members.touch(member, now)
+        self._roster.revived(member)
+        return record
 
     def _mark_dead(self, member: str, now: float, reason: str) -> None:
         self._members.mark_dead(member)
-        self._pending.pop(member, None)
-        self._answered.pop(member, None)
-        in_quorum = self._quorum is not None and member in self._quorum.members
+        self._roster.died(member)
+        self._pending.pop(member)
+        if self._answered.pop(member, None) is not None:
+            self._formation_changed = True
+        in_quorum = member in self._roster
         if reason == "left":
             self.history.departure(member, now, in_quorum=in_quorum)
             self.revision += 1
         else:
             self._record_failure(member, now, reason, in_quorum=in_quorum)
-        for forgotten in self._members.forget_dead(self._quorum.members if self._quorum else ()):
-            self._identities.forget(forgotten)
 
     def _record_failure(self, member: str, now: float, reason: str, *, in_quorum: bool) -> None:
         self.history.failure(member, now, reason, in_quorum=in_quorum)
@@ -806,7 +828,7 @@ class LighthouseState:
         record = self._members[member]
         if not record.alive:
             return "left" if record.left else "dead"
-        return "alive" if self._quorum is not None and member in self._quorum.members else "joining"
+        return "alive" if member in self._roster else "joining"
 
     def to_status(self, now: float | None = None) -> dict[str, Any]:
         """One JSON-able dict of everything a dashboard shows."""
@@ -815,7 +837,7 @@ class LighthouseState:
         length = self.plan.epoch_length
         members = []
         for name, record in self._members.records.items():
-            pending = self._pending.get(name)
+            ask = self._pending.get(name)
             members.append(
                 {
                     "member": name,
@@ -824,11 +846,11 @@ class LighthouseState:
                     "connected": record.connected,
                     "last_seen": record.last_seen,
                     "seconds_since_seen": None if now is None else max(0.0, now - record.last_seen),
-                    "asking": None if pending is None else pending.request.reason,
+                    "asking": None if ask is None else ask.request.reason,
                     "healing": name in self._healing,
                 }
             )
-        quorum = self._quorum
+        quorum = self._roster.quorum
         return {
             "members": members,
             "quorum": None if quorum is None else {"quorum_id": quorum.quorum_id, "members": list(quorum.members)},
@@ -861,26 +883,60 @@ class LighthouseState:
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable state; ``from_state_dict`` resumes it in a restarted lighthouse."""
-        quorum = self._quorum
+        return {
+            **self._core_state(),
+            **self._formation_state(),
+            "history": self.history.to_json(),
+            "members": {name: record.applied_step for name, record in self._members.records.items()},
+            "identities": self._identities.to_json(),
+        }
+
+    def _core_state(self) -> dict[str, Any]:
+        history = self.history.to_json()
+        kept = {key: value for key, value in history.items() if key not in HISTORY_KINDS}
         return {
             "version": STATE_VERSION,
             **self._hosted.to_json(),
-            "quorum": None if quorum is None else {"quorum_id": quorum.quorum_id, "members": list(quorum.members)},
-            "members": {name: record.applied_step for name, record in self._members.records.items()},
-            "formation": None if self._formation is None else self._formation.to_json(),
-            "answered": {member: dataclasses.asdict(request) for member, request in self._answered.items()},
             "healing": dict(self._healing),
             "heal_step": self._heal_step,
-            "history": self.history.to_json(),
-            "identities": self._identities.to_json(),
+            "history": json.loads(json.dumps(kept)),  # a copy: the save thread reads it while the loop goes on
             "checkpoint": None if self._checkpoint is None else self._checkpoint.to_json(),
         }
 
-    def core_state_dict(self) -> dict[str, Any]:
-        """``state_dict()`` without the history's event lists (kept as append-only rows by the store)."""
-        state = self.state_dict()
-        state["history"] = {key: value for key, value in state["history"].items() if key not in HISTORY_KINDS}
-        return state
+    def _formation_state(self) -> dict[str, Any]:
+        quorum = self._roster.quorum
+        return {
+            "quorum": None if quorum is None else {"quorum_id": quorum.quorum_id, "members": list(quorum.members)},
+            "formation": None if self._formation is None else self._formation.to_json(),
+            "answered": {member: request.to_json() for member, request in self._answered.items()},
+        }
+
+    def changes(self) -> Changes:
+        """What changed since the last call, for the store; hand it back to :meth:`requeue` if it was not saved.
+
+        Costs what changed: the core is small, the formation part is built
+        once per quorum, and a member's row only when it appears, registers or
+        is forgotten (its applied step is not persisted: members report it again).
+        """
+        rows: dict[str, dict[str, Any] | None] = {}
+        for name in self._members_changed:
+            rows[name] = self._identities.member_json(name) if name in self._members else None
+        changes = Changes(
+            self.revision,
+            self._core_state(),
+            self._formation_state() if self._formation_changed else None,
+            rows,
+            self.history.drain(),
+        )
+        self._formation_changed = False
+        self._members_changed = set()
+        return changes
+
+    def requeue(self, changes: Changes) -> None:
+        """``changes`` could not be saved: the next :meth:`changes` includes them again."""
+        self._formation_changed = self._formation_changed or changes.formation is not None
+        self._members_changed.update(changes.members)
+        self.history.journal[:0] = changes.events
 
     @classmethod
     def from_state_dict(
@@ -896,8 +952,12 @@ class LighthouseState:
         max_members: int = MAX_MEMBERS,
         require_digest: bool = False,
     ) -> LighthouseState:
-        """Resume from ``state_dict()``: the quorum's members count as alive (seen at ``now``), others as dead."""
-        if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
+        """Resume from ``state_dict()``: the quorum's members count as alive (seen at ``now``), others as dead.
+
+        A version 1 state resumes without its last formation: a member whose answer was lost asks again and is
+        told to join.
+        """
+        if not isinstance(state, Mapping) or state.get("version") not in (1, STATE_VERSION):
             raise ValueError(f"state must be a lighthouse state_dict of version {STATE_VERSION}")
         hosted = HostedLedger.from_json(state)
         restored = cls(
@@ -911,19 +971,18 @@ class LighthouseState:
             require_digest=require_digest,
         )
         restored._hosted = hosted
+        for name, applied_step in state["members"].items():
+            step = None if applied_step is None else parse_step(applied_step, f"state['members'][{name!r}]")
+            restored._members.restore(parse_member(name, "state['members']"), step, now)
         if state["quorum"] is not None:
             members = tuple(parse_member(m, "state['quorum']['members']") for m in state["quorum"]["members"])
-            restored._quorum = Quorum(check_int("state['quorum']['quorum_id']", state["quorum"]["quorum_id"]), members)
-        for name, applied_step in state["members"].items():
-            record = MemberRecord(parse_member(name, "state['members']"), alive=False, last_seen=now)
-            record.applied_step = (
-                None if applied_step is None else parse_step(applied_step, f"state['members'][{name!r}]")
-            )
-            restored._members.records[name] = record
+            quorum_id = check_int("state['quorum']['quorum_id']", state["quorum"]["quorum_id"])
+            restored._roster = Roster(Quorum(quorum_id, members), dead=members)
         restored.expect_quorum(now)
-        if state["formation"] is not None:
+        if state["formation"] is not None and state["version"] == STATE_VERSION:
             restored._formation = Formation.from_json(state["formation"])
-        restored._answered = {member: QuorumRequest(**request) for member, request in state["answered"].items()}
+            restored._answered = {member: QuorumRequest(**request) for member, request in state["answered"].items()}
+
         restored._healing = {name: bool(ahead) for name, ahead in state["healing"].items()}
         restored._heal_step = check_int("state['heal_step']", state["heal_step"], minimum=0)
         restored.history = History.from_json(state["history"])
@@ -931,4 +990,6 @@ class LighthouseState:
             restored._identities = Identities.from_json(state["identities"])
         if state.get("checkpoint") is not None:
             restored._checkpoint = CheckpointRecord.from_json(state["checkpoint"])
+        restored._formation_changed = True  # the first save writes every part (a version 1 state had one row)
+        restored._members_changed = set(restored._members.records)
         return restored

@@ -44,6 +44,7 @@ from typing import Any
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from stalwart._validate import check_int
+from stalwart.coord.collector import QuietCollector
 from stalwart.coord.dashboard import Dashboard, browser_credential
 from stalwart.coord.metrics import LighthouseMetrics
 from stalwart.coord.persist import StateStore
@@ -69,6 +70,9 @@ MAX_HEARTBEAT_BYTES = 4096
 """Largest heartbeat message; a balanced ledger's carry the weights and may take up to ``MAX_BODY_BYTES``."""
 MAX_WAITERS = 4096
 """Default cap on pending quorum long polls (``max_waiters``)."""
+HEARTBEATS_PER_SECOND = 8192
+"""The heartbeat rate the lighthouse plans for: with M members it recommends an interval of at least
+``M / HEARTBEATS_PER_SECOND`` seconds (see :func:`recommended_heartbeat_interval`)."""
 INCARNATION_HEADER = "X-Stalwart-Incarnation"
 SECRET_HEADER = "X-Stalwart-Secret"
 _PUBLIC_PATHS = frozenset({"/healthz"})
@@ -152,8 +156,12 @@ class Lighthouse:
         self._ticker: asyncio.Task[None] | None = None
         self._tcp_store: Any = None
         self._sockets: dict[str, web.WebSocketResponse] = {}
-        self._waiters: dict[str, list[asyncio.Future[dict[str, Any] | RequestError]]] = {}
+        self._waiters: dict[str, list[asyncio.Future[Formation | RequestError]]] = {}
+        self._waiting = 0
+        """How many quorum long polls wait (the sum of ``_waiters``' lengths)."""
         self._broken_pushed: set[int] = set()
+        self._collector: QuietCollector | None = None
+        """Set by ``serve_forever`` (the process is the lighthouse's): full collections at quiet times only."""
         self._stopping = False
 
     def _load_state(
@@ -268,9 +276,16 @@ class Lighthouse:
         self._loop = None
 
     def serve_forever(self) -> None:
-        """Serve until SIGINT or SIGTERM (call from the main thread), then stop cleanly."""
+        """Serve until SIGINT or SIGTERM (call from the main thread), then stop cleanly.
+
+        The process is the lighthouse's: garbage collection pauses are kept out of failure handling
+        (:mod:`stalwart.coord.collector`).
+        """
         if self._thread is None:
             self.start()
+        collector = QuietCollector()
+        collector.start()
+        self._collector = collector
         stop = threading.Event()
         previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
@@ -312,7 +327,10 @@ class Lighthouse:
         self._dashboard.add_routes(app)
         self._runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=2.0)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self._requested_port)
+        # every member may connect at once (a quorum request after a failure): a short accept queue drops their
+        # connections, which the kernel retries after 1, 3, 7... s
+        backlog = max(128, self.state.max_members)
+        site = web.TCPSite(self._runner, self.host, self._requested_port, backlog=backlog)
         await site.start()
         self._port = int(self._runner.addresses[0][1])
         self.state.expect_quorum(time.time())
@@ -342,24 +360,43 @@ class Lighthouse:
     # --- the state -------------------------------------------------------------------------------
 
     async def _tick_forever(self) -> None:
+        last = time.monotonic()
         while True:
             await asyncio.sleep(self.tick_interval)
+            woke = time.monotonic()
+            lag, last = woke - last - self.tick_interval, woke
             try:
-                self._advance()
+                if lag > self.tick_interval:  # the loop was blocked: heartbeats waited unread in the sockets
+                    self.state.excuse_silence(lag, time.time())
+                self._advance(tick=True)
                 await self._durable()
             except Exception:
                 logger.exception("lighthouse tick failed")
 
-    def _advance(self, now: float | None = None) -> None:
-        """Expire timeouts, form a quorum if due and wake its waiting members (each awaits the save)."""
+    def _advance(self, *, tick: bool = False) -> None:
+        """Form a quorum if due and wake its waiting members (each awaits the save); push a broken quorum.
+
+        After an event this costs constant time unless a quorum forms; the
+        periodic ``tick`` also expires heartbeats and finds hung members.
+        """
         if self._stopping:
             return
-        now = time.time() if now is None else now
-        formation = self.state.tick(now)
+        now = time.time()
+        formation = self.state.tick(now) if tick else self.state.try_form(now)
         if formation is not None:
             self.metrics.on_formation(formation.reason, self.state.state_dict())
             self._answer_waiters(formation)
         self._push_broken_quorum()
+        if self._collector is not None:
+            busy = bool(self._waiting or self.state.asking or self.state.quorum_broken)
+            gone = self.state.counts["failures"] + self.state.counts["departures"]
+            live = self.state.live_members
+            self._collector.update(now, busy=busy, formed=formation is not None, gone=gone, live=live)
+
+    def heartbeat_interval(self) -> float:
+        """The interval the lighthouse asks its members to heartbeat at, at least (for the members it expects)."""
+        members = max(self.state.live_members, self.state.start_replicas)
+        return recommended_heartbeat_interval(members, self.state.heartbeat_timeout)
 
     def _push_broken_quorum(self) -> None:
         """Tell the live members of a quorum with a dead member at once, so they abandon its collectives.
@@ -372,33 +409,36 @@ class Lighthouse:
         if quorum is None or not self.state.quorum_broken or quorum.quorum_id in self._broken_pushed:
             return
         self._broken_pushed.add(quorum.quorum_id)
-        message = {"type": "reconfigure", "quorum_id": quorum.quorum_id, "broken": True}
+        message = json.dumps({"type": "reconfigure", "quorum_id": quorum.quorum_id, "broken": True})
+        loop = asyncio.get_running_loop()
         for member in quorum.members:
             socket = self._sockets.get(member)
             if socket is not None and not socket.closed:
-                asyncio.get_running_loop().create_task(socket.send_json(message))
+                loop.create_task(socket.send_str(message)).add_done_callback(_consume)
 
     async def _durable(self) -> bool:
-        """Save the state if it changed (on the save thread); False when the save failed.
+        """Save what changed (on the save thread); False when the save failed.
 
-        The core row and the new history events are taken on the loop, so the
-        save is a consistent snapshot; events of a failed save are queued again.
+        What changed is taken on the loop, so the save is a consistent
+        snapshot; it costs what changed (:meth:`LighthouseState.changes`), and
+        what a failed save held is saved with the next one.
         """
         assert self._save_lock is not None
         async with self._save_lock:
             revision = self.state.revision
-            events = self.state.history.drain()
-            if self._database is None or (revision == self._saved_revision and not events):
+            if revision == self._saved_revision and not self.state.history.journal:
+                return True
+            changes = self.state.changes()  # drained even without a database, so nothing piles up
+            if self._database is None:
                 self._saved_revision = revision
                 return True
-            core = self.state.core_state_dict()
             loop = asyncio.get_running_loop()
             try:
                 started = time.perf_counter()
-                await loop.run_in_executor(self._saver, self._database.save, core, events, revision, time.time())
+                await loop.run_in_executor(self._saver, self._database.save, changes, time.time())
                 self.metrics.on_save(time.perf_counter() - started)
             except Exception as error:
-                self.state.history.journal[:0] = events
+                self.state.requeue(changes)
                 if not self._save_failing:
                     logger.error("the lighthouse cannot save its state to %s: %s", self._database.path, error)
                 self._save_failing = True
@@ -418,9 +458,9 @@ class Lighthouse:
 
     def _answer_waiters(self, formation: Formation) -> None:
         for member in formation.members:
-            for waiter in self._waiters.get(member, []):
+            for waiter in self._waiters.get(member, ()):
                 if not waiter.done():
-                    waiter.set_result(formation.answer(member))
+                    waiter.set_result(formation)
 
     def _status(self) -> dict[str, Any]:
         return {
@@ -512,37 +552,42 @@ class Lighthouse:
         quorum_request = QuorumRequest.from_json(await _json_body(request))
         member = quorum_request.member
         self._authenticate(request, member)
-        waiting = sum(len(waiters) for waiters in self._waiters.values())
-        if waiting >= self.max_waiters:
+        if self._waiting >= self.max_waiters:
             raise RequestError(
                 503,
                 f"max_waiters={self.max_waiters} quorum requests are already pending; ask again later",
                 cap="max_waiters",
             )
-        answer = self.state.request(quorum_request, time.time())
-        if answer is None:
+        formation = self.state.ask(quorum_request, time.time())
+        if formation is None:
             self._advance()
-            answer = self.state.answer_for(quorum_request)
-        if answer is None:
-            waiter: asyncio.Future[dict[str, Any] | RequestError] = asyncio.get_running_loop().create_future()
+            formation = self.state.formation_for(quorum_request)
+        if formation is None:
+            waiter: asyncio.Future[Formation | RequestError] = asyncio.get_running_loop().create_future()
             self._waiters.setdefault(member, []).append(waiter)
+            self._waiting += 1
             try:
                 await asyncio.wait({waiter}, timeout=self.join_timeout)
             finally:
+                self._waiting -= 1
                 self._waiters[member].remove(waiter)
                 if not self._waiters[member]:
                     del self._waiters[member]
-            result = waiter.result() if waiter.done() else self.state.answer_for(quorum_request)
+            result = waiter.result() if waiter.done() else self.state.formation_for(quorum_request)
             if isinstance(result, RequestError):
                 raise result
             if result is None:
                 raise RequestError(
                     408, f"no quorum formed within join_timeout={self.join_timeout} s; ask again", member=member
                 )
-            answer = result
-        await self._require_durable(f"quorum {answer['quorum_id']}")
-        store = {"host": self._store_host(request), "port": self.store_port, "prefix": answer["store"]["prefix"]}
-        return web.json_response({**answer, "store": store})
+            formation = result
+        await self._require_durable(f"quorum {formation.quorum_id}")
+        extra = {
+            "store": {"host": self._store_host(request), "port": self.store_port, "prefix": formation.store_prefix},
+            "heartbeat_interval": self.heartbeat_interval(),
+        }
+        body = formation.render(member, extra, wire=quorum_request.wire, known=quorum_request.known)
+        return web.Response(body=body, content_type="application/json")
 
     async def _leave(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
@@ -585,7 +630,8 @@ class Lighthouse:
             self._retire(member, previous)
         self._advance()
         await self._require_durable(f"the registration of member {member!r}")
-        return web.json_response({"member": member, "incarnation": body["incarnation"], "secret": secret})
+        answer = {"member": member, "incarnation": body["incarnation"], "secret": secret}
+        return web.json_response({**answer, "heartbeat_interval": self.heartbeat_interval()})
 
     def _retire(self, member: str, incarnation: str) -> None:
         """Close the replaced incarnation's socket and refuse its pending quorum requests."""
@@ -607,6 +653,24 @@ class Lighthouse:
         if self.host in ("0.0.0.0", "::", ""):
             return request.url.host or "127.0.0.1"
         return self.host
+
+
+def recommended_heartbeat_interval(members: int, heartbeat_timeout: float) -> float:
+    """The least heartbeat interval (seconds) for ``members`` members: ``members / HEARTBEATS_PER_SECOND``.
+
+    Capped at a quarter of ``heartbeat_timeout``, so that a live member is
+    heard from four times per timeout; members heartbeat at this interval or
+    their own, whichever is longer (0.1 s by default: 819 members or fewer
+    keep it; 4096 members heartbeat every 0.5 s). Beyond that, raise
+    ``heartbeat_timeout`` with the fleet.
+    """
+    return min(heartbeat_timeout / 4, members / HEARTBEATS_PER_SECOND)
+
+
+def _consume(task: asyncio.Task[None]) -> None:
+    """Retrieve a push's outcome: a member whose socket closed meanwhile misses it, and nothing else happens."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _start_tcp_store(host: str, port: int) -> tuple[Any, int]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 REASONS = ("join", "failure", "reconfigure")
@@ -108,13 +108,31 @@ class QuorumRequest:
     """The member's ledger digest at ``applied_step`` (see ``ledger_digest``); needed to commit steps."""
     weights: dict[str, Any] | None = None
     """A balanced ledger's weights record at ``applied_step`` (see :func:`parse_weights`)."""
+    wire: int = field(default=1, compare=False)
+    """The answer's wire: 2 when the request carried ``known`` (see ``Formation.render``); not part of the request's
+    identity, so a retried long poll matches whatever it asks the answer in."""
+    known: int | None = field(default=None, compare=False)
+    """The quorum whose answer the member holds (wire 2): the members then come as a delta from it."""
+
+    def to_json(self) -> dict[str, Any]:
+        """Every field, as ``QuorumRequest(**...)`` takes them back (for persistence)."""
+        return {
+            "member": self.member,
+            "applied_step": self.applied_step,
+            "quorum_id": self.quorum_id,
+            "reason": self.reason,
+            "digest": self.digest,
+            "weights": self.weights,
+            "wire": self.wire,
+            "known": self.known,
+        }
 
     @classmethod
     def from_json(cls, body: Any) -> QuorumRequest:
         """Validate a decoded JSON body; ``RequestError`` 400 names the bad field and value."""
         if not isinstance(body, Mapping):
             raise RequestError(400, f"the body must be a JSON object, got {type(body).__name__}")
-        unknown = sorted(set(body) - {"member", "applied_step", "quorum_id", "reason", "digest", "weights"})
+        unknown = sorted(set(body) - {"member", "applied_step", "quorum_id", "reason", "digest", "weights", "known"})
         if unknown:
             raise RequestError(400, f"unknown fields {unknown}", field=unknown[0])
         for name in ("member", "applied_step", "reason"):
@@ -130,6 +148,8 @@ class QuorumRequest:
             quorum_id = parse_step(quorum_id, "quorum_id")
         elif reason != "join":
             raise RequestError(400, f"quorum_id must be an int for reason {reason!r}, got None", field="quorum_id")
+        known = body.get("known")
+        known = None if known is None else parse_step(known, "known")
         return cls(
             member,
             applied_step,
@@ -137,6 +157,8 @@ class QuorumRequest:
             reason,
             parse_digest(body.get("digest")),
             parse_weights(body.get("weights")),
+            wire=2 if "known" in body else 1,
+            known=known,
         )
 
 

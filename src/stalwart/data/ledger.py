@@ -194,10 +194,10 @@ class DataLedger:
         Returns False (and changes nothing) if the failure was already recorded.
         """
         self._check_in_step("member_failed")
-        if member not in (self._members or []):
-            raise ValueError(f"member must be one of this step's members {self._members}, got {member!r}")
         lost = self._in_flight.pop(member, None)
         if lost is None:
+            if member not in (self._members or []):
+                raise ValueError(f"member must be one of this step's members {self._members}, got {member!r}")
             return False
         self._intact_step = None
         self._step_missing = np.concatenate([self._step_missing, lost])
@@ -211,34 +211,32 @@ class DataLedger:
         (ties: rank order; unbalanced, every weight is 1, and loads stay within
         one multiple of each other where possible). Returns each survivor's extra
         positions (possibly empty).
+
+        With equal weights (an unbalanced ledger, or a balanced one whose
+        survivors weigh the same) the result is computed without handing the
+        chunks out (:func:`greedy_sizes`, O(survivors log total)); unequal
+        weights hand them out one by one (:func:`weighted_greedy_sizes`,
+        O(chunks log survivors)).
         """
         self._check_in_step("reassign")
         survivors = _check_members("survivors", survivors)
         for member in survivors:
             if member not in self._in_flight:
                 raise ValueError(f"survivors must be live members of this step {self.members}, got {member!r}")
-        multiple = self.plan.local_batch_multiple
-        weights = dict(zip(survivors, self.effective_weights(survivors), strict=True))
-        loads = {member: self._in_flight[member].size for member in survivors}
-        heap = [
-            (_after(loads[member], multiple, weights[member]), rank, member) for rank, member in enumerate(survivors)
-        ]
-        heapq.heapify(heap)
-        sizes = dict.fromkeys(survivors, 0)
-        remaining = self._step_missing.size
-        while remaining:
-            _, rank, member = heapq.heappop(heap)
-            take = min(multiple, remaining)
-            sizes[member] += take
-            loads[member] += take
-            remaining -= take
-            heapq.heappush(heap, (_after(loads[member], multiple, weights[member]), rank, member))
+        weights = self.effective_weights(survivors)
+        loads = [self._in_flight[member].size for member in survivors]
+        missing, multiple = self._step_missing.size, self.plan.local_batch_multiple
+        if len(set(weights)) <= 1:  # equal weights: the order of loads per weight is the order of loads
+            sizes = greedy_sizes(np.array(loads, dtype=np.int64), missing, multiple).tolist()
+        else:
+            sizes = weighted_greedy_sizes(loads, weights, missing, multiple)
         extra: dict[str, Positions] = {}
         start = 0
-        for member in survivors:
-            extra[member] = self._step_missing[start : start + sizes[member]]
-            start += sizes[member]
-            self._in_flight[member] = np.concatenate([self._in_flight[member], extra[member]])
+        for member, size in zip(survivors, sizes, strict=True):
+            extra[member] = self._step_missing[start : start + size]
+            start += size
+            if size:
+                self._in_flight[member] = np.concatenate([self._in_flight[member], extra[member]])
         self._step_missing = _EMPTY
         return {member: positions.copy() for member, positions in extra.items()}
 
@@ -257,6 +255,15 @@ class DataLedger:
         self.step += 1
         self.epoch_step += 1
         return committed
+
+    def copy(self) -> DataLedger:
+        """An independent ledger in the same state; cheap, as the ledger never writes into its position arrays."""
+        twin = DataLedger.__new__(DataLedger)
+        twin.__dict__.update(self.__dict__)
+        twin._members = None if self._members is None else list(self._members)
+        twin._in_flight = dict(self._in_flight)
+        twin._weights = dict(self._weights)
+        return twin
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable state; ``DataLedger.from_state_dict`` continues identically.
@@ -315,6 +322,61 @@ class DataLedger:
             raise RuntimeError(
                 f"{operation}() needs a step in progress, but step {self.step} is committed; call begin_step() first"
             )
+
+
+def greedy_sizes(loads: npt.NDArray[np.int64], total: int, multiple: int) -> npt.NDArray[np.int64]:
+    """What each holder gets when ``total`` positions go in chunks of ``multiple`` (the last one smaller), one at a
+    time, to the holder with the least load (``loads``), ties to the lowest index.
+
+    Computed without handing out the chunks one by one: holder ``i`` is
+    offered its chunks at loads ``loads[i] + k * multiple``, and the greedy
+    takes the ``C`` smallest offers (``C`` chunks, offers ordered by load then
+    index), the last of them the smaller chunk. A binary search finds the
+    load of the ``C``-th offer; O(holders * log(total)) instead of
+    O(chunks * log(holders)) (32,768 chunks when 1,024 of 4,096 members fail).
+    """
+    sizes = np.zeros(loads.size, dtype=np.int64)
+    if total == 0:
+        return sizes
+    chunks = -(-total // multiple)
+
+    def offers_upto(load: int) -> npt.NDArray[np.int64]:
+        return np.where(load >= loads, (load - loads) // multiple + 1, 0)
+
+    low, high = int(loads.min()) - 1, int(loads.max()) + chunks * multiple  # fewer / at least chunks offers
+    while high - low > 1:
+        middle = (low + high) // 2
+        if int(offers_upto(middle).sum()) >= chunks:
+            high = middle
+        else:
+            low = middle
+    counts = offers_upto(high - 1)
+    tied = np.flatnonzero((high >= loads) & ((high - loads) % multiple == 0))
+    rest = chunks - int(counts.sum())
+    counts[tied[:rest]] += 1
+    sizes = counts * multiple
+    sizes[tied[rest - 1]] -= chunks * multiple - total
+    return sizes
+
+
+def weighted_greedy_sizes(loads: Sequence[int], weights: Sequence[int], total: int, multiple: int) -> list[int]:
+    """What each holder gets when ``total`` positions go in chunks of ``multiple`` (the last one smaller), one at a
+    time, to the holder whose load per unit of weight would then be the least, ties to the lowest index."""
+    heap = [
+        (_after(load, multiple, weight), index) for index, (load, weight) in enumerate(zip(loads, weights, strict=True))
+    ]
+    heapq.heapify(heap)
+    held = list(loads)
+    sizes = [0] * len(held)
+    remaining = total
+    while remaining:
+        _, index = heapq.heappop(heap)
+        take = min(multiple, remaining)
+        sizes[index] += take
+        held[index] += take
+        remaining -= take
+        heapq.heappush(heap, (_after(held[index], multiple, weights[index]), index))
+    return sizes
 
 
 def _check_members(name: str, members: Sequence[str]) -> list[str]:

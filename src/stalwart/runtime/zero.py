@@ -542,7 +542,7 @@ class ShardedOptimizer:
 
     def _optimizer(self, masters: list[torch.Tensor], hyperparameters: dict[str, Any]) -> torch.optim.Optimizer:
         """The template's optimizer class over ``masters``, its group set to ``hyperparameters``."""
-        optimizer = type(self._template)(masters, lr=self._template.defaults["lr"])
+        optimizer: torch.optim.Optimizer = type(self._template)(masters, lr=self._template.defaults["lr"])  # type: ignore[call-arg]
         optimizer.param_groups[0].update(hyperparameters)
         return optimizer
 

@@ -1,0 +1,67 @@
+"""The current quorum and which of its members still count for it. Pure: no I/O, no clock.
+
+Every question the lighthouse asks of the quorum on a heartbeat (is this
+member in it, is it broken, how many members still count) is answered in
+constant time: the ranks are a dict and the members that no longer count
+(dead, or evicted as hung or restarted) are kept as a set, updated as they die,
+revive or are evicted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """The members that run the current steps together, in rank order."""
+
+    quorum_id: int
+    members: tuple[str, ...]
+
+
+class Roster:
+    """The current quorum (None before the first), each member's rank, and the members that no longer count."""
+
+    def __init__(self, quorum: Quorum | None = None, dead: Iterable[str] = ()) -> None:
+        self.quorum = quorum
+        self.ranks: dict[str, int] = {} if quorum is None else {m: r for r, m in enumerate(quorum.members)}
+        self.evicted: set[str] = set()
+        """Members that no longer count though they may live (``hung``, ``restarted``), until the next quorum."""
+        self._dead = {member for member in dead if member in self.ranks}
+        self._down = set(self._dead)
+
+    def __contains__(self, member: object) -> bool:
+        return member in self.ranks
+
+    def counts(self, member: str) -> bool:
+        """Whether ``member`` is in the quorum and still counts for it (alive, not evicted)."""
+        return member in self.ranks and member not in self._down
+
+    @property
+    def broken(self) -> bool:
+        """True while a member no longer counts: the quorum's collectives cannot complete."""
+        return bool(self._down)
+
+    @property
+    def counting(self) -> int:
+        """How many members still count."""
+        return len(self.ranks) - len(self._down)
+
+    def died(self, member: str) -> None:
+        """``member`` is dead."""
+        if member in self.ranks:
+            self._dead.add(member)
+            self._down.add(member)
+
+    def revived(self, member: str) -> None:
+        """``member`` is alive again (it counts again unless it was evicted)."""
+        self._dead.discard(member)
+        if member not in self.evicted:
+            self._down.discard(member)
+
+    def evict(self, member: str) -> None:
+        """``member`` no longer counts for this quorum, alive or not."""
+        self.evicted.add(member)
+        self._down.add(member)
