@@ -55,8 +55,9 @@ class Audit:
     were never trained; ``twice``: ``trained - useful``; ``progress``: steps
     executed (distinct steps of each incarnation of the job, committed or
     not); ``first_at`` and ``finished_at``: ``time.time()`` of the first
-    committed step and of the one that brought ``useful`` to the target
-    (None when it never got there).
+    committed step and of the line that brought ``useful`` to the target
+    (None when it never got there). Lines after that one count only when
+    they belong to the same step (the other members' shares of it).
     """
 
     useful: int
@@ -85,6 +86,8 @@ def audit_samples(
     last_step = -1
     first_at = finished_at = None
     for record in ordered:
+        if finished_at is not None and record["step"] != last_step:
+            continue  # after the target, only the other members' lines of the step that reached it count
         executed.add((record["incarnation"], record["step"]))
         if not record["committed"]:
             continue
@@ -96,9 +99,8 @@ def audit_samples(
         first_at = record["time"] if first_at is None else first_at
         last_step = max(last_step, record["step"])
         seen.update((record["epoch"], position) for position in record["positions"])
-        if len(seen) >= target:
+        if finished_at is None and len(seen) >= target:
             finished_at = record["time"]
-            break
     useful, trained = len(seen), sum(seen.values())
     planned = (last_step + 1) * global_batch
     return Audit(useful, trained, planned - useful, trained - useful, len(executed), first_at, finished_at)
