@@ -107,6 +107,8 @@ class RunResult:
     system: str
     failures: int
     audit: Audit
+    vacant: list[tuple[float, float]] = field(default_factory=list)
+    """``time.time()`` spans in which a victim's slot was empty: its SIGKILL to its replacement's launch."""
     error: str = ""
 
     @property
@@ -121,6 +123,19 @@ class RunResult:
         """Distinct samples trained per second."""
         seconds = self.seconds
         return None if seconds is None or seconds <= 0 else self.audit.useful / seconds
+
+    def goodput_per_worker(self, workers: int) -> float | None:
+        """Distinct samples per worker-second of the machines there: the system's own loss, without the vacancy.
+
+        A victim's slot is empty from its SIGKILL until its replacement is
+        launched; the replacement's start-up, its join and a whole-world
+        restart count as time the machines were there.
+        """
+        first, finished = self.audit.first_at, self.audit.finished_at
+        if first is None or finished is None or finished <= first:
+            return None
+        vacant = sum(max(0.0, min(end, finished) - max(start, first)) for start, end in self.vacant)
+        return self.audit.useful / (workers * (finished - first) - vacant)
 
 
 @dataclass
@@ -138,6 +153,11 @@ class Row:
             for free, faulty in self.rounds
             if free.goodput is not None and faulty.goodput is not None
         ]
+
+    def worker_fractions(self, workers: int) -> list[float]:
+        """The same per worker-second of the machines there (:meth:`RunResult.goodput_per_worker`)."""
+        pairs = [(free.goodput_per_worker(workers), faulty.goodput_per_worker(workers)) for free, faulty in self.rounds]
+        return [faulty / free for free, faulty in pairs if free is not None and faulty is not None]
 
 
 class Job:
@@ -224,6 +244,8 @@ def replay(job: Job, trace: Sequence[Failure], tick: Callable[[], None]) -> RunR
     workers = job.settings.workers
     upcoming = list(trace)
     relaunch_at: dict[int, float] = {}
+    vacant_since: dict[int, float] = {}
+    vacant: list[tuple[float, float]] = []
     injected = 0
     error = ""
     deadline = time.monotonic() + RUN_TIMEOUT_S
@@ -246,6 +268,7 @@ def replay(job: Job, trace: Sequence[Failure], tick: Callable[[], None]) -> RunR
                 victim = _victim(job, upcoming.pop(0).victim, relaunch_at)
                 if victim is not None:
                     job.kill(victim)
+                    vacant_since[victim] = time.time()
                     injected += 1
                     doomed = range(workers) if job.restarts_all else [victim]
                     for rank in doomed:
@@ -260,11 +283,14 @@ def replay(job: Job, trace: Sequence[Failure], tick: Callable[[], None]) -> RunR
             for rank in due:
                 del relaunch_at[rank]
                 job.launch(rank)
+                if rank in vacant_since:
+                    vacant.append((vacant_since.pop(rank), time.time()))
             tick()
             time.sleep(POLL_S)
     finally:
         job.close()
-    return RunResult(job.system, injected, audit, error)
+    vacant += [(since, time.time()) for since in vacant_since.values()]
+    return RunResult(job.system, injected, audit, vacant, error)
 
 
 def _victim(job: Job, chosen: int, relaunching: dict[int, float]) -> int | None:
@@ -312,7 +338,7 @@ def print_results(console: Console, rows: Sequence[Row], trace: Sequence[Failure
     lines = []
     for row in rows:
         if not row.rounds:
-            lines.append([row.system, *["-"] * 8, row.note])
+            lines.append([row.system, *["-"] * 9, row.note])
             continue
         free = [r.seconds for r, _ in row.rounds if r.seconds is not None]
         faulty = [r.seconds for _, r in row.rounds if r.seconds is not None]
@@ -331,6 +357,7 @@ def print_results(console: Console, rows: Sequence[Row], trace: Sequence[Failure
                 versus,
                 f"{statistics.median(fractions):.1%}" if fractions else "-",
                 f"{min(fractions):.1%}-{max(fractions):.1%}" if fractions else "-",
+                _percent(row.worker_fractions(settings.workers)),
                 ", ".join(str(faulty_run.audit.lost) for _, faulty_run in row.rounds),
                 ", ".join(str(faulty_run.audit.twice) for _, faulty_run in row.rounds),
                 errors or _free_note(row),
@@ -349,6 +376,7 @@ def print_results(console: Console, rows: Sequence[Row], trace: Sequence[Failure
             "vs stalwart",
             "goodput",
             "by round",
+            "per worker-second",
             "samples lost",
             "trained twice",
             Column("note", justify="left", max_width=60),
@@ -360,12 +388,18 @@ def print_results(console: Console, rows: Sequence[Row], trace: Sequence[Failure
             f"running); its replacement starts {settings.replace_delay:g} s later. Times: first committed step to "
             f"the step that completed the {settings.target} distinct samples, median over {settings.rounds} "
             "round(s); 'vs stalwart' = ratio of the times with failures. goodput = distinct samples per second "
-            "with failures / failure-free, median and range over rounds. Lost and twice: each round's run with "
-            "failures, counted from the workers' sample records. Simulated accelerator compute: "
+            "with failures / failure-free, median and range over rounds; 'per worker-second': the same per "
+            "second of the workers' machines that were there (a victim's slot is empty from its SIGKILL to its "
+            "replacement's launch), the system's own loss without the missing machine's. Lost and twice: each "
+            "round's run with failures, counted from the workers' sample records. Simulated accelerator compute: "
             f"{settings.step_seconds:g} s per step at full strength; checkpoint-restart saves every "
             f"{settings.checkpoint_every} steps."
         ),
     )
+
+
+def _percent(values: Sequence[float]) -> str:
+    return f"{statistics.median(values):.1%}" if values else "-"
 
 
 def _median_s(values: Sequence[float | None]) -> str:
