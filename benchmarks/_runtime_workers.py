@@ -155,12 +155,18 @@ def flagging_last(items: Iterable[_T]) -> Iterator[tuple[bool, _T]]:
     yield True, item
 
 
-def rank_share(plan: EpochPlan, step: int, rank: int, world_size: int) -> list[int]:
-    """Sample indices of ``rank``'s split of step ``step`` (counted over epochs) for a fixed world."""
+def rank_positions(plan: EpochPlan, step: int, rank: int, world_size: int) -> tuple[int, int, int]:
+    """``(epoch, start, stop)``: the epoch positions of ``rank``'s split of step ``step`` for a fixed world."""
     epoch, epoch_step = divmod(step, plan.steps_per_epoch)
     sizes = split_sizes(plan.step_total(epoch_step), world_size, plan.local_batch_multiple)
     start = plan.step_start(epoch_step) + sum(sizes[:rank])
-    return plan.indices(epoch, start, start + sizes[rank]).tolist()
+    return epoch, start, start + sizes[rank]
+
+
+def rank_share(plan: EpochPlan, step: int, rank: int, world_size: int) -> list[int]:
+    """Sample indices of ``rank``'s split of step ``step`` (counted over epochs) for a fixed world."""
+    epoch, start, stop = rank_positions(plan, step, rank, world_size)
+    return plan.indices(epoch, start, stop).tolist()
 
 
 def wrapper_loss_scale(plan: EpochPlan, step: int, world_size: int) -> float:
@@ -288,6 +294,52 @@ class StepLog:
         self._file.close()
 
 
+class SampleLog:
+    """With ``--record-samples``: one JSON line per finished step, written and flushed at once, naming the
+    epoch positions it trained, whether they went into the model (committed) and the run's incarnation.
+
+    The goodput benchmark audits these lines (lost and twice-trained samples); written at the step's end,
+    not at the next one's top like :class:`StepLog`'s, so that a SIGKILL right after a commit loses nothing.
+    """
+
+    def __init__(self, path: Path | None, member: str, incarnation: str) -> None:
+        self._file: IO[str] | None = None if path is None else open(path, "a", encoding="utf-8")  # noqa: SIM115
+        self.member = member
+        self.incarnation = incarnation
+
+    def write(self, step: int, epoch: int, positions: Sequence[int], committed: bool) -> None:
+        """Record one finished step (nothing without ``--record-samples``)."""
+        if self._file is None:
+            return
+        record = {
+            "member": self.member,
+            "incarnation": self.incarnation,
+            "step": step,
+            "epoch": epoch,
+            "positions": list(positions),
+            "committed": committed,
+            "time": time.time(),
+        }
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+
+def _start_together(args: argparse.Namespace) -> None:
+    """Wait (bounded) until every rank of the run has got here once, through the driver's store.
+
+    torchft has no quorum size to wait for at the start only (stalwart's
+    ``start_replicas``): without this, the replicas that start first train
+    the first steps alone and the others' shares of them are lost. A
+    relaunched replica passes at once.
+    """
+    store = dist.TCPStore("127.0.0.1", args.store_port, is_master=False, timeout=_STORE_TIMEOUT)
+    key = f"{args.prefix}started"
+    store.add(key, 1)
+    deadline = time.monotonic() + _STORE_TIMEOUT.total_seconds()
+    while store.add(key, 0) < args.world and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def _pace(seconds: float) -> None:
     if seconds > 0:
         time.sleep(seconds)
@@ -315,25 +367,45 @@ def join_process_group(args: argparse.Namespace, device: torch.device) -> None:
 
 
 def run_plain(args: argparse.Namespace, spec: ModelSpec, log: StepLog, device: torch.device) -> None:
-    """All-reduce of a flat gradient buffer after the last micro-batch, no fault tolerance."""
+    """All-reduce of a flat gradient buffer after the last micro-batch, no fault tolerance.
+
+    With ``--checkpoint-dir`` it is checkpoint-restart (torchelastic style): it
+    resumes from the newest checkpoint there, and rank 0 saves one every
+    ``--checkpoint-every`` steps (``torch.save`` to a temporary file, then an
+    atomic rename, so that a SIGKILL mid-save leaves the previous one).
+    """
     join_process_group(args, device)
     model = build_model(spec).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     params = list(model.parameters())
     dataset, plan = synthetic_dataset(spec), spec.plan()
-    for step in range(args.steps):
+    checkpoint = None if args.checkpoint_dir is None else args.checkpoint_dir / "checkpoint.pt"
+    first = 0
+    if checkpoint is not None and checkpoint.exists():
+        state = torch.load(checkpoint, weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optim"])
+        first = int(state["step"])
+    for step in range(first, args.steps):
         log.top(step=step)
         _pace(args.step_seconds)
-        indices = rank_share(plan, step, args.rank, args.world)
+        epoch, start, stop = rank_positions(plan, step, args.rank, args.world)
+        indices = plan.indices(epoch, start, stop).tolist()
         for batch in load_microbatches(dataset, indices, spec.max_microbatch, device):
             with log.computing():
                 summed_loss(model, batch).backward()
+            _pace(args.sample_seconds * len(batch[1]))
         flat = flat_gradients(params, len(indices))
         with log.reducing():
             dist.all_reduce(flat)
         apply_flat(params, flat)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        args.samples.write(step, epoch, range(start, stop), committed=True)
+        if checkpoint is not None and args.rank == 0 and (step + 1) % args.checkpoint_every == 0:
+            partial_file = checkpoint.with_suffix(".tmp")
+            torch.save({"model": model.state_dict(), "optim": optimizer.state_dict(), "step": step + 1}, partial_file)
+            os.replace(partial_file, checkpoint)
     log.close()
     dist.barrier()  # no peer still needs this process when it exits
 
@@ -473,7 +545,10 @@ def train_stalwart(
             with log.computing():
                 step.backward(summed_loss(model, tensors))
             samples += len(tensors[1])
+            _pace(args.sample_seconds * len(tensors[1]))
         log.annotate(samples=samples)
+        report = step.report  # the positions the whole quorum committed in this step
+        args.samples.write(report.step, report.epoch, report.positions.tolist(), committed=True)
     log.close()
     loader.close()
     manager.close()
@@ -521,12 +596,20 @@ def run_torchft(args: argparse.Namespace, spec: ModelSpec, log: StepLog, device:
     )
     ddp = torchft.DistributedDataParallel(manager, model) if args.mode == "ddp" else None
     dataset, plan = synthetic_dataset(spec), spec.plan()
-    for step in range(args.steps):
+    if args.elastic:
+        _start_together(args)
+    step = 0
+    while step < args.steps:
         log.top(step=step)
         manager.start_quorum()
         optimizer.zero_grad(set_to_none=True)
         _pace(args.step_seconds)
-        indices = rank_share(plan, step, args.rank, args.world)
+        if args.elastic:  # the data of the quorum's step: a relaunched replica resumes where the others are
+            manager.wait_quorum()
+            step = manager.current_step()
+            log.annotate(step=step)
+        epoch, start, stop = rank_positions(plan, step, args.rank, args.world)
+        indices = plan.indices(epoch, start, stop).tolist()
         if ddp is not None:
             batches = list(load_microbatches(dataset, indices, spec.max_microbatch, device))
             for number, batch in enumerate(batches):
@@ -539,6 +622,7 @@ def run_torchft(args: argparse.Namespace, spec: ModelSpec, log: StepLog, device:
             for batch in load_microbatches(dataset, indices, spec.max_microbatch, device):
                 with log.computing():
                     summed_loss(model, batch).backward()
+                _pace(args.sample_seconds * len(batch[1]))
             flat = flat_gradients(params, len(indices))
             manager.wait_quorum()  # manager.allreduce waits for the step's quorum first: count that wait before it
             with log.reducing():
@@ -554,6 +638,8 @@ def run_torchft(args: argparse.Namespace, spec: ModelSpec, log: StepLog, device:
             manager_step=manager.current_step(),
             share=len(indices),
         )
+        args.samples.write(step, epoch, range(start, stop), committed=committed)
+        step = manager.current_step() if args.elastic else step + 1
     log.close()
     manager.shutdown(wait=False)
 
@@ -589,6 +675,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefetch", action="store_true", help="stalwart: ElasticLoader(prefetch=True)")
     parser.add_argument("--step-seconds", type=float, default=0.0, help="Sleep at the start of every step.")
     parser.add_argument("--launched-at", type=float, default=None, help="time.time() when the driver started us")
+    parser.add_argument(
+        "--sample-seconds", type=float, default=0.0, help="Sleep this long per sample trained (accelerator compute)."
+    )
+    parser.add_argument("--record-samples", action="store_true", help="Write each step's positions (SampleLog).")
+    parser.add_argument("--checkpoint-dir", type=Path, default=None, help="plain: checkpoint-restart from here")
+    parser.add_argument("--checkpoint-every", type=int, default=10, help="plain: steps between checkpoints")
+    parser.add_argument(
+        "--elastic", action="store_true", help="torchft: data step from the manager's step, up to --steps"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.variant == "torchft":
@@ -597,6 +692,8 @@ def main(argv: list[str] | None = None) -> None:
     device = worker_device(args)
     synchronize = partial(torch.cuda.synchronize, device) if device.type == "cuda" else lambda: None
     log = StepLog(Path(f"{args.out}-{args.member}.jsonl"), args.member, args.launched_at or time.time(), synchronize)
+    samples_path = Path(f"{args.out}-{args.member}.samples.jsonl") if args.record_samples else None
+    args.samples = SampleLog(samples_path, args.member, args.prefix)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     baseline = peak_memory(device)  # after the imports, before the model is built

@@ -229,7 +229,7 @@ class WorkerGroup:
         self.processes: list[subprocess.Popen[bytes]] = []
 
     def start(self, loop: str, model: str, steps: int, rank: int, extra: Sequence[str]) -> None:
-        """Start rank ``rank`` of ``loop``."""
+        """Start rank ``rank`` of ``loop`` (in place of its earlier process, if any: a relaunch)."""
         command = [
             sys.executable, "-m", _WORKER_MODULE, loop,
             "--model", model, "--steps", str(steps), "--rank", str(rank), "--world", str(self.world),
@@ -238,9 +238,11 @@ class WorkerGroup:
         ]  # fmt: skip
         env = worker_env(rank if self.device == "cuda" else None)
         with open(self.run_dir / f"{self.name}-worker-{rank}.log", "ab") as log:
-            self.processes.append(
-                subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
-            )
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
+        if rank < len(self.processes):
+            self.processes[rank] = process
+        else:
+            self.processes.append(process)
 
     def records(self, rank: int) -> list[dict[str, Any]]:
         """What rank ``rank`` wrote so far."""

@@ -15,7 +15,9 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run_benchmark(*args: str, module: str = "benchmarks.data_plane") -> subprocess.CompletedProcess[str]:
+def _run_benchmark(
+    *args: str, module: str = "benchmarks.data_plane", timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "COLUMNS": "240"}  # wide enough that no header wraps
     return subprocess.run(
         [sys.executable, "-m", module, *args],
@@ -23,7 +25,7 @@ def _run_benchmark(*args: str, module: str = "benchmarks.data_plane") -> subproc
         env=env,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=timeout,
         check=False,
     )
 
@@ -183,3 +185,28 @@ def test_lighthouse_scale_runs_every_phase(tmp_path: Path) -> None:
         assert measured["formed_ms"] is not None and measured["push_observers_ms"] is not None, measured
     for title in ("One lighthouse, simulated members on 127.0.0.1", "Before and after", "Goals"):
         assert title in completed.stdout
+
+
+def test_goodput_quick_run_replays_the_trace_against_every_system() -> None:
+    completed = _run_benchmark("--quick", module="benchmarks.goodput", timeout=900)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    output = completed.stdout
+    assert "Goodput under one failure trace" in output
+    # columns: system, failures, failure-free (s), with failures (s), vs stalwart, goodput, by round,
+    # per worker-second, lost, twice, note
+    measured = ["stalwart", "checkpoint-restart"]
+    torchft = _table_row(output, "torchft")
+    if torchft[1] == "-":
+        assert "not installed" in torchft[-1], torchft
+    else:
+        measured.append("torchft")
+    for system in measured:
+        cells = _table_row(output, system)
+        assert int(cells[1]) >= 1, cells  # the trace's failures reached every system
+        assert float(cells[2]) > 0 and float(cells[3]) > 0 and cells[5].endswith("%") and cells[7].endswith("%"), cells
+    stalwart = _table_row(output, "stalwart")
+    assert (stalwart[8], stalwart[9]) == ("0", "0"), stalwart  # exactly once through the failures
+    assert _table_row(output, "checkpoint-restart")[8] == "0"  # it rolls back: nothing lost
+    statuses = ("met:", "MISSED:", "not measured:")
+    goal_lines = [line for line in output.splitlines() if line.lstrip().startswith(statuses)]
+    assert len(goal_lines) == 3
