@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -65,6 +66,8 @@ from benchmarks._measure import peak_rss_bytes
 from stalwart.data.plan import EpochPlan
 from stalwart.data.schedule import split_microbatches, split_sizes
 from stalwart.data.world import WorldInfo
+from stalwart.redundancy.config import Overlap, Redundancy, parse_parity
+from stalwart.redundancy.layout import ShardsLostError
 from stalwart.runtime.loader import ElasticLoader
 from stalwart.runtime.manager import Manager
 
@@ -100,9 +103,11 @@ MODELS = {
     "1m": ModelSpec("1m", 256, 512, 4, 10, global_batch=512, max_microbatch=64, steps_per_epoch=8),
     "10m": ModelSpec("10m", 512, 1536, 5, 10, global_batch=256, max_microbatch=32, steps_per_epoch=8),
     "50m": ModelSpec("50m", 1024, 3072, 6, 10, global_batch=64, max_microbatch=16, steps_per_epoch=8),
+    "3m": ModelSpec("3m", 512, 1024, 3, 10, global_batch=128, max_microbatch=8, steps_per_epoch=16),
 }
 """``tiny`` (5k parameters: fixed per-step costs) and MLPs of about 1M, 10M and 50M parameters; every one
-gives each of 2 or 4 workers at least two micro-batches per step."""
+gives each of 2 or 4 workers at least two micro-batches per step. ``3m`` (2.6M parameters, a small batch)
+is the redundancy benchmark's: Adam's state dominates its memory, and 8 workers get two micro-batches each."""
 
 
 def build_model(spec: ModelSpec, seed: int = 0) -> torch.nn.Module:
@@ -121,6 +126,27 @@ def synthetic_dataset(spec: ModelSpec) -> TensorDataset:
     features = torch.randn(spec.dataset_size, spec.in_features, generator=generator)
     labels = torch.randint(0, spec.classes, (spec.dataset_size,), generator=generator)
     return TensorDataset(features, labels)
+
+
+def make_optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """SGD with momentum (the runtime benchmark's) or Adam (the redundancy benchmark's: 3 fp32 per parameter)."""
+    if kind == "adam":
+        return torch.optim.Adam(model.parameters(), lr=1e-3)
+    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+def adam_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the parameters and every tensor of the optimizer's state (DDP's replicated state)."""
+    tensors = [*model.parameters()]
+    tensors += [value for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)]
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
+def worker_redundancy(args: argparse.Namespace) -> Redundancy | None:
+    """``--overlap F`` or ``--parity K,M`` (None: a replicated optimizer)."""
+    if args.parity is not None:
+        return parse_parity(args.parity)
+    return None if args.overlap is None else Overlap(args.overlap)
 
 
 def summed_loss(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -284,6 +310,11 @@ class StepLog:
             self._reduce_started = time.perf_counter()
         elif event == "reduce_finished":
             self._reduce_finished = time.perf_counter()
+
+    def killed(self) -> None:
+        """Write a line saying this process kills itself now (the step in progress is not written)."""
+        self._file.write(json.dumps({"member": self.member, "killed": True, "time": time.time()}) + "\n")
+        self._file.flush()
 
     def close(self) -> None:
         """Write the last step and close the file."""
@@ -467,7 +498,7 @@ def train_wrapped(
     wrapper reduces only in the last one's. Losses are scaled by
     :func:`wrapper_loss_scale`, so the update is the others'.
     """
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    optimizer = make_optimizer(args.optimizer, model)
     dataset, plan = synthetic_dataset(spec), spec.plan()
     for step in range(args.steps):
         log.top(step=step)
@@ -480,6 +511,7 @@ def train_wrapped(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     log.close()
+    args.summary["state_bytes"] = adam_state_bytes(model, optimizer)
     dist.barrier()  # no peer still needs this process when it exits
 
 
@@ -521,8 +553,14 @@ def train_stalwart(
     group: WorldInfo | None = None,
     group_store: dist.Store | None = None,
 ) -> None:
-    """The loop under the Manager: each micro-batch's summed loss through ``step.backward``."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    """The loop under the Manager: each micro-batch's summed loss through ``step.backward``.
+
+    With ``--overlap``/``--parity`` the optimizer state is sharded; each
+    step's line then carries the cumulative repair count and seconds. The
+    ranks in ``--kill-ranks`` SIGKILL themselves at the top of step
+    ``--kill-at``, after a ``killed`` line with the time.
+    """
+    optimizer = make_optimizer(args.optimizer, model)
     manager = Manager(
         model,
         optimizer,
@@ -534,24 +572,43 @@ def train_stalwart(
         on_event=log.reduce_event,
         group=group,
         group_store=group_store,
+        redundancy=worker_redundancy(args),
+        node=member,
     )
     loader = ElasticLoader(synthetic_dataset(spec), prefetch=args.prefetch)
-    for step in manager.steps(loader, max_steps=args.steps):
-        log.top(step=manager.ledger.step, world=manager.world_size, quorum=manager.quorum_id)
-        _pace(args.step_seconds)
-        samples = 0
-        for batch in step:
-            tensors = to_device(cast(Sequence[torch.Tensor], batch), device)  # default_collate of (features, label)
-            with log.computing():
-                step.backward(summed_loss(model, tensors))
-            samples += len(tensors[1])
-            _pace(args.sample_seconds * len(tensors[1]))
-        log.annotate(samples=samples)
-        report = step.report  # the positions the whole quorum committed in this step
-        args.samples.write(report.step, report.epoch, report.positions.tolist(), committed=True)
+    try:
+        for step in manager.steps(loader, max_steps=args.steps):
+            log.top(step=manager.ledger.step, world=manager.world_size, quorum=manager.quorum_id)
+            if manager.ledger.step == args.kill_at and args.rank in args.kill_ranks:
+                log.killed()
+                os.kill(os.getpid(), signal.SIGKILL)
+            _pace(args.step_seconds)
+            samples = 0
+            for batch in step:
+                tensors = to_device(cast(Sequence[torch.Tensor], batch), device)  # default_collate of (features, label)
+                with log.computing():
+                    step.backward(summed_loss(model, tensors))
+                samples += len(tensors[1])
+                _pace(args.sample_seconds * len(tensors[1]))
+            log.annotate(samples=samples, committed=step.report.step, committed_at=time.time(), **_repairs(manager))
+            report = step.report  # the positions the whole quorum committed in this step
+            args.samples.write(report.step, report.epoch, report.positions.tolist(), committed=True)
+    except ShardsLostError as error:
+        log.close()
+        args.summary["shards_lost"] = str(error)
+        return
     log.close()
+    args.summary.update(_repairs(manager))
     loader.close()
     manager.close()
+
+
+def _repairs(manager: Manager) -> dict[str, Any]:
+    """The sharded state's bytes on this process and its reshards' count and seconds so far (nothing unsharded)."""
+    if manager.redundancy_stats is None:
+        return {}
+    state_bytes, stats = manager.redundancy_stats
+    return {"state_bytes": state_bytes, "repairs": stats.repairs, "repair_seconds": stats.seconds}
 
 
 def run_torchft(args: argparse.Namespace, spec: ModelSpec, log: StepLog, device: torch.device) -> None:
@@ -674,6 +731,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mode", choices=("allreduce", "ddp"), default="allreduce", help="torchft only")
     parser.add_argument("--prefetch", action="store_true", help="stalwart: ElasticLoader(prefetch=True)")
     parser.add_argument("--step-seconds", type=float, default=0.0, help="Sleep at the start of every step.")
+    parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="ddp / stalwart: the optimizer")
+    redundancy = parser.add_mutually_exclusive_group()
+    redundancy.add_argument("--overlap", type=float, default=None, help="stalwart: shard the optimizer, overlap F")
+    redundancy.add_argument("--parity", default=None, help="stalwart: shard the optimizer, K,M parity")
+    parser.add_argument("--kill-at", type=int, default=None, help="stalwart: SIGKILL --kill-ranks at this step's top")
+    parser.add_argument("--kill-ranks", type=int, nargs="*", default=[], help="stalwart: the ranks --kill-at kills")
     parser.add_argument("--launched-at", type=float, default=None, help="time.time() when the driver started us")
     parser.add_argument(
         "--sample-seconds", type=float, default=0.0, help="Sleep this long per sample trained (accelerator compute)."
@@ -697,8 +760,9 @@ def main(argv: list[str] | None = None) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     baseline = peak_memory(device)  # after the imports, before the model is built
+    args.summary = {}
     RUNNERS[args.variant](args, MODELS[args.model], log, device)
-    summary = {"member": args.member, "peak_memory_bytes": peak_memory(device) - baseline}
+    summary = {"member": args.member, "peak_memory_bytes": peak_memory(device) - baseline, **args.summary}
     Path(f"{args.out}-{args.member}.summary.json").write_text(json.dumps(summary), encoding="utf-8")
     os._exit(0)  # skip interpreter teardown (torch's, torchft's threads): the results are written
 

@@ -2,8 +2,9 @@
 
 Run from the repository root, with the virtual environment active::
 
-    python -m benchmarks.redundancy           # full run, about a minute
-    python -m benchmarks.redundancy --quick   # small buffers, a few seconds (numbers indicative only)
+    python -m benchmarks.redundancy           # full run, about 10 minutes on 2 cores
+    python -m benchmarks.redundancy --quick   # small sizes, about 2 minutes (numbers indicative only)
+    python -m benchmarks.redundancy --sections 1   # only the codec table
 
 Sections, each printed as a table:
 
@@ -15,28 +16,67 @@ Sections, each printed as a table:
    decode rebuilds one lost data buffer, then ``m`` of them. Medians over
    repeats, in this process, with torch's default threads.
 
-The training sections (state bytes, step time and repair time per
-configuration against DDP and a checkpoint reload) come with the sharded
-optimizer.
+2. **Partial redundancy in training.** 8 worker processes (Gloo,
+   127.0.0.1) train an MLP of 2.6M parameters with Adam, whose state (fp32
+   master and two moments, 3 x 4 bytes a parameter) dominates memory: torch's
+   DistributedDataParallel (the baseline, Adam replicated) and stalwart with
+   the state sharded at overlap 0, 1/8, 1/4, 1 and parity (7, 1), (6, 2).
+   Each stalwart configuration runs twice: SIGKILL of one worker (rank 3)
+   and of two (ranks 3 and 6) at the top of the same step; DDP runs twice
+   without failures. Runs are interleaved (the order rotates every round) and
+   step times are rank 0's steps before the kill, pooled over both runs:
+   medians, with each run's median as the spread. Columns: state bytes per
+   process (``ShardedOptimizer.state_bytes``; DDP: Adam's state plus the
+   parameters) and their ratio to :func:`stalwart.redundancy.memory.state_bytes`,
+   step time against overlap 0 and DDP, and for each failure count the
+   recovery (SIGKILL to the survivors' commit of the step the victims died
+   in, re-run included), the in-memory reshard (``RepairStats.seconds``) and
+   the steps lost (steps of the lighthouse's ledger that the survivors did
+   not commit: must be 0). A configuration that cannot survive the failure
+   shows "lost" (``ShardsLostError`` in the survivors). The checkpoint row
+   saves the same state (the model and Adam's full state) with
+   ``torch.distributed.checkpoint`` from one process and times ``dcp.load``
+   back into preallocated tensors, its files dropped from the page cache first
+   (``posix_fadvise(DONTNEED)``); ratios are reload over reshard.
+
+``--sections 1,2`` picks sections (default: both); ``--quick`` runs section 2
+with 4 workers on a tiny model and one failure (numbers indicative only).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from rich.console import Console
 
-from benchmarks._measure import make_console, median_of_repeats, print_table, progress_display
+from benchmarks._measure import Goal, make_console, median_of_repeats, print_goals, print_table, progress_display
+from benchmarks._redundancy_training import (
+    FULL_TRAINING,
+    QUICK_TRAINING,
+    ConfigResult,
+    Failure,
+    Reload,
+    TrainingSettings,
+    expected_to_survive,
+    measure_reload,
+    run_training,
+)
 from stalwart.redundancy import Parity
 from stalwart.redundancy.parity import RS_BACKEND, ParityCode
 
 MIB = 1 << 20
 CODEC_TITLE = "1. Parity codec throughput"
+TRAINING_TITLE = "2. Partial redundancy in training"
+OVERLAP_STEP_GOAL = 1.10
+PARITY_EXTRA_GOAL = 1 / 7
+RELOAD_GOAL = 20.0
 
 
 @dataclass(frozen=True)
@@ -146,24 +186,206 @@ def print_codec(console: Console, rows: Sequence[CodecRow]) -> None:
     )
 
 
+def print_training(
+    console: Console, settings: TrainingSettings, results: Sequence[ConfigResult], reload: Reload
+) -> None:
+    """Table 2: every configuration side by side, with the checkpoint reload."""
+    by_label = {result.config.label: result for result in results}
+    zero = by_label.get("overlap 0")
+    ddp = next(result for result in results if result.config.redundancy is None)
+    failure_counts = sorted(settings.victims)
+    columns = [
+        "configuration",
+        "state/process (MiB)",
+        "vs formula",
+        "step (ms)",
+        "by run (ms)",
+        "vs overlap 0",
+        "vs DDP",
+    ]
+    for count in failure_counts:
+        columns += [
+            f"{count} failed: recovery (s)",
+            f"{count}: reshard (s)",
+            f"{count}: steps lost",
+            f"{count}: reload/reshard",
+        ]
+    rows = []
+    for result in results:
+        median = result.step_median_ms
+        row = [
+            result.config.label,
+            _mib(result.state_bytes),
+            _formula_ratio(result),
+            "-" if median is None else f"{median:.1f}",
+            " ".join(f"{value:.0f}" for value in result.run_medians_ms()),
+            _ratio(median, zero.step_median_ms if zero else None),
+            _ratio(median, ddp.step_median_ms),
+        ]
+        for count in failure_counts:
+            row += _failure_cells(result, count, reload)
+        rows.append(row)
+    rows.append(
+        [f"dcp reload, {reload.state_bytes / MIB:.1f} MiB", "-", "-", "-", "-", "-", "-"]
+        + [f"{reload.cold_s:.3f} cold", f"{reload.warm_s:.3f} warm", "-", "-"] * len(failure_counts)
+    )
+    victims = "; ".join(f"{count}: rank(s) {', '.join(map(str, ranks))}" for count, ranks in settings.victims.items())
+    print_table(
+        console,
+        f"{TRAINING_TITLE}: {settings.workers} processes, model {settings.model}, Adam, "
+        f"SIGKILL at step {settings.kill_at}",
+        columns,
+        rows,
+        caption=(
+            f"State: max per process (MiB); vs formula: measured / stalwart.redundancy.memory.state_bytes, summed over "
+            f"processes. Step: median of rank 0's steps {settings.warmup}..{settings.kill_at - 2} over both runs; "
+            f"'by run' gives each run's median (the spread). Victims {victims}. Recovery: SIGKILL to the survivors' "
+            "commit of that step (detection, quorum, reshard and the step's re-run); reshard: RepairStats.seconds "
+            "of that repair (max over survivors); steps lost: ledger steps the survivors did not commit. "
+            "lost: ShardsLostError (more failures than the redundancy covers). reload/reshard: cold dcp.load of "
+            "the whole model + Adam state from one process over the reshard."
+        ),
+    )
+
+
+def _failure_cells(result: ConfigResult, count: int, reload: Reload) -> list[str]:
+    failure: Failure | None = result.failures.get(count)
+    if failure is None:
+        return ["-"] * 4
+    if failure.note == "lost":
+        return ["lost", "lost", "-", "-"]
+    if failure.note:
+        return [f"failed: {failure.note[:60]}", "-", "-", "-"]
+    ratio = "-" if not failure.reshard_s else f"{reload.cold_s / failure.reshard_s:.2f}x"
+    return [_seconds(failure.recovery_s), _seconds(failure.reshard_s), str(failure.steps_lost), ratio]
+
+
+def training_goals(settings: TrainingSettings, results: Sequence[ConfigResult], reload: Reload) -> list[Goal]:
+    """The issue's four goals, judged on this run's figures."""
+    by_label = {result.config.label: result for result in results}
+    goals = []
+    zero, eighth = by_label.get("overlap 0"), by_label.get("overlap 1/8")
+    if zero and eighth and zero.step_median_ms and eighth.step_median_ms:
+        ratio = eighth.step_median_ms / zero.step_median_ms
+        goals.append(
+            Goal("overlap 1/8 step time at most 1.10x overlap 0's", ratio <= OVERLAP_STEP_GOAL, f"{ratio:.3f}x")
+        )
+    else:
+        goals.append(Goal("overlap 1/8 step time at most 1.10x overlap 0's", None, "not in this run"))
+    parity = by_label.get("parity (7, 1)")
+    if zero and parity and zero.state_bytes and parity.state_bytes:
+        extra = max(p - z for p, z in zip(parity.state_bytes, zero.state_bytes, strict=True)) / max(zero.state_bytes)
+        goals.append(
+            Goal(
+                "parity (7, 1) holds at most 1/7 of a shard extra",
+                extra <= PARITY_EXTRA_GOAL + 1e-3,
+                f"{extra:.4f} of a shard",
+            )
+        )
+    else:
+        goals.append(Goal("parity (7, 1) holds at most 1/7 of a shard extra", None, "not in this run"))
+    reshards = [
+        (result.config.label, count, failure.reshard_s)
+        for result in results
+        for count, failure in result.failures.items()
+        if failure.reshard_s
+    ]
+    if reshards:
+        label, count, slowest = max(reshards, key=lambda item: item[2])
+        ratio = reload.cold_s / slowest
+        detail = (
+            f"cold reload {reload.cold_s:.3f} s over the slowest reshard {slowest:.3f} s "
+            f"({label}, {count} failed): {ratio:.2f}x"
+        )
+        goals.append(
+            Goal("in-memory repair at least 20x faster than the checkpoint reload", ratio >= RELOAD_GOAL, detail)
+        )
+    else:
+        goals.append(
+            Goal("in-memory repair at least 20x faster than the checkpoint reload", None, "no repair measured")
+        )
+    survivable = [
+        failure
+        for result in results
+        if result.config.redundancy is not None
+        for count, failure in result.failures.items()
+        if expected_to_survive(result.config, settings.workers, settings.victims[count])
+    ]
+    lost = sum(failure.steps_lost or 0 for failure in survivable)
+    measured = all(failure.steps_lost is not None for failure in survivable) and bool(survivable)
+    goals.append(
+        Goal(
+            "training continues through every survivable repair with no step lost",
+            (lost == 0) if measured else None if not survivable else False,
+            f"{len(survivable)} survivable failure runs, {lost} steps lost"
+            + ("" if measured else "; some runs gave no figures"),
+        )
+    )
+    return goals
+
+
+def _mib(values: Sequence[int]) -> str:
+    return "-" if not values else f"{max(values) / MIB:.2f}"
+
+
+def _formula_ratio(result: ConfigResult) -> str:
+    if len(result.state_bytes) != len(result.formula_bytes):
+        return "-"
+    return f"{sum(result.state_bytes) / sum(result.formula_bytes):.3f}"
+
+
+def _ratio(value: float | None, baseline: float | None) -> str:
+    return "-" if value is None or not baseline else f"{value / baseline:.3f}x"
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _sections(text: str) -> tuple[int, ...]:
+    try:
+        sections = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        sections = ()
+    if not sections or not set(sections) <= {1, 2}:
+        raise argparse.ArgumentTypeError(f"--sections must be a comma-separated subset of 1,2, got {text!r}")
+    return sections
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark and print its tables; return the exit status (0 unless it crashed)."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.redundancy", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small buffers and few repeats: a few seconds")
+    parser.add_argument("--quick", action="store_true", help="small sizes and few repeats: about 2 minutes")
+    parser.add_argument("--sections", type=_sections, default=(1, 2), help="comma-separated sections to run: 1,2")
     args = parser.parse_args(argv)
     settings = QUICK if args.quick else FULL
+    training = QUICK_TRAINING if args.quick else FULL_TRAINING
     console = make_console()
     load = f", load average {os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else ""
     quick = " (quick run: indicative only)" if args.quick else ""
     console.print(f"torch {torch.__version__}, {os.cpu_count()} CPUs{load}{quick}")
-    cases = codec_cases()
-    rows = []
-    with progress_display(console) as progress:
-        task = progress.add_task("parity codec", total=len(cases))
-        for case in cases:
-            rows.append(measure_codec(case, settings))
-            progress.advance(task)
-    print_codec(console, rows)
+    if 1 in args.sections:
+        cases = codec_cases()
+        rows = []
+        with progress_display(console) as progress:
+            task = progress.add_task("parity codec", total=len(cases))
+            for case in cases:
+                rows.append(measure_codec(case, settings))
+                progress.advance(task)
+        print_codec(console, rows)
+    if 2 in args.sections:
+        with progress_display(console) as progress, tempfile.TemporaryDirectory(prefix="stalwart-redbench-") as tmp:
+            task = progress.add_task("training", total=len(training.configs) * len(training.victims) + 1)
+
+            def advance(label: str) -> None:
+                progress.update(task, description=label)
+                progress.advance(task)
+
+            progress.update(task, description="checkpoint reload")
+            reload = measure_reload(training.model, training.reload_repeats)
+            results = run_training(training, Path(tmp), advance, progress.refresh)
+        print_training(console, training, results, reload)
+        print_goals(console, training_goals(training, results, reload))
     return 0
 
 

@@ -250,8 +250,12 @@ class WorkerGroup:
 
     def peak_memory_bytes(self) -> list[int]:
         """Each finished worker's peak memory (from its summary)."""
+        return [summary["peak_memory_bytes"] for summary in self.summaries()]
+
+    def summaries(self) -> list[dict[str, Any]]:
+        """The summaries of the workers that finished (their peak memory and what their loop added)."""
         paths = (self.run_dir / f"{self.name}-worker-{rank}.summary.json" for rank in range(self.world))
-        return [json.loads(path.read_text(encoding="utf-8"))["peak_memory_bytes"] for path in paths if path.exists()]
+        return [json.loads(path.read_text(encoding="utf-8")) for path in paths if path.exists()]
 
     def wait(self, timeout: float, tick: Callable[[], None] = lambda: None) -> bool:
         """Wait until every process exited (True) or ``timeout`` passed (False: they are killed)."""

@@ -62,8 +62,9 @@ def test_quick_run_prints_every_table_and_goal() -> None:
 
 
 def test_redundancy_quick_run_measures_every_codec() -> None:
-    completed = _run_benchmark("--quick", module="benchmarks.redundancy")
+    completed = _run_benchmark("--quick", "--sections", "1", module="benchmarks.redundancy")
     assert completed.returncode == 0, completed.stderr
+    assert "2. Partial redundancy" not in completed.stdout
     assert "1. Parity codec throughput" in completed.stdout
     for leading in (
         ("(7, 1)", "XOR"),
@@ -72,6 +73,29 @@ def test_redundancy_quick_run_measures_every_codec() -> None:
     ):
         cells = _table_row(completed.stdout, *leading)
         assert all(cell.replace(",", "").isdigit() for cell in cells[-3:]), cells
+
+
+def test_redundancy_quick_training_run_measures_every_row() -> None:
+    completed = _run_benchmark("--quick", "--sections", "2", module="benchmarks.redundancy", timeout=900)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    output = completed.stdout
+    assert "2. Partial redundancy in training" in output and "1. Parity codec" not in output
+    # columns: configuration, state, vs formula, step, by run, vs overlap 0, vs DDP, recovery, reshard, lost, ratio
+    ddp = _table_row(output, "DDP")
+    assert ddp[2] == "1.000" and ddp[6] == "1.000x", ddp
+    assert _table_row(output, "overlap 0")[7:9] == ["lost", "lost"]  # no copy: one failure loses a shard
+    for label in ("overlap 1/4", "parity (3, 1)"):
+        cells = _table_row(output, label)
+        assert cells[2] == "1.000", cells  # measured state bytes equal the formula's
+        assert float(cells[3]) > 0 and float(cells[7]) > 0 and float(cells[8]) > 0, cells
+        assert cells[9] == "0", cells  # no step lost
+    assert "no step lost (2 survivable failure runs, 0 steps lost)" in output
+
+
+def test_redundancy_rejects_an_unknown_section() -> None:
+    completed = _run_benchmark("--sections", "3", module="benchmarks.redundancy")
+    assert completed.returncode == 2
+    assert "--sections" in completed.stderr and "'3'" in completed.stderr
 
 
 def test_unknown_argument_is_rejected() -> None:
