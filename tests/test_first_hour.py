@@ -22,7 +22,9 @@ from support import wait_until
 from stalwart.cli.demo import demo_command
 from stalwart.coord.server import Lighthouse
 from stalwart.data.plan import EpochPlan
+from stalwart.launch.digits import digits_model
 from stalwart.launch.report import RunReport, event_marks, plot_report, world_size_history
+from stalwart.redundancy import Parity, place, state_bytes
 
 PLAN = EpochPlan(1797, 32, seed=0)
 PROCESS_TIMEOUT = 240.0
@@ -300,3 +302,37 @@ def test_the_loader_audit_recomputes_each_step_from_the_plan() -> None:
     records[0] = {**records[0], "loaded_checksum": f"{index_checksum(0, wrong):016x}"}
     records[11] = {**records[11], "epoch": 0}
     assert loader_audit_mismatches(plan, records) == 2
+
+
+def test_demo_with_parity_reports_the_sharded_state_and_its_repairs(tmp_path: Path) -> None:
+    """``--parity 2,1``: workers killed and restarted; exactly once, the reference's parameters, state bytes."""
+    report_path = tmp_path / "report.json"
+    arguments = ["--workers", "3", "--steps", "16", "--step-seconds", "0", "--restart-after", "0.5"]
+    arguments += ["--parity", "2,1", "--run-dir", str(tmp_path / "run"), "--report", str(report_path)]
+    result = CliRunner().invoke(demo_command, arguments)
+    assert result.exit_code == 0, result.output
+    report = json.loads(report_path.read_text())
+    assert report["exactly_once"] and report["global_batch_as_planned"]
+    assert report["max_param_diff_vs_reference"] < 1e-4
+    assert report["rejoins"] == 2 and report["world_sizes"][-1] == 3
+    parameters = sum(p.numel() for p in digits_model(0).parameters())
+    expected = state_bytes(place(Parity(2, 1), [socket.gethostname()] * 3), parameters, state_elements=3)
+    assert sorted(report["state_bytes_per_worker"]) == sorted(expected)
+    assert report["repairs"] >= 3 and report["repair_seconds"] > 0 and report["shards_lost"] == []
+    assert "sharded state per worker (KiB)" in result.output
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--overlap", "1.5"], "1.5 is not in the range 0.0<=x<=1.0"),
+        (["--overlap", "0.5", "--parity", "2,1"], "choose --overlap (0.5) or --parity (2,1), not both"),
+        (["--parity", "3,2"], "parity k + m must be at most the number of processes (4), got 3 + 2 = 5"),
+        (["--parity", "seven"], "parity must be two integers K,M such as 7,1, got 'seven'"),
+    ],
+)
+def test_demo_redundancy_errors_are_usage_errors(arguments: list[str], message: str) -> None:
+    result = CliRunner().invoke(demo_command, arguments)
+    assert result.exit_code == 2
+    assert message in result.output
+    assert "Traceback" not in result.output

@@ -25,10 +25,11 @@ from stalwart.launch.cluster import (
     read_status,
     worker_events,
 )
-from stalwart.launch.digits import digits_dataset, reference_run
+from stalwart.launch.digits import OPTIMIZERS, digits_dataset, reference_run
 from stalwart.launch.driver import ChaosDriver
 from stalwart.launch.driver import Progress as DriverProgress
 from stalwart.launch.report import RunReport, build_report, committed_steps, plot_report, write_audit
+from stalwart.redundancy.config import parse_parity
 
 
 @click.command("demo")
@@ -99,6 +100,20 @@ from stalwart.launch.report import RunReport, build_report, committed_steps, plo
     default=None,
     help="Workers' logs, step records and the audit (default: a new temporary directory).",
 )
+@click.option(
+    "--overlap",
+    type=click.FloatRange(0.0, 1.0),
+    default=None,
+    help="Shard the optimizer state; each shard also held by round(F x workers) others (0: ZeRO, 1: DDP).",
+)
+@click.option("--parity", default=None, help="Shard the optimizer state with K,M parity (7,1 like RAID-5).")
+@click.option(
+    "--optimizer",
+    type=click.Choice(sorted(OPTIMIZERS)),
+    default="adam",
+    show_default=True,
+    help="The workers' optimizer (and the reference's).",
+)
 def demo_command(
     workers: int,
     steps: int,
@@ -119,6 +134,9 @@ def demo_command(
     heartbeat_timeout: float,
     timeout: float,
     run_dir: Path | None,
+    overlap: float | None,
+    parity: str | None,
+    optimizer: str,
 ) -> None:
     """Train with failures injected, then report constant batch, exactly-once data and parameter drift.
 
@@ -131,12 +149,14 @@ def demo_command(
         raise click.BadParameter(
             f"must be at most --global-batch={global_batch}, got {multiple}", param_hint="--multiple"
         )
+    redundancy_args = _redundancy_args(overlap, parity, workers)
     planned = _planned_kills(kills, workers, steps, mtbf, console)
     plan = EpochPlan(len(digits_dataset()), global_batch, seed=seed, local_batch_multiple=multiple)
     run_dir = _prepare_run_dir(run_dir)
     lighthouse = None
     worker_args = ["--max-steps", str(steps), "--max-microbatch", str(max_microbatch), "--seed", str(seed)]
     worker_args += ["--step-seconds", str(step_seconds), "--collective-timeout", str(heartbeat_timeout)]
+    worker_args += ["--optimizer", optimizer, *redundancy_args]
     if token:
         worker_args += ["--token", token]
     previous_handlers = _raise_on_termination()
@@ -185,7 +205,7 @@ def demo_command(
         for line in errors:
             console.print(f"[red]{line}[/]", highlight=False)
         raise click.ClickException(f"the workers stopped after {driver.progress.committed} of {steps} steps")
-    reference = reference_run(plan, steps, seed) if compare else None
+    reference = reference_run(plan, steps, seed, optimizer_name=optimizer) if compare else None
     report = build_report(plan, run_dir, cluster.failures, reference, driver.events)
     write_audit(plan, run_dir / "audit", committed_steps(run_dir))
     _print(report, console)
@@ -240,6 +260,19 @@ def _planned_kills(text: str, workers: int, steps: int, mtbf: float | None, cons
         highlight=False,
     )
     return default
+
+
+def _redundancy_args(overlap: float | None, parity: str | None, workers: int) -> list[str]:
+    """The workers' ``--overlap``/``--parity`` arguments; a bad or contradictory choice is a usage error."""
+    if overlap is not None and parity is not None:
+        raise click.UsageError(f"choose --overlap ({overlap}) or --parity ({parity}), not both")
+    if parity is None:
+        return [] if overlap is None else ["--overlap", str(overlap)]
+    try:
+        parse_parity(parity).check_processes(workers)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--parity") from None
+    return ["--parity", parity]
 
 
 def _prepare_run_dir(run_dir: Path | None) -> Path:
@@ -326,6 +359,12 @@ def _print(report: RunReport, console: Console) -> None:
     ]
     if failed:
         rows.insert(3, ("failed rejoins", failed))
+    if report.state_bytes_per_worker:
+        per_worker = ", ".join(f"{size / 1024:.1f}" for size in report.state_bytes_per_worker)
+        rows.append(("sharded state per worker (KiB)", per_worker))
+        rows.append(("repairs / their seconds", f"{report.repairs} / {report.repair_seconds:.2f}"))
+    if report.shards_lost:
+        rows.append(("shards lost", ", ".join(map(str, report.shards_lost))))
     for name, value in rows:
         table.add_row(name, value)
     console.print(table)

@@ -138,7 +138,7 @@ def summed_loss(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> torch.
 
 
 def reference_run(
-    plan: EpochPlan, steps: int, seed: int = 0, lr: float = DEFAULT_LR
+    plan: EpochPlan, steps: int, seed: int = 0, lr: float = DEFAULT_LR, optimizer_name: str = "adam"
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Train without failures in this process: each step on the plan's samples, mean gradient.
 
@@ -148,7 +148,7 @@ def reference_run(
     """
     dataset = digits_dataset()
     model = digits_model(seed)
-    optimizer = digits_optimizer(model, lr)
+    optimizer = OPTIMIZERS[optimizer_name](model, lr)
     scheduler = digits_scheduler(optimizer)
     losses = []
     epoch, epoch_step = 0, 0

@@ -52,6 +52,14 @@ class RunReport:
     reference_losses: list[float] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     """Failures, restarts, rejoins, heals and failed rejoins, each with its worker and step."""
+    state_bytes_per_worker: list[int] = field(default_factory=list)
+    """Sharded optimizer state each finishing worker held (``--overlap``/``--parity``; empty without)."""
+    repairs: int = 0
+    """Reshards after a change of the quorum, summed over the finishing workers."""
+    repair_seconds: float = 0.0
+    """Seconds those reshards took, summed over the finishing workers."""
+    shards_lost: list[int] = field(default_factory=list)
+    """Shards that more failures than the redundancy covers lost (the job stopped)."""
 
     def to_json(self) -> str:
         """The report as indented JSON."""
@@ -94,6 +102,24 @@ def audit_steps(plan: EpochPlan, steps: list[dict[str, Any]]) -> tuple[bool, int
     return duplicates == 0 and missing == 0, duplicates, missing
 
 
+def redundancy_figures(run_dir: Path) -> dict[str, Any]:
+    """State bytes, repairs and their seconds from the workers' ``finished`` events; shards lost from ``error``."""
+    finished: dict[str, dict[str, Any]] = {}
+    lost: set[int] = set()
+    for path in sorted(run_dir.glob("events-*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            event = json.loads(line)
+            if event["event"] == "finished" and "state_bytes" in event:
+                finished[path.stem] = event
+            lost.update(event.get("shards_lost", ()))
+    return {
+        "state_bytes_per_worker": [event["state_bytes"] for _, event in sorted(finished.items())],
+        "repairs": sum(event["repairs"] for event in finished.values()),
+        "repair_seconds": round(sum(event["repair_seconds"] for event in finished.values()), 4),
+        "shards_lost": sorted(lost),
+    }
+
+
 def build_report(
     plan: EpochPlan,
     run_dir: Path,
@@ -121,6 +147,7 @@ def build_report(
             held = sum(max(0.0, min(end, hold_end) - max(start, hold_start)) for hold_start, hold_end in holds)
             recovery.append(round(end - start - held, 4))
     report = RunReport(
+        **redundancy_figures(run_dir),
         steps_committed=len(steps),
         failures_injected=len(failures),
         failures_survived=len(recovery),

@@ -256,7 +256,8 @@ def main(argv: list[str] | None = None) -> None:
         ShardError,
         ShardsLostError,
     ) as error:
-        events.write("error", message=str(error))
+        lost = {"shards_lost": list(error.shards)} if isinstance(error, ShardsLostError) else {}
+        events.write("error", message=str(error), **lost)
         print(f"stalwart worker {name}: {error}", file=sys.stderr)
         raise SystemExit(EXIT_USER_ERROR) from None
     finally:

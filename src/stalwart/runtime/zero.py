@@ -68,7 +68,7 @@ class CopyMismatchError(RuntimeError):
 
 @dataclass
 class RepairStats:
-    """What reshards after a change of the quorum did: how many, their seconds, the shards rebuilt and lost."""
+    """Reshards after a change of the quorum (not the first): how many, their seconds, the shards rebuilt and lost."""
 
     repairs: int = 0
     seconds: float = 0.0
@@ -214,6 +214,7 @@ class ShardedOptimizer:
         processes failed than the redundancy covers.
         """
         started = time.perf_counter()
+        repaired = False
         info = {
             "node": self.node,
             "layout": None if self.layout is None else self.layout.describe(),
@@ -260,12 +261,15 @@ class ShardedOptimizer:
             rows = self._move(comm, old, new, plan, rebuilt, 1 + len(keys))
             self._install(new, comm.rank, rows, keys, scalars)
             self._updates = newest
-            if plan.rebuilt or valid != {rank: rank for rank in range(new.processes)}:
-                self.stats.repairs += 1
+            changed = old.processes != new.processes or valid != {rank: rank for rank in range(new.processes)}
+            if plan.rebuilt or changed:
+                repaired = True
                 self.stats.shards_rebuilt += len(plan.rebuilt)
                 log.info("resharded %d -> %d processes, rebuilt shards %s", old.processes, new.processes, plan.rebuilt)
         self.sync(comm)
-        self.stats.seconds += time.perf_counter() - started
+        if repaired:
+            self.stats.repairs += 1
+            self.stats.seconds += time.perf_counter() - started
 
     def _new_layout(self, nodes: list[str]) -> ShardLayout:
         """The same redundancy over the new world; parity shrinks to fit a small world, nodes yield if they must.
