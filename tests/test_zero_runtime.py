@@ -22,7 +22,7 @@ import torch
 from stalwart.coord.server import Lighthouse
 from stalwart.launch.cluster import LocalCluster
 from stalwart.launch.report import committed_steps
-from tests.test_runtime import PLAN, STEPS, check_job, wait_for, worker_args
+from tests.test_runtime import PLAN, STEPS, check_job, wait_for, wait_until_asking, worker_args
 
 WORKERS = 4
 
@@ -79,3 +79,35 @@ def test_kill_at_a_point_of_a_sharded_step(
     assert min(record["world_size"] for record in committed_steps(tmp_path)) == WORKERS - len(victims)
     finished = finished_events(tmp_path)
     assert all(event["repairs"] >= 1 for event in finished)
+
+
+def test_more_failures_than_covered_stop_the_job_which_resumes_from_its_checkpoint(
+    tmp_path: Path, reference: dict[str, torch.Tensor]
+) -> None:
+    """Overlap 0 loses worker 1's shard: the survivors stop naming it; the fleet restarts from the checkpoint."""
+    with Lighthouse(PLAN, min_replicas=1, start_replicas=3, heartbeat_timeout=1.0, join_timeout=30.0) as server:
+        options = ["--overlap", "0", "--checkpoint-dir", str(tmp_path / "checkpoints"), "--checkpoint-every", "3"]
+        cluster = LocalCluster(server.url, tmp_path, [*worker_args(), *options])
+        for worker in range(3):
+            cluster.start(worker, ["--kill-at", "5:during_gather"] if worker == 1 else None)
+        wait_for(cluster)
+        assert [cluster.processes[worker].returncode for worker in range(3)] == [2, -signal.SIGKILL, 2]
+        errors = [
+            event
+            for path in sorted(tmp_path.glob("events-*.jsonl"))
+            for event in map(json.loads, path.read_text().splitlines())
+            if event["event"] == "error"
+        ]
+        assert len(errors) == 2 and errors[0]["shards_lost"] == errors[1]["shards_lost"]
+        assert len(errors[0]["shards_lost"]) == 1  # the dead worker's shard, by its rank in the quorum
+        assert all("resume from a checkpoint" in event["message"] for event in errors)
+        cluster.hold(from_step=4)  # the first restarted worker must not finish the job alone
+        for worker in range(3):  # the whole fleet again, as a scheduler would: it resumes from step 3's checkpoint
+            cluster.start(worker)
+        for worker in range(3):
+            wait_until_asking(server, f"worker-{worker}", cluster)
+        cluster.release()
+        wait_for(cluster)
+        assert [cluster.processes[worker].returncode for worker in range(3)] == [0, 0, 0]
+    check_job(tmp_path, reference, finishers=3)
+    assert committed_steps(tmp_path)[-1]["world_size"] == 3

@@ -285,10 +285,15 @@ class Manager:
             prepare_fsdp(model)
         self._zero: ShardedOptimizer | None = None
         if redundancy is not None:
-            if self._sharded or checkpoint_dir is not None:
+            if self._sharded:
                 raise ValueError(
-                    f"redundancy={redundancy}: sharded optimizer state is not supported yet with "
-                    f"{'an FSDP2-sharded model' if self._sharded else 'checkpoint_dir'}"
+                    f"redundancy={redundancy}: sharded optimizer state is not supported yet with an FSDP2-sharded model"
+                )
+            if checkpoint_dir is not None and (checkpoint_every is None or checkpoint_seconds is not None):
+                raise ValueError(
+                    f"redundancy={redundancy} with checkpoint_dir takes checkpoint_every (steps) and not "
+                    f"checkpoint_seconds (got checkpoint_every={checkpoint_every}, "
+                    f"checkpoint_seconds={checkpoint_seconds}): every process gathers the state at the same step"
                 )
             self._zero = ShardedOptimizer(self._params, optimizer, redundancy, node=node or socket.gethostname())
         self._layout = sharding_layout(model) if self._sharded else _REPLICATED
@@ -845,10 +850,37 @@ class Manager:
         the job's last step, checkpointed whatever the cadence.
         """
         checkpointer = self._checkpointer
+        if self._zero is not None and checkpointer is not None:
+            self._checkpoint_shards(checkpointer, last=last)
+            return
         if checkpointer is None or self._trained_step != self.applied_step or not self._is_checkpoint_writer():
             return
         if checkpointer.due(self.applied_step, last=last):
             checkpointer.start(self.states, self._checkpoint_meta())
+
+    def _checkpoint_shards(self, checkpointer: Checkpointer, *, last: bool) -> None:
+        """Sharded state: every process sends its shard to the writer at the same steps; the writer saves it all.
+
+        The whole optimizer state sits in the user's optimizer only while the
+        checkpoint stages it, so the checkpoint loads at any world size.
+        """
+        assert self._zero is not None and self._comm is not None and checkpointer.every_steps is not None
+        if self.applied_step == 0 or not (last or self.applied_step % checkpointer.every_steps == 0):
+            return
+        try:
+            whole = self._zero.gather_state(self._comm)
+        except CollectiveError as error:
+            log.warning("%s: gathering step %d's checkpoint failed (%s)", self.member, self.applied_step, error)
+            self._reconfigure = True
+            return
+        writes = self._is_checkpoint_writer() and self._trained_step == self.applied_step
+        if whole is None or not writes or not checkpointer.due(self.applied_step, last=last):
+            return
+        self.optimizer.load_state_dict(whole)
+        try:
+            checkpointer.start(self.states, self._checkpoint_meta())
+        finally:
+            self.optimizer.state.clear()
 
     def _final_checkpoint(self) -> None:
         """At the end of the job the writer checkpoints the last step, so a late joiner finds the job done."""

@@ -203,6 +203,38 @@ class ShardedOptimizer:
         """Each held shard's rows (master, then the per-element state in key order), for checks and reports."""
         return {shard: self._rows(shard) for shard in self._masters}
 
+    def gather_state(self, comm: Communicator, to_rank: int = 0) -> dict[str, Any] | None:
+        """The whole optimizer state, as ``template.state_dict()`` would give it, on ``to_rank`` (collective).
+
+        Every primary sends its shard to ``to_rank`` (one all-to-all); other
+        ranks get None. The masters are the parameters, so they are not sent.
+        """
+        layout = self.layout
+        assert layout is not None
+        keys, rows = self._keys(), 1 + len(self._keys())
+        own = self._rows(self.rank)[1:].reshape(-1)
+        send_sizes = [own.numel() if rank == to_rank else 0 for rank in range(comm.world_size)]
+        lengths = [end - start for start, end in layout.shard_ranges]
+        receive_sizes = [(rows - 1) * n if comm.rank == to_rank else 0 for n in lengths]
+        received = comm.all_to_all(own.to(comm.device), send_sizes, receive_sizes).to(self._params[0].device)
+        if comm.rank != to_rank:
+            return None
+        offsets = [sum(receive_sizes[:shard]) for shard in range(len(lengths))]
+        whole = torch.cat(
+            [received[o : o + (rows - 1) * n].reshape(rows - 1, n) for o, n in zip(offsets, lengths, strict=True)],
+            dim=1,
+        )
+        state: dict[int, dict[str, Any]] = {}
+        offset = 0
+        for index, param in enumerate(self._params):
+            if keys:
+                values = {
+                    key: whole[i, offset : offset + param.numel()].view_as(param).clone() for i, key in enumerate(keys)
+                }
+                state[index] = values | _clone(self._scalars())
+            offset += param.numel()
+        return {"state": state, "param_groups": self._template.state_dict()["param_groups"]}
+
     # --- repair and reshard --------------------------------------------------------------------------
 
     def reshard(self, comm: Communicator, applied_step: int) -> None:
@@ -225,6 +257,7 @@ class ShardedOptimizer:
             "keys": self._keys(),
             "scalars": _encode_scalars(self._scalars()),
             "rows_before": len(self._keys()) + 1 if self._snapshot is None else len(self._snapshot_keys()) + 1,
+            "loaded": bool(self._template.state),
         }
         comm.store.set(f"zero/{comm.rank}", json.dumps(info))
         infos = [json.loads(comm.store.get(f"zero/{rank}")) for rank in range(comm.world_size)]
@@ -235,13 +268,17 @@ class ShardedOptimizer:
         same = [(rank, peer) for rank, peer in enumerate(infos) if reference and peer["layout"] == reference["layout"]]
         valid = {int(peer["rank"]): rank for rank, peer in same if int(peer["updates"]) == newest}
         if reference is None:
-            if applied_step > 0:
+            if applied_step > 0 and not all(peer["loaded"] for peer in infos):
                 raise ShardsLostError(
                     tuple(range(new.processes)),
                     f"no process of the quorum holds optimizer shards at step {applied_step}: all are lost; resume "
                     "from a checkpoint",
                 )
-            self._install(new, comm.rank, {s: self._fresh_rows(new, s) for s in new.held_shards(comm.rank)}, [], {})
+            keys, scalars = self._loaded_keys()
+            rows = {s: self._fresh_rows(new, s, keys) for s in new.held_shards(comm.rank)}
+            self._template.state.clear()  # a checkpoint's whole state, loaded into the user's optimizer: sharded now
+            self._install(new, comm.rank, rows, keys, scalars)
+            self._updates = applied_step
         else:
             old = layout_from(reference["layout"])
             parity_valid = {int(peer["rank"]) for peer in infos if peer["parity_valid"]} & set(valid)
@@ -453,10 +490,18 @@ class ShardedOptimizer:
         self._parity, self._staged_parity, self._parity_valid = {}, None, False
         self._snapshot = None
 
-    def _fresh_rows(self, layout: ShardLayout, shard: int) -> torch.Tensor:
-        """A shard before any update: the parameters' elements as its master, no state."""
+    def _fresh_rows(self, layout: ShardLayout, shard: int, keys: list[str]) -> torch.Tensor:
+        """A shard from the parameters (its master) and the state loaded into the user's optimizer (``keys``)."""
         start, end = layout.shard_ranges[shard]
-        return self._flat(self._params, start, end).detach().clone().reshape(1, -1)
+        state = self._template.state
+        tensors = [self._params, *([state[p][key] for p in self._params] for key in keys)]
+        return torch.stack([self._flat(row, start, end).detach().clone() for row in tensors])
+
+    def _loaded_keys(self) -> tuple[list[str], dict[str, Any]]:
+        """The per-element keys and the scalar state of a whole state loaded into the user's optimizer (none: fresh)."""
+        state = self._template.state.get(self._params[0], {})
+        keys = sorted(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == self._params[0].shape)
+        return keys, {k: v for k, v in state.items() if k not in keys}
 
     # --- parity and checks ---------------------------------------------------------------------------
 
