@@ -13,6 +13,7 @@ exactly once, and end with the failure-free parameters on all four processes.
 
 from __future__ import annotations
 
+import json
 import subprocess
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -139,3 +140,44 @@ def test_fsdp_groups_run_in_step_when_their_processes_get_unequal_parts(tmp_path
         parameters = torch.load(path, weights_only=True)
         worst = max(float((parameters[key] - value).abs().max()) for key, value in reference.items())
         assert worst < PARAM_TOLERANCE, path.name
+
+
+def test_fsdp_groups_split_their_shards_optimizer_state_with_parity(tmp_path: Path) -> None:
+    """HSDP with a partial replicate dimension: three FSDP2 groups, each shard's Adam state split with parity (2, 1).
+
+    The processes holding the same FSDP shard in the three groups hold a
+    third of its optimizer state each, plus parity. Group B dies while the
+    step's parameters are gathered; A and C rebuild its part from parity,
+    finish the step and go on with the failure-free parameters.
+    """
+    with Lighthouse(PLAN, min_replicas=1, start_replicas=3, heartbeat_timeout=1.0, join_timeout=30.0) as server:
+        more = ["--fsdp", "--parity", "2,1"]
+        kill = ["--kill-at", f"{KILL_AT}:during_gather", "--kill-rank", "1"]
+        agents = {
+            name: launch_group(server.url, name, tmp_path, [*more, *(kill if name == "group-b" else [])])
+            for name in ("group-a", "group-b", "group-c")
+        }
+        try:
+            codes = {name: agent.wait(timeout=TIMEOUT) for name, agent in agents.items()}
+        finally:
+            for agent in agents.values():
+                end_group(agent)
+    assert codes["group-a"] == codes["group-c"] == 0 and codes["group-b"] != 0
+    steps = committed_steps(tmp_path)
+    assert [record["samples"] for record in steps] == [planned_total(PLAN, step) for step in range(STEPS)]
+    assert audit_steps(PLAN, steps) == (True, 0, 0)
+    assert steps[0]["world_size"] == 3 and steps[-1]["world_size"] == 2
+    reference, _ = reference_run(PLAN, STEPS)
+    finals = sorted(path.name for path in tmp_path.glob("final-*.pt"))
+    assert finals == [f"final-group-{g}.{rank}.pt" for g in "ac" for rank in (0, 1)]
+    for name in finals:
+        parameters = torch.load(tmp_path / name, weights_only=True)
+        worst = max(float((parameters[key] - value).abs().max()) for key, value in reference.items())
+        assert worst < PARAM_TOLERANCE, name
+    finished = [
+        json.loads(line)
+        for path in sorted(tmp_path.glob("events-group-[ac].*.jsonl"))
+        for line in path.read_text().splitlines()
+        if '"finished"' in line
+    ]
+    assert len(finished) == 4 and all(event["repairs"] >= 1 for event in finished)

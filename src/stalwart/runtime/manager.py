@@ -194,7 +194,11 @@ class Manager:
     after each step. ``node`` labels this process's machine (default: the
     host name): copies and parity go to other nodes. Every change of the
     quorum reshards in memory; more failures than the redundancy covers raise
-    :class:`~stalwart.redundancy.layout.ShardsLostError`.
+    :class:`~stalwart.redundancy.layout.ShardsLostError` (with
+    ``checkpoint_dir`` and ``checkpoint_every``, the whole optimizer state is
+    checkpointed, and a relaunched fleet resumes from it). In FSDP2 groups,
+    the processes holding the same FSDP shard in the groups split that
+    shard's optimizer state: HSDP with a partial replicate dimension.
 
     When the lighthouse balances the ledger (``stalwart lighthouse
     --balance-every K``), each process also puts its compute seconds and
@@ -285,10 +289,6 @@ class Manager:
             prepare_fsdp(model)
         self._zero: ShardedOptimizer | None = None
         if redundancy is not None:
-            if self._sharded:
-                raise ValueError(
-                    f"redundancy={redundancy}: sharded optimizer state is not supported yet with an FSDP2-sharded model"
-                )
             if checkpoint_dir is not None and (checkpoint_every is None or checkpoint_seconds is not None):
                 raise ValueError(
                     f"redundancy={redundancy} with checkpoint_dir takes checkpoint_every (steps) and not "
@@ -801,11 +801,21 @@ class Manager:
         shards (and, for parity, its shard as before the update), so the next
         quorum's reshard finishes the update without training anything again.
         """
-        assert self._zero is not None and self._comm is not None
+        assert self._zero is not None and self._grad_comm is not None and self._comm is not None
+        failed = False
         try:
-            self._zero.sync(self._comm, lambda event: self._notify(event, step))
+            self._zero.sync(self._grad_comm, lambda event: self._notify(event, step))
         except CollectiveError as error:
             log.warning("%s: step %d's parameter gather failed (%s); asking for a new quorum", self.member, step, error)
+            failed = True
+        if self._grad_comm is not self._comm:  # FSDP2 groups: a group's processes must all ask, or none
+            flag = torch.tensor([float(failed)], device=self.device)
+            try:
+                self._comm.start_all_reduce_sum(flag)()
+                failed = failed or float(flag) > 0
+            except CollectiveError:
+                failed = True
+        if failed:
             self._reconfigure = True
 
     # --- checkpoints -----------------------------------------------------------------------------
@@ -994,8 +1004,8 @@ class Manager:
                 if answer.heal is not None:
                     self._heal(answer)
                 if self._zero is not None:
-                    assert self._comm is not None
-                    self._zero.reshard(self._comm, self.applied_step)
+                    assert self._grad_comm is not None  # FSDP2 groups: the processes holding this process's shard
+                    self._zero.reshard(self._grad_comm, self.applied_step)
             except CollectiveError as error:
                 log.warning(
                     "%s: quorum %d could not start (%s); asking again (attempt %d of %d)",

@@ -1,6 +1,9 @@
 """Sharded optimizer state with partial redundancy (ZeRO stage 1), kept current by computation, repaired in memory.
 
-The model's parameters and gradients stay whole on every process. The
+The model's parameters and gradients stay whole on every process (or, for a
+replica group that shards with FSDP2, each process's local shard is the
+"whole" that the processes holding the same shard in the other groups split
+among themselves: HSDP's replicate dimension becomes a partial one). The
 optimizer's state and an fp32 master of the parameters are one flat run of
 elements, cut into one shard per process of the quorum
 (:mod:`stalwart.redundancy.layout`); each process runs the user's optimizer
@@ -55,6 +58,7 @@ from stalwart.redundancy.layout import (
 )
 from stalwart.redundancy.parity import ParityCode, byte_view
 from stalwart.runtime.comm import Communicator
+from stalwart.runtime.sharding import local_tensor
 
 log = logging.getLogger(__name__)
 
@@ -116,13 +120,15 @@ class ShardedOptimizer:
         for param in params:
             if param.dtype != torch.float32:
                 raise TypeError(f"a sharded optimizer needs fp32 parameters, got {param.dtype}")
+        self._locals = [local_tensor(param) for param in params]
+        """What this process holds of each parameter: the parameter, or an FSDP2 DTensor's local shard."""
         if not isinstance(node, str) or not node:
             raise ValueError(f"node must be a non-empty string, got {node!r}")
         self._params = list(params)
         self._template = template
         self.redundancy = redundancy
         self.node = node
-        self.parameters = sum(param.numel() for param in self._params)
+        self.parameters = sum(local.numel() for local in self._locals)
         self.layout: ShardLayout | None = None
         self.rank = 0
         self.stats = RepairStats()
@@ -165,16 +171,16 @@ class ShardedOptimizer:
         mine = torch.zeros(longest, device=comm.device)
         own = self._masters[self.rank]
         mine[: own.numel()] = own.detach()
-        gathered = comm.all_gather(mine).to(self._params[0].device)
+        gathered = comm.all_gather(mine).to(self._locals[0].device)
         pieces = [
             gathered[s * longest : s * longest + end - start] for s, (start, end) in enumerate(layout.shard_ranges)
         ]
         flat = torch.cat(pieces)
         with torch.no_grad():
             offset = 0
-            for param in self._params:
-                param.copy_(flat[offset : offset + param.numel()].view_as(param))
-                offset += param.numel()
+            for local in self._locals:
+                local.copy_(flat[offset : offset + local.numel()].view_as(local))
+                offset += local.numel()
         if layout.parity is not None:
             notify("parity_started")
             self._staged_parity = self._encode(comm)
@@ -216,7 +222,7 @@ class ShardedOptimizer:
         send_sizes = [own.numel() if rank == to_rank else 0 for rank in range(comm.world_size)]
         lengths = [end - start for start, end in layout.shard_ranges]
         receive_sizes = [(rows - 1) * n if comm.rank == to_rank else 0 for n in lengths]
-        received = comm.all_to_all(own.to(comm.device), send_sizes, receive_sizes).to(self._params[0].device)
+        received = comm.all_to_all(own.to(comm.device), send_sizes, receive_sizes).to(self._locals[0].device)
         if comm.rank != to_rank:
             return None
         offsets = [sum(receive_sizes[:shard]) for shard in range(len(lengths))]
@@ -382,7 +388,7 @@ class ShardedOptimizer:
             cell = data.view(torch.float32).reshape(rows, rebuild.cell[1] - rebuild.cell[0])
             if not committed:
                 cell = self._replay(cell, rebuild.cell, keys)
-            rebuilt[rebuild.cell] = cell.to(self._params[0].device)
+            rebuilt[rebuild.cell] = cell.to(self._locals[0].device)
         return rebuilt
 
     def _unit(self, old: ShardLayout, rebuild: Rebuild, unit: int, committed: bool) -> torch.Tensor:
@@ -402,7 +408,7 @@ class ShardedOptimizer:
     def _replay(self, before: torch.Tensor, cell: Range, keys: list[str]) -> torch.Tensor:
         """A rebuilt cell's rows as they were before the update, updated again with the kept gradient."""
         assert self._snapshot is not None
-        master = before[0].clone().to(self._params[0].device)
+        master = before[0].clone().to(self._locals[0].device)
         replay = self._optimizer([master], self._snapshot.hyperparameters)
         previous = [key for key in self._snapshot_keys()]
         if previous:
@@ -440,7 +446,7 @@ class ShardedOptimizer:
                 (local if move.target == me else send[move.target]).append(chunk)
             elif move.target == me:
                 receive_sizes[move.source] += rows * length
-        device = self._params[0].device
+        device = self._locals[0].device
         flat = [torch.cat(chunks) if chunks else torch.zeros(0, device=device) for chunks in send]
         received = comm.all_to_all(torch.cat(flat).to(comm.device), [c.numel() for c in flat], receive_sizes)
         received = received.to(device)
@@ -494,7 +500,7 @@ class ShardedOptimizer:
         """A shard from the parameters (its master) and the state loaded into the user's optimizer (``keys``)."""
         start, end = layout.shard_ranges[shard]
         state = self._template.state
-        tensors = [self._params, *([state[p][key] for p in self._params] for key in keys)]
+        tensors = [self._locals, *([local_tensor(state[p][key]) for p in self._params] for key in keys)]
         return torch.stack([self._flat(row, start, end).detach().clone() for row in tensors])
 
     def _loaded_keys(self) -> tuple[list[str], dict[str, Any]]:
@@ -525,7 +531,7 @@ class ShardedOptimizer:
                         send[holder].append(data)
                 elif me in stripe.redundant:
                     receive_sizes[cell.shard] += rows * (end - start)
-        device = self._params[0].device
+        device = self._locals[0].device
         flat = [torch.cat(chunks) if chunks else torch.zeros(0, device=device) for chunks in send]
         received = comm.all_to_all(torch.cat(flat).to(comm.device), [c.numel() for c in flat], receive_sizes)
         offsets = [sum(receive_sizes[:rank]) for rank in range(world)]
@@ -599,7 +605,10 @@ class ShardedOptimizer:
         return {key: value for key, value in self._template.param_groups[0].items() if key != "params"}
 
     def _flat_grads(self, elements: Range) -> torch.Tensor:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
+        grads = [
+            torch.zeros_like(local) if param.grad is None else local_tensor(param.grad)
+            for param, local in zip(self._params, self._locals, strict=True)
+        ]
         return self._flat(grads, *elements)
 
     def _flat(self, tensors: Sequence[torch.Tensor], start: int, end: int) -> torch.Tensor:
@@ -610,7 +619,7 @@ class ShardedOptimizer:
             if low < high:
                 pieces.append(tensor.detach().reshape(-1)[low - offset : high - offset])
             offset += tensor.numel()
-        return torch.cat(pieces) if pieces else torch.zeros(0, device=self._params[0].device)
+        return torch.cat(pieces) if pieces else torch.zeros(0, device=self._locals[0].device)
 
 
 def _unit_bytes(layout: ShardLayout, rebuild: Rebuild, unit: int, rows: int) -> int:
