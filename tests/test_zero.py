@@ -125,3 +125,9 @@ def test_more_failures_than_the_redundancy_covers_name_the_lost_shards(tmp_path:
         lost = json.loads((tmp_path / f"lost-{rank}.json").read_text())
         assert lost["shards"] == [1]
         assert "resume from a checkpoint" in lost["message"]
+
+
+def test_a_copy_that_differs_by_one_bit_stops_the_job(tmp_path: Path) -> None:
+    assert run_job(tmp_path, 3, ["--overlap", "0.34", "--flip-at", "2"]) == [4, 4, 4]
+    message = (tmp_path / "mismatch-1.txt").read_text()
+    assert "differ from its primary's after 3 updates" in message and "processes [0]" in message

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from stalwart.redundancy.config import Overlap, parse_parity
 from stalwart.redundancy.layout import ShardsLostError
 from stalwart.runtime.comm import CollectiveError, Communicator
-from stalwart.runtime.zero import ShardedOptimizer
+from stalwart.runtime.zero import CopyMismatchError, ShardedOptimizer
 
 FEATURES = 13
 
@@ -74,6 +74,7 @@ def main() -> None:
     parser.add_argument("--nodes", default="", help="comma-separated node labels, one per process")
     parser.add_argument("--kill", action="append", default=[], help="STEP:POINT:PROCESS")
     parser.add_argument("--join-at", type=int, default=None)
+    parser.add_argument("--flip-at", type=int, default=None, help="STEP at which process 0 flips a bit of a copy")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     redundancy = args.parity if args.parity is not None else Overlap(args.overlap)
@@ -161,9 +162,15 @@ def main() -> None:
             continue
         point(step, "before_update")
         sharded.update()
+        if args.flip_at == step and me == 0:
+            copy = next(rows for shard, rows in sharded._masters.items() if shard != sharded.rank)
+            copy.view(torch.int32)[0] ^= 1  # one bit of a copy's master
         step += 1
         try:
             sharded.sync(comm, notify=lambda event, at=step - 1: point(at, event))
+        except CopyMismatchError as error:
+            (args.out / f"mismatch-{me}.txt").write_text(str(error))
+            sys.exit(4)
         except CollectiveError:
             comm, quorum, alive = repair(step - 1, comm, quorum, alive)
             step = sharded.updates

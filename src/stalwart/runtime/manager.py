@@ -804,7 +804,8 @@ class Manager:
         assert self._zero is not None and self._grad_comm is not None and self._comm is not None
         failed = False
         try:
-            self._zero.sync(self._grad_comm, lambda event: self._notify(event, step))
+            check = step % self.check_every == 0
+            self._zero.sync(self._grad_comm, lambda event: self._notify(event, step), check=check)
         except CollectiveError as error:
             log.warning("%s: step %d's parameter gather failed (%s); asking for a new quorum", self.member, step, error)
             failed = True

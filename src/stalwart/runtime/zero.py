@@ -159,10 +159,14 @@ class ShardedOptimizer:
         self._updates += 1
         self._pending, self._committed = True, False
 
-    def sync(self, comm: Communicator, notify: Callable[[str], None] = lambda _event: None) -> None:
+    def sync(
+        self, comm: Communicator, notify: Callable[[str], None] = lambda _event: None, *, check: bool = True
+    ) -> None:
         """All-gather the parameters from the primaries, re-encode parity, check copies, commit (collectives).
 
         ``notify`` is told ``gather_started`` and (parity) ``parity_started``.
+        ``check``: compare every copy's checksum with its primary's (the
+        all-gather that ends ``sync`` runs either way).
         """
         layout = self.layout
         assert layout is not None
@@ -184,7 +188,7 @@ class ShardedOptimizer:
         if layout.parity is not None:
             notify("parity_started")
             self._staged_parity = self._encode(comm)
-        self._check_copies(comm)
+        self._check_copies(comm, check=check)
         if self._staged_parity is not None:
             self._parity, self._staged_parity = self._staged_parity, None
             self._parity_valid = True
@@ -550,14 +554,20 @@ class ShardedOptimizer:
             units[(number, stripe.redundant.index(me))] = parity[stripe.redundant.index(me)]
         return units
 
-    def _check_copies(self, comm: Communicator) -> None:
-        """Every holder of a shard has bitwise the same rows (checksums all-gathered; also ends ``sync``)."""
+    def _check_copies(self, comm: Communicator, *, check: bool) -> None:
+        """Every holder of a shard has bitwise the same rows (checksums all-gathered; the gather also ends ``sync``).
+
+        Without copies (parity, overlap 0) or without ``check``, only the
+        all-gather runs: after it, every process has passed the parity
+        exchange, which is what a reshard relies on.
+        """
         layout = self.layout
         assert layout is not None
         world = layout.processes
         sums = torch.zeros(world, 3, dtype=torch.int64)
-        for shard in self._masters:
-            sums[shard] = torch.tensor([1, *_checksum(self._rows(shard))])
+        if check and len(self._masters) > 1:
+            for shard in self._masters:
+                sums[shard] = torch.tensor([1, *_checksum(self._rows(shard))])
         table = comm.all_gather(sums.to(comm.device)).cpu().reshape(world, world, 3)
         for shard in range(world):
             holders = [p for p in range(world) if table[p, shard, 0]]
