@@ -47,6 +47,17 @@ def events(run_dir: Path, name: str) -> list[str]:
     return [line.split('"event": "', 1)[1].split('"', 1)[0] for line in path.read_text().splitlines() if line]
 
 
+def assert_finals_match_the_reference(run_dir: Path, groups: str) -> None:
+    """Both processes of each of ``groups`` finished, within the tolerance of the failure-free parameters."""
+    reference, _ = reference_run(PLAN, STEPS)
+    finals = sorted(path.name for path in run_dir.glob("final-*.pt"))
+    assert finals == [f"final-group-{g}.{rank}.pt" for g in groups for rank in (0, 1)]
+    for name in finals:
+        parameters = torch.load(run_dir / name, weights_only=True)
+        worst = max(float((parameters[key] - value).abs().max()) for key, value in reference.items())
+        assert worst < PARAM_TOLERANCE, name
+
+
 def test_a_killed_fsdp_group_restarts_and_is_healed_shard_by_shard(tmp_path: Path, lighthouse: Lighthouse) -> None:
     kill_restart_and_heal(tmp_path, lighthouse, {})
 
@@ -89,13 +100,7 @@ def kill_restart_and_heal(tmp_path: Path, lighthouse: Lighthouse, envs: Mapping[
     assert world_sizes[0] == 2 and 1 in world_sizes and world_sizes[-1] == 2
     assert steps[KILL_AT]["world_size"] == 1  # committed by group A alone, after its retry
     assert "healed" in events(tmp_path, "group-b.0") and "healed" in events(tmp_path, "group-b.1")
-    reference, _ = reference_run(PLAN, STEPS)
-    finals = sorted(path.name for path in tmp_path.glob("final-*.pt"))
-    assert finals == [f"final-group-{g}.{rank}.pt" for g in "ab" for rank in (0, 1)]
-    for name in finals:
-        parameters = torch.load(tmp_path / name, weights_only=True)
-        worst = max(float((parameters[key] - value).abs().max()) for key, value in reference.items())
-        assert worst < PARAM_TOLERANCE, name
+    assert_finals_match_the_reference(tmp_path, "ab")
 
 
 def test_a_group_that_does_not_shard_like_the_others_is_refused(tmp_path: Path, lighthouse: Lighthouse) -> None:
@@ -167,13 +172,7 @@ def test_fsdp_groups_split_their_shards_optimizer_state_with_parity(tmp_path: Pa
     assert [record["samples"] for record in steps] == [planned_total(PLAN, step) for step in range(STEPS)]
     assert audit_steps(PLAN, steps) == (True, 0, 0)
     assert steps[0]["world_size"] == 3 and steps[-1]["world_size"] == 2
-    reference, _ = reference_run(PLAN, STEPS)
-    finals = sorted(path.name for path in tmp_path.glob("final-*.pt"))
-    assert finals == [f"final-group-{g}.{rank}.pt" for g in "ac" for rank in (0, 1)]
-    for name in finals:
-        parameters = torch.load(tmp_path / name, weights_only=True)
-        worst = max(float((parameters[key] - value).abs().max()) for key, value in reference.items())
-        assert worst < PARAM_TOLERANCE, name
+    assert_finals_match_the_reference(tmp_path, "ac")
     finished = [
         json.loads(line)
         for path in sorted(tmp_path.glob("events-group-[ac].*.jsonl"))

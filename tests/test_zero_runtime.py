@@ -22,17 +22,10 @@ import torch
 from stalwart.coord.server import Lighthouse
 from stalwart.launch.cluster import LocalCluster
 from stalwart.launch.report import committed_steps
-from tests.test_runtime import PLAN, STEPS, check_job, wait_for, wait_until_asking, worker_args
+from tests.test_runtime import PLAN, check_job, reference, wait_for, wait_until_asking, worker_args
 
 WORKERS = 4
-
-
-@pytest.fixture(scope="module")
-def reference() -> dict[str, torch.Tensor]:
-    from stalwart.launch.digits import reference_run
-
-    parameters, _ = reference_run(PLAN, STEPS)
-    return parameters
+__all__ = ["reference"]  # fixtures
 
 
 @pytest.fixture
