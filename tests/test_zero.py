@@ -52,10 +52,15 @@ def results(tmp_path: Path) -> dict[int, dict]:
 
 
 def check_run(tmp_path: Path, optimizer: str, finishers: int) -> dict[int, dict]:
-    """Final parameters equal the single-process run bit for bit; copies equal their primaries bit for bit."""
-    expected = zero_job.reference(optimizer, STEPS)
+    """Final parameters and optimizer state equal the single-process run's bit for bit; so do copies their primary."""
+    expected, expected_state = zero_job.reference(optimizer, STEPS)
     finished = results(tmp_path)
     assert len(finished) == finishers
+    (whole,) = [result["optimizer"] for result in finished.values() if result["optimizer"] is not None]
+    assert whole.keys() == expected_state.keys()
+    for index, state in expected_state.items():
+        assert whole[index].keys() == state.keys()
+        assert all(torch.equal(whole[index][key], value) for key, value in state.items()), index
     holders: dict[int, list[torch.Tensor]] = {}
     for result in finished.values():
         for name, value in expected.items():
@@ -131,3 +136,17 @@ def test_a_copy_that_differs_by_one_bit_stops_the_job(tmp_path: Path) -> None:
     assert run_job(tmp_path, 3, ["--overlap", "0.34", "--flip-at", "2"]) == [4, 4, 4]
     message = (tmp_path / "mismatch-1.txt").read_text()
     assert "differ from its primary's after 3 updates" in message and "processes [0]" in message
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--parity", "3,2"], "parity k + m must be at most the number of processes (4), got 3 + 2 = 5"),
+        (["--overlap", "0.5", "--nodes", "a,a,a,b"], "cannot place overlap 0.5 over 4 processes on 2 nodes"),
+    ],
+)
+def test_a_redundancy_the_first_quorum_cannot_hold_is_refused_before_training(
+    tmp_path: Path, options: list[str], message: str
+) -> None:
+    assert run_job(tmp_path, 4, options) == [5] * 4
+    assert message in (tmp_path / "refused-0.txt").read_text()

@@ -54,12 +54,13 @@ def gradients(model: torch.nn.Module, step: int) -> None:
     torch.nn.functional.mse_loss(model(inputs), targets).backward()
 
 
-def reference(kind: str, steps: int) -> dict[str, torch.Tensor]:
+def reference(kind: str, steps: int) -> tuple[dict[str, torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
+    """One process, no sharding: the final parameters and the optimizer's state (by parameter index)."""
     model, optimizer = model_and_optimizer(kind)
     for step in range(steps):
         gradients(model, step)
         optimizer.step()
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
+    return {name: p.detach().clone() for name, p in model.named_parameters()}, optimizer.state_dict()["state"]
 
 
 def main() -> None:
@@ -141,7 +142,11 @@ def main() -> None:
         return comm, quorum + 1, alive
 
     comm = comm_for(quorum, alive)
-    sharded.reshard(comm, applied_step=start)
+    try:
+        sharded.reshard(comm, applied_step=start)
+    except ValueError as error:
+        (args.out / f"refused-{me}.txt").write_text(str(error))
+        sys.exit(5)
     step = start
     while step < args.steps:
         if args.join_at == step and not joiner:
@@ -175,7 +180,9 @@ def main() -> None:
             comm, quorum, alive = repair(step - 1, comm, quorum, alive)
             step = sharded.updates
         point(step - 1, "after_sync")
+    whole = sharded.gather_state(comm)  # the whole optimizer state, on the group's rank 0
     result = {
+        "optimizer": None if whole is None else whole["state"],
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},
         "rows": sharded.held_rows(),
         "layout_processes": sharded.layout.processes if sharded.layout else 0,

@@ -271,8 +271,11 @@ class ShardedOptimizer:
         }
         comm.store.set(f"zero/{comm.rank}", json.dumps(info))
         infos = [json.loads(comm.store.get(f"zero/{rank}")) for rank in range(comm.world_size)]
-        new = self._new_layout([str(peer["node"]) for peer in infos])
+        nodes = [str(peer["node"]) for peer in infos]
         holding = [peer for peer in infos if peer["layout"] is not None]
+        # The job's first layout must fit as configured (a bad choice is an error before training); later ones adapt.
+        first = not holding and applied_step == 0
+        new = make_layout(self.redundancy, nodes, self.parameters) if first else self._new_layout(nodes)
         newest = max((int(peer["updates"]) for peer in holding), default=0)
         reference = next((peer for peer in holding if int(peer["updates"]) == newest), None)
         same = [(rank, peer) for rank, peer in enumerate(infos) if reference and peer["layout"] == reference["layout"]]
