@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from stalwart.redundancy.config import Overlap, Parity
-from stalwart.redundancy.layout import make_layout
+from stalwart.redundancy.config import Parity
+from stalwart.redundancy.layout import layout_from, make_layout
 from stalwart.redundancy.memory import state_bytes
 from tests import zero_job
 
@@ -74,12 +74,9 @@ def check_run(tmp_path: Path, optimizer: str, finishers: int) -> dict[int, dict]
 
 CASES = [
     (["--overlap", "0.25"], ["3:before_update:1"]),
-    (["--overlap", "0.25"], ["3:gather_started:2"]),
     (["--overlap", "0.25"], ["2:after_sync:0"]),
-    (["--parity", "3,1"], ["3:before_update:3"]),
     (["--parity", "3,1"], ["3:parity_started:1"]),
-    (["--parity", "3,1"], ["2:after_sync:2"]),
-    (["--parity", "2,2"], ["3:gather_started:0", "3:gather_started:3"]),
+    (["--parity", "3,1"], ["3:gather_started:2"]),
     (["--parity", "2,2", "--optimizer", "sgd"], ["1:before_update:1", "1:before_update:2"]),
     (["--overlap", "0.5", "--optimizer", "adamw"], ["4:gather_started:1", "4:before_update:2"]),
 ]
@@ -93,6 +90,10 @@ def test_exit_at_a_point_of_the_sharded_step(tmp_path: Path, options: list[str],
     finished = check_run(tmp_path, optimizer, finishers=4 - len(kills))
     assert all(result["layout_processes"] == 4 - len(kills) for result in finished.values())
     assert all(result["repairs"] == 1 for result in finished.values())
+    for result in finished.values():  # what each holds is what the formula says for its layout
+        layout = layout_from(result["layout"])
+        expected = state_bytes(layout.placement, zero_job.parameters(), state_elements=3 if optimizer != "sgd" else 2)
+        assert result["state_bytes"] == expected[result["rank"]]
 
 
 def test_two_processes_of_one_node_are_survived_by_node_aware_copies(tmp_path: Path) -> None:
@@ -113,14 +114,6 @@ def test_a_joiner_gets_its_shards_without_disk(tmp_path: Path) -> None:
     expected = state_bytes(layout.placement, zero_job.parameters(), state_elements=3)
     assert sorted(result["state_bytes"] for result in finished.values()) == sorted(expected)
     assert {result["layout_processes"] for result in finished.values()} == {4}
-
-
-def test_state_bytes_follow_the_formula(tmp_path: Path) -> None:
-    assert run_job(tmp_path, 4, ["--overlap", "0.25"]) == [0] * 4
-    finished = check_run(tmp_path, "adam", finishers=4)
-    layout = make_layout(Overlap(0.25), [f"node{p}" for p in range(4)], zero_job.parameters())
-    expected = state_bytes(layout.placement, zero_job.parameters(), state_elements=3)
-    assert tuple(finished[rank]["state_bytes"] for rank in range(4)) == expected
 
 
 def test_more_failures_than_the_redundancy_covers_name_the_lost_shards(tmp_path: Path) -> None:

@@ -45,10 +45,8 @@ def finished_events(run_dir: Path) -> list[dict[str, object]]:
 
 CASES = [
     (["--overlap", "0.25"], "during_update", [1]),
-    (["--overlap", "0.25"], "during_gather", [2]),
-    (["--parity", "3,1"], "during_gather", [1]),
     (["--parity", "3,1"], "during_parity", [3]),
-    (["--parity", "2,2"], "during_update", [1, 2]),
+    (["--parity", "2,2"], "during_gather", [1, 2]),
     (["--overlap", "0.5"], "during_reduce", [0, 3]),
 ]
 

@@ -123,8 +123,13 @@ def main() -> None:
         The processes agree on the group as the lighthouse would make them:
         each waits for the deaths its step's kills announce.
         """
+        # Dead by now: those killed in an earlier step or in this one, but for one killed after this step's sync,
+        # which died only if it said so (its sync ended before this process's failed).
         victims = {
-            p for (at, name), ps in kills.items() if at < failed or (at == failed and name != "after_sync") for p in ps
+            p
+            for (at, name), ps in kills.items()
+            for p in ps
+            if at < failed or (at == failed and (name != "after_sync" or store.check([f"dead/{p}"])))
         }
         if me in victims:  # its step failed before it reached its own kill point: it dies all the same
             store.set(f"dead/{me}", "1")
@@ -186,6 +191,7 @@ def main() -> None:
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},
         "rows": sharded.held_rows(),
         "layout_processes": sharded.layout.processes if sharded.layout else 0,
+        "layout": sharded.layout.describe() if sharded.layout else None,
         "state_bytes": sharded.state_bytes,
         "repairs": sharded.stats.repairs,
         "rank": sharded.rank,
