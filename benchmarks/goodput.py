@@ -3,7 +3,7 @@
 Run from the repository root, with the virtual environment active::
 
     python -m benchmarks.goodput                  # 3 workers, 90 steps, 1 failure per 30 steps: a few minutes
-    python -m benchmarks.goodput --quick          # 2 workers, 30 steps, 1 failure per 10 steps
+    python -m benchmarks.goodput --quick          # 2 workers, 16 steps, 1 failure per 8 steps
     python -m benchmarks.goodput --rounds 3 --step-seconds 1.0 --rate 0.02
 
 torchft 0.2.0 is optional (``pip install -e .[bench]``); without it its row
@@ -454,7 +454,7 @@ FULL = Settings(
     workers=3, steps=90, rate=1 / 30, replace_delay=3.0, step_seconds=0.4, checkpoint_every=10, rounds=1, seed=0
 )
 QUICK = Settings(
-    workers=2, steps=30, rate=1 / 10, replace_delay=1.0, step_seconds=0.2, checkpoint_every=5, rounds=1, seed=0
+    workers=2, steps=16, rate=1 / 8, replace_delay=0.5, step_seconds=0.1, checkpoint_every=4, rounds=1, seed=0
 )
 
 
@@ -474,7 +474,7 @@ def _positive(kind: type[float] | type[int]) -> Callable[[str], float | int]:
 def parse_settings(argv: Sequence[str] | None) -> tuple[Settings, argparse.Namespace]:
     """The run's settings: full or ``--quick``, with the command line's changes."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.goodput", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 workers, 30 steps, 1 failure per 10 steps")
+    parser.add_argument("--quick", action="store_true", help="2 workers, 16 steps, 1 failure per 8 steps")
     parser.add_argument("--workers", type=_positive(int), help=f"worker processes (default {FULL.workers})")
     parser.add_argument("--steps", type=_positive(int), help=f"steps of the target (default {FULL.steps})")
     parser.add_argument("--rate", type=_positive(float), help="failures per step (default 1/30)")

@@ -268,3 +268,14 @@ def test_a_connect_is_given_up_when_the_quorum_breaks_and_its_error_is_raised() 
     released.released.set()
     _connect(released, torch.device("cuda", 0), time.monotonic() + 30, lambda: False)
     assert not released.aborted
+
+
+def test_a_key_a_dead_peer_never_wrote_is_a_failed_collective(store: dist.TCPStore) -> None:
+    """A heal's or reshard's metadata from a peer that died first: CollectiveError (the quorum is asked again)."""
+    alone = quorum_store(HOST, store.port, f"alone-{uuid.uuid4().hex}/", 1.0)
+    comm = Communicator(alone, 0, 1, timeout=1.0, device=torch.device("cpu"))
+    comm.publish("written", "yes")
+    assert comm.read("written") == b"yes"
+    with pytest.raises(CollectiveError, match="got no 'heal/1' from the quorum's store"):
+        comm.read("heal/1")
+    comm.abort()

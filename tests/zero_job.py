@@ -1,4 +1,4 @@
-"""A job of ShardedOptimizer processes over real Gloo groups, for tests/test_zero.py (run as a script).
+"""A job of ShardedOptimizer processes over real Gloo groups, for tests/test_zero.py (each process runs :func:`run`).
 
 Process ``p`` of ``--world`` trains a small linear model with the same
 per-step gradients everywhere (as after an all-reduce); ``--kill STEP:POINT:P``
@@ -17,6 +17,7 @@ import datetime
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -63,7 +64,24 @@ def reference(kind: str, steps: int) -> tuple[dict[str, torch.Tensor], dict[int,
     return {name: p.detach().clone() for name, p in model.named_parameters()}, optimizer.state_dict()["state"]
 
 
-def main() -> None:
+def run(argv: list[str]) -> None:
+    """A process's entry (forked by the test): :func:`main`, then an exit that skips the interpreter's teardown."""
+    torch.set_num_threads(1)  # forked from a process whose thread pool may have run: never enter it
+    code = 1
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world", type=int, required=True)
@@ -77,7 +95,7 @@ def main() -> None:
     parser.add_argument("--join-at", type=int, default=None)
     parser.add_argument("--flip-at", type=int, default=None, help="STEP at which process 0 flips a bit of a copy")
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     redundancy = args.parity if args.parity is not None else Overlap(args.overlap)
     kills = {}
     for text in args.kill:
@@ -199,7 +217,3 @@ def main() -> None:
     }
     torch.save(result, args.out / f"rank-{me}.pt")
     comm.abort()
-
-
-if __name__ == "__main__":
-    main()

@@ -161,8 +161,8 @@ def plan_repair(
     rank in the new world; ``behind`` (default none) those alive one update
     behind (they missed the end of the last step); ``parity_valid`` (default:
     all of them) are those whose parity units are current too. Every element
-    range a new process holds is sent by one valid old holder (the lowest new
-    rank; a move may be from a process to itself), or by the valid process
+    range a new process holds is sent by one valid old holder (itself if it
+    held it: a move from a process to itself; else the lowest new rank), or by the valid process
     that rebuilt it: from parity, or from a holder that is behind (the
     rebuilder then applies the last update again). Raises
     :class:`ShardsLostError` when some shard cannot be rebuilt.
@@ -185,13 +185,13 @@ def plan_repair(
     if not valid:
         raise ValueError("plan_repair needs at least one valid old process")
     parity_usable = set(usable) if parity_valid is None else set(parity_valid) | set(behind)
-    sources: list[tuple[Range, int]] = []  # element range -> new rank that will hold it after the rebuilds
+    sources: list[tuple[Range, tuple[int, ...]]] = []  # element range -> the new ranks holding it after the rebuilds
     rebuilds: list[Rebuild] = []
     rebuilt: list[int] = []
     for shard, shard_range in enumerate(old.shard_ranges):
         alive = sorted(valid[holder] for holder in old.holders(shard) if holder in valid)
         if alive:
-            sources.append((shard_range, alive[0]))
+            sources.append((shard_range, tuple(alive)))
             continue
         rebuilt.append(shard)
         for index, cell in enumerate(old.cell_ranges[shard]):
@@ -201,12 +201,12 @@ def plan_repair(
             else:
                 rebuild = _rebuild(old, usable, parity_usable, set(valid.values()), shard, index, cell)
             rebuilds.append(rebuild)
-            sources.append((cell, rebuild.rebuilder))
+            sources.append((cell, (rebuild.rebuilder,)))
     moves = [
-        Move(source, target, overlap)
+        Move(target if target in holders else holders[0], target, overlap)  # what a process holds stays put
         for target in range(new.processes)
         for shard in new.held_shards(target)
-        for span, source in sources
+        for span, holders in sources
         if (overlap := _intersect(span, new.shard_ranges[shard])) is not None
     ]
     return RepairPlan(tuple(rebuilds), tuple(moves), tuple(rebuilt))

@@ -166,6 +166,24 @@ class Communicator:
             options.timeout = datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3))
             self._wait(self._group.broadcast([tensor], options), "broadcast", deadline + _GRACE)
 
+    def publish(self, key: str, value: str) -> None:
+        """Put ``value`` under ``key`` in the quorum's store; :class:`CollectiveError` if the store is gone."""
+        try:
+            self.store.set(key, value)
+        except (RuntimeError, dist.DistError) as error:
+            raise CollectiveError(f"rank {self.rank} could not write {key!r} to the quorum's store: {error}") from error
+
+    def read(self, key: str) -> bytes:
+        """The value a peer put under ``key``, waiting the store's timeout; :class:`CollectiveError` if it never came.
+
+        A peer that died before writing its key looks like this, and is
+        handled as a failed collective is.
+        """
+        try:
+            return bytes(self.store.get(key))
+        except (RuntimeError, dist.DistError) as error:
+            raise CollectiveError(f"rank {self.rank} got no {key!r} from the quorum's store: {error}") from error
+
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's ``tensor`` (equal sizes on every rank), concatenated in rank order."""
         out = torch.empty(tensor.numel() * self.world_size, dtype=tensor.dtype, device=tensor.device)

@@ -162,11 +162,11 @@ def transfer_state(
     """
     if comm.rank == source_rank:
         meta, tensors = flatten_states(states, applied_step)
-        comm.store.set(key, json.dumps(meta))
+        comm.publish(key, json.dumps(meta))
         total = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
         tensors = [tensor.to(comm.device) for tensor in tensors]
     else:
-        meta = _decode_json(comm.store.get(key))
+        meta = _decode_json(comm.read(key))
         specs = check_heal_meta(meta, states, max_bytes=max_bytes)
         total = sum(spec.nbytes for spec in specs)
         tensors = _allocate(specs, comm.device)

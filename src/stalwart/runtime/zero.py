@@ -160,17 +160,41 @@ class ShardedOptimizer:
         self._pending, self._committed = True, False
 
     def sync(
-        self, comm: Communicator, notify: Callable[[str], None] = lambda _event: None, *, check: bool = True
+        self,
+        comm: Communicator,
+        notify: Callable[[str], None] = lambda _event: None,
+        *,
+        check: bool = True,
+        gather: bool = True,
     ) -> None:
         """All-gather the parameters from the primaries, re-encode parity, check copies, commit (collectives).
 
         ``notify`` is told ``gather_started`` and (parity) ``parity_started``.
         ``check``: compare every copy's checksum with its primary's (the
-        all-gather that ends ``sync`` runs either way).
+        all-gather that ends ``sync`` runs either way). ``gather``: false when
+        every process's parameters are its masters already (after a reshard
+        that updated nothing).
         """
         layout = self.layout
         assert layout is not None
         notify("gather_started")
+        if gather:
+            self._gather_parameters(comm, layout)
+        if layout.parity is not None:
+            notify("parity_started")
+            self._staged_parity = self._encode(comm)
+        self._check_copies(comm, check=check)
+        if self._staged_parity is not None:
+            self._parity, self._staged_parity = self._staged_parity, None
+            self._parity_valid = True
+        self._snapshot = None
+        if self._pending:
+            for param in self._params:
+                param.grad = None
+        self._pending, self._committed = False, True
+
+    def _gather_parameters(self, comm: Communicator, layout: ShardLayout) -> None:
+        """Every process's parameters from the primaries' masters (one all-gather)."""
         longest = max(end - start for start, end in layout.shard_ranges)
         mine = torch.zeros(longest, device=comm.device)
         own = self._masters[self.rank]
@@ -185,18 +209,6 @@ class ShardedOptimizer:
             for local in self._locals:
                 local.copy_(flat[offset : offset + local.numel()].view_as(local))
                 offset += local.numel()
-        if layout.parity is not None:
-            notify("parity_started")
-            self._staged_parity = self._encode(comm)
-        self._check_copies(comm, check=check)
-        if self._staged_parity is not None:
-            self._parity, self._staged_parity = self._staged_parity, None
-            self._parity_valid = True
-        self._snapshot = None
-        if self._pending:
-            for param in self._params:
-                param.grad = None
-        self._pending, self._committed = False, True
 
     @property
     def updates(self) -> int:
@@ -257,6 +269,7 @@ class ShardedOptimizer:
         """
         started = time.perf_counter()
         repaired = False
+        replayed = True
         info = {
             "node": self.node,
             "layout": None if self.layout is None else self.layout.describe(),
@@ -269,8 +282,8 @@ class ShardedOptimizer:
             "rows_before": len(self._keys()) + 1 if self._snapshot is None else len(self._snapshot_keys()) + 1,
             "loaded": bool(self._template.state),
         }
-        comm.store.set(f"zero/{comm.rank}", json.dumps(info))
-        infos = [json.loads(comm.store.get(f"zero/{rank}")) for rank in range(comm.world_size)]
+        comm.publish(f"zero/{comm.rank}", json.dumps(info))
+        infos = [json.loads(comm.read(f"zero/{rank}")) for rank in range(comm.world_size)]
         nodes = [str(peer["node"]) for peer in infos]
         holding = [peer for peer in infos if peer["layout"] is not None]
         # The job's first layout must fit as configured (a bad choice is an error before training); later ones adapt.
@@ -299,6 +312,10 @@ class ShardedOptimizer:
             # Before the update's sync ended anywhere, a process that missed the update (it did not see the
             # gradient's reduction end) holds the state as it was before it: usable, once updated again.
             behind = {} if committed else {int(p["rank"]): rank for rank, p in same if int(p["updates"]) == newest - 1}
+            stale = [
+                rank for rank, peer in enumerate(infos) if peer["layout"] is not None and rank not in valid.values()
+            ]
+            replayed = bool(behind or stale) or not all(peer["committed"] for peer in infos)
             try:
                 plan = plan_repair(old, valid, new, parity_valid=parity_valid, behind=behind)
             except ShardsLostError as error:
@@ -316,7 +333,9 @@ class ShardedOptimizer:
                 repaired = True
                 self.stats.shards_rebuilt += len(plan.rebuilt)
                 log.info("resharded %d -> %d processes, rebuilt shards %s", old.processes, new.processes, plan.rebuilt)
-        self.sync(comm)
+        # Copies were just copied from one source each: no checksums. The parameters are the masters already
+        # unless some update was applied (again) here, or some process missed the last gather.
+        self.sync(comm, check=False, gather=replayed)
         if repaired:
             self.stats.repairs += 1
             self.stats.seconds += time.perf_counter() - started
