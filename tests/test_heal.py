@@ -235,6 +235,9 @@ class Receiver:
         self.store = dist.HashStore()
         self.store.set(heal.META_KEY, json.dumps(meta))
 
+    def read(self, key: str) -> bytes:
+        return bytes(self.store.get(key))
+
     def broadcast(self, tensors: list[torch.Tensor], source_rank: int, *, timeout: float | None = None) -> None:
         raise AssertionError("a refused heal must not reach the broadcast")
 

@@ -72,6 +72,9 @@ class Receiver:
     def __init__(self, store: dist.Store) -> None:
         self.store = store
 
+    def read(self, key: str) -> bytes:
+        return bytes(self.store.get(key))
+
     def broadcast(self, tensors: list[torch.Tensor], source_rank: int, *, timeout: float | None = None) -> None:
         raise AssertionError("a refused heal must not reach the broadcast")
 
