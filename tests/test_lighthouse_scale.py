@@ -320,7 +320,8 @@ def test_wire_2_over_http_deltas_a_stale_member_and_bad_input(tmp_path: Path, ca
             clients["b"]._answer = dataclasses.replace(first[1], members=first[1].members[::-1])
             with concurrent.futures.ThreadPoolExecutor(2) as pool:
                 second = list(pool.map(lambda c: c.quorum(0, 1, "failure", 20), clients.values()))
-            assert [answer.members for answer in second] == [("a", "b")] * 2
+            assert second[0].members == second[1].members  # one quorum, in the order the requests came
+            assert sorted(second[0].members) == ["a", "b"]
             assert "b: the ledger rebuilt from the answer does not match its digest" in caplog.text
             assert second[0].ledger == second[1].ledger and second[0].data_ledger().in_step
             headers = clients["a"].identity_headers()
