@@ -10,13 +10,21 @@ Manager argument            environment variable             default
 ``collective_timeout``      ``STALWART_COLLECTIVE_TIMEOUT``  2 s
 ``heal_timeout``            ``STALWART_HEAL_TIMEOUT``        30 s
 ``heal_min_bandwidth``      ``STALWART_HEAL_MIN_BANDWIDTH``  50e6 B/s
+``quorum_timeout``          ``STALWART_QUORUM_TIMEOUT``      120 s
+``connect_timeout``         ``STALWART_CONNECT_TIMEOUT``     60 s
+``leader_timeout``          ``STALWART_LEADER_TIMEOUT``      3600 s
 ==========================  ===============================  =========
 
 A heal's deadline grows with what it moves: ``heal_timeout + bytes /
 heal_min_bandwidth``. A rendezvous (building a quorum's process group) can
 wait on peers that are still starting; a collective of a live quorum should
 end in well under a second, so its timeout decides how fast a hung peer is
-given up.
+given up. ``quorum_timeout`` bounds one wait for the lighthouse's next quorum,
+``connect_timeout`` the wait for the lighthouse to answer at start-up, and
+``leader_timeout`` how long the other processes wait while the leader runs
+:meth:`~stalwart.runtime.manager.Manager.on_leader` work (an evaluation): they
+stop waiting at once if the leader dies, so it only bounds a leader that
+hangs. An error that gives up on one of them names it and its variable.
 """
 
 from __future__ import annotations
@@ -36,12 +44,18 @@ ENVIRONMENT = {
     "collective_timeout": "STALWART_COLLECTIVE_TIMEOUT",
     "heal_timeout": "STALWART_HEAL_TIMEOUT",
     "heal_min_bandwidth": "STALWART_HEAL_MIN_BANDWIDTH",
+    "quorum_timeout": "STALWART_QUORUM_TIMEOUT",
+    "connect_timeout": "STALWART_CONNECT_TIMEOUT",
+    "leader_timeout": "STALWART_LEADER_TIMEOUT",
 }
 DEFAULTS = {
     "rendezvous_timeout": DEFAULT_RENDEZVOUS_TIMEOUT,
     "collective_timeout": DEFAULT_COLLECTIVE_TIMEOUT,
     "heal_timeout": DEFAULT_HEAL_TIMEOUT,
     "heal_min_bandwidth": DEFAULT_MIN_BANDWIDTH,
+    "quorum_timeout": 120.0,
+    "connect_timeout": 60.0,
+    "leader_timeout": 3600.0,
 }
 
 
@@ -53,6 +67,9 @@ class Timeouts:
     collective_timeout: float
     heal_timeout: float
     heal_min_bandwidth: float
+    quorum_timeout: float
+    connect_timeout: float
+    leader_timeout: float
 
     @classmethod
     def resolve(cls, environ: Mapping[str, str] | None = None, **arguments: float | None) -> Timeouts:
@@ -62,6 +79,10 @@ class Timeouts:
             raise TypeError(f"unknown timeouts {sorted(unknown)}; known: {sorted(DEFAULTS)}")
         env = os.environ if environ is None else environ
         return cls(**{name: resolve_positive(name, arguments.get(name), env) for name in DEFAULTS})
+
+    def describe(self, name: str) -> str:
+        """``name=value s (ENVIRONMENT_VARIABLE)``, for the message of an error that gave up on it."""
+        return f"{name}={getattr(self, name):g} s (environment variable {ENVIRONMENT[name]})"
 
 
 def resolve_positive(name: str, argument: Any, environ: Mapping[str, str]) -> float:

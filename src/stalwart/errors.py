@@ -1,0 +1,52 @@
+"""The errors stalwart raises, all under :class:`StalwartError`.
+
+Each also derives from the builtin exception a caller would expect of it
+(``ValueError`` for a configuration that does not fit, ``RuntimeError`` for a
+job that cannot go on), so ``except ValueError`` keeps working. The module
+imports nothing, so every layer (data, coord, runtime) raises from here.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "JobFinishedError",
+    "JoinError",
+    "PlanMismatchError",
+    "ShardingMismatchError",
+    "StalwartError",
+    "StateLostError",
+    "StepContractError",
+]
+
+
+class StalwartError(Exception):
+    """The base of every error stalwart raises: ``except StalwartError`` catches them all."""
+
+
+class JoinError(StalwartError, RuntimeError):
+    """This member could not get into a working quorum within ``max_join_attempts`` attempts."""
+
+
+class StateLostError(StalwartError, RuntimeError):
+    """No live member holds the job's state and the lighthouse has no checkpoint to resume from."""
+
+
+class JobFinishedError(StalwartError, RuntimeError):
+    """This worker joined after the job had committed its last step, and no checkpoint holds the trained state.
+
+    Raised instead of returning an untrained model, so that a script cannot
+    save one by mistake; with a checkpoint directory the late joiner loads the
+    final checkpoint instead and ``manager.steps()`` simply yields nothing.
+    """
+
+
+class PlanMismatchError(StalwartError, ValueError):
+    """The lighthouse's plan does not fit this worker's data or its own plan (for example another dataset length)."""
+
+
+class ShardingMismatchError(StalwartError, ValueError):
+    """This replica group shards its model differently from the group it must match (FSDP2 groups)."""
+
+
+class StepContractError(StalwartError, RuntimeError):
+    """The loop broke the step's contract: ``optimizer.step()`` outside a reduced step, a step not iterated."""
