@@ -189,9 +189,10 @@ def main(argv: list[str]) -> None:
             step = sharded.updates  # a process behind the others (it missed the end of a step) catches up
             continue
         point(step, "before_update")
+        sharded.take_gradients()  # what the user's optimizer.step() does under the Manager
         sharded.update()
         if args.flip_at == step and me == 0:
-            copy = next(rows for shard, rows in sharded._masters.items() if shard != sharded.rank)
+            copy = next(rows for shard, rows in sharded.state.masters.items() if shard != sharded.rank)
             copy.view(torch.int32)[0] ^= 1  # one bit of a copy's master
         step += 1
         try:

@@ -1,0 +1,328 @@
+"""Repair and reshard of the sharded state when the quorum changes: rebuild the dead's shards, move every range.
+
+Every process of the new quorum publishes what it holds (layout, updates,
+whether its last update was synced); all derive the same new layout and
+:func:`~stalwart.redundancy.layout.plan_repair` (pure) says which cells are
+rebuilt where, from copies or parity, and which element ranges move. One
+all-to-all carries the rebuilds' units, another the moves; a process keeps
+what it already holds. A cell whose update was not synced anywhere is
+rebuilt as it was before the update and updated again with the kept
+gradients (a replay), so a failure anywhere in the step ends with the
+failure-free run's state. A joining process gets its shards the same way,
+with no disk round-trip.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+import torch
+
+from stalwart.redundancy.config import Overlap, Parity, Redundancy
+from stalwart.redundancy.layout import (
+    Range,
+    Rebuild,
+    RepairPlan,
+    ShardLayout,
+    ShardsLostError,
+    layout_from,
+    make_layout,
+    plan_repair,
+)
+from stalwart.redundancy.parity import ParityCode, byte_view
+from stalwart.runtime.comm import Communicator
+from stalwart.runtime.zero.state import ShardState, clone
+
+log = logging.getLogger(__name__)
+
+
+def reshard(state: ShardState, comm: Communicator, applied_step: int) -> bool:
+    """Give every process of ``comm``'s quorum its shards under the new layout; whether an update was replayed.
+
+    The caller syncs afterwards (gathering the parameters only when this
+    returns True: some update was applied again here, or some process missed
+    the last gather).
+    """
+    started = time.perf_counter()
+    repaired = False
+    replayed = True
+    info = {
+        "node": state.node,
+        "layout": None if state.layout is None else state.layout.describe(),
+        "rank": state.rank,
+        "updates": state.updates,
+        "committed": state.committed,
+        "parity_valid": state.parity_valid,
+        "keys": state.keys(),
+        "scalars": _encode_scalars(state.scalars()),
+        "rows_before": len(state.keys()) + 1 if state.snapshot is None else len(_snapshot_keys(state)) + 1,
+        "loaded": bool(state.template.state),
+    }
+    comm.publish(f"zero/{comm.rank}", json.dumps(info))
+    infos = [json.loads(comm.read(f"zero/{rank}")) for rank in range(comm.world_size)]
+    nodes = [str(peer["node"]) for peer in infos]
+    holding = [peer for peer in infos if peer["layout"] is not None]
+    # The job's first layout must fit as configured (a bad choice is an error before training); later ones adapt.
+    first = not holding and applied_step == 0
+    new = make_layout(state.redundancy, nodes, state.elements) if first else _new_layout(state, nodes)
+    newest = max((int(peer["updates"]) for peer in holding), default=0)
+    reference = next((peer for peer in holding if int(peer["updates"]) == newest), None)
+    same = [(rank, peer) for rank, peer in enumerate(infos) if reference and peer["layout"] == reference["layout"]]
+    valid = {int(peer["rank"]): rank for rank, peer in same if int(peer["updates"]) == newest}
+    if reference is None:
+        if applied_step > 0 and not all(peer["loaded"] for peer in infos):
+            raise ShardsLostError(
+                tuple(range(new.processes)),
+                f"no process of the quorum holds optimizer shards at step {applied_step}: all are lost; resume "
+                "from a checkpoint",
+            )
+        keys, scalars = state.loaded_keys()
+        rows = {s: state.fresh_rows(new, s, keys) for s in new.held_shards(comm.rank)}
+        state.template.state.clear()  # a checkpoint's whole state, loaded into the user's optimizer: sharded now
+        state.install(new, comm.rank, rows, keys, scalars)
+        state.updates = applied_step
+    else:
+        old = layout_from(reference["layout"])
+        parity_valid = {int(peer["rank"]) for peer in infos if peer["parity_valid"]} & set(valid)
+        committed = any(infos[rank]["committed"] for rank in valid.values())
+        # Before the update's sync ended anywhere, a process that missed the update (it did not see the
+        # gradient's reduction end) holds the state as it was before it: usable, once updated again.
+        behind = {} if committed else {int(p["rank"]): rank for rank, p in same if int(p["updates"]) == newest - 1}
+        stale = [rank for rank, peer in enumerate(infos) if peer["layout"] is not None and rank not in valid.values()]
+        replayed = bool(behind or stale) or not all(peer["committed"] for peer in infos)
+        try:
+            plan = plan_repair(old, valid, new, parity_valid=parity_valid, behind=behind)
+        except ShardsLostError as error:
+            state.stats.shards_lost += len(error.shards)
+            raise
+        keys = [str(key) for key in reference["keys"]]
+        scalars = _decode_scalars(reference["scalars"])
+        unit_rows = 1 + len(keys) if committed else int(reference["rows_before"])
+        rebuilt = _rebuild(state, comm, old, plan, committed, unit_rows, keys)
+        rows = _move(state, comm, old, new, plan, rebuilt, 1 + len(keys))
+        state.install(new, comm.rank, rows, keys, scalars)
+        state.updates = newest
+        changed = old.processes != new.processes or valid != {rank: rank for rank in range(new.processes)}
+        if plan.rebuilt or changed:
+            repaired = True
+            state.stats.shards_rebuilt += len(plan.rebuilt)
+            log.info("resharded %d -> %d processes, rebuilt shards %s", old.processes, new.processes, plan.rebuilt)
+    if repaired:
+        state.stats.repairs += 1
+        state.stats.seconds += time.perf_counter() - started
+    return replayed
+
+
+def _new_layout(state: ShardState, nodes: list[str]) -> ShardLayout:
+    """The same redundancy over the new world; parity shrinks to fit a small world, nodes yield if they must.
+
+    Parity ``(k, m)`` over ``N < k + m`` processes becomes ``(k', m')`` with
+    ``m' = min(m, N - 1)`` and ``k' = min(k, N - m')`` (one process: no
+    redundancy); the run's own ``(k, m)`` comes back when the world grows.
+    """
+    redundancy: Redundancy = state.redundancy
+    processes = len(nodes)
+    if isinstance(redundancy, Parity) and redundancy.k + redundancy.m > processes:
+        if processes == 1:
+            redundancy = Overlap(0.0)
+        else:
+            m = min(redundancy.m, processes - 1)
+            redundancy = Parity(min(redundancy.k, processes - m), m)
+        log.warning("%s shrinks to %s for %d processes", state.redundancy, redundancy, processes)
+    try:
+        return make_layout(redundancy, nodes, state.elements)
+    except ValueError as error:
+        log.warning("%s; placing without regard to nodes", error)
+        return make_layout(redundancy, ["any"] * len(nodes), state.elements)
+
+
+def _rebuild(
+    state: ShardState,
+    comm: Communicator,
+    old: ShardLayout,
+    plan: RepairPlan,
+    committed: bool,
+    rows: int,
+    keys: list[str],
+) -> dict[Range, torch.Tensor]:
+    """Rebuild cells (one all-to-all of their units to the rebuilders): from parity, or from a copy behind.
+
+    Before the update's sync ended anywhere (``committed`` false), a cell
+    is rebuilt as it was before the update, from the old parity and the
+    other cells' snapshots (or from a copy one update behind), and updated
+    again with the kept gradient.
+    """
+    if not plan.rebuilds:
+        return {}
+    code = None if old.parity is None else ParityCode(old.parity)
+    me, world = comm.rank, comm.world_size
+    send: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    local: dict[tuple[int, int], torch.Tensor] = {}
+    receive_sizes = [0] * world
+    for number, rebuild in enumerate(plan.rebuilds):
+        for unit, sender in rebuild.units:
+            if sender == me:
+                data = _unit(state, old, rebuild, unit, committed)
+                if rebuild.rebuilder == me:
+                    local[(number, unit)] = data
+                else:
+                    send[rebuild.rebuilder].append(data)
+            elif rebuild.rebuilder == me:
+                receive_sizes[sender] += _unit_bytes(old, rebuild, unit, rows)
+    flat = [torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8) for chunks in send]
+    received = comm.all_to_all(torch.cat(flat).to(comm.device), [chunk.numel() for chunk in flat], receive_sizes).cpu()
+    offsets = [sum(receive_sizes[:rank]) for rank in range(world)]
+    rebuilt: dict[Range, torch.Tensor] = {}
+    for number, rebuild in enumerate(plan.rebuilds):
+        if rebuild.rebuilder != me:
+            continue
+        units: dict[int, torch.Tensor] = {}
+        for unit, sender in rebuild.units:
+            if sender == me:
+                units[unit] = local[(number, unit)]
+            else:
+                size = _unit_bytes(old, rebuild, unit, rows)
+                units[unit] = received[offsets[sender] : offsets[sender] + size]
+                offsets[sender] += size
+        if code is None:
+            data = units[0]
+        else:
+            lengths = [(end - start) * rows * 4 for start, end in old.stripe_cells(rebuild.stripe)]
+            data = code.decode(units, lengths)[rebuild.unit]
+        cell = data.view(torch.float32).reshape(rows, rebuild.cell[1] - rebuild.cell[0])
+        if not committed:
+            cell = _replay(state, cell, rebuild.cell, keys)
+        rebuilt[rebuild.cell] = cell.to(state.device)
+    return rebuilt
+
+
+def _unit(state: ShardState, old: ShardLayout, rebuild: Rebuild, unit: int, committed: bool) -> torch.Tensor:
+    """Unit ``unit`` of a rebuild as this process holds it: a data cell's rows, a parity unit or a copy; bytes."""
+    if old.parity is None:  # a copy held one update behind: this process's rows of that shard as they are
+        return byte_view(state.rows(rebuild.stripe)).cpu()
+    k = old.parity.k
+    if unit >= k:
+        parity = state.staged_parity if committed and state.staged_parity is not None else state.parity
+        return parity[(rebuild.stripe, unit - k)].cpu()
+    start, end = old.stripe_cells(rebuild.stripe)[unit]
+    own_start = old.shard_ranges[state.rank][0]
+    snapshot = None if committed or state.snapshot is None else state.snapshot.rows
+    source = state.rows(state.rank) if snapshot is None else snapshot
+    return byte_view(source[:, start - own_start : end - own_start].contiguous()).cpu()
+
+
+def _replay(state: ShardState, before: torch.Tensor, cell: Range, keys: list[str]) -> torch.Tensor:
+    """A rebuilt cell's rows as they were before the update, updated again with the kept gradient.
+
+    The cell is cut at parameter-group boundaries, each piece updated with its
+    group's hyper-parameters as they were at the update.
+    """
+    assert state.snapshot is not None
+    master = before[0].clone().to(state.device)
+    previous = _snapshot_keys(state)
+    pieces = [
+        (group, low - cell[0], master[low - cell[0] : high - cell[0]]) for group, low, high in state.runs.pieces(*cell)
+    ]
+    replay, _ = state.optimizer([(group, view) for group, _, view in pieces], state.snapshot.hyperparameters)
+    for _, offset, view in pieces:
+        if previous:
+            values = {key: before[1 + i][offset : offset + view.numel()].clone() for i, key in enumerate(previous)}
+            replay.state[view] = values | clone(state.snapshot.scalars)
+        view.grad = state.flat_gradients((cell[0] + offset, cell[0] + offset + view.numel()))
+    replay.step()
+    per_key = [torch.cat([replay.state[view][key].reshape(-1) for _, _, view in pieces]) for key in keys]
+    return torch.stack([master.detach(), *per_key])
+
+
+def _snapshot_keys(state: ShardState) -> list[str]:
+    """The per-element state keys before the update not yet synced: none before the optimizer's first step."""
+    assert state.snapshot is not None
+    return state.keys() if state.updates > 1 else []
+
+
+def _move(
+    state: ShardState,
+    comm: Communicator,
+    old: ShardLayout,
+    new: ShardLayout,
+    plan: RepairPlan,
+    rebuilt: dict[Range, torch.Tensor],
+    rows: int,
+) -> dict[int, torch.Tensor]:
+    """Every element range to its new holders (one all-to-all); the rows of this process's new shards."""
+    me, world = comm.rank, comm.world_size
+    send: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    receive_sizes = [0] * world
+    local: list[torch.Tensor] = []
+    for move in plan.moves:
+        length = move.elements[1] - move.elements[0]
+        if move.source == me:
+            chunk = _old_range(state, old, move.elements, rebuilt).reshape(-1)
+            (local if move.target == me else send[move.target]).append(chunk)
+        elif move.target == me:
+            receive_sizes[move.source] += rows * length
+    device = state.device
+    flat = [torch.cat(chunks) if chunks else torch.zeros(0, device=device) for chunks in send]
+    received = comm.all_to_all(torch.cat(flat).to(comm.device), [c.numel() for c in flat], receive_sizes)
+    received = received.to(device)
+    offsets = [sum(receive_sizes[:rank]) for rank in range(world)]
+    result = {
+        s: torch.empty(rows, end - start, device=device)
+        for s in new.held_shards(me)
+        for start, end in [new.shard_ranges[s]]
+    }
+    own = iter(local)
+    for move in plan.moves:
+        if move.target != me:
+            continue
+        length = move.elements[1] - move.elements[0]
+        if move.source == me:
+            chunk = next(own)
+        else:
+            chunk = received[offsets[move.source] : offsets[move.source] + rows * length]
+            offsets[move.source] += rows * length
+        shard = next(s for s in result if new.shard_ranges[s][0] <= move.elements[0] < new.shard_ranges[s][1])
+        start = move.elements[0] - new.shard_ranges[shard][0]
+        result[shard][:, start : start + length] = chunk.reshape(rows, length)
+    return result
+
+
+def _old_range(
+    state: ShardState, old: ShardLayout, elements: Range, rebuilt: dict[Range, torch.Tensor]
+) -> torch.Tensor:
+    """Rows of ``elements`` from a shard this process holds in the old layout, or from a cell it rebuilt."""
+    for shard in state.masters:
+        start, end = old.shard_ranges[shard]
+        if start <= elements[0] and elements[1] <= end:
+            return state.rows(shard)[:, elements[0] - start : elements[1] - start]
+    for (start, end), rows in rebuilt.items():
+        if start <= elements[0] and elements[1] <= end:
+            return rows[:, elements[0] - start : elements[1] - start]
+    raise AssertionError(f"elements {elements} are neither held nor rebuilt here")
+
+
+def _unit_bytes(layout: ShardLayout, rebuild: Rebuild, unit: int, rows: int) -> int:
+    """Bytes of a rebuild's unit: a copy's or data cell's rows, or a parity unit (its stripe's longest cell's)."""
+    if layout.parity is None:
+        return rows * (rebuild.cell[1] - rebuild.cell[0]) * 4
+    cells = layout.stripe_cells(rebuild.stripe)
+    length = cells[unit][1] - cells[unit][0] if unit < len(cells) else layout.unit_length(rebuild.stripe)
+    return rows * length * 4
+
+
+def _encode_scalars(scalars: dict[str, Any]) -> dict[str, Any]:
+    """Scalar state as JSON: tensors as ``[value, dtype]``, numbers as they are."""
+    return {
+        key: [value.item(), str(value.dtype).removeprefix("torch.")] if isinstance(value, torch.Tensor) else value
+        for key, value in scalars.items()
+    }
+
+
+def _decode_scalars(raw: dict[str, Any]) -> dict[str, Any]:
+    return {
+        key: torch.tensor(value[0], dtype=getattr(torch, value[1])) if isinstance(value, list) else value
+        for key, value in raw.items()
+    }
