@@ -68,8 +68,10 @@ from stalwart.data.schedule import split_microbatches, split_sizes
 from stalwart.data.world import WorldInfo
 from stalwart.redundancy.config import Overlap, Redundancy, parse_parity
 from stalwart.redundancy.layout import ShardsLostError
+from stalwart.runtime.config import ReplicaGroup
 from stalwart.runtime.loader import ElasticLoader
 from stalwart.runtime.manager import Manager
+from stalwart.runtime.timeouts import Timeouts
 
 _T = TypeVar("_T")
 _STORE_TIMEOUT = timedelta(seconds=60)
@@ -153,6 +155,12 @@ def summed_loss(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> torch.
     """Cross-entropy summed over the micro-batch (gradients are divided by the step's sample count later)."""
     features, labels = batch
     return torch.nn.functional.cross_entropy(model(features), labels, reduction="sum")
+
+
+def mean_loss(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Cross-entropy, the mean over the micro-batch (what a user's loop under the Manager back-propagates)."""
+    features, labels = batch
+    return torch.nn.functional.cross_entropy(model(features), labels)
 
 
 def load_microbatches(
@@ -553,7 +561,7 @@ def train_stalwart(
     group: WorldInfo | None = None,
     group_store: dist.Store | None = None,
 ) -> None:
-    """The loop under the Manager: each micro-batch's summed loss through ``step.backward``.
+    """The loop under the Manager: each micro-batch's mean loss through ``step.backward``, then the update.
 
     With ``--overlap``/``--parity`` the optimizer state is sharded; each
     step's line then carries the cumulative repair count and seconds. The
@@ -567,11 +575,10 @@ def train_stalwart(
         lighthouse=args.lighthouse,
         member=member,
         max_microbatch=spec.max_microbatch,
-        collective_timeout=args.collective_timeout,
+        timeouts=Timeouts.resolve(collective_timeout=args.collective_timeout),
         device=device,
         on_event=log.reduce_event,
-        group=group,
-        group_store=group_store,
+        group=None if group is None else ReplicaGroup(group, group_store),
         redundancy=worker_redundancy(args),
         node=member,
     )
@@ -587,9 +594,11 @@ def train_stalwart(
             for batch in step:
                 tensors = to_device(cast(Sequence[torch.Tensor], batch), device)  # default_collate of (features, label)
                 with log.computing():
-                    step.backward(summed_loss(model, tensors))
+                    step.backward(mean_loss(model, tensors))
                 samples += len(tensors[1])
                 _pace(args.sample_seconds * len(tensors[1]))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
             log.annotate(samples=samples, committed=step.report.step, committed_at=time.time(), **_repairs(manager))
             report = step.report  # the positions the whole quorum committed in this step
             args.samples.write(report.step, report.epoch, report.positions.tolist(), committed=True)

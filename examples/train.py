@@ -7,7 +7,7 @@
 Kill either worker (``kill -9``) and start it again: the other one carries its
 share of the step, the restarted one is healed and training goes on with every
 step's 64 samples. ``STALWART_LIGHTHOUSE`` overrides the lighthouse's URL and
-``STALWART_LIGHTHOUSE_TOKEN`` gives its token when it has one.
+``STALWART_LIGHTHOUSE_TOKEN`` gives its token when it has one (the Manager reads it).
 """
 
 import os
@@ -21,21 +21,22 @@ generator = torch.Generator().manual_seed(0)
 dataset = TensorDataset(torch.randn(1024, 16, generator=generator), torch.randint(0, 4, (1024,), generator=generator))
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")  # the Manager divides by the step's sample count
+loss_fn = torch.nn.CrossEntropyLoss()
 
 manager = Manager(
     model,
     optimizer,
     lighthouse=os.environ.get("STALWART_LIGHTHOUSE", "http://127.0.0.1:29510"),
     member=os.environ["WORKER_NAME"],
-    token=os.environ.get("STALWART_LIGHTHOUSE_TOKEN"),
     max_microbatch=32,
 )
 loader = ElasticLoader(dataset)
 for step in manager.steps(loader, max_steps=100):
     for inputs, targets in step:  # this worker's share of the step, in micro-batches
-        step.backward(loss_fn(model(inputs), targets))
-    if step.report.step % 20 == 0:
+        step.backward(loss_fn(model(inputs), targets))  # a mean loss: stalwart weights micro-batches by samples
+    optimizer.step()  # the quorum's mean gradient over the step's 64 samples
+    optimizer.zero_grad()
+    if manager.is_leader and step.report.step % 20 == 0:
         print(f"step {step.report.step}: loss {step.report.loss:.4f}, world {step.report.world_size}")
 manager.close()
 loader.close()

@@ -24,14 +24,13 @@ dataset = TensorDataset(torch.randn(1024, 16, generator=generator), torch.randin
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.9)
-loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")  # the Manager divides by the step's sample count
+loss_fn = torch.nn.CrossEntropyLoss()
 
 manager = Manager(
     model,
     optimizer,
     lighthouse=os.environ.get("STALWART_LIGHTHOUSE", "http://127.0.0.1:29510"),
     member=os.environ["WORKER_NAME"],
-    token=os.environ.get("STALWART_LIGHTHOUSE_TOKEN"),
     max_microbatch=16,
 )
 manager.register_state("lr_scheduler", scheduler)  # healed with the model, like the optimizer
@@ -40,8 +39,11 @@ loader = DataLoader(dataset, batch_sampler=sampler, num_workers=2, pin_memory=to
 for step in manager.steps(loader, max_steps=100):
     for inputs, targets in step:  # this worker's part of the step, in micro-batches
         step.backward(loss_fn(model(inputs), targets))
+    optimizer.step()
+    optimizer.zero_grad()
     if step.epoch_end:
         scheduler.step()
+    if step.epoch_end and manager.is_leader:
         print(f"epoch {step.report.epoch} done at step {step.report.step}: loss {step.report.loss:.4f}, "
               f"world {step.report.world_size}")  # fmt: skip
 manager.close()

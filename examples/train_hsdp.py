@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import TensorDataset
 
-from stalwart import ElasticLoader, Manager, WorldInfo
+from stalwart import ElasticLoader, Manager, ReplicaGroup, WorldInfo
 from stalwart.runtime.comm import default_device
 
 device = default_device()  # cuda:LOCAL_RANK when CUDA is available, else the CPU
@@ -37,23 +37,24 @@ for layer in (model[0], model[2]):
     fully_shard(layer, mesh=mesh)
 fully_shard(model, mesh=mesh)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # built on the sharded parameters
-loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")  # the Manager divides by the step's sample count
+loss_fn = torch.nn.CrossEntropyLoss()
 
 manager = Manager(
     model,
     optimizer,
     lighthouse=os.environ.get("STALWART_LIGHTHOUSE", "http://127.0.0.1:29510"),
     member=os.environ["WORKER_NAME"],
-    token=os.environ.get("STALWART_LIGHTHOUSE_TOKEN"),
     max_microbatch=16,
-    group=WorldInfo.from_env(),  # this process's rank in its group: the group's share is split by it
+    group=ReplicaGroup(WorldInfo.from_env()),  # this process's rank in its group: the group's share is split by it
     device=device,
 )
 loader = ElasticLoader(dataset)
 for step in manager.steps(loader, max_steps=100):
     for inputs, targets in step:
         step.backward(loss_fn(model(inputs.to(device)), targets.to(device)))
-    if step.report.step % 20 == 0 and dist.get_rank() == 0:
+    optimizer.step()
+    optimizer.zero_grad()
+    if step.report.step % 20 == 0 and manager.is_leader:
         print(f"step {step.report.step}: loss {step.report.loss:.4f}, groups {step.report.world_size}")
 manager.close()
 loader.close()

@@ -140,13 +140,15 @@ def test_manager_state_dict_round_trips_model_optimizer_and_registered_state() -
 
     with Lighthouse(Cluster().state.plan) as lighthouse:
         model, optimizer, scheduler = build()
-        source = Manager(model, optimizer, lighthouse=lighthouse.url, member="a", max_microbatch=4)
-        source.register_state("lr_scheduler", scheduler)
         model(torch.rand(3, 64)).sum().backward()
-        optimizer.step()
+        optimizer.step()  # before the Manager: under it, optimizer.step() is a reduced step's update only
         for _ in range(12):
             scheduler.step()
-        source._ledger = DataLedger(Cluster().state.plan)
+        source = Manager(model, optimizer, lighthouse=lighthouse.url, member="a", max_microbatch=4)
+        source.register_state("lr_scheduler", scheduler)
+        states = {name: obj.state_dict() for name, obj in source.states.items()}
+        ledger = DataLedger(Cluster().state.plan).state_dict()
+        source.load_state_dict({"applied_step": 0, "ledger": ledger, "states": states})
         saved = source.state_dict()
         target_model, target_optimizer, target_scheduler = build()
         target = Manager(target_model, target_optimizer, lighthouse=lighthouse.url, member="b", max_microbatch=4)

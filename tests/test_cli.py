@@ -156,29 +156,35 @@ def test_import_stalwart_does_not_import_torch() -> None:
     assert set(stalwart.__all__) <= set(report["listed"])
 
 
-def test_public_names_resolve_to_their_definitions() -> None:
+def test_public_names_resolve_to_their_definitions_and_every_error_is_a_stalwart_error() -> None:
     from stalwart import (  # the names a user's first script imports
-        DataLedger,
-        DataLoadingInfo,
+        Checkpointing,
         ElasticLoader,
         EpochPlan,
         Lighthouse,
-        LighthouseClient,
         ManagedDistributedSampler,
         Manager,
-        ShardedStream,
-        WorldInfo,
+        Overlap,
+        Parity,
+        StalwartError,
     )
-    from stalwart.coord.client import LighthouseClient as client_class
+    from stalwart.redundancy.config import Overlap as overlap_class
+    from stalwart.runtime.config import Checkpointing as checkpointing_class
     from stalwart.runtime.loader import ElasticLoader as loader_class
     from stalwart.runtime.manager import Manager as manager_class
 
-    assert (Manager, ElasticLoader, LighthouseClient) == (manager_class, loader_class, client_class)
+    assert (Manager, ElasticLoader, Overlap, Checkpointing) == (
+        manager_class,
+        loader_class,
+        overlap_class,
+        checkpointing_class,
+    )
     assert Lighthouse is stalwart.coord.server.Lighthouse
-    assert {DataLedger, DataLoadingInfo, EpochPlan, ManagedDistributedSampler, ShardedStream, WorldInfo} <= {
-        getattr(stalwart.data, name) for name in stalwart.data.__all__
-    }
-    assert set(stalwart.data.__all__) <= set(stalwart.__all__)
+    assert {EpochPlan, ManagedDistributedSampler, Parity} <= {getattr(stalwart, name) for name in stalwart.__all__}
+    assert "DataLedger" not in stalwart.__all__  # data-plane internals stay in stalwart.data
+    errors = [getattr(stalwart, name) for name in stalwart.__all__ if name.endswith(("Error", "Unreachable"))]
+    assert len(errors) >= 15
+    assert all(issubclass(error, StalwartError) for error in errors)
     for name in stalwart.__all__:
         assert getattr(stalwart, name).__name__ == name
 

@@ -23,7 +23,7 @@ import torch
 from stalwart.coord.server import Lighthouse
 from stalwart.data.plan import EpochPlan
 from stalwart.launch.cluster import LocalCluster
-from stalwart.launch.digits import digits_dataset, digits_model, digits_optimizer, reference_run, summed_loss
+from stalwart.launch.digits import digits_dataset, digits_model, digits_optimizer, mean_loss, reference_run
 from stalwart.launch.report import audit_steps, committed_steps, planned_total
 from stalwart.runtime.consistency import (
     DRIFT_SLOTS,
@@ -115,7 +115,8 @@ class SubstitutingLoader(ElasticLoader):
 def test_a_loader_that_substitutes_a_sample_makes_the_step_fail() -> None:
     with Lighthouse(PLAN, min_replicas=1, start_replicas=1, heartbeat_timeout=2.0, join_timeout=10.0) as server:
         model = digits_model(0)
-        manager = Manager(model, digits_optimizer(model), lighthouse=server.url, member="solo", max_microbatch=16)
+        optimizer = digits_optimizer(model)
+        manager = Manager(model, optimizer, lighthouse=server.url, member="solo", max_microbatch=16)
         loader = SubstitutingLoader(digits_dataset())
         committed = []
         try:
@@ -123,7 +124,8 @@ def test_a_loader_that_substitutes_a_sample_makes_the_step_fail() -> None:
                 for step in manager.steps(loader, max_steps=5):
                     loader.substitute = manager.ledger.step == 2
                     for batch in step:
-                        step.backward(summed_loss(model, batch))
+                        step.backward(mean_loss(model, batch))
+                    optimizer.step()
                     committed.append(step.report.step)
         finally:
             manager.close()

@@ -23,7 +23,8 @@ from stalwart.data.plan import EpochPlan
 from stalwart.data.sampler import ManagedDistributedSampler
 from stalwart.data.world import WorldInfo
 from stalwart.runtime.loader import ElasticLoader
-from stalwart.runtime.manager import Manager, _step_began
+from stalwart.runtime.manager import Manager
+from stalwart.runtime.planner import step_began
 
 SMALL_PLAN = EpochPlan(40, 16, seed=3)
 """Three steps an epoch: 16, 16 and 8 samples."""
@@ -52,7 +53,8 @@ def test_data_loading_info_is_the_ledgers_as_each_step_began_and_epoch_ends_are_
                 assert manager.get_data_loading_info() == expected
                 for inputs, targets in step:
                     assert manager.get_data_loading_info() == expected
-                    step.backward(torch.nn.functional.cross_entropy(model(inputs), targets, reduction="sum"))
+                    step.backward(torch.nn.functional.cross_entropy(model(inputs), targets))
+                optimizer.step()
                 ends.append((step.report.epoch, step.epoch_end))
         finally:
             manager.close()
@@ -76,7 +78,7 @@ def test_the_step_start_is_read_back_from_a_ledger_in_step_after_failures(
         while len(live) > 1 and data.draw(st.booleans()):
             ledger.member_failed(live.pop(data.draw(st.integers(0, len(live) - 1))))
             ledger.reassign(live)
-        base_index, missing = _step_began(ledger)
+        base_index, missing = step_began(ledger)
         assert (base_index, np.asarray(missing).tolist()) == began
         ledger.commit()
 
@@ -93,7 +95,8 @@ def train_solo(loader_for: Any, steps: int = 7) -> tuple[dict[str, torch.Tensor]
         try:
             for step in manager.steps(loader, max_steps=steps):
                 for inputs, targets in step:
-                    step.backward(torch.nn.functional.cross_entropy(model(inputs), targets, reduction="sum"))
+                    step.backward(torch.nn.functional.cross_entropy(model(inputs), targets))
+                optimizer.step()
                 ends.append(step.epoch_end)
         finally:
             manager.close()

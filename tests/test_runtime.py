@@ -38,8 +38,8 @@ from stalwart.launch.digits import (
     digits_model,
     digits_optimizer,
     digits_scheduler,
+    mean_loss,
     reference_run,
-    summed_loss,
 )
 from stalwart.launch.report import audit_steps, committed_steps, planned_total
 
@@ -149,12 +149,24 @@ def test_two_workers_killed_at_once(tmp_path: Path, reference: dict[str, torch.T
     assert world_sizes[0] == WORKERS + 1 and world_sizes[-1] == WORKERS - 1
 
 
-def wait_until_asking(lighthouse: Lighthouse, member: str, cluster: LocalCluster) -> None:
-    """Wait (bounded, on the lighthouse's state) until ``member`` asks to join or is in the quorum."""
+def latest_quorum(lighthouse: Lighthouse) -> int:
+    """The id of the lighthouse's latest quorum (0 before the first)."""
+    quorums = lighthouse.status()["quorums"]
+    return quorums[-1]["quorum_id"] if quorums else 0
+
+
+def wait_until_asking(lighthouse: Lighthouse, member: str, cluster: LocalCluster, since_quorum: int) -> None:
+    """Wait (bounded, on the lighthouse's state) until ``member`` asks to join or is in a quorum after ``since_quorum``.
+
+    A member that is alive (registered, heartbeating) but has not asked yet does not count: released then, the
+    others could finish the job before it asks.
+    """
     deadline = time.monotonic() + JOB_TIMEOUT
     while time.monotonic() < deadline:
-        entry = next((m for m in lighthouse.status()["members"] if m["member"] == member), None)
-        if entry is not None and (entry["asking"] == "join" or entry["state"] == "alive"):
+        status = lighthouse.status()
+        entry = next((m for m in status["members"] if m["member"] == member), None)
+        joined = any(q["quorum_id"] > since_quorum and member in q["members"] for q in status["quorums"])
+        if entry is not None and (entry["asking"] == "join" or joined):
             return
         time.sleep(0.05)
     cluster.terminate()
@@ -177,8 +189,9 @@ def test_killed_worker_restarts_and_is_healed(
     while cluster.processes[2].poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert cluster.processes[2].returncode == -signal.SIGKILL
+    since = latest_quorum(lighthouse)
     cluster.start(2)
-    wait_until_asking(lighthouse, "worker-2", cluster)
+    wait_until_asking(lighthouse, "worker-2", cluster, since)
     cluster.release()
     wait_for(cluster)
     check_job(tmp_path, long_reference, finishers=WORKERS, steps_run=LONG_STEPS)
@@ -204,8 +217,9 @@ def test_hung_worker_is_excluded_then_rejoins(
     cluster.kill(1, "STOP", step=3)
     cluster.hold(from_step=5)
     wait_for(cluster, until_step=5)
+    since = latest_quorum(lighthouse)
     cluster.revive(1)
-    wait_until_asking(lighthouse, "worker-1", cluster)
+    wait_until_asking(lighthouse, "worker-1", cluster, since)
     cluster.release()
     wait_for(cluster)
     check_job(tmp_path, long_reference, finishers=WORKERS, steps_run=LONG_STEPS)
@@ -266,7 +280,7 @@ def test_tolerance_detects_a_dropped_share(reference: dict[str, torch.Tensor]) -
         if step == 4:
             indices = indices[: 2 * len(indices) // 3]
         optimizer.zero_grad()
-        (summed_loss(model, dataset[torch.from_numpy(indices)]) / len(indices)).backward()
+        mean_loss(model, dataset[torch.from_numpy(indices)]).backward()
         optimizer.step()
         scheduler.step()
     lossy = model.state_dict()

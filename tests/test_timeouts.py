@@ -6,11 +6,14 @@ import pytest
 
 from stalwart.coord.server import Lighthouse
 from stalwart.data.plan import EpochPlan
+from stalwart.errors import JoinError
 from stalwart.launch.digits import digits_dataset, digits_model, digits_optimizer
 from stalwart.runtime.comm import CollectiveError
+from stalwart.runtime.config import Transport
 from stalwart.runtime.heal import heal_deadline
 from stalwart.runtime.loader import ElasticLoader
-from stalwart.runtime.manager import JoinError, Manager
+from stalwart.runtime.manager import Manager
+from stalwart.runtime.session import QuorumSession
 from stalwart.runtime.timeouts import DEFAULTS, ENVIRONMENT, Timeouts
 
 PLAN = EpochPlan(1797, 48, seed=0)
@@ -60,27 +63,27 @@ def test_the_manager_reads_the_environment_and_gives_up_joining_after_its_attemp
         with pytest.raises(ValueError, match=r"STALWART_COLLECTIVE_TIMEOUT='bad'"):
             Manager(model, digits_optimizer(model), lighthouse=server.url, member="m", max_microbatch=8)
         monkeypatch.delenv("STALWART_COLLECTIVE_TIMEOUT")
-        with pytest.raises(ValueError, match=r"max_join_attempts must be in \[1, inf\], got 0"):
-            Manager(
-                model, digits_optimizer(model), lighthouse=server.url, member="m", max_microbatch=8, max_join_attempts=0
-            )
+        with pytest.raises(ValueError, match=r"Transport.max_join_attempts must be in \[1, inf\], got 0"):
+            Transport(max_join_attempts=0)
         manager = Manager(
             model,
             digits_optimizer(model),
             lighthouse=server.url,
             member="m",
             max_microbatch=8,
-            heal_timeout=5.0,
-            max_join_attempts=3,
+            timeouts=Timeouts.resolve(heal_timeout=5.0),
+            transport=Transport(max_join_attempts=3),
         )
-        assert manager.timeouts == Timeouts(4.0, 2.0, 5.0, DEFAULTS["heal_min_bandwidth"])
+        expected = {**DEFAULTS, "rendezvous_timeout": 4.0, "collective_timeout": 2.0, "heal_timeout": 5.0}
+        assert manager.timeouts == Timeouts(**expected)
         attempts = []
 
-        def no_group(answer: object) -> None:
+        def no_group(session: QuorumSession, answer: object) -> None:
             attempts.append(answer)
             raise CollectiveError("rendezvous failed (test)")
 
-        monkeypatch.setattr(manager, "_connect", no_group)
+        # On purpose a private seam: a rendezvous that fails on every attempt, which no real peer does reliably.
+        monkeypatch.setattr(QuorumSession, "connect", no_group)
         loader = ElasticLoader(digits_dataset())
         try:
             with pytest.raises(JoinError, match=r"m: no working quorum after 3 attempts.*rendezvous failed \(test\)"):

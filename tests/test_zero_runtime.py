@@ -22,7 +22,7 @@ import torch
 from stalwart.coord.server import Lighthouse
 from stalwart.launch.cluster import LocalCluster
 from stalwart.launch.report import committed_steps
-from tests.test_runtime import PLAN, check_job, reference, wait_for, wait_until_asking, worker_args
+from tests.test_runtime import PLAN, check_job, latest_quorum, reference, wait_for, wait_until_asking, worker_args
 
 WORKERS = 4
 __all__ = ["reference"]  # fixtures
@@ -95,10 +95,11 @@ def test_more_failures_than_covered_stop_the_job_which_resumes_from_its_checkpoi
         assert len(errors[0]["shards_lost"]) == 1  # the dead worker's shard, by its rank in the quorum
         assert all("resume from a checkpoint" in event["message"] for event in errors)
         cluster.hold(from_step=4)  # the first restarted worker must not finish the job alone
+        since = latest_quorum(server)
         for worker in range(3):  # the whole fleet again, as a scheduler would: it resumes from a checkpoint
             cluster.start(worker)
         for worker in range(3):
-            wait_until_asking(server, f"worker-{worker}", cluster)
+            wait_until_asking(server, f"worker-{worker}", cluster, since)
         cluster.release()
         wait_for(cluster)
         assert [cluster.processes[worker].returncode for worker in range(3)] == [0, 0, 0]

@@ -62,7 +62,7 @@ def write_digits_shards(directory: Path, shards: int, *, kind: str = "parquet", 
 
 
 def digits_rows_collate(rows: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows ``{"features", "label"}`` (from shards) as the (features, labels) batch of :func:`summed_loss`."""
+    """Rows ``{"features", "label"}`` (from shards) as the (features, labels) batch of :func:`mean_loss`."""
     features = torch.tensor([row["features"] for row in rows], dtype=torch.float32)
     return features, torch.tensor([row["label"] for row in rows], dtype=torch.int64)
 
@@ -131,17 +131,23 @@ def digits_scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_schedul
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)
 
 
-def summed_loss(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Cross-entropy summed over the micro-batch."""
+def mean_loss(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Cross-entropy, the mean over the micro-batch (torch's default reduction)."""
     features, labels = batch
-    return torch.nn.functional.cross_entropy(model(features), labels, reduction="sum")
+    return torch.nn.functional.cross_entropy(model(features), labels)
 
 
 def reference_run(
-    plan: EpochPlan, steps: int, seed: int = 0, lr: float = DEFAULT_LR, optimizer_name: str = "adam"
+    plan: EpochPlan,
+    steps: int,
+    seed: int = 0,
+    lr: float = DEFAULT_LR,
+    optimizer_name: str = "adam",
+    clip: float | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Train without failures in this process: each step on the plan's samples, mean gradient.
 
+    ``clip``: clip the gradient's global norm to it before each update.
     Returns the final parameters and the loss of each step. Any failure-free
     or failure-transparent distributed run of the same plan computes the same
     steps, up to the order in which floating-point sums are taken.
@@ -157,11 +163,13 @@ def reference_run(
             epoch, epoch_step = epoch + 1, 0
         indices = plan.indices(epoch, plan.step_start(epoch_step), plan.step_start(epoch_step + 1))
         features, labels = dataset[torch.from_numpy(indices)]
-        loss = summed_loss(model, (features, labels))
+        loss = mean_loss(model, (features, labels))
         optimizer.zero_grad()
-        (loss / len(indices)).backward()
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         scheduler.step()
-        losses.append(float(loss.detach()) / len(indices))
+        losses.append(float(loss.detach()))
         epoch_step += 1
     return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}, losses

@@ -86,19 +86,22 @@ from stalwart.coord.client import LighthouseError, LighthouseUnreachable
 from stalwart.data.sampler import ManagedDistributedSampler
 from stalwart.data.shards import ShardError
 from stalwart.data.world import WorldInfo
+from stalwart.errors import JobFinishedError, PlanMismatchError, ShardingMismatchError, StateLostError
 from stalwart.launch.digits import (
     DEFAULT_LR,
     OPTIMIZERS,
     digits_model,
     digits_scheduler,
     digits_source,
-    summed_loss,
+    mean_loss,
 )
 from stalwart.redundancy.config import Overlap, parse_parity
 from stalwart.redundancy.layout import ShardsLostError
 from stalwart.runtime.comm import default_device
+from stalwart.runtime.config import Checkpointing, ReplicaGroup, Transport
 from stalwart.runtime.loader import ElasticLoader
-from stalwart.runtime.manager import Manager, PlanMismatchError, ShardingMismatchError, StateLostError
+from stalwart.runtime.manager import Manager
+from stalwart.runtime.timeouts import Timeouts
 
 KILL_POINTS = (
     "before_forward",
@@ -196,6 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="The address other workers reach this one on.")
     parser.add_argument("--seed", type=int, default=0, help="Model initialisation and sample transform seed.")
     parser.add_argument("--lr", type=float, default=DEFAULT_LR, help="Adam's initial learning rate.")
+    parser.add_argument("--clip", type=float, default=None, help="Clip the gradient's global norm to this.")
     parser.add_argument("--checkpoint-dir", type=Path, default=None, help="Durable checkpoints go here.")
     parser.add_argument("--checkpoint-every", type=int, default=None, help="Checkpoint every this many steps.")
     parser.add_argument("--collective-timeout", type=float, default=None, help="Default: STALWART_COLLECTIVE_TIMEOUT.")
@@ -286,6 +290,15 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
     optimizer = OPTIMIZERS[args.optimizer](model, args.lr)
     redundancy = args.parity if args.parity is not None else None if args.overlap is None else Overlap(args.overlap)
     scheduler = digits_scheduler(optimizer)
+    timeouts = Timeouts.resolve(
+        collective_timeout=args.collective_timeout,
+        connect_timeout=args.connect_timeout,
+        rendezvous_timeout=args.rendezvous_timeout,
+        heal_timeout=args.heal_timeout,
+    )
+    checkpoint = (
+        None if args.checkpoint_dir is None else Checkpointing(args.checkpoint_dir, every_steps=args.checkpoint_every)
+    )
     manager = Manager(
         model,
         optimizer,
@@ -293,16 +306,12 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
         member=args.member,
         token=args.token,
         max_microbatch=args.max_microbatch,
-        collective_timeout=args.collective_timeout,
-        connect_timeout=args.connect_timeout,
-        rendezvous_timeout=args.rendezvous_timeout,
-        heal_timeout=args.heal_timeout,
-        host=args.host,
-        group=group,
+        timeouts=timeouts,
+        transport=Transport(host=args.host),
+        group=ReplicaGroup(group),
         device=device,
         on_event=on_event,
-        checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every,
+        checkpoint=checkpoint,
         redundancy=redundancy,
         node=args.node,
     )
@@ -314,52 +323,17 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
         collate_fn=collate,
     )
     try:
-        with open(args.run_dir / f"steps-{name}.jsonl", "a", encoding="utf-8") as steps_file:
-            for step in manager.steps(loader, max_steps=args.max_steps):
-                number = manager.ledger.step
-                held_until(args.hold_file, number, lambda: manager.boundary_wanted)
-                time.sleep(args.step_seconds)
-                if args.corrupt_at == number:
-                    args.corrupt_at = None
-                    with torch.no_grad():
-                        for param in model.parameters():
-                            noise = torch.randn(param.shape, generator=torch.Generator().manual_seed(number))
-                            param.add_(noise.to(device) * 1e-2)
-                base_index = None
-                for batch in step:
-                    if elastic is None:
-                        base_index = manager.get_data_loading_info().base_index
-                    kill_if("before_forward", number)
-                    time.sleep(args.sample_seconds * len(batch[0]))  # type: ignore[index]
-                    loss = summed_loss(model, [tensor.to(device) for tensor in batch])  # type: ignore[attr-defined]
-                    if args.kill_at == (number, "during_backward"):
-                        loss.register_hook(lambda grad, step_number=number: kill_if("during_backward", step_number))
-                    step.backward(loss)
-                scheduler.step()
-                report = step.report
-                record = {
-                    "member": args.member,
-                    "pid": os.getpid(),
-                    "step": report.step,
-                    "epoch": report.epoch,
-                    "quorum_id": report.quorum_id,
-                    "world_size": report.world_size,
-                    "samples": report.samples,
-                    "loss": report.loss,
-                    "drift_heals": report.drift_heals,
-                    "loaded_checksum": f"{report.loaded_checksum:016x}",
-                    "time": time.time(),
-                    "positions": sorted(report.positions.tolist()),
-                }
-                if elastic is None:
-                    record.update(base_index=base_index, dropped=manager.dropped_microbatches)
-                steps_file.write(json.dumps(record) + "\n")
-                steps_file.flush()
+        try:
+            _steps(args, manager, model, optimizer, scheduler, loader, elastic, name, kill_if)
+        except JobFinishedError as error:
+            events.write("joined_after_end", step=manager.ledger.step)
+            print(f"stalwart worker {name}: {error}; nothing to do", file=sys.stderr)
+            return
         if manager.joined_after_end:
             events.write("joined_after_end", step=manager.ledger.step)
             print(
                 f"stalwart worker {name}: the job had already committed its {manager.ledger.step} steps "
-                "when this worker joined; nothing to do",
+                "when this worker joined (its final checkpoint is loaded); nothing to do",
                 file=sys.stderr,
             )
             return
@@ -375,6 +349,75 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
             elastic.close()
         if dist.is_initialized():  # the group's own (FSDP2) process group: never left to interpreter teardown
             dist.destroy_process_group()
+
+
+def _steps(
+    args: argparse.Namespace,
+    manager: Manager,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    loader: ElasticLoader | DataLoader[Any],
+    elastic: ElasticLoader | None,
+    name: str,
+    kill_if: Callable[[str, int], None],
+) -> None:
+    """The training loop: one JSON line per step to ``RUN_DIR/steps-NAME.jsonl``."""
+    device = manager.device
+    with open(args.run_dir / f"steps-{name}.jsonl", "a", encoding="utf-8") as steps_file:
+        for step in manager.steps(loader, max_steps=args.max_steps):
+            number = manager.ledger.step
+            held_until(args.hold_file, number, lambda: manager.boundary_wanted)
+            time.sleep(args.step_seconds)
+            if args.corrupt_at == number:
+                args.corrupt_at = None
+                with torch.no_grad():
+                    for param in model.parameters():
+                        noise = torch.randn(param.shape, generator=torch.Generator().manual_seed(number))
+                        param.add_(noise.to(device) * 1e-2)
+            base_index = None
+            for batch in step:
+                if elastic is None:
+                    base_index = manager.get_data_loading_info().base_index
+                kill_if("before_forward", number)
+                time.sleep(args.sample_seconds * len(batch[0]))
+                loss = mean_loss(model, [tensor.to(device) for tensor in batch])
+                if args.kill_at == (number, "during_backward"):
+                    loss.register_hook(lambda grad, step_number=number: kill_if("during_backward", step_number))
+                step.backward(loss)
+            if args.clip is not None:
+                clip_grad_norm(model, args.clip)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            report = step.report
+            record = {
+                "member": args.member,
+                "pid": os.getpid(),
+                "step": report.step,
+                "epoch": report.epoch,
+                "quorum_id": report.quorum_id,
+                "world_size": report.world_size,
+                "samples": report.samples,
+                "loss": report.loss,
+                "drift_heals": report.drift_heals,
+                "loaded_checksum": f"{report.loaded_checksum:016x}",
+                "time": time.time(),
+                "positions": sorted(report.positions.tolist()),
+            }
+            if elastic is None:
+                record.update(base_index=base_index, dropped=manager.dropped_microbatches)
+            steps_file.write(json.dumps(record) + "\n")
+            steps_file.flush()
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> None:
+    """Clip the gradient's global norm, also over an FSDP2 group's DTensor shards (as torchtitan does)."""
+    grads = [param.grad for param in model.parameters() if param.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, total)
 
 
 def _redundancy_report(manager: Manager) -> dict[str, Any]:

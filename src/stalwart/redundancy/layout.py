@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from stalwart._validate import check_int
+from stalwart.errors import StalwartError
 from stalwart.redundancy.config import Overlap, Parity, Redundancy
 from stalwart.redundancy.memory import split_lengths
 from stalwart.redundancy.placement import Placement, lost_shards, place
@@ -29,7 +30,7 @@ Range = tuple[int, int]
 """Elements ``[start, end)`` of the flat state."""
 
 
-class ShardsLostError(RuntimeError):
+class ShardsLostError(StalwartError, RuntimeError):
     """More processes failed than the redundancy covers: ``shards`` cannot be rebuilt from the live ones."""
 
     def __init__(self, shards: Sequence[int], message: str) -> None:

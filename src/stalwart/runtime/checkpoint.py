@@ -33,9 +33,11 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from stalwart._validate import check_int
+from stalwart.errors import StalwartError
+from stalwart.runtime.config import Checkpointing
 from stalwart.runtime.state import Stateful
 
 log = logging.getLogger(__name__)
@@ -44,7 +46,11 @@ META_FILE = "stalwart.json"
 FORMAT_VERSION = 1
 
 
-class CheckpointError(RuntimeError):
+DCP_ERRORS = (Exception, CheckpointException)
+"""What DCP raises: its ``CheckpointException`` derives from ``BaseException``, which ``except Exception`` misses."""
+
+
+class CheckpointError(StalwartError, RuntimeError):
     """A checkpoint cannot be written or loaded (the message names the directory and why)."""
 
 
@@ -73,6 +79,21 @@ class CheckpointMeta:
             raise CheckpointError(f"{directory} is not a finished stalwart checkpoint: {error}") from None
 
 
+def write_meta(directory: Path, meta: CheckpointMeta) -> None:
+    """Write ``stalwart.json`` atomically and durably: the file's bytes, then the rename, then the directory."""
+    staging = directory / f".{META_FILE}.tmp"
+    with open(staging, "w", encoding="utf-8") as file:
+        file.write(json.dumps(meta.to_json()))
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(staging, directory / META_FILE)
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
 def checkpoint_directory(root: Path, step: int) -> Path:
     """Where the checkpoint of ``step`` lies under ``root``."""
     return root / f"step-{step:09d}"
@@ -98,24 +119,12 @@ class Checkpointer:
     """
 
     def __init__(
-        self,
-        directory: str | os.PathLike[str],
-        *,
-        every_steps: int | None = None,
-        every_seconds: float | None = None,
-        keep: int = 3,
-        on_finished: Callable[[Path, CheckpointMeta], None] | None = None,
+        self, config: Checkpointing, *, on_finished: Callable[[Path, CheckpointMeta], None] | None = None
     ) -> None:
-        if not isinstance(directory, str | os.PathLike):
-            raise TypeError(f"checkpoint_dir must be a path, got {directory!r}")
-        if every_steps is None and every_seconds is None:
-            raise ValueError("give checkpoint_every (steps) or checkpoint_seconds, or no checkpoint_dir")
-        self.root = Path(directory)
-        self.every_steps = None if every_steps is None else check_int("checkpoint_every", every_steps, minimum=1)
-        if every_seconds is not None and not every_seconds > 0:
-            raise ValueError(f"checkpoint_seconds must be > 0, got {every_seconds!r}")
-        self.every_seconds = every_seconds
-        self.keep = check_int("keep", keep, minimum=1)
+        self.root = config.path
+        self.every_steps = config.every_steps
+        self.every_seconds = config.every_seconds
+        self.keep = config.keep
         self.on_finished = on_finished
         self._last_step: int | None = None
         self._last_time = time.monotonic()
@@ -151,6 +160,9 @@ class Checkpointer:
         self._idle.clear()
         try:
             response = dcp.async_save(_state_to_save(states), checkpoint_id=str(directory))
+        except DCP_ERRORS as error:
+            self._idle.set()
+            raise CheckpointError(f"cannot start the checkpoint of step {meta.step} in {directory}: {error}") from None
         except BaseException:
             self._idle.set()
             raise
@@ -173,12 +185,10 @@ class Checkpointer:
         """Mark a written checkpoint finished (``stalwart.json``, atomically) and hand it to ``on_finished``."""
         try:
             future.result()
-            staging = directory / f".{META_FILE}.tmp"
-            staging.write_text(json.dumps(meta.to_json()), encoding="utf-8")
-            os.replace(staging, directory / META_FILE)
+            write_meta(directory, meta)
             if self.on_finished is not None:
                 self.on_finished(directory, meta)
-        except Exception as error:
+        except DCP_ERRORS as error:  # disk full, a failed write: the next due step writes again
             log.warning("checkpoint of step %d in %s failed: %s", meta.step, directory, error)
         finally:
             self._idle.set()
@@ -191,8 +201,8 @@ def load_checkpoint(directory: str | os.PathLike[str], states: dict[str, Statefu
     template = _state_to_save(states)
     try:
         dcp.load(template, checkpoint_id=str(directory))
-    except Exception as error:
-        raise CheckpointError(f"cannot load the checkpoint in {directory}: {error}") from error
+    except DCP_ERRORS as error:
+        raise CheckpointError(f"cannot load the checkpoint in {directory}: {error}") from None
     model, optimizer = states["model"], states["optimizer"]
     assert isinstance(model, torch.nn.Module) and isinstance(optimizer, torch.optim.Optimizer)
     set_state_dict(model, optimizer, model_state_dict=template["model"], optim_state_dict=template["optimizer"])

@@ -64,6 +64,8 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import WorkResult  # type: ignore[attr-defined]
 
+from stalwart.errors import StalwartError
+
 _FIRST_POLL = 20e-6
 _LAST_POLL = 1e-3
 """Polling a collective starts every 20 us (a small model's all-reduce is done in ~100 us) and backs off to 1 ms."""
@@ -87,7 +89,7 @@ _ALIASES = {ASYNC_ERROR_HANDLING: ("NCCL_ASYNC_ERROR_HANDLING",)}
 log = logging.getLogger(__name__)
 
 
-class CollectiveError(RuntimeError):
+class CollectiveError(StalwartError, RuntimeError):
     """A collective or a group's rendezvous failed: a peer died, hung or never came."""
 
 

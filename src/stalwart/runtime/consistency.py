@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from stalwart.errors import StalwartError
+
 DRIFT_SLOTS = 5
 """Per process: S1 high, S1 low, S2 high, S2 low, applied step."""
 AUDIT_PIECES = 8
@@ -48,11 +50,11 @@ _STEP_MODULUS = 1 << 24
 """Applied steps are compared mod 2**24, exact in float32."""
 
 
-class ReplicaDriftError(RuntimeError):
+class ReplicaDriftError(StalwartError, RuntimeError):
     """Replicas kept differing after being healed: the training step itself is not deterministic across them."""
 
 
-class AuditError(RuntimeError):
+class AuditError(StalwartError, RuntimeError):
     """The samples the quorum loaded in a step are not those of the step's ledger positions."""
 
 

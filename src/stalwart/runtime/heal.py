@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from stalwart.errors import StalwartError
 from stalwart.runtime.comm import Communicator
 from stalwart.runtime.sharding import local_tensor
 from stalwart.runtime.state import Stateful
@@ -61,7 +62,7 @@ _SCALAR_DTYPES = frozenset({torch.float32, torch.float64, torch.int64})
 _OPTIMIZER_STATE = re.compile(r"^(?P<state>.+)/state/(?P<index>\d+)/[^/]+$")
 
 
-class HealError(RuntimeError):
+class HealError(StalwartError, RuntimeError):
     """The heal metadata does not fit this member's state (or its byte budget): nothing was allocated."""
 
 

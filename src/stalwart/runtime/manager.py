@@ -1,127 +1,98 @@
-"""The Manager: one per worker process, running failure-transparent steps.
+"""The Manager: one per worker process, running failure-transparent steps in the user's own training loop.
+
+The loop stays the one a DDP script has::
+
+    for step in manager.steps(loader, max_steps=1000):
+        for inputs, targets in step:                      # this worker's share, in micro-batches
+            step.backward(loss_fn(model(inputs), targets))   # a mean loss, as torch's losses give
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # the quorum's reduced mean gradient
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
 
 A step (see docs/protocol.md)::
 
     quorum (only when membership changed) -> share -> micro-batches, backward
       -> gradient buckets all-reduced while the last backward runs, the last
-         one with the tail [checks, sample count, reconfigure flag, loss sum]
-      -> divide by the step's sample count -> optimizer.step() -> commit
+         one with the tail (stalwart.runtime.tail)
+      -> divide by the step's summed weights -> the user's update window
+         (clip, GradScaler, optimizer.step(), scheduler) -> commit
 
 When a bucket's all-reduce fails (a peer died or hung), this member keeps its
 gradient accumulator (buckets reduce copies: :mod:`stalwart.runtime.reducer`),
-asks the lighthouse for a new quorum, computes the
-positions it was given on top of what it has done (the dead member's share,
-split among the survivors), and all-reduces again in the new group: the
-committed step is the same step as without the failure. A member that is
-behind (it joined, restarted, or missed the end of a step) is healed from a
-live peer before it takes part.
+asks the lighthouse for a new quorum, computes the positions it was given on
+top of what it has done (the dead member's share, split among the survivors),
+and all-reduces again in the new group, all inside the iteration of the
+step's micro-batches: the user's update sees the same reduced gradient as
+without the failure. A member that is behind (it joined, restarted, or missed
+the end of a step) is healed from a live peer before it takes part.
 
-Training code stays a plain loop::
-
-    for step in manager.steps(loader, max_steps=1000):
-        for inputs, targets in step:
-            step.backward(loss_fn(model(inputs), targets))  # loss_fn(reduction="sum")
-
-``loader`` is an :class:`~stalwart.runtime.loader.ElasticLoader`, or the
-user's own ``DataLoader(dataset, batch_sampler=ManagedDistributedSampler(manager,
-dataset), ...)`` (see :mod:`stalwart.runtime.feed`).
+The parts, each with one job: :mod:`~stalwart.runtime.session` (join,
+connect, heal), :mod:`~stalwart.runtime.planner` (shares and foresight),
+:mod:`~stalwart.runtime.accumulation` (micro-batches and the reduction),
+:mod:`~stalwart.runtime.tail` (the reduced tail's format),
+:mod:`~stalwart.runtime.drift` and :mod:`~stalwart.runtime.consistency`
+(replica check and data audit), :mod:`~stalwart.runtime.update` (the update
+contract), :mod:`~stalwart.runtime.rebalance`, :mod:`~stalwart.runtime.checkpointing`,
+and :mod:`~stalwart.runtime.zero` (sharded state and its repair).
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import logging
+import math
 import os
 import socket
-import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from stalwart._validate import check_int
-from stalwart.coord.client import CheckpointAnnouncement, LighthouseClient, LighthouseError, QuorumAnswer
 from stalwart.coord.hosted_ledger import ledger_digest
-from stalwart.data.balance import group_measurements, rebalance, resolution
-from stalwart.data.info import DataLoadingInfo, split_group_share
+from stalwart.data.info import DataLoadingInfo
 from stalwart.data.ledger import DataLedger
+from stalwart.data.plan import EpochPlan
 from stalwart.data.sampler import ManagedDistributedSampler
-from stalwart.data.world import WorldInfo
+from stalwart.errors import JobFinishedError, JoinError, PlanMismatchError, StepContractError
 from stalwart.redundancy.config import Redundancy
-from stalwart.runtime.checkpoint import Checkpointer, CheckpointError, CheckpointMeta, load_checkpoint
-from stalwart.runtime.comm import CollectiveError, Communicator, default_device, device_rng_states, quorum_store
-from stalwart.runtime.consistency import (
-    AUDIT_PIECES,
-    DRIFT_SLOTS,
-    AuditError,
-    ReplicaDriftError,
-    audit_pieces,
-    audit_value,
-    default_check_every,
-    drift_plan,
-    drift_slots,
-    index_checksum,
-    parameter_checksum,
-)
+from stalwart.runtime.accumulation import Source, StepAccumulation
+from stalwart.runtime.checkpointing import CheckpointPolicy
+from stalwart.runtime.comm import CollectiveError, default_device
+from stalwart.runtime.config import Checkpointing, Checks, Reduction, ReplicaGroup, Transport
+from stalwart.runtime.consistency import AuditError, index_checksum
+from stalwart.runtime.drift import DriftCheck
 from stalwart.runtime.feed import SamplerFeed
-from stalwart.runtime.group import GroupLink
-from stalwart.runtime.heal import state_specs, transfer_state
 from stalwart.runtime.loader import ElasticLoader
-from stalwart.runtime.reducer import DEFAULT_BUCKET_CAP_MB, GradientReducer
-from stalwart.runtime.sharding import is_sharded, prepare_fsdp, set_gradient_sync, sharding_layout
-from stalwart.runtime.state import Stateful, check_state_name, host_rng_states
+from stalwart.runtime.planner import StepPlanner
+from stalwart.runtime.rebalance import BalanceWindow
+from stalwart.runtime.replica import Replica
+from stalwart.runtime.session import REPLICATED, QuorumSession
+from stalwart.runtime.sharding import is_sharded, prepare_fsdp, sharding_layout
+from stalwart.runtime.state import Stateful
+from stalwart.runtime.tail import ReducedTail, TailHead, TailLayout
+from stalwart.runtime.threads import apply_thread_default
 from stalwart.runtime.timeouts import Timeouts
+from stalwart.runtime.update import UpdateWindow
 from stalwart.runtime.zero import RepairStats, ShardedOptimizer
 
 log = logging.getLogger(__name__)
-_ANNOUNCE_BACKOFF = 0.2
-_ANNOUNCE_RETRIES = 50
-"""A checkpoint is reported until the lighthouse has committed its step (heartbeats lag): ~10 s at most."""
 _CLOSE_WAIT = 120.0
 """Seconds ``close()`` waits for a checkpoint being written and reported."""
-BALANCE_SLOTS = 2
-"""Tail slots per process on a balanced ledger: its compute seconds and samples since the last re-weighing."""
-
-
-class JoinError(RuntimeError):
-    """This member could not get into a working quorum within ``max_join_attempts`` attempts."""
-
-
-_NO_POSITIONS = np.zeros(0, dtype=np.int64)
-Source = ElasticLoader | SamplerFeed
-"""Where a step's micro-batches come from: the elastic loader, or the feed of a user's DataLoader."""
-
-
-class StateLostError(RuntimeError):
-    """No live member holds the job's state and the lighthouse has no checkpoint to resume from."""
-
-
-class PlanMismatchError(ValueError):
-    """The lighthouse's plan does not fit this worker's data (for example another dataset length)."""
-
-
-class ShardingMismatchError(ValueError):
-    """This replica group shards its model differently from the group it must match (FSDP2 groups)."""
-
-
-_REPLICATED = "replicated"
-"""The layout a process of an unsharded model publishes (any group size is fine then)."""
 
 
 @dataclass(frozen=True)
 class StepReport:
-    """What one committed step did, for progress displays and reports."""
+    """What one step did, known once its gradients are reduced (it then commits whatever the update does)."""
 
     step: int
     epoch: int
     samples: int
     loss: float
+    """The mean loss over the step's samples (weighted as the micro-batches were)."""
     world_size: int
     quorum_id: int
     recoveries: int
@@ -132,88 +103,48 @@ class StepReport:
 
 
 class Manager:
-    """Keeps one worker (or one replica group's worker) in the quorum and runs its steps.
+    """Keeps one worker (or one replica group's process) in the quorum and runs its steps.
 
-    ``member`` names the lighthouse member: the worker, or its replica group
-    when ``group`` says this process is one of several in a group launched
-    together (see :mod:`stalwart.runtime.group`); the group's share is then
-    split among its processes by intra-group rank. ``on_event(event, step)`` is
-    called at ``"joined"`` (this member is in a new quorum, at ``step``),
-    ``"healed"`` (it loaded a peer's state at ``step``), ``"reduce_started"``
-    (every bucket is launched, backward is over) and ``"reduce_finished"``
-    (reduced, not yet applied), for tracing and for tests that kill a worker
-    at those points.
+    ``lighthouse`` is the lighthouse's URL, ``member`` this worker's name
+    there (its replica group's, when ``group`` says this process is one of
+    several launched together: the group's share is then split among its
+    processes by intra-group rank). ``token`` defaults to the
+    ``STALWART_LIGHTHOUSE_TOKEN`` environment variable. ``plan`` (an
+    :class:`~stalwart.data.plan.EpochPlan`: dataset size, global batch, seed,
+    ``local_batch_multiple``) is offered to the lighthouse, which adopts it if
+    it has none, and must equal the lighthouse's plan
+    (:class:`~stalwart.errors.PlanMismatchError` otherwise). A step's share is
+    cut into micro-batches of at most ``max_microbatch`` samples.
 
-    Gradients are reduced in buckets of ``bucket_cap_mb`` (DDP's default
-    25), in their own dtype or ``reduce_dtype`` (for example
-    ``torch.bfloat16`` to halve the bytes on the wire); each micro-batch's
-    loss goes through ``step.backward()`` once.
+    The optimizer is the user's: call ``optimizer.step()`` in the loop body
+    after iterating the step (:mod:`stalwart.runtime.update`; any number of
+    parameter groups, on every path). With ``redundancy``
+    (:class:`~stalwart.redundancy.config.Overlap` or
+    :class:`~stalwart.redundancy.config.Parity`) its state and an fp32 master
+    are sharded over the quorum's processes (ZeRO stage 1, SGD, Adam or
+    AdamW; :mod:`stalwart.runtime.zero`); ``node`` labels this process's
+    machine (default: the host name), so that copies and parity go to other
+    nodes. In FSDP2 groups (``fully_shard`` over a mesh of the group's own
+    processes; build the Manager after ``fully_shard``) it runs as
+    fault-tolerant HSDP, and with ``redundancy`` the processes holding the same
+    FSDP shard split that shard's optimizer state.
 
-    A member that joins after the job committed its last step (every other
-    member left) is not healed: ``steps()`` yields nothing and
-    :attr:`joined_after_end` is True.
-
-    With ``checkpoint_dir`` the quorum's rank 0 writes a durable checkpoint
-    (:mod:`stalwart.runtime.checkpoint`) every ``checkpoint_every`` steps or
-    ``checkpoint_seconds`` seconds, and of the last step, and reports it to
-    the lighthouse. When no live member holds the job's state (the whole fleet
-    restarted), the lighthouse rolls its ledger back to the newest one and the
-    members load it; without a checkpoint that is :class:`StateLostError`.
-
-    Rendezvous, collectives and heals have their own timeouts, each from the
-    argument, else an environment variable, else a default (see
-    :mod:`stalwart.runtime.timeouts`); a heal's deadline grows with the bytes
-    it moves. Joining a quorum gives up after ``max_join_attempts`` quorums
-    that could not start (or exclusions) in a row, with :class:`JoinError`.
+    The rest is grouped: ``checkpoint`` (:class:`~stalwart.runtime.config.Checkpointing`:
+    durable checkpoints that a whole-fleet restart resumes from), ``reduction``
+    (bucket size, reduce dtype), ``checks`` (replica consistency, heal
+    budget), ``transport`` (this process's address, heartbeat, join
+    attempts), ``timeouts`` (:class:`~stalwart.runtime.timeouts.Timeouts`,
+    default: from the environment), ``group`` (a replica group's place and
+    store), ``device`` (default: the GPU of ``LOCAL_RANK`` when CUDA is
+    available, else the CPU). ``on_event(event, step)`` is told ``joined``,
+    ``healed``, ``reduce_started``, ``reduce_finished``, ``update_started``,
+    ``gather_started`` and ``parity_started``, for tracing and for tests that
+    kill a worker at those points.
 
     A member's state, healed as one, is the model, the optimizer, what
-    :meth:`register_state` added and the random generators (see
-    :mod:`stalwart.runtime.state`: torch's CPU generator, CUDA's when present,
-    numpy's global and python ``random``'s). ``max_heal_bytes`` bounds what a
-    heal may allocate (default: a few times this member's own state).
-
-    A group that shards its model with FSDP2 (``fully_shard`` over a mesh of
-    its own processes; build the Manager after ``fully_shard``) runs as
-    fault-tolerant HSDP: FSDP2's reduce-scatter sums each gradient shard
-    within the group (the Manager sets its divide factor to 1), and the
-    Manager reduces each process's shard with the processes holding the same
-    shard in the other groups, over a communicator of its own per shard; a
-    joining group is healed shard by shard from a live group. Every group must
-    have as many processes and shard the same way as the group it is checked
-    against (the heal source, else the quorum's first member), else
-    :class:`ShardingMismatchError`. FSDP2 groups do not take durable
-    checkpoints yet, and their replicas are not checksummed (``check_every``
-    applies to unsharded models).
-
-    With ``redundancy`` (:class:`~stalwart.redundancy.config.Overlap` or
-    :class:`~stalwart.redundancy.config.Parity`), the optimizer's state and an
-    fp32 master are sharded over the quorum's processes (ZeRO stage 1, see
-    :mod:`stalwart.runtime.zero`): ``optimizer`` (SGD, Adam or AdamW over the
-    model's parameters) gives the update and its hyper-parameters, each
-    process updates the shards it holds, and the parameters are all-gathered
-    after each step. ``node`` labels this process's machine (default: the
-    host name): copies and parity go to other nodes. Every change of the
-    quorum reshards in memory; more failures than the redundancy covers raise
-    :class:`~stalwart.redundancy.layout.ShardsLostError` (with
-    ``checkpoint_dir`` and ``checkpoint_every``, the whole optimizer state is
-    checkpointed, and a relaunched fleet resumes from it). In FSDP2 groups,
-    the processes holding the same FSDP shard in the groups split that
-    shard's optimizer state: HSDP with a partial replicate dimension.
-
-    When the lighthouse balances the ledger (``stalwart lighthouse
-    --balance-every K``), each process also puts its compute seconds and
-    samples since the last re-weighing into the tail; every ``K`` steps every
-    member derives the same new weights from the reduced values
-    (:func:`~stalwart.data.balance.rebalance`) and records them in its ledger,
-    so the next steps' shares follow the members' throughput.
-
-    Every step's all-reduce also carries two checks (see
-    :mod:`stalwart.runtime.consistency`): a checksum of each process's
-    parameters and applied step every ``check_every`` steps (default: every
-    step for models up to 2**20 parameters, less often for larger ones), after
-    which replicas that drifted are healed from the majority before the step is
-    applied; and a checksum of the samples each loader produced, which must
-    match the ledger's positions for the step, else :class:`AuditError`.
+    :meth:`register_state` added (an LR scheduler, a GradScaler) and the
+    random generators. Started outside torchrun with ``OMP_NUM_THREADS``
+    unset, the process gets one thread, as torchrun gives it.
     """
 
     def __init__(
@@ -225,145 +156,154 @@ class Manager:
         member: str,
         max_microbatch: int,
         token: str | None = None,
-        group: WorldInfo | None = None,
-        group_store: dist.Store | None = None,
-        collective_timeout: float | None = None,
-        rendezvous_timeout: float | None = None,
-        heal_timeout: float | None = None,
-        heal_min_bandwidth: float | None = None,
-        max_join_attempts: int = 20,
-        quorum_timeout: float = 120.0,
-        connect_timeout: float = 60.0,
-        heartbeat_interval: float = 0.1,
-        host: str = "127.0.0.1",
-        device: torch.device | None = None,
-        on_event: Callable[[str, int], None] | None = None,
-        max_heal_bytes: int | None = None,
-        check_every: int | None = None,
-        checkpoint_dir: str | os.PathLike[str] | None = None,
-        checkpoint_every: int | None = None,
-        checkpoint_seconds: float | None = None,
-        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
-        reduce_dtype: torch.dtype | None = None,
+        plan: EpochPlan | None = None,
         redundancy: Redundancy | None = None,
         node: str | None = None,
+        checkpoint: Checkpointing | None = None,
+        reduction: Reduction | None = None,
+        checks: Checks | None = None,
+        transport: Transport | None = None,
+        timeouts: Timeouts | None = None,
+        group: ReplicaGroup | None = None,
+        device: torch.device | None = None,
+        on_event: Callable[[str, int], None] | None = None,
     ) -> None:
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if not isinstance(member, str) or not member:
-            raise ValueError(f"member must be a non-empty string, got {member!r}")
-        for name, value in (("quorum_timeout", quorum_timeout), ("connect_timeout", connect_timeout)):
-            if not value > 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
-        self.timeouts = Timeouts.resolve(
-            rendezvous_timeout=rendezvous_timeout,
-            collective_timeout=collective_timeout,
-            heal_timeout=heal_timeout,
-            heal_min_bandwidth=heal_min_bandwidth,
-        )
-        self.max_join_attempts = check_int("max_join_attempts", max_join_attempts, minimum=1)
+        _check_arguments(model, optimizer, member, plan, checkpoint, reduction, checks, transport, timeouts, group)
+        apply_thread_default()
+        self.timeouts = timeouts or Timeouts.resolve()
+        self.max_microbatch = check_int("max_microbatch", max_microbatch, minimum=1)
+        self.member = member
         self.model = model
         self.optimizer = optimizer
-        self.member = member
-        self.max_microbatch = check_int("max_microbatch", max_microbatch, minimum=1)
-        self.collective_timeout = self.timeouts.collective_timeout
-        self.quorum_timeout = quorum_timeout
-        self.host = host
         self.device = device or default_device()
-        self.applied_step = 0
+        self.checks = checks or Checks()
         self.recoveries = 0
         self.last_report: StepReport | None = None
         self.joined_after_end = False
-        self._max_steps: int | None = None
-        self._group = GroupLink(group or WorldInfo(rank=0, world_size=1), group_store, timeout=quorum_timeout)
-        self._params = [param for param in model.parameters() if param.requires_grad]
-        self._sharded = is_sharded(model)
-        if self._sharded and checkpoint_dir is not None:
+        """True when this worker joined after the job's last step and loaded its final checkpoint."""
+        group = group or ReplicaGroup()
+        transport = transport or Transport()
+        fsdp = is_sharded(model)
+        if fsdp and checkpoint is not None:
             raise ValueError(
-                f"checkpoint_dir={str(checkpoint_dir)!r}: durable checkpoints of an FSDP2-sharded model are not "
-                "supported yet; leave checkpoint_dir unset (live groups heal a joining one)"
+                f"checkpoint={checkpoint}: durable checkpoints of an FSDP2-sharded model are not supported yet; leave "
+                "checkpoint unset (live groups heal a joining one)"
             )
-        if self._sharded:
+        if fsdp:
             prepare_fsdp(model)
-        self._zero: ShardedOptimizer | None = None
-        if redundancy is not None:
-            if checkpoint_dir is not None and (checkpoint_every is None or checkpoint_seconds is not None):
-                raise ValueError(
-                    f"redundancy={redundancy} with checkpoint_dir takes checkpoint_every (steps) and not "
-                    f"checkpoint_seconds (got checkpoint_every={checkpoint_every}, "
-                    f"checkpoint_seconds={checkpoint_seconds}): every process gathers the state at the same step"
-                )
-            self._zero = ShardedOptimizer(self._params, optimizer, redundancy, node=node or socket.gethostname())
-        self._layout = sharding_layout(model) if self._sharded else _REPLICATED
-        self._client: LighthouseClient | None = None
-        self._report: tuple[int, str | None, dict[str, Any] | None] = (0, None, None)
-        """``(applied_step, ledger digest, weights record)`` for the heartbeat: the lighthouse commits only on a
-        matching digest, replaying a balanced ledger's weights from the record."""
-        if self._group.is_leader:
-            self._client = LighthouseClient(lighthouse, member, token=token, heartbeat_interval=heartbeat_interval)
-            try:
-                self._client.wait_reachable(connect_timeout)
-            except BaseException:
-                self._client.close()
-                raise
-            self._client.start_heartbeat(lambda: self._report)
-        self._comm: Communicator | None = None
-        self._grad_comm: Communicator | None = None
-        """Where gradients are reduced: ``_comm`` itself, or (FSDP2 groups) the processes holding this shard."""
-        self._answer: QuorumAnswer | None = None
-        self._ledger: DataLedger | None = None
-        self._group_sizes: list[int] = []
-        self._foreseen: tuple[int, np.ndarray, list[int]] | None = None
-        self._feed: SamplerFeed | None = None
-        self._group_done = _NO_POSITIONS
-        self._samples = 0
-        self._loss_sum = torch.zeros((), device=self.device)
-        self._reconfigure = True
-        self._on_event = on_event
-        self.max_heal_bytes = None if max_heal_bytes is None else check_int("max_heal_bytes", max_heal_bytes, minimum=1)
-        self._user_states: dict[str, Stateful] = {}
-        self._rng_states: dict[str, Stateful] = {**host_rng_states(), **device_rng_states()}
-        self._started = False
-        self._data_fingerprint = ""
-        """The loader's dataset's fingerprint ("" when it has none), compared with the quorum's at each join."""
-        self._heals = 0
-        self._trained_step = -1
-        """The step this member reached by applying it itself (a heal to a step does not count)."""
-        self._diverged = False
-        self._checkpointer = (
+        params = [param for param in model.parameters() if param.requires_grad]
+        self._replica = Replica(model, optimizer)
+        self._zero = (
             None
-            if checkpoint_dir is None
-            else Checkpointer(
-                checkpoint_dir,
-                every_steps=checkpoint_every,
-                every_seconds=checkpoint_seconds,
-                on_finished=self._announce,
-            )
+            if redundancy is None
+            else ShardedOptimizer(params, optimizer, redundancy, node=node or socket.gethostname())
         )
-        parameters = sum(param.numel() for param in self._params)
-        self.check_every = (
-            default_check_every(parameters) if check_every is None else check_int("check_every", check_every, minimum=1)
+        self._session = QuorumSession(
+            lighthouse,
+            member,
+            token=token if token is not None else os.environ.get("STALWART_LIGHTHOUSE_TOKEN") or None,
+            plan=plan,
+            group=group,
+            transport=transport,
+            timeouts=self.timeouts,
+            device=self.device,
+            layout=sharding_layout(model) if fsdp else REPLICATED,
         )
-        self.drift_heals = 0
-        self._step_drift_heals = 0
-        self._index_sum = 0
-        self._part_started = 0.0
-        self._step_seconds = 0.0
-        self._window_seconds = 0.0
-        self._window_samples = 0
-        """This process's compute seconds and samples since the last re-weighing (balanced ledgers)."""
-        self._template: Any = None
-        """The last batch this process trained on: the shape of a zero-sample batch (FSDP2 groups)."""
-        self._reducer = GradientReducer(
-            self._params, device=self.device, bucket_cap_mb=bucket_cap_mb, reduce_dtype=reduce_dtype
+        self._transport = transport
+        self._plan = plan
+        self._planner = StepPlanner(
+            member, group.world.rank, group.world.world_size, self.max_microbatch, lockstep=fsdp
         )
+        self._accumulation = StepAccumulation(
+            model,
+            params,
+            device=self.device,
+            reduction=reduction or Reduction(),
+            max_microbatch=self.max_microbatch,
+            lockstep=fsdp,
+        )
+        self._window = UpdateWindow(optimizer, sharded=self._zero, notify=self._notify, sync=self._sync_shards)
+        self._drift = DriftCheck(params, self.checks.every, enabled=not fsdp)
+        self._balance = BalanceWindow()
+        self._checkpoints = (
+            None if checkpoint is None else CheckpointPolicy(checkpoint, self._session, self._replica, self._zero)
+        )
+        self._on_event = on_event
+        self._reconfigure = True
+        self._max_steps: int | None = None
+        self._started = False
+        self._feed: SamplerFeed | None = None
+        self._reduced: ReducedTail | None = None
+        self._warned_no_update = False
+        self._finished = False
+        """The job's end was reached here (its last step, or a late join): ``close()`` then leaves cleanly."""
+
+    # --- what the training loop reads ---------------------------------------------------------------
+
+    @property
+    def is_leader(self) -> bool:
+        """True for the quorum's first process (rank 0): where to log and write outputs."""
+        return self._session.rank == 0
+
+    @property
+    def rank(self) -> int:
+        """This process's rank among the quorum's processes (-1 before the first quorum)."""
+        return self._session.rank
+
+    @property
+    def num_processes(self) -> int:
+        """How many processes the quorum has (every process of every replica group)."""
+        return self._session.processes
+
+    @property
+    def world_size(self) -> int:
+        """How many members (replica groups) the current quorum has."""
+        return len(self._session.members)
+
+    @property
+    def quorum_id(self) -> int:
+        """The id of the quorum this member runs steps in (-1 before the first)."""
+        return self._session.quorum_id
+
+    @property
+    def step(self) -> int:
+        """The step being trained (before it commits), or the next one between steps."""
+        return self.ledger.step
+
+    @property
+    def applied_step(self) -> int:
+        """Steps this replica holds applied."""
+        return self._replica.applied_step
+
+    @property
+    def ledger(self) -> DataLedger:
+        """This member's replica of the lighthouse's ledger."""
+        return self._planner.ledger
+
+    @property
+    def drift_heals(self) -> int:
+        """Replicas healed because their parameters drifted from the majority (over the Manager's life)."""
+        return self._drift.heals
+
+    @property
+    def boundary_wanted(self) -> bool:
+        """True while the lighthouse asks this member's quorum to come to a step boundary (a join, a failure)."""
+        return self._session.boundary_wanted
 
     @property
     def redundancy_stats(self) -> tuple[int, RepairStats] | None:
         """With ``redundancy``: this process's sharded state bytes and what its reshards did; else None."""
         return None if self._zero is None else (self._zero.state_bytes, self._zero.stats)
+
+    @property
+    def dropped_microbatches(self) -> int:
+        """Micro-batches the DataLoader of ``steps()`` prefetched for a superseded share and that were dropped."""
+        return 0 if self._feed is None else self._feed.dropped
+
+    @property
+    def states(self) -> dict[str, Stateful]:
+        """Everything a heal copies, in order: model, optimizer, registered states, random generators."""
+        return self._replica.states
 
     def register_state(self, name: str, obj: Stateful) -> None:
         """Make ``obj`` part of this member's state, healed with the model and optimizer under ``name``.
@@ -376,133 +316,384 @@ class Manager:
         """
         if self._started:
             raise RuntimeError(f"register_state({name!r}) must be called before manager.steps() starts")
-        name = check_state_name(name, set(self._user_states))
-        if not callable(getattr(obj, "state_dict", None)) or not callable(getattr(obj, "load_state_dict", None)):
-            raise TypeError(f"obj must have state_dict() and load_state_dict(), got {type(obj).__name__}")
-        self._user_states[name] = obj
-
-    @property
-    def states(self) -> dict[str, Stateful]:
-        """Everything a heal copies, in order: model, optimizer, registered states, random generators."""
-        return {"model": self.model, "optimizer": self.optimizer, **self._user_states, **self._rng_states}
-
-    @property
-    def ledger(self) -> DataLedger:
-        """This member's replica of the lighthouse's ledger."""
-        if self._ledger is None:
-            raise RuntimeError("the Manager has not joined a quorum yet; iterate manager.steps() first")
-        return self._ledger
-
-    @property
-    def boundary_wanted(self) -> bool:
-        """True while the lighthouse asks this member's quorum to come to a step boundary (a join, a failure).
-
-        The group's leader hears it from the lighthouse and relays it to the
-        group's other processes, so that all of them see it by their next call.
-        """
-        if self._client is None:
-            return self._group.boundary(self.quorum_id)
-        wanted = self._client.reconfigure_requested
-        if wanted:
-            self._group.mark_boundary(self.quorum_id)
-        return wanted
-
-    @property
-    def quorum_id(self) -> int:
-        """The id of the quorum this member runs steps in (-1 before the first)."""
-        return -1 if self._answer is None else self._answer.quorum_id
-
-    @property
-    def world_size(self) -> int:
-        """How many members (replica groups) the current quorum has."""
-        return 0 if self._answer is None else len(self._answer.members)
+        self._replica.register(name, obj)
 
     def get_data_loading_info(self) -> DataLoadingInfo:
         """Where this process's samples of the current step come from (the proposal's ``DataLoadingInfo``).
 
-        Valid inside a step (between ``manager.steps()`` yielding it and its
-        commit). ``base_index`` and ``missing_indices`` are the ledger's as
-        the step began, also after a failure retry; ``indices`` are this
-        process's part of its group's share as it stands now (after a
-        failure, with the positions it took over).
+        Valid inside a step. ``base_index`` and ``missing_indices`` are the
+        ledger's as the step began, also after a failure retry; ``indices`` are
+        this process's part of its group's share as it stands now.
         """
-        if self._answer is None or not self.ledger.in_step:
+        if self._session.answer is None:
             raise RuntimeError("get_data_loading_info() needs a step in progress: call it inside manager.steps()")
-        ledger = self.ledger
-        base_index, missing_indices = _step_began(ledger)
-        return DataLoadingInfo.for_worker(
-            ledger.plan,
-            epoch=ledger.epoch,
-            step=ledger.epoch_step,
-            base_index=base_index,
-            missing_indices=missing_indices,
-            group_sizes=dict(zip(self._answer.members, self._group_sizes, strict=True)),
-            member=self.member,
-            group_share=ledger.in_flight.get(self.member, _NO_POSITIONS),
-            intra_group_rank=self._group.rank,
-        )
+        return self._planner.data_loading_info(self._session.group_sizes)
+
+    def on_leader(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(*args, **kwargs)`` on the leading replica group only (evaluation, saving); the others wait.
+
+        Every process of the quorum calls it at the same point of the loop
+        body. The others wait without a collective (watching the lighthouse
+        for the leader's death, bounded by ``leader_timeout``), so nothing
+        times out while the leader evaluates. Returns ``fn``'s result on the
+        leading group's processes and None elsewhere; if the leader dies
+        meanwhile, the quorum re-forms before the next step.
+        """
+        if self._session.answer is None or self._session.comm is None:
+            raise RuntimeError("on_leader() needs a quorum: call it inside the manager.steps() loop")
+        finished, result = self._session.wait_for_leader(self._session.answer.rank == 0, lambda: fn(*args, **kwargs))
+        if not finished:
+            self._reconfigure = True
+        return result
+
+    # --- the step loop ---------------------------------------------------------------------------------
 
     def steps(self, loader: ElasticLoader | DataLoader[Any], *, max_steps: int) -> Iterator[TrainStep]:
         """Yield one :class:`TrainStep` per step until the job has committed ``max_steps`` steps.
 
         ``loader``: an :class:`ElasticLoader`, or a ``DataLoader`` whose
         ``batch_sampler`` is ``ManagedDistributedSampler(self, dataset)``.
-        Raises :class:`PlanMismatchError` when the lighthouse's plan does not
-        fit the loader's dataset (checked when this member first joins), or
-        when the dataset's ``fingerprint`` (:class:`~stalwart.data.shards.ShardedDataset`)
-        differs from the quorum's reference member's (checked at every join).
+        A step commits when the loop body after it ends. Raises
+        :class:`~stalwart.errors.PlanMismatchError` when the lighthouse's plan
+        does not fit the loader's dataset or this worker's plan, and
+        :class:`~stalwart.errors.JobFinishedError` when this worker joined
+        after the job ended with no checkpoint to load the trained state from.
         """
         self._max_steps = check_int("max_steps", max_steps, minimum=0)
         source = self._source(loader)
-        self._data_fingerprint = str(getattr(loader.dataset, "fingerprint", ""))
+        self._session.data_fingerprint = str(getattr(loader.dataset, "fingerprint", ""))
         self._started = True
         try:
             while True:
-                if self._reconfigure or self._ledger is None:
-                    first = self._ledger is None
+                if self._reconfigure or not self._planner.joined:
+                    first = not self._planner.joined
                     self._join(reason="join" if first else "reconfigure")
                     if first:
-                        _check_dataset(loader, self.ledger)
-                self._maybe_checkpoint()
+                        self._check_plan(loader)
+                self._between_steps()
                 if self.ledger.step >= max_steps:
-                    self._final_checkpoint()
-                    self._farewell()
+                    self._finish()
                     return
-                if not self.ledger.in_step:
-                    self.ledger.begin_step(self._answer_members())
+                self._planner.begin_step()
                 source.take_produced()  # anything produced outside a step is not this step's
-                step = TrainStep(self, source, epoch_end=_ends_epoch(self.ledger))
+                step = TrainStep(
+                    self.ledger.step,
+                    self.ledger.epoch,
+                    self._planner.ends_epoch,
+                    self._accumulation,
+                    self._train(source),
+                )
                 yield step
-                if not step.committed:
-                    raise RuntimeError("a TrainStep must be iterated to its end before the next step starts")
+                self._commit(step)
                 if isinstance(source, ElasticLoader):
-                    self._prefetch_next(source)
+                    foreseen = self._planner.foresee_next(max_steps)
+                    if foreseen is not None:
+                        source.prefetch(*foreseen)
         finally:
             if self._feed is not None:
                 self._feed.close()
                 self._feed = None
 
-    @property
-    def dropped_microbatches(self) -> int:
-        """Micro-batches the DataLoader of ``steps()`` prefetched for a superseded share and that were dropped.
-
-        Counted while ``steps()`` runs over a DataLoader driven by this
-        Manager's sampler (0 otherwise); they were never trained on.
-        """
-        return 0 if self._feed is None else self._feed.dropped
-
-    def sampler_pass(self) -> Iterator[list[int]]:
-        """The micro-batches a ``ManagedDistributedSampler(manager, dataset)`` hands its DataLoader (for its use).
-
-        Each is the dataset indices of one micro-batch this process will need,
-        in order (see :mod:`stalwart.runtime.feed`).
-        """
-        if self._feed is None:
-            raise RuntimeError(
-                "a DataLoader over ManagedDistributedSampler(manager, dataset) is iterated by manager.steps(loader) "
-                "only: iterate the steps, not the loader"
+    def _train(self, source: Source) -> Generator[Any, None, StepReport]:
+        """The step's micro-batches until its reduction succeeds (retried on failure); returns the report."""
+        while True:
+            part = self._planner.next_part()
+            self._balance.part_started()
+            yield from self._accumulation.microbatches(
+                source,
+                self.ledger.epoch,
+                part.indices,
+                part.sizes,
+                arm=self._arm,
+                sample_batch=lambda: self._sample_batch(source),
             )
-        return self._feed.sampler_pass()
+            try:
+                reduced = self._reduce()
+                if self._heal_drift(reduced):
+                    continue
+            except CollectiveError as error:
+                log.warning(
+                    "%s: step %d all-reduce failed (%s); asking for a new quorum", self.member, self.ledger.step, error
+                )
+                self._join(reason="failure")
+                self.recoveries += 1
+                continue
+            return self._reduced_step(reduced)
+
+    def _reduced_step(self, reduced: ReducedTail) -> StepReport:
+        """Check the reduced step (sample count, audit), put the mean gradients in place, open the update window."""
+        ledger = self.ledger
+        positions = self._planner.step_positions()
+        if reduced.samples != positions.size:
+            raise RuntimeError(
+                f"step {ledger.step}: the quorum reduced {reduced.samples} samples, the ledger holds {positions.size}"
+            )
+        expected = index_checksum(ledger.epoch, ledger.plan.indices_at(ledger.epoch, positions))
+        if reduced.loaded_checksum != expected:
+            raise AuditError(
+                f"step {ledger.step}: the samples the quorum loaded (checksum {reduced.loaded_checksum:#018x}) are not "
+                f"those of the ledger's {positions.size} positions (checksum {expected:#018x}): a member's loader "
+                "produced other samples than its share"
+            )
+        if reduced.samples:
+            if not reduced.weight > 0 or not math.isfinite(reduced.weight):
+                raise ValueError(
+                    f"step {ledger.step}: the micro-batches' weights sum to {reduced.weight} over {reduced.samples} "
+                    "samples: step.backward(loss, weight=...) takes counts >= 0 that are not all 0"
+                )
+            self._accumulation.apply(reduced.weight)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        self._reduced = reduced
+        self._window.open(ledger.step)
+        self.last_report = StepReport(
+            step=ledger.step,
+            epoch=ledger.epoch,
+            samples=reduced.samples,
+            loss=reduced.loss / reduced.weight if reduced.weight > 0 else 0.0,
+            world_size=self.world_size,
+            quorum_id=self.quorum_id,
+            recoveries=self.recoveries,
+            positions=positions,
+            drift_heals=self._drift.heals,
+            loaded_checksum=reduced.loaded_checksum,
+        )
+        return self.last_report
+
+    def _commit(self, step: TrainStep) -> None:
+        """The loop body after the step ended: the step commits (its update ran, or every member skipped it)."""
+        if self._reduced is None:
+            raise StepContractError(
+                f"step {step.number} was not iterated to its end: iterate every step's micro-batches before the next"
+            )
+        reduced, self._reduced = self._reduced, None
+        if not self._window.close() and reduced.samples and not self._warned_no_update:
+            self._warned_no_update = True
+            log.warning("%s: step %d committed without optimizer.step() (a GradScaler skip?)", self.member, step.number)
+        ledger = self.ledger
+        ledger.commit()
+        self._replica.applied_step += 1
+        self._replica.trained_step = self._replica.applied_step
+        self._drift.step_committed()
+        if ledger.balanced:
+            members, sizes = self._session.members, self._session.group_sizes
+            self._balance.after_commit(ledger, reduced.balance, members, sizes, self._planner.samples, self.member)
+        self._session.report = (self._replica.applied_step, ledger_digest(ledger.state_dict()), ledger.weights_record())
+        self._reconfigure = self._reconfigure or reduced.reconfigure
+        self._reset_step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _arm(self) -> None:
+        """Start this round's reduction; the tail's values known before the last backward go in now."""
+        session = self._session
+        comm, grad_comm = session.comm, session.grad_comm
+        assert comm is not None and grad_comm is not None
+        layout = self._tail_layout()
+        client = session.client
+        head = TailHead(
+            drift=self._drift.slots(self.ledger.step, comm.rank, comm.world_size, self._replica.applied_step),
+            loaded_checksum=self._accumulation.loaded_checksum,
+            samples=self._planner.samples,
+            reconfigure=client is not None and client.reconfigure_requested,
+        )
+        self._accumulation.arm(
+            grad_comm,
+            None if grad_comm is comm else comm,
+            layout,
+            head,
+            lambda: self._balance.slots(layout, comm.rank, self._planner.samples),
+        )
+
+    def _reduce(self) -> ReducedTail:
+        """Finish the round's reduction and wait for it (an empty part arms it here)."""
+        if not self._accumulation.armed:
+            self._arm()
+        self._notify("reduce_started")
+        reduced = self._accumulation.reduce(self._tail_layout())
+        self._notify("reduce_finished")
+        return reduced
+
+    def _tail_layout(self) -> TailLayout:
+        assert self._session.comm is not None
+        return TailLayout(self._session.comm.world_size, self.ledger.balanced)
+
+    def _heal_drift(self, reduced: ReducedTail) -> bool:
+        """If the replicas' checksums differ, heal the odd ones out from the majority and return True."""
+        comm = self._session.comm
+        assert comm is not None
+        plan = self._drift.plan(self.ledger.step, reduced.drift, comm.world_size)
+        if plan is None:
+            return False
+        is_target = comm.rank in plan.targets
+        log.warning(
+            "%s: step %d replicas drifted: healing processes %s from process %d%s",
+            self.member,
+            self.ledger.step,
+            list(plan.targets),
+            plan.source,
+            " (this one)" if is_target else "",
+        )
+        applied = self._session.transfer(
+            self._replica, plan.source, is_target=is_target, budget=self.checks.max_heal_bytes
+        )
+        if is_target:
+            self._replica.applied_step = applied
+            self.optimizer.zero_grad(set_to_none=True)
+            self._reset_step()  # recompute this process's whole part with the healed parameters
+        return True
+
+    def _sync_shards(self) -> None:
+        """After the sharded update: gather the parameters, re-encode parity; a failure re-forms the quorum.
+
+        The step commits anyway: every survivor holds its updated shards (and,
+        for parity, its shard as before the update), so the next quorum's
+        reshard finishes the update without training anything again.
+        """
+        zero, comm, grad_comm = self._zero, self._session.comm, self._session.grad_comm
+        assert zero is not None and comm is not None and grad_comm is not None
+        step = self.ledger.step
+        failed = False
+        try:
+            zero.sync(grad_comm, lambda event: self._notify(event, step), check=step % self._drift.every == 0)
+        except CollectiveError as error:
+            log.warning("%s: step %d's parameter gather failed (%s); asking for a new quorum", self.member, step, error)
+            failed = True
+        if grad_comm is not comm:  # FSDP2 groups: a group's processes must all ask, or none
+            flag = torch.tensor([float(failed)], device=self.device)
+            try:
+                comm.start_all_reduce_sum(flag)()
+                failed = failed or float(flag) > 0
+            except CollectiveError:
+                failed = True
+        if failed:
+            self._reconfigure = True
+
+    # --- quorums ---------------------------------------------------------------------------------------
+
+    def _join(self, reason: str) -> None:
+        """Ask for a quorum until this member is in one, its group is up and it is healed (bounded attempts)."""
+        session = self._session
+        last_failure = "none"
+        attempts = self._transport.max_join_attempts
+        for attempt in range(1, attempts + 1):
+            session.abort()
+            answer = session.next_answer(reason, self._replica.applied_step)
+            if answer is None:
+                reason, last_failure = "join", "excluded from the quorum"
+                continue
+            session.adopt(answer)
+            self._planner.adopt(answer.ledger, answer.members)
+            try:
+                session.connect(answer)
+                if answer.heal is not None:
+                    self._heal(answer)
+                if self._zero is not None:
+                    assert session.grad_comm is not None  # FSDP2 groups: the processes holding this process's shard
+                    self._zero.reshard(session.grad_comm, self._replica.applied_step)
+            except CollectiveError as error:
+                log.warning(
+                    "%s: quorum %d could not start (%s); asking again (attempt %d of %d)",
+                    self.member,
+                    answer.quorum_id,
+                    error,
+                    attempt,
+                    attempts,
+                )
+                reason = "failure" if self._planner.covered else "reconfigure"
+                session.abort()
+                last_failure = str(error)
+                continue
+            self._reconfigure = False
+            self._notify("joined")
+            return
+        raise JoinError(
+            f"{self.member}: no working quorum after {attempts} attempts "
+            f"(Transport.max_join_attempts={attempts}); last failure: {last_failure}"
+        )
+
+    def _heal(self, answer: Any) -> None:
+        """Take part in the quorum's heal: from a live member, or (a target) from the announced checkpoint."""
+        outcome = self._session.heal(
+            answer, self._replica, max_steps=self._max_steps, max_bytes=self.checks.max_heal_bytes
+        )
+        if outcome.checkpoint is not None:
+            if self._checkpoints is None:
+                raise JobFinishedError(
+                    f"{self.member}: the job resumes from checkpoint {outcome.checkpoint.path}, but this worker has "
+                    "no checkpoint directory (Manager(checkpoint=Checkpointing(...))) to load it from"
+                )
+            with self._window.passthrough():
+                step = self._checkpoints.load(outcome.checkpoint)
+            self._replica.applied_step = step
+            self._session.report = (step, outcome.checkpoint.digest, self.ledger.weights_record())
+            self.joined_after_end = outcome.job_finished
+            if self.joined_after_end:
+                log.warning(
+                    "%s: joined after the job committed its %d steps: loaded the final checkpoint, nothing to train",
+                    self.member,
+                    step,
+                )
+        elif outcome.job_finished:
+            self._finished = True
+            raise JobFinishedError(
+                f"{self.member}: the job had already committed its {answer.applied_step} steps when this worker "
+                "joined, and no checkpoint holds the trained state: this worker's parameters are untrained"
+            )
+        if outcome.loaded or outcome.checkpoint is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+            self._reset_step()
+            self._notify("healed")
+
+    def _check_plan(self, loader: ElasticLoader | DataLoader[Any]) -> None:
+        """The lighthouse's plan against this worker's (``plan=``) and its loader's dataset (first join)."""
+        theirs = self.ledger.plan
+        if self._plan is not None and self._plan != theirs:
+            raise PlanMismatchError(
+                f"{self.member}: the lighthouse trains on {theirs} but this worker's plan is {self._plan}: give both "
+                "the same plan"
+            )
+        try:
+            length: int | None = len(loader.dataset)  # type: ignore[arg-type]
+        except TypeError:
+            length = None
+        self._planner.check_dataset(length)
+
+    # --- between steps ---------------------------------------------------------------------------------
+
+    def _between_steps(self) -> None:
+        if self._checkpoints is None:
+            return
+        with self._window.passthrough():
+            if not self._checkpoints.between_steps(self.ledger):
+                self._reconfigure = True
+
+    def _finish(self) -> None:
+        """The job's last step is committed: the final checkpoint, then the farewell all-reduce."""
+        self._finished = True
+        if self._checkpoints is not None:
+            with self._window.passthrough():
+                self._checkpoints.final(self.ledger)
+        self._session.farewell()
+
+    def _reset_step(self) -> None:
+        self._planner.reset_step()
+        self._accumulation.reset()
+        self._balance.reset_step()
+
+    def _sample_batch(self, source: Source) -> Any:
+        """A one-sample batch (any sample of the epoch), for the shape of a zero-sample batch; not audited."""
+        if not isinstance(source, ElasticLoader):
+            raise RuntimeError(
+                "an FSDP2 group's process got no samples before its first step with a DataLoader: use an "
+                "ElasticLoader, or a plan whose steps give every process samples"
+            )
+        index = int(self.ledger.plan.indices_at(self.ledger.epoch, np.zeros(1, dtype=np.int64))[0])
+        return source.collate_fn([source.load(self.ledger.epoch, index)])
+
+    def _notify(self, event: str, step: int | None = None) -> None:
+        """Tell the ``on_event`` hook (tracing, chaos tests) that ``event`` happened in ``step`` (default: current)."""
+        if self._on_event is not None:
+            self._on_event(event, self.ledger.step if step is None else step)
 
     def _source(self, loader: ElasticLoader | DataLoader[Any]) -> Source:
         """The loader itself, or the feed of a DataLoader driven by this Manager's sampler (checked)."""
@@ -525,775 +716,133 @@ class Manager:
                 f"loader's dataset has {size} samples but its ManagedDistributedSampler was built for "
                 f"{sampler.dataset_size}: give both the same dataset"
             )
-        self._feed = SamplerFeed(loader, self.max_microbatch, self._foreseen_parts)
+        assert self._max_steps is not None
+        max_steps = self._max_steps
+        self._feed = SamplerFeed(loader, self.max_microbatch, lambda: self._planner.foreseen_parts(max_steps))
         return self._feed
 
-    def _farewell(self) -> None:
-        """One last tiny all-reduce, so that no member leaves while another still waits on the final step's.
-
-        Without it a member that finished the last all-reduce first could leave,
-        and the lighthouse's broken-quorum push would make a slower member give
-        up a collective that was about to complete. A failure here is harmless:
-        the last step is already applied.
-        """
-        if self._comm is None:
-            return
-        try:
-            self._comm.start_all_reduce_sum(torch.zeros(1, device=self.device))()
-        except CollectiveError as error:
-            log.info("%s: farewell all-reduce ended early (%s); the last step is applied", self.member, error)
-
-    def close(self) -> None:
-        """Leave the quorum cleanly (after a checkpoint being written is reported) and stop the heartbeat."""
-        if self._checkpointer is not None and not self._checkpointer.wait(_CLOSE_WAIT):
-            log.warning("%s: a checkpoint was still being written after %g s; leaving anyway", self.member, _CLOSE_WAIT)
-        self._reducer.close()
-        self._abort_comms()
-        if self._client is not None:
-            self._client.leave(self.applied_step)
-            self._client.close()
-
-    def _answer_members(self) -> list[str]:
-        assert self._answer is not None
-        return list(self._answer.members)
-
-    def _next_part(self) -> tuple[np.ndarray, int]:
-        """This process's part of the group's positions not yet covered in this step (marked covered).
-
-        Also how many micro-batches this process runs on it: its own count, or
-        in an FSDP2 group the largest count of the group's processes (every
-        forward and backward is a collective over the group).
-        """
-        group_share = self.ledger.in_flight.get(self.member, _NO_POSITIONS)
-        fresh = group_share[~np.isin(group_share, self._group_done)]
-        self._group_done = np.concatenate([self._group_done, fresh])
-        multiple = self.ledger.plan.local_batch_multiple
-        part = split_group_share(fresh, self._group.size, self._group.rank, multiple)
-        self._samples += part.size
-        ranks = range(self._group.size) if self._sharded else (self._group.rank,)
-        sizes = [split_group_share(fresh, self._group.size, rank, multiple).size for rank in ranks]
-        return part, max(-(-size // self.max_microbatch) for size in sizes)
-
-    def _microbatches(self, loader: Source) -> Iterator[object]:
-        while True:
-            part, count = self._next_part()
-            self._part_started = time.perf_counter()
-            batches = (
-                loader.microbatches(self.ledger.epoch, self._indices(part), self.max_microbatch) if part.size else ()
-            )
-            for number, batch in enumerate(self._padded(batches, count, loader), start=1):
-                if self._sharded:  # FSDP2 reduce-scatters in the group only on the part's last backward
-                    set_gradient_sync(self.model, number == count)
-                if number == count:
-                    self._arm(loader)  # the last backward of this part launches the buckets as they fill
-                yield batch
-            try:
-                reduced = self._reduce(loader)
-                if self._heal_drift(reduced):
-                    continue
-            except CollectiveError as error:
-                log.warning(
-                    "%s: step %d all-reduce failed (%s); asking for a new quorum", self.member, self.ledger.step, error
-                )
-                self._join(reason="failure")
-                self.recoveries += 1
-                continue
-            self._apply(reduced)
-            return
-
-    def _padded(self, batches: Iterable[Any], count: int, loader: Source) -> Iterator[Any]:
-        """``batches``, then zero-sample batches up to ``count`` (FSDP2 groups: the group's processes run in step).
-
-        A zero-sample batch is a real batch with every tensor cut to 0 rows: the
-        model runs its collectives on it and its summed loss is 0.
-        """
-        produced = 0
-        for batch in batches:
-            self._template = batch
-            produced += 1
-            yield batch
-        for _ in range(count - produced):
-            yield _zero_rows(self._template if self._template is not None else self._sample_batch(loader))
-
-    def _sample_batch(self, loader: Source) -> Any:
-        """A one-sample batch (any sample of the epoch), for the shape of a zero-sample batch; not audited."""
-        if not isinstance(loader, ElasticLoader):
+    def sampler_pass(self) -> Iterator[list[int]]:
+        """The micro-batches a ``ManagedDistributedSampler(manager, dataset)`` hands its DataLoader (for its use)."""
+        if self._feed is None:
             raise RuntimeError(
-                "an FSDP2 group's process got no samples before its first step with a DataLoader: use an "
-                "ElasticLoader, or a plan whose steps give every process samples"
+                "a DataLoader over ManagedDistributedSampler(manager, dataset) is iterated by manager.steps(loader) "
+                "only: iterate the steps, not the loader"
             )
-        index = int(self.ledger.plan.indices_at(self.ledger.epoch, np.zeros(1, dtype=np.int64))[0])
-        return loader.collate_fn([loader.load(self.ledger.epoch, index)])
+        return self._feed.sampler_pass()
 
-    def _arm(self, loader: Source) -> None:
-        """Start this round's reduction; the tail's values that are known before the last backward go in now.
-
-        The tail is ``[balance slots (balanced ledgers), drift slots, audit
-        pieces, sample count, reconfigure flag, loss sum]``; the loss sum (and
-        the compute time in the balance slots) is known only when the last
-        backward is done, and the loss sum stays on the device (no host sync).
-        """
-        assert self._comm is not None and self._grad_comm is not None
-        self._index_sum = (self._index_sum + _produced_checksum(loader)) % (1 << 64)
-        world = self._comm.world_size
-        if self._check_step():
-            s1, s2 = parameter_checksum(self._params)
-            drift = drift_slots(self._comm.rank, world, s1, s2, self.applied_step)
-        else:
-            drift = torch.zeros(DRIFT_SLOTS * world)
-        flag = 1.0 if self._client is not None and self._client.reconfigure_requested else 0.0
-        counts = torch.tensor([float(self._samples), flag])
-        head = torch.cat([drift, audit_pieces(self._index_sum), counts]).to(self.device)
-        balance = BALANCE_SLOTS * world if self.ledger.balanced else 0
-        self._reducer.arm(
-            self._grad_comm,
-            lambda: torch.cat([*self._balance_slots(world), head, self._loss_sum.reshape(1).float()]),
-            balance + head.numel() + 1,
-            tail_comm=None if self._grad_comm is self._comm else self._comm,
-        )
-
-    def _balance_slots(self, world: int) -> list[torch.Tensor]:
-        """Balanced ledgers: this process's compute seconds and samples over the window, in its own two slots.
-
-        Called as the tail is launched: the part's compute ends there.
-        """
-        if not self.ledger.balanced:
-            return []
-        assert self._comm is not None
-        self._step_seconds += time.perf_counter() - self._part_started
-        slots = torch.zeros(BALANCE_SLOTS * world)
-        slots[BALANCE_SLOTS * self._comm.rank] = self._window_seconds + self._step_seconds
-        slots[BALANCE_SLOTS * self._comm.rank + 1] = float(self._window_samples + self._samples)
-        return [slots.to(self.device)]
-
-    def _rebalance(self, reduced: torch.Tensor) -> None:
-        """Add the step to the window; every ``balance_every`` steps re-weigh the members by the reduced slots.
-
-        Every member reads the same reduced values, so every member records the
-        same weights (or none).
-        """
-        self._window_seconds += self._step_seconds
-        self._window_samples += self._samples
-        ledger = self.ledger
-        if ledger.step % ledger.balance_every:
-            return
-        self._window_seconds, self._window_samples = 0.0, 0
-        members = self._answer_members()
-        slots = reduced[: BALANCE_SLOTS * sum(self._group_sizes)].tolist()
-        samples, seconds = group_measurements(slots, self._group_sizes, BALANCE_SLOTS)
-        current = ledger.effective_weights(members)
-        weights = rebalance(current, samples, seconds, resolution(ledger.plan, len(members)))
-        if weights is not None:
-            ledger.reweigh(dict(zip(members, weights, strict=True)))
-            log.info("%s: step %d re-weighed the shares %s -> %s", self.member, ledger.step, current, weights)
-
-    def _reduce(self, loader: Source) -> torch.Tensor:
-        """Finish the round's reduction (launch what backward did not, wait); the reduced tail on the CPU."""
-        if not self._reducer.armed:
-            self._arm(loader)
-        self._reducer.launch_rest()
-        self._notify("reduce_started")
-        tail = self._reducer.wait().cpu()
-        self._notify("reduce_finished")
-        return tail
-
-    def _check_step(self) -> bool:
-        """Whether this step's all-reduce carries the replica-consistency check (the same on every member)."""
-        return not self._sharded and self.ledger.step % self.check_every == 0
-
-    def _heal_drift(self, reduced: torch.Tensor) -> bool:
-        """If the replicas' checksums differ, heal the odd ones out from the majority and return True."""
-        assert self._comm is not None
-        if not self._check_step():
-            return False
-        world = self._comm.world_size
-        end = -(AUDIT_PIECES + 3)
-        plan = drift_plan(reduced[end - DRIFT_SLOTS * world : end].cpu(), world)
-        if plan is None:
-            return False
-        if self._step_drift_heals >= 2:
-            raise ReplicaDriftError(
-                f"step {self.ledger.step}: processes {list(plan.targets)} still differ from process {plan.source} "
-                "after two heals; is the training step deterministic across replicas?"
-            )
-        self._step_drift_heals += 1
-        self.drift_heals += 1
-        is_target = self._comm.rank in plan.targets
-        log.warning(
-            "%s: step %d replicas drifted: healing processes %s from process %d%s",
-            self.member,
-            self.ledger.step,
-            list(plan.targets),
-            plan.source,
-            " (this one)" if is_target else "",
-        )
-        applied = self._transfer(plan.source, is_target=is_target)
-        if is_target:
-            self.applied_step = applied
-            self.optimizer.zero_grad(set_to_none=True)
-            self._reset_step()  # recompute this process's whole part with the healed parameters
-        return True
-
-    def _audit(self, reduced: torch.Tensor) -> int:
-        """Refuse the step unless the samples the quorum loaded are those of the ledger's positions.
-
-        Returns the reduced checksum of the loaded samples (reports audit it against the plan).
-        """
-        ledger = self.ledger
-        positions = [share for share in ledger.in_flight.values() if share.size]
-        everything = np.concatenate(positions) if positions else _NO_POSITIONS
-        expected = index_checksum(ledger.epoch, ledger.plan.indices_at(ledger.epoch, everything))
-        loaded = audit_value(reduced[-(AUDIT_PIECES + 3) : -3].cpu())
-        if loaded != expected:
-            raise AuditError(
-                f"step {ledger.step}: the samples the quorum loaded (checksum {loaded:#018x}) are not those of the "
-                f"ledger's {everything.size} positions (checksum {expected:#018x}): a member's loader produced "
-                "other samples than its share"
-            )
-        return loaded
-
-    def _apply(self, reduced: torch.Tensor) -> None:
-        samples = round(float(reduced[-3]))  # the tail: [..., samples, reconfigure flag, loss sum]
-        expected = sum(positions.size for positions in self.ledger.in_flight.values())
-        if samples != expected:
-            raise RuntimeError(
-                f"step {self.ledger.step}: the quorum reduced {samples} samples, the ledger holds {expected}"
-            )
-        loaded_checksum = self._audit(reduced)
-        step, epoch = self.ledger.step, self.ledger.epoch
-        if samples:
-            self._reducer.apply(samples)
-            if self._zero is None:
-                self.optimizer.step()
-            else:
-                self._notify("update_started")
-                self._zero.update()  # its sync, below, clears the gradients
-        if self._zero is None or not samples:
-            self.optimizer.zero_grad(set_to_none=True)
-        committed = self.ledger.commit()
-        self.last_report = StepReport(
-            step=step,
-            epoch=epoch,
-            samples=samples,
-            loss=float(reduced[-1]) / max(samples, 1),
-            world_size=self.world_size,
-            quorum_id=self.quorum_id,
-            recoveries=self.recoveries,
-            positions=committed,
-            drift_heals=self.drift_heals,
-            loaded_checksum=loaded_checksum,
-        )
-        self.applied_step += 1
-        self._step_drift_heals = 0
-        if self.ledger.balanced:
-            self._rebalance(reduced)
-        self._report = (self.applied_step, ledger_digest(self.ledger.state_dict()), self.ledger.weights_record())
-        self._reset_step()
-        self._reconfigure = float(reduced[-2]) > 0
-        self._trained_step = self.applied_step
-        if self._zero is not None and samples:
-            self._sync_shards(step)
-
-    def _sync_shards(self, step: int) -> None:
-        """Gather the updated parameters and re-encode parity; a failure here is repaired when the quorum re-forms.
-
-        The step is committed already: every survivor holds its updated
-        shards (and, for parity, its shard as before the update), so the next
-        quorum's reshard finishes the update without training anything again.
-        """
-        assert self._zero is not None and self._grad_comm is not None and self._comm is not None
-        failed = False
-        try:
-            check = step % self.check_every == 0
-            self._zero.sync(self._grad_comm, lambda event: self._notify(event, step), check=check)
-        except CollectiveError as error:
-            log.warning("%s: step %d's parameter gather failed (%s); asking for a new quorum", self.member, step, error)
-            failed = True
-        if self._grad_comm is not self._comm:  # FSDP2 groups: a group's processes must all ask, or none
-            flag = torch.tensor([float(failed)], device=self.device)
-            try:
-                self._comm.start_all_reduce_sum(flag)()
-                failed = failed or float(flag) > 0
-            except CollectiveError:
-                failed = True
-        if failed:
-            self._reconfigure = True
-
-    # --- checkpoints -----------------------------------------------------------------------------
+    # --- saving and leaving ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """This member's whole state: applied step, ledger and every state (model, optimizer, registered, RNGs).
 
         For a user's own saving; the Manager's durable checkpoints
-        (``checkpoint_dir``) write the same content through
+        (``checkpoint``) write the same content through
         ``torch.distributed.checkpoint``.
         """
         return {
             "applied_step": self.applied_step,
             "ledger": self.ledger.state_dict(),
-            "states": {name: obj.state_dict() for name, obj in self.states.items()},
+            "states": self._replica.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (before ``steps()`` starts, or between steps)."""
         if not isinstance(state, dict) or set(state) != {"applied_step", "ledger", "states"}:
             raise ValueError("state must be a Manager.state_dict() with applied_step, ledger and states")
-        names = set(self.states)
-        if set(state["states"]) != names:
-            raise ValueError(f"state's states {sorted(state['states'])} differ from this Manager's {sorted(names)}")
-        for name, obj in self.states.items():
-            obj.load_state_dict(state["states"][name])
-        self._ledger = DataLedger.from_state_dict(state["ledger"])
-        self.applied_step = check_int("state['applied_step']", state["applied_step"], minimum=0)
-        self._report = (self.applied_step, ledger_digest(self._ledger.state_dict()), self._ledger.weights_record())
+        self._replica.load_state_dict(state["states"])
+        ledger = DataLedger.from_state_dict(state["ledger"])
+        self._planner.restore(ledger)
+        self._replica.applied_step = check_int("state['applied_step']", state["applied_step"], minimum=0)
+        self._session.report = (self.applied_step, ledger_digest(ledger.state_dict()), ledger.weights_record())
 
-    def _is_checkpoint_writer(self) -> bool:
-        return self._checkpointer is not None and self._comm is not None and self._comm.rank == 0
+    def close(self) -> None:
+        """Stop the heartbeat, after a checkpoint being written is reported.
 
-    def _maybe_checkpoint(self, *, last: bool = False) -> None:
-        """Start a checkpoint when one is due (rank 0 of the quorum); it is reported once written.
-
-        Called between steps, after the training loop's body ran for the last
-        one, so that what the loop steps there (an LR scheduler) is in the
-        checkpoint as of the same step as the model. Only a member that
-        applied that step in its quorum writes it: one that was healed to it
-        does not, so that two quorums never write the same step. ``last``:
-        the job's last step, checkpointed whatever the cadence.
+        After the job's end (``steps()`` ran to ``max_steps``) this member
+        leaves the quorum cleanly; before it (an error, a loop left early) the
+        lighthouse counts it as failed, and the others recover its share.
         """
-        checkpointer = self._checkpointer
-        if self._zero is not None and checkpointer is not None:
-            self._checkpoint_shards(checkpointer, last=last)
-            return
-        if checkpointer is None or self._trained_step != self.applied_step or not self._is_checkpoint_writer():
-            return
-        if checkpointer.due(self.applied_step, last=last):
-            checkpointer.start(self.states, self._checkpoint_meta())
-
-    def _checkpoint_shards(self, checkpointer: Checkpointer, *, last: bool) -> None:
-        """Sharded state: every process sends its shard to the writer at the same steps; the writer saves it all.
-
-        The whole optimizer state sits in the user's optimizer only while the
-        checkpoint stages it, so the checkpoint loads at any world size.
-        """
-        assert self._zero is not None and self._comm is not None and checkpointer.every_steps is not None
-        if self.applied_step == 0 or not (last or self.applied_step % checkpointer.every_steps == 0):
-            return
-        try:
-            whole = self._zero.gather_state(self._comm)
-        except CollectiveError as error:
-            log.warning("%s: gathering step %d's checkpoint failed (%s)", self.member, self.applied_step, error)
-            self._reconfigure = True
-            return
-        writes = self._is_checkpoint_writer() and self._trained_step == self.applied_step
-        if whole is None or not writes or not checkpointer.due(self.applied_step, last=last):
-            return
-        self.optimizer.load_state_dict(whole)
-        try:
-            checkpointer.start(self.states, self._checkpoint_meta())
-        finally:
-            self.optimizer.state.clear()
-
-    def _final_checkpoint(self) -> None:
-        """At the end of the job the writer checkpoints the last step, so a late joiner finds the job done."""
-        if self._checkpointer is None:
-            return
-        self._checkpointer.wait()
-        self._maybe_checkpoint(last=True)
-        self._checkpointer.wait()
-
-    def _checkpoint_meta(self) -> CheckpointMeta:
-        ledger = self.ledger.state_dict()
-        return CheckpointMeta(self.applied_step, ledger, ledger_digest(ledger))
-
-    def _announce(self, directory: Path, meta: CheckpointMeta) -> None:
-        """Report a finished checkpoint to the lighthouse, again while its step is not committed there (409).
-
-        Runs on the checkpoint writer's thread; the lighthouse client is thread-safe.
-        """
-        if self._client is None:
-            return
-        for attempt in range(_ANNOUNCE_RETRIES):
-            try:
-                self._client.report_checkpoint(meta.step, str(directory.resolve()), meta.ledger, meta.digest)
-            except LighthouseError as error:
-                if error.status == 409 and attempt + 1 < _ANNOUNCE_RETRIES:
-                    time.sleep(_ANNOUNCE_BACKOFF)
-                    continue
-                log.warning("%s: the lighthouse refused checkpoint %s: %s", self.member, directory, error)
-                return
-            except (RuntimeError, OSError) as error:
-                log.warning("%s: checkpoint %s not reported: %s", self.member, directory, error)
-                return
-            log.info("%s: checkpoint of step %d in %s", self.member, meta.step, directory)
-            if self._checkpointer is not None:
-                self._checkpointer.prune(meta.step)
-            return
-
-    def _load_checkpoint(self, announcement: CheckpointAnnouncement) -> None:
-        """Load the checkpoint the quorum resumes from (every member holds the whole state: any world size)."""
-        try:
-            meta = load_checkpoint(announcement.path, self.states)
-        except CheckpointError as error:
-            raise StateLostError(f"the job resumes from checkpoint {announcement.path}, which fails: {error}") from None
-        if meta.step != announcement.step or meta.digest != announcement.digest:
-            raise StateLostError(
-                f"checkpoint {announcement.path} holds step {meta.step} (digest {meta.digest}), "
-                f"the lighthouse announced step {announcement.step} (digest {announcement.digest})"
-            )
-        self.applied_step = meta.step
-        self._report = (meta.step, meta.digest, self.ledger.weights_record())
-        log.info("%s: resumed from checkpoint %s at step %d", self.member, announcement.path, meta.step)
-
-    def _reset_step(self) -> None:
-        self._group_done = _NO_POSITIONS
-        self._samples = 0
-        self._step_seconds = 0.0
-        self._loss_sum = torch.zeros((), device=self.device)
-        self._index_sum = 0
-
-    def _notify(self, event: str, step: int | None = None) -> None:
-        """Tell the ``on_event`` hook (tracing, chaos tests) that ``event`` happened in ``step`` (default: current)."""
-        if self._on_event is not None:
-            self._on_event(event, self.ledger.step if step is None else step)
-
-    def _abandon(self) -> bool:
-        """Whether the current quorum is known broken (polled while a collective runs)."""
-        if self._client is None:
-            return self._group.broken(self.quorum_id)
-        if self._client.quorum_broken:
-            self._group.mark_broken(self.quorum_id)
-            return True
-        return False
-
-    def _next_answer(self, reason: str) -> QuorumAnswer | None:
-        """The next quorum this member is in (asked by the leader, relayed to the group); None if excluded."""
-        if self._client is None:
-            return QuorumAnswer.from_json(self._group.receive())
-        try:
-            answer = self._client.quorum(
-                applied_step=0 if self._diverged and reason == "join" else self.applied_step,
-                quorum_id=self.quorum_id if self._answer else None,
-                reason=reason,
-                timeout=self.quorum_timeout,
-            )
-        except LighthouseError as error:
-            if error.status != 409:
-                raise
-            # Excluded from a quorum that went on without it: whatever this member trained since is not the
-            # job's (the quorum may have rolled back), so it rejoins as a newcomer and is healed.
-            self._diverged = self._diverged or error.body.get("quorum_id") is not None
-            log.warning("%s: excluded from the quorum (%s); joining again", self.member, error)
-            return None
-        self._group.publish(dataclasses.asdict(answer))
-        return answer
-
-    def _join(self, reason: str) -> None:
-        """Ask for a quorum until this member is in one, its group is up and it is healed (bounded attempts)."""
-        last_failure = "none"
-        for attempt in range(1, self.max_join_attempts + 1):
-            self._abort_comms()
-            answer = self._next_answer(reason)
-            if answer is None:
-                reason, last_failure = "join", "excluded from the quorum"
-                continue
-            self._answer = answer
-            self._diverged = False
-            self._ledger = DataLedger.from_state_dict(answer.ledger)
-            try:
-                self._connect(answer)
-                self._heals = 0  # heal keys count from 0 in each quorum's store, the same on every member
-                if answer.heal is not None:
-                    self._heal(answer)
-                if self._zero is not None:
-                    assert self._grad_comm is not None  # FSDP2 groups: the processes holding this process's shard
-                    self._zero.reshard(self._grad_comm, self.applied_step)
-            except CollectiveError as error:
-                log.warning(
-                    "%s: quorum %d could not start (%s); asking again (attempt %d of %d)",
-                    self.member,
-                    answer.quorum_id,
-                    error,
-                    attempt,
-                    self.max_join_attempts,
-                )
-                reason = "failure" if self._group_done.size else "reconfigure"
-                self._abort_comms()
-                last_failure = str(error)
-                continue
-            self._reconfigure = False
-            self._notify("joined")
-            return
-        raise JoinError(
-            f"{self.member}: no working quorum after {self.max_join_attempts} attempts "
-            f"(max_join_attempts={self.max_join_attempts}); last failure: {last_failure}"
-        )
-
-    def _abort_comms(self) -> None:
-        for comm in {id(comm): comm for comm in (self._comm, self._grad_comm) if comm is not None}.values():
-            comm.abort()
-        self._comm = self._grad_comm = None
-
-    def _connect(self, answer: QuorumAnswer) -> None:
-        """Build the quorum's process group over every process of every member group (and, for FSDP2, per shard)."""
-        timeout = self.timeouts.rendezvous_timeout
-        store = quorum_store(answer.store.host, answer.store.port, answer.store.prefix, timeout)
-        try:
-            if self._group.is_leader:
-                store.set(f"group_size/{self.member}", str(self._group.size))
-            store.set(f"layout/{self.member}/{self._group.rank}", self._layout)
-            store.set(f"data/{self.member}/{self._group.rank}", self._data_fingerprint)
-            self._group_sizes = [int(store.get(f"group_size/{member}")) for member in answer.members]
-            self._check_layout(answer, store)
-            self._check_data(answer, store)
-        except (RuntimeError, dist.DistError) as error:  # a member that never wrote its keys: it died
-            raise CollectiveError(f"quorum {answer.quorum_id}'s store did not answer: {error}") from error
-        offset = sum(self._group_sizes[: answer.rank])
-        options: dict[str, Any] = {
-            "timeout": self.timeouts.collective_timeout,
-            "rendezvous_timeout": self.timeouts.rendezvous_timeout,
-            "device": self.device,
-            "host": self.host,
-            "abandon": self._abandon,
-        }
-        self._comm = self._grad_comm = Communicator(store, offset + self._group.rank, sum(self._group_sizes), **options)
-        if self._sharded:
-            shard_store = dist.PrefixStore(f"shard/{self._group.rank}/", store)
-            self._grad_comm = Communicator(shard_store, answer.rank, len(answer.members), **options)
-
-    def _check_layout(self, answer: QuorumAnswer, store: dist.Store) -> None:
-        """Refuse to train beside a group that shards differently (FSDP2), or shards when this one does not."""
-        heal = answer.heal
-        reference = 0 if heal is None or heal.source_rank is None else heal.source_rank
-        if reference == answer.rank:
-            return
-        name = answer.members[reference]
-        size = self._group_sizes[reference]
-        theirs = store.get(f"layout/{name}/{min(self._group.rank, size - 1)}").decode()
-        if (theirs == _REPLICATED) != (self._layout == _REPLICATED):
-            raise ShardingMismatchError(
-                f"replica group {self.member!r} {'does not shard' if self._layout == _REPLICATED else 'shards'} its "
-                f"model with FSDP2 and group {name!r} {'does' if theirs != _REPLICATED else 'does not'}: every group "
-                "of a job must run the same training script"
-            )
-        if self._layout == _REPLICATED:
-            return
-        if size != self._group.size:
-            raise ShardingMismatchError(
-                f"replica group {self.member!r} shards its model over {self._group.size} processes and group "
-                f"{name!r} over {size}: every FSDP2 group of a job needs the same number of processes"
-            )
-        if theirs != self._layout:
-            raise ShardingMismatchError(
-                f"process {self._group.rank} of replica group {self.member!r} holds its shard with layout "
-                f"{self._layout}, group {name!r}'s with {theirs}: every group must fully_shard the same model "
-                "the same way (see stalwart.runtime.sharding.sharding_layout)"
-            )
-
-    def _check_data(self, answer: QuorumAnswer, store: dist.Store) -> None:
-        """Refuse to train beside a member whose dataset has other shards: the same index would be another sample."""
-        heal = answer.heal
-        reference = 0 if heal is None or heal.source_rank is None else heal.source_rank
-        if reference == answer.rank:
-            return
-        name = answer.members[reference]
-        theirs = store.get(f"data/{name}/0").decode()
-        if theirs and self._data_fingerprint and theirs != self._data_fingerprint:
-            raise PlanMismatchError(
-                f"member {self.member!r} reads a dataset with fingerprint {self._data_fingerprint} and member "
-                f"{name!r} one with {theirs}: every member must read the same shards in the same order (the same file "
-                "names and row counts; sort the file list)"
-            )
-
-    def _heal(self, answer: QuorumAnswer) -> None:
-        """Take part in the broadcast of the source's state; load it if this member is behind."""
-        assert answer.heal is not None and self._comm is not None
-        is_target = self.member in answer.heal.targets
-        finished = self._max_steps is not None and answer.applied_step >= self._max_steps
-        if answer.heal.checkpoint is not None:
-            if is_target and finished:
-                self.joined_after_end = True
-            elif is_target:
-                started = time.monotonic()
-                self._load_checkpoint(answer.heal.checkpoint)
-                self._report_heal(time.monotonic() - started)
-                self._after_heal()
-            return
-        if answer.heal.source_rank is None:
-            if finished:
-                self.joined_after_end = True
-                return
-            raise StateLostError(
-                f"no live member holds step {answer.applied_step} and the lighthouse has no checkpoint to resume "
-                "from: run the workers with a checkpoint directory (Manager(checkpoint_dir=..., "
-                "checkpoint_every=...)) so that a whole-fleet restart resumes"
-            )
-        started = time.monotonic()
-        if self._sharded:  # process r of the source group sends its shard to process r of the others
-            self.applied_step = self._transfer(answer.heal.source_rank, is_target=is_target, comm=self._grad_comm)
-        else:
-            source = sum(self._group_sizes[: answer.heal.source_rank])
-            self.applied_step = self._transfer(source, is_target=is_target)
-        self._report = (self.applied_step, None, None)
-        if is_target:
-            self._report_heal(time.monotonic() - started)
-            self._after_heal()
-
-    def _report_heal(self, seconds: float) -> None:
-        """Count a heal this member loaded (its state's bytes, ``seconds``) in the heartbeats (a group's leader)."""
-        if self._client is not None:
-            self._client.report_heal(sum(spec.nbytes for spec in state_specs(self.states)), seconds)
-
-    def _after_heal(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        self._reset_step()
-        self._notify("healed")
-
-    def _transfer(self, source: int, *, is_target: bool, comm: Communicator | None = None) -> int:
-        """Broadcast the state from rank ``source`` of ``comm`` (default: the quorum's); load it if ``is_target``."""
-        comm = comm or self._comm
-        assert comm is not None
-        self._heals += 1
-        return transfer_state(
-            comm,
-            source,
-            self.states,
-            self.applied_step,
-            is_target=is_target,
-            key=f"heal/{self._heals}",
-            max_bytes=self.max_heal_bytes,
-            timeout=self.timeouts.heal_timeout,
-            min_bandwidth=self.timeouts.heal_min_bandwidth,
-        )
-
-    def _indices(self, part: np.ndarray) -> list[int]:
-        """Sample indices of ``part``: the prefetched ones when the share is the one foreseen (the usual case)."""
-        foreseen = self._foreseen
-        if foreseen is not None and foreseen[0] == self.ledger.epoch and np.array_equal(foreseen[1], part):
-            return foreseen[2]
-        return self.ledger.plan.indices_at(self.ledger.epoch, part).tolist()
-
-    def _prefetch_next(self, loader: ElasticLoader) -> None:
-        """Foresee the next step's share assuming the quorum holds, and start loading it."""
-        self._foreseen = next(self._foreseen_steps(), None)
-        if self._foreseen is not None:
-            loader.prefetch(self._foreseen[0], self._foreseen[2])
-
-    def _foreseen_steps(self) -> Iterator[tuple[int, np.ndarray, list[int]]]:
-        """``(epoch, part, indices)`` of this process in each step after the current one, up to ``max_steps``,
-        as they will be if the quorum holds (replayed on a copy of the ledger as it is now)."""
-        preview = copy.deepcopy(self.ledger)
-        members = self._answer_members()
-        multiple = preview.plan.local_batch_multiple
-
-        def steps() -> Iterator[tuple[int, np.ndarray, list[int]]]:
-            while True:
-                if preview.in_step:
-                    preview.commit()
-                if self._max_steps is not None and preview.step >= self._max_steps:
-                    return
-                group_share = preview.begin_step(members).get(self.member, _NO_POSITIONS)
-                part = split_group_share(group_share, self._group.size, self._group.rank, multiple)
-                yield preview.epoch, part, preview.plan.indices_at(preview.epoch, part).tolist()
-
-        return steps()
-
-    def _foreseen_parts(self) -> Iterator[tuple[int, list[int]]]:
-        """``(epoch, indices)`` of this process in each later step if the quorum holds (the feed's foresight)."""
-        return ((epoch, indices) for epoch, _, indices in self._foreseen_steps())
-
-
-def _step_began(ledger: DataLedger) -> tuple[int, np.ndarray]:
-    """``(base_index, missing_indices)`` of ``ledger`` as its step in progress began.
-
-    A step takes queued positions first, then fresh ones from ``base_index``
-    on; after failures and reassigns the ledger no longer says which of its
-    positions were which, so the fresh ones are read as the run of positions
-    just below ``ledger.base_index`` (none while the queue is not empty).
-    The lighthouse reassigns a failed member's positions within the step and
-    never queues any, so for the Manager's ledgers this is exact; in a
-    re-queue-mode ledger (loaded with ``load_state_dict``) a queued position
-    right below the fresh ones would be read as fresh, and the queued ones
-    are listed in ascending order.
-    """
-    positions = np.sort(np.concatenate([_NO_POSITIONS, *ledger.in_flight.values(), ledger.step_missing]))
-    queued = ledger.missing_indices
-    fresh = 0
-    if not queued.size:
-        below = ledger.base_index - 1 - np.arange(positions.size)
-        mismatch = np.flatnonzero(positions[::-1] != below)
-        fresh = int(mismatch[0]) if mismatch.size else positions.size
-    return ledger.base_index - fresh, np.concatenate([positions[: positions.size - fresh], queued])
-
-
-def _ends_epoch(ledger: DataLedger) -> bool:
-    """Whether the step in progress holds the epoch's last positions (it completes the epoch when it commits)."""
-    return ledger.base_index >= ledger.plan.epoch_length and not ledger.missing_indices.size
-
-
-def _zero_rows(batch: Any) -> Any:
-    """``batch`` with every tensor cut to its first 0 rows (tuples, lists and dicts followed)."""
-    if isinstance(batch, torch.Tensor):
-        return batch[:0] if batch.dim() else batch
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_zero_rows(item) for item in batch)
-    if isinstance(batch, dict):
-        return {key: _zero_rows(value) for key, value in batch.items()}
-    return batch
-
-
-def _check_dataset(loader: ElasticLoader | DataLoader[Any], ledger: DataLedger) -> None:
-    """Refuse a plan whose dataset size differs from the loader's dataset (it would index past its end)."""
-    try:
-        length = len(loader.dataset)  # type: ignore[arg-type]
-    except TypeError:
-        return
-    if length != ledger.plan.dataset_size:
-        raise PlanMismatchError(
-            f"the lighthouse's plan has dataset_size={ledger.plan.dataset_size} but this worker's dataset has "
-            f"{length} samples: start the lighthouse with --dataset-size {length}, or give the worker that dataset"
-        )
-
-
-def _produced_checksum(loader: Source) -> int:
-    """The audit checksum of the samples ``loader`` produced since it was last asked."""
-    produced = loader.take_produced()
-    if not produced:
-        return 0
-    keys = np.asarray(produced, dtype=np.int64)
-    return index_checksum(keys[:, 0], keys[:, 1])
+        if self._checkpoints is not None and not self._checkpoints.wait(_CLOSE_WAIT):
+            log.warning("%s: a checkpoint was still being written after %g s; leaving anyway", self.member, _CLOSE_WAIT)
+        self._accumulation.close()
+        self._window.remove()
+        self._session.close(self.applied_step, leave=self._finished)
 
 
 class TrainStep:
-    """One step's micro-batches; iterating past the last one reduces, retries on failure, and commits."""
+    """One step: iterate its micro-batches (the reduction, and any failure retry, happen at the end), then update.
 
-    def __init__(self, manager: Manager, loader: Source, *, epoch_end: bool) -> None:
-        self._manager = manager
-        self._loader = loader
-        self.committed = False
+    ``number`` is the step being trained, ``epoch`` its epoch, ``epoch_end``
+    True on an epoch's last step (for an epoch-wise scheduler or an evaluation
+    after it). After the iteration, :attr:`report` says what the step did.
+    """
+
+    def __init__(
+        self,
+        number: int,
+        epoch: int,
+        epoch_end: bool,
+        accumulation: StepAccumulation,
+        run: Generator[Any, None, StepReport],
+    ) -> None:
+        self.number = number
+        self.epoch = epoch
         self.epoch_end = epoch_end
-        """True on the last step of an epoch: once it commits, every sample of the epoch is trained on.
+        self._accumulation = accumulation
+        self._run = run
+        self._report: StepReport | None = None
 
-        Known when the step is yielded, so the loop body can plan for it (step
-        an epoch-wise LR scheduler, evaluate, save) after iterating the step.
+    def __iter__(self) -> Iterator[Any]:
+        self._report = yield from self._run
+
+    def backward(self, loss: torch.Tensor, *, weight: float | torch.Tensor | None = None, scaler: Any = None) -> None:
+        """Back-propagate a micro-batch's **mean** ``loss``, weighted so that the step's gradient is the mean.
+
+        ``weight``: what the mean is over, when not the micro-batch's samples
+        (for example its tokens, a tensor: no host sync); the reduced gradient
+        is divided by the quorum's summed weights. ``scaler``: a
+        ``torch.amp.GradScaler`` whose ``scale()`` the weighted loss goes
+        through (then ``scaler.unscale_(optimizer)`` after the step's
+        iteration, as usual). Call it once per micro-batch.
         """
-
-    def __iter__(self) -> Iterator[object]:
-        yield from self._manager._microbatches(self._loader)
-        self.committed = True
-
-    def backward(self, loss_sum: torch.Tensor) -> None:
-        """Back-propagate a micro-batch's summed loss and count it towards the step's mean loss.
-
-        The loss is counted first: the step's last backward launches the
-        reduction, whose tail carries the loss sum.
-        """
-        self._manager._loss_sum += loss_sum.detach()  # a tensor: no host sync per micro-batch
-        loss_sum.backward()
+        self._accumulation.backward(loss, weight, scaler)
 
     @property
     def report(self) -> StepReport:
-        """What the committed step did."""
-        if not self.committed:
-            raise RuntimeError("the step is not committed yet: iterate it to its end first")
-        assert self._manager.last_report is not None
-        return self._manager.last_report
+        """What the step did (its samples, mean loss, positions), once its micro-batches are iterated."""
+        if self._report is None:
+            raise RuntimeError("the step is not reduced yet: iterate its micro-batches to their end first")
+        return self._report
+
+
+def _check_arguments(
+    model: Any,
+    optimizer: Any,
+    member: Any,
+    plan: Any,
+    checkpoint: Any,
+    reduction: Any,
+    checks: Any,
+    transport: Any,
+    timeouts: Any,
+    group: Any,
+) -> None:
+    """Type checks of the Manager's arguments, naming the argument and what it takes."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not isinstance(member, str) or not member:
+        raise ValueError(f"member must be a non-empty string, got {member!r}")
+    expected = {
+        "plan": (plan, EpochPlan),
+        "checkpoint": (checkpoint, Checkpointing),
+        "reduction": (reduction, Reduction),
+        "checks": (checks, Checks),
+        "transport": (transport, Transport),
+        "timeouts": (timeouts, Timeouts),
+        "group": (group, ReplicaGroup),
+    }
+    for name, (value, kind) in expected.items():
+        if value is not None and not isinstance(value, kind):
+            raise TypeError(f"{name} must be a {kind.__name__} or None, got {type(value).__name__}")

@@ -17,7 +17,8 @@ Manager computes the reassigned samples on top and reduces again in the new
 quorum. The reduce buffers are the only extra memory, one per bucket, in the
 reduce dtype (the parameters' own dtype unless ``reduce_dtype`` asks for a
 lower precision). After a success the reduced sums, divided by the step's
-sample count, are copied back into ``param.grad``.
+summed weights (its sample count, or the user's counts), are copied back into
+``param.grad``.
 
 The step's tail (sample count, loss sum, checks: see the Manager) rides at the
 end of the last bucket when that bucket reduces in float32; otherwise (bf16
@@ -41,13 +42,11 @@ from dataclasses import dataclass
 import torch
 
 from stalwart.runtime.comm import CollectiveError, Communicator
+from stalwart.runtime.config import DEFAULT_BUCKET_CAP_MB, REDUCE_DTYPES
 from stalwart.runtime.sharding import local_tensor
 
 FIRST_BUCKET_BYTES = 1 << 20
 """The first bucket's cap (DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``, or ``bucket_cap_mb`` when smaller)."""
-DEFAULT_BUCKET_CAP_MB = 25.0
-"""DDP's default ``bucket_cap_mb``."""
-_REDUCE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -125,8 +124,8 @@ class GradientReducer:
     ) -> None:
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
-        if reduce_dtype is not None and reduce_dtype not in _REDUCE_DTYPES:
-            raise ValueError(f"reduce_dtype must be one of {list(_REDUCE_DTYPES)} or None, got {reduce_dtype!r}")
+        if reduce_dtype is not None and reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(f"reduce_dtype must be one of {list(REDUCE_DTYPES)} or None, got {reduce_dtype!r}")
         self.params = list(params)
         self.device = device
         cap_bytes = max(1, int(bucket_cap_mb * (1 << 20)))
@@ -229,15 +228,15 @@ class GradientReducer:
             self._tail = None
         return self._tail_view()
 
-    def apply(self, samples: int) -> None:
-        """Replace each ``param.grad`` with the reduced sum divided by ``samples`` (in the parameter's dtype)."""
+    def apply(self, divisor: float) -> None:
+        """Replace each ``param.grad`` with the reduced sum divided by ``divisor`` (in the parameter's dtype)."""
         for bucket, buffer in zip(self.buckets, self._buffers, strict=True):
             for index, offset in zip(bucket.params, bucket.offsets, strict=True):
                 param = self.params[index]
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
                 gradient = local_tensor(param.grad)
-                torch.div(buffer[offset : offset + gradient.numel()].view(gradient.shape), samples, out=gradient)
+                torch.div(buffer[offset : offset + gradient.numel()].view(gradient.shape), divisor, out=gradient)
 
     def close(self) -> None:
         """Remove the autograd hooks."""
@@ -272,7 +271,7 @@ class GradientReducer:
             if self._copied[index]:
                 self._error = RuntimeError(
                     f"the gradient of parameter {index} changed after it was handed to the reduction: "
-                    "call step.backward() once per micro-batch"
+                    "call step.backward(loss) once per micro-batch"
                 )
                 return
             self._copy(index)

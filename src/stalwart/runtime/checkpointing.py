@@ -1,0 +1,175 @@
+"""The Manager's durable checkpoints: when the quorum's writer saves, how a finished one is reported, and loading.
+
+The quorum's rank 0 writes (:class:`~stalwart.runtime.checkpoint.Checkpointer`,
+in the background) every ``every_steps`` steps or ``every_seconds`` seconds
+and at the job's last step, and reports each finished checkpoint to the
+lighthouse, again while its step is not committed there (heartbeats lag).
+Only a replica that trained the step itself writes it (one healed to it does
+not), so two quorums never write the same step. With sharded optimizer state
+every process sends its shard to the writer at the same steps (one
+all-to-all), so the whole state is saved and loads at any world size.
+
+When no live member holds the job's state, the lighthouse announces the
+newest checkpoint: a worker loads it only from inside its own checkpoint
+directory, and only if it holds the announced step and digest.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from stalwart.coord.client import CheckpointAnnouncement, LighthouseError
+from stalwart.coord.hosted_ledger import ledger_digest
+from stalwart.data.ledger import DataLedger
+from stalwart.errors import StateLostError
+from stalwart.runtime.checkpoint import Checkpointer, CheckpointError, CheckpointMeta, load_checkpoint
+from stalwart.runtime.comm import CollectiveError
+from stalwart.runtime.config import Checkpointing
+from stalwart.runtime.replica import Replica
+from stalwart.runtime.session import QuorumSession
+from stalwart.runtime.zero import ShardedOptimizer
+
+log = logging.getLogger(__name__)
+
+ANNOUNCE_BACKOFF = 0.2
+ANNOUNCE_RETRIES = 50
+"""A checkpoint is reported until the lighthouse has committed its step (heartbeats lag): ~10 s at most."""
+
+
+class CheckpointPolicy:
+    """Durable checkpoints of ``replica`` under ``config``, for the member of ``session``."""
+
+    def __init__(
+        self,
+        config: Checkpointing,
+        session: QuorumSession,
+        replica: Replica,
+        sharded: ShardedOptimizer | None,
+    ) -> None:
+        if sharded is not None and (config.every_steps is None or config.every_seconds is not None):
+            raise ValueError(
+                f"sharded optimizer state checkpoints at Checkpointing.every_steps and not every_seconds (got "
+                f"every_steps={config.every_steps}, every_seconds={config.every_seconds}): every process gathers "
+                "the state at the same step"
+            )
+        self.config = config
+        self._session = session
+        self._replica = replica
+        self._sharded = sharded
+        self._writer = Checkpointer(config, on_finished=self._announce)
+
+    def between_steps(self, ledger: DataLedger, *, last: bool = False) -> bool:
+        """Start a checkpoint when one is due; False when gathering sharded state failed (re-form the quorum).
+
+        Called between steps, after the training loop's body ran for the last
+        one, so that what the loop steps there (an LR scheduler) is in the
+        checkpoint as of the same step as the model. ``last``: the job's last
+        step, checkpointed whatever the cadence.
+        """
+        if self._sharded is not None:
+            return self._checkpoint_shards(ledger, last=last)
+        if self._replica.trained_step == self._replica.applied_step and self._writes():
+            step = self._replica.applied_step
+            if self._writer.due(step, last=last):
+                self._writer.start(self._replica.states, _meta(step, ledger))
+        return True
+
+    def final(self, ledger: DataLedger) -> bool:
+        """At the end of the job the writer checkpoints the last step, so a late joiner finds the job done."""
+        self._writer.wait()
+        healthy = self.between_steps(ledger, last=True)
+        self._writer.wait()
+        return healthy
+
+    def wait(self, timeout: float) -> bool:
+        """Wait for a checkpoint being written and reported; False if it still is after ``timeout`` seconds."""
+        return self._writer.wait(timeout)
+
+    def load(self, announcement: CheckpointAnnouncement) -> int:
+        """Load the checkpoint the quorum resumes from (every member holds the whole state: any world size).
+
+        Returns its step. The announced path must lie inside this worker's
+        own checkpoint directory (DCP's metadata is pickled: never load a file
+        a peer named elsewhere).
+        """
+        path = Path(announcement.path).resolve()
+        root = self.config.path
+        if not path.is_relative_to(root):
+            raise StateLostError(
+                f"the lighthouse announced checkpoint {announcement.path}, which is outside this worker's "
+                f"checkpoint directory {root}: refusing to load it"
+            )
+        try:
+            meta = load_checkpoint(path, self._replica.states)
+        except CheckpointError as error:
+            raise StateLostError(f"the job resumes from checkpoint {path}, which fails: {error}") from None
+        if meta.step != announcement.step or meta.digest != announcement.digest:
+            raise StateLostError(
+                f"checkpoint {path} holds step {meta.step} (digest {meta.digest}), "
+                f"the lighthouse announced step {announcement.step} (digest {announcement.digest})"
+            )
+        log.info("%s: resumed from checkpoint %s at step %d", self._session.member, path, meta.step)
+        return meta.step
+
+    def _writes(self) -> bool:
+        return self._session.comm is not None and self._session.rank == 0
+
+    def _checkpoint_shards(self, ledger: DataLedger, *, last: bool) -> bool:
+        """Sharded state: every process sends its shard to the writer at the same steps; the writer saves it all.
+
+        The whole optimizer state sits in the user's optimizer only while the
+        checkpoint stages it, so the checkpoint loads at any world size.
+        """
+        assert self._sharded is not None and self.config.every_steps is not None
+        step = self._replica.applied_step
+        if step == 0 or not (last or step % self.config.every_steps == 0):
+            return True
+        comm = self._session.comm
+        assert comm is not None
+        try:
+            whole = self._sharded.gather_state(comm)
+        except CollectiveError as error:
+            log.warning("%s: gathering step %d's checkpoint failed (%s)", self._session.member, step, error)
+            return False
+        writes = self._writes() and self._replica.trained_step == step
+        if whole is None or not writes or not self._writer.due(step, last=last):
+            return True
+        optimizer = self._replica.optimizer
+        optimizer.load_state_dict(whole)
+        try:
+            self._writer.start(self._replica.states, _meta(step, ledger))
+        finally:
+            optimizer.state.clear()
+        return True
+
+    def _announce(self, directory: Path, meta: CheckpointMeta) -> None:
+        """Report a finished checkpoint to the lighthouse, again while its step is not committed there (409).
+
+        Runs on the checkpoint writer's thread; the lighthouse client is thread-safe.
+        """
+        client = self._session.client
+        if client is None:
+            return
+        member = self._session.member
+        for attempt in range(ANNOUNCE_RETRIES):
+            try:
+                client.report_checkpoint(meta.step, str(directory.resolve()), meta.ledger, meta.digest)
+            except LighthouseError as error:
+                if error.status == 409 and attempt + 1 < ANNOUNCE_RETRIES:
+                    time.sleep(ANNOUNCE_BACKOFF)
+                    continue
+                log.warning("%s: the lighthouse refused checkpoint %s: %s", member, directory, error)
+                return
+            except (RuntimeError, OSError) as error:
+                log.warning("%s: checkpoint %s not reported: %s", member, directory, error)
+                return
+            log.info("%s: checkpoint of step %d in %s", member, meta.step, directory)
+            self._writer.prune(meta.step)
+            return
+
+
+def _meta(step: int, ledger: DataLedger) -> CheckpointMeta:
+    state = ledger.state_dict()
+    return CheckpointMeta(step, state, ledger_digest(state))

@@ -1,0 +1,70 @@
+"""The replica-consistency check of a step: is it due, this process's slots, and whom to heal from whom.
+
+Every ``every`` steps each process puts a checksum of its parameters and its
+applied step into its own slots of the step's tail
+(:mod:`stalwart.runtime.consistency`); the reduced table is the same on every
+member, so every member derives the same :class:`~stalwart.runtime.consistency.DriftPlan`.
+Replicas that still differ after two heals in one step mean the training step
+itself is not deterministic across them: :class:`~stalwart.runtime.consistency.ReplicaDriftError`.
+FSDP2 groups are not checked (their shards differ by design).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from stalwart.runtime.consistency import (
+    DRIFT_SLOTS,
+    DriftPlan,
+    ReplicaDriftError,
+    default_check_every,
+    drift_plan,
+    drift_slots,
+    parameter_checksum,
+)
+
+MAX_HEALS_PER_STEP = 2
+
+
+class DriftCheck:
+    """When replicas are compared, and how often a step healed drifted ones."""
+
+    def __init__(self, params: Sequence[torch.Tensor], every: int | None, *, enabled: bool) -> None:
+        self.params = list(params)
+        self.every = default_check_every(sum(param.numel() for param in self.params)) if every is None else every
+        self.enabled = enabled
+        self.heals = 0
+        """Drift heals over the Manager's life."""
+        self._step_heals = 0
+
+    def due(self, step: int) -> bool:
+        """Whether step ``step``'s tail carries the check (the same decision on every member)."""
+        return self.enabled and step % self.every == 0
+
+    def slots(self, step: int, rank: int, processes: int, applied_step: int) -> torch.Tensor:
+        """This process's drift slots for step ``step`` (zeros when the check is not due)."""
+        if not self.due(step):
+            return torch.zeros(DRIFT_SLOTS * processes)
+        s1, s2 = parameter_checksum(self.params)
+        return drift_slots(rank, processes, s1, s2, applied_step)
+
+    def plan(self, step: int, reduced: torch.Tensor, processes: int) -> DriftPlan | None:
+        """Whom to heal from whom after step ``step``'s reduction, or None when the replicas agree."""
+        if not self.due(step):
+            return None
+        plan = drift_plan(reduced, processes)
+        if plan is None:
+            return None
+        if self._step_heals >= MAX_HEALS_PER_STEP:
+            raise ReplicaDriftError(
+                f"step {step}: processes {list(plan.targets)} still differ from process {plan.source} after "
+                f"{MAX_HEALS_PER_STEP} heals; is the training step deterministic across replicas?"
+            )
+        self._step_heals += 1
+        self.heals += 1
+        return plan
+
+    def step_committed(self) -> None:
+        self._step_heals = 0

@@ -1,0 +1,435 @@
+"""The quorum session: this process's link to the lighthouse and to the quorum's processes.
+
+It asks for quorums (the group's leader asks the lighthouse and relays the
+answer to the group's other processes, :mod:`stalwart.runtime.group`),
+builds each quorum's communicators over the lighthouse's store, checks that
+the peers train the same way (FSDP2 layout, dataset fingerprint), and runs the
+quorum's heal plan: a broadcast from a live member
+(:meth:`~stalwart.runtime.replica.Replica.transfer`) or a checkpoint to load.
+It also carries what the heartbeat reports, the farewell that ends a job
+together, and the wait while the leader runs work of its own
+(:meth:`QuorumSession.wait_for_leader`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from stalwart.coord.client import (
+    CheckpointAnnouncement,
+    LighthouseClient,
+    LighthouseError,
+    LighthouseUnreachable,
+    QuorumAnswer,
+)
+from stalwart.data.plan import EpochPlan
+from stalwart.errors import JoinError, PlanMismatchError, ShardingMismatchError, StateLostError
+from stalwart.runtime.comm import CollectiveError, Communicator, quorum_store
+from stalwart.runtime.config import ReplicaGroup, Transport
+from stalwart.runtime.group import GroupLink
+from stalwart.runtime.replica import Replica
+from stalwart.runtime.timeouts import Timeouts
+
+log = logging.getLogger(__name__)
+
+REPLICATED = "replicated"
+"""The layout a process of an unsharded model publishes (any group size is fine then)."""
+_LEADER_POLL = 0.05
+"""Seconds between two looks at the store while the leader runs its own work."""
+
+Report = tuple[int, str | None, dict[str, Any] | None]
+"""``(applied_step, ledger digest, weights record)``: what the heartbeat reports."""
+
+
+@dataclass(frozen=True)
+class HealOutcome:
+    """What the quorum's heal did for this process."""
+
+    loaded: bool = False
+    """This process loaded a peer's state or a checkpoint."""
+    job_finished: bool = False
+    """The quorum is past the job's last step and this process holds nothing of it (a late joiner)."""
+    checkpoint: CheckpointAnnouncement | None = None
+    """The checkpoint this process must load (it is a heal target and no live member holds the state)."""
+
+
+class QuorumSession:
+    """One process's membership: lighthouse client (group leader only), group link, the quorum's communicators.
+
+    ``layout``: this process's FSDP2 layout string (:data:`REPLICATED` for an
+    unsharded model); ``sharded``: gradients reduce per FSDP2 shard, over a
+    communicator of the processes holding the same shard in every group.
+    """
+
+    def __init__(
+        self,
+        lighthouse: str,
+        member: str,
+        *,
+        token: str | None,
+        plan: EpochPlan | None,
+        group: ReplicaGroup,
+        transport: Transport,
+        timeouts: Timeouts,
+        device: torch.device,
+        layout: str,
+    ) -> None:
+        self.member = member
+        self.timeouts = timeouts
+        self.transport = transport
+        self.device = device
+        self.layout = layout
+        self.sharded = layout != REPLICATED
+        self.plan = plan
+        self.group = GroupLink(group.world, group.store, timeout=timeouts.quorum_timeout)
+        self.answer: QuorumAnswer | None = None
+        self.comm: Communicator | None = None
+        self.grad_comm: Communicator | None = None
+        """Where gradients are reduced: ``comm`` itself, or (FSDP2 groups) the processes holding this shard."""
+        self.group_sizes: list[int] = []
+        self.report: Report = (0, None, None)
+        self.data_fingerprint = ""
+        self._heals = 0
+        self._leader_calls = 0
+        self._diverged = False
+        self._client: LighthouseClient | None = None
+        if self.group.is_leader:
+            self._client = _connect_client(lighthouse, member, token, plan, transport, timeouts)
+            self._client.start_heartbeat(lambda: self.report)
+
+    # --- the quorum as this process sees it --------------------------------------------------------
+
+    @property
+    def quorum_id(self) -> int:
+        """The id of the quorum this process runs steps in (-1 before the first)."""
+        return -1 if self.answer is None else self.answer.quorum_id
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The quorum's members (replica groups), in rank order."""
+        return () if self.answer is None else self.answer.members
+
+    @property
+    def rank(self) -> int:
+        """This process's rank among the quorum's processes (every process of every member)."""
+        return -1 if self.comm is None else self.comm.rank
+
+    @property
+    def processes(self) -> int:
+        """How many processes the quorum has."""
+        return 0 if self.comm is None else self.comm.world_size
+
+    @property
+    def leads_group(self) -> bool:
+        """True for the process that talks to the lighthouse (its group's rank 0)."""
+        return self.group.is_leader
+
+    @property
+    def client(self) -> LighthouseClient | None:
+        """The lighthouse client (the group's leader only)."""
+        return self._client
+
+    @property
+    def boundary_wanted(self) -> bool:
+        """True while the lighthouse asks this quorum to come to a step boundary (a join, a failure).
+
+        The group's leader hears it from the lighthouse and relays it to the
+        group's other processes, so that all of them see it by their next call.
+        """
+        if self._client is None:
+            return self.group.boundary(self.quorum_id)
+        wanted = self._client.reconfigure_requested
+        if wanted:
+            self.group.mark_boundary(self.quorum_id)
+        return wanted
+
+    def abandon(self) -> bool:
+        """Whether the current quorum is known broken (polled while a collective runs)."""
+        if self._client is None:
+            return self.group.broken(self.quorum_id)
+        if self._client.quorum_broken:
+            self.group.mark_broken(self.quorum_id)
+            return True
+        return False
+
+    # --- joining ---------------------------------------------------------------------------------
+
+    def next_answer(self, reason: str, applied_step: int) -> QuorumAnswer | None:
+        """The next quorum this member is in (asked by the leader, relayed to the group); None if excluded."""
+        if self._client is None:
+            try:
+                return QuorumAnswer.from_json(self.group.receive())
+            except (RuntimeError, dist.DistError) as error:
+                raise JoinError(
+                    f"{self.member}: the group's leader relayed no quorum answer within "
+                    f"{self.timeouts.describe('quorum_timeout')}: {error}"
+                ) from error
+        try:
+            answer = self._client.quorum(
+                applied_step=0 if self._diverged and reason == "join" else applied_step,
+                quorum_id=self.quorum_id if self.answer else None,
+                reason=reason,
+                timeout=self.timeouts.quorum_timeout,
+            )
+        except TimeoutError as error:
+            raise JoinError(
+                f"{self.member}: no quorum formed within {self.timeouts.describe('quorum_timeout')}: {error}"
+            ) from error
+        except LighthouseError as error:
+            if error.body.get("plan") is not None:
+                raise PlanMismatchError(f"{self.member}: the lighthouse refused this worker's plan: {error}") from None
+            if error.status != 409:
+                raise
+            # Excluded from a quorum that went on without it: whatever this member trained since is not the
+            # job's (the quorum may have rolled back), so it rejoins as a newcomer and is healed.
+            self._diverged = self._diverged or error.body.get("quorum_id") is not None
+            log.warning("%s: excluded from the quorum (%s); joining again", self.member, error)
+            return None
+        self.group.publish(dataclasses.asdict(answer))
+        return answer
+
+    def adopt(self, answer: QuorumAnswer) -> None:
+        """Make ``answer`` the quorum this process is in (its communicators are built by :meth:`connect`)."""
+        self.answer = answer
+        self._diverged = False
+
+    def connect(self, answer: QuorumAnswer) -> None:
+        """Build the quorum's process group over every process of every member group (and, for FSDP2, per shard)."""
+        store = quorum_store(
+            answer.store.host, answer.store.port, answer.store.prefix, self.timeouts.rendezvous_timeout
+        )
+        try:
+            if self.group.is_leader:
+                store.set(f"group_size/{self.member}", str(self.group.size))
+            store.set(f"layout/{self.member}/{self.group.rank}", self.layout)
+            store.set(f"data/{self.member}/{self.group.rank}", self.data_fingerprint)
+            self.group_sizes = [int(store.get(f"group_size/{member}")) for member in answer.members]
+            self._check_layout(answer, store)
+            self._check_data(answer, store)
+        except (RuntimeError, dist.DistError) as error:  # a member that never wrote its keys: it died
+            raise CollectiveError(f"quorum {answer.quorum_id}'s store did not answer: {error}") from error
+        offset = sum(self.group_sizes[: answer.rank])
+        options: dict[str, Any] = {
+            "timeout": self.timeouts.collective_timeout,
+            "rendezvous_timeout": self.timeouts.rendezvous_timeout,
+            "device": self.device,
+            "host": self.transport.host,
+            "abandon": self.abandon,
+        }
+        self.comm = self.grad_comm = Communicator(store, offset + self.group.rank, sum(self.group_sizes), **options)
+        if self.sharded:
+            shard_store = dist.PrefixStore(f"shard/{self.group.rank}/", store)
+            self.grad_comm = Communicator(shard_store, answer.rank, len(answer.members), **options)
+        self._heals = 0  # heal keys count from 0 in each quorum's store, the same on every member
+        self._leader_calls = 0
+
+    def abort(self) -> None:
+        """Abandon the quorum's communicators (pending collectives end)."""
+        for comm in {id(comm): comm for comm in (self.comm, self.grad_comm) if comm is not None}.values():
+            comm.abort()
+        self.comm = self.grad_comm = None
+
+    def heal(
+        self, answer: QuorumAnswer, replica: Replica, *, max_steps: int | None, max_bytes: int | None
+    ) -> HealOutcome:
+        """Take part in the quorum's heal plan: the broadcast of the source's state, loaded if this member is behind.
+
+        A target told to load a checkpoint gets it back in the outcome (the
+        Manager's checkpoint policy loads it). A quorum at or past
+        ``max_steps`` whose state nobody live holds is the job's end for a late
+        joiner; a quorum before it with no source is :class:`StateLostError`.
+        """
+        heal = answer.heal
+        assert heal is not None and self.comm is not None
+        is_target = self.member in heal.targets
+        finished = max_steps is not None and answer.applied_step >= max_steps
+        if heal.checkpoint is not None:
+            if not is_target:
+                return HealOutcome()
+            return HealOutcome(job_finished=finished, checkpoint=heal.checkpoint)
+        if heal.source_rank is None:
+            if finished:
+                return HealOutcome(job_finished=True)
+            raise StateLostError(
+                f"no live member holds step {answer.applied_step} and the lighthouse has no checkpoint to resume "
+                "from: run the workers with a checkpoint directory (Manager(checkpoint=Checkpointing(dir, "
+                "every_steps=...))) so that a whole-fleet restart resumes"
+            )
+        started = time.monotonic()
+        if self.sharded:  # process r of the source group sends its shard to process r of the others
+            applied = self.transfer(
+                replica, heal.source_rank, is_target=is_target, comm=self.grad_comm, budget=max_bytes
+            )
+        else:
+            source = sum(self.group_sizes[: heal.source_rank])
+            applied = self.transfer(replica, source, is_target=is_target, budget=max_bytes)
+        replica.applied_step = applied
+        self.report = (applied, None, None)
+        if is_target:
+            self.report_heal(replica, time.monotonic() - started)
+        return HealOutcome(loaded=is_target)
+
+    def transfer(
+        self,
+        replica: Replica,
+        source: int,
+        *,
+        is_target: bool,
+        budget: int | None,
+        comm: Communicator | None = None,
+    ) -> int:
+        """Broadcast the replica's state from rank ``source`` of ``comm`` (default: the quorum's); the source's step."""
+        comm = comm or self.comm
+        assert comm is not None
+        self._heals += 1
+        return replica.transfer(
+            comm, source, is_target=is_target, key=f"heal/{self._heals}", max_bytes=budget, timeouts=self.timeouts
+        )
+
+    def report_heal(self, replica: Replica, seconds: float) -> None:
+        """Count a heal this member loaded (its state's bytes, ``seconds``) in the heartbeats (a group's leader)."""
+        if self._client is not None:
+            self._client.report_heal(replica.state_bytes, seconds)
+
+    # --- the leader's own work -------------------------------------------------------------------
+
+    def wait_for_leader(self, leads: bool, run: Callable[[], Any]) -> tuple[bool, Any]:
+        """Run ``run`` on the leading group's processes while the others wait; ``(finished, result)``.
+
+        The waiting processes watch the quorum's store for the leader's
+        "done" and the lighthouse for a broken quorum (a dead leader), so no
+        collective of theirs times out meanwhile; ``finished`` is False when
+        the quorum broke first (the next step re-forms it).
+        """
+        assert self.comm is not None
+        self._leader_calls += 1
+        key = f"leader/{self._leader_calls}"
+        store = self.comm.store
+        if leads:
+            result = run()
+            if self.group.rank == 0:
+                # a done-mark the waiters miss is covered by their broken-quorum watch
+                with contextlib.suppress(RuntimeError, dist.DistError):
+                    store.set(key, "done")
+            return True, result
+        deadline = time.monotonic() + self.timeouts.leader_timeout
+        while time.monotonic() < deadline:
+            try:
+                store.wait([key], datetime.timedelta(seconds=_LEADER_POLL))
+                return True, None
+            except (RuntimeError, dist.DistError):
+                if self.abandon():
+                    return False, None
+        raise JoinError(
+            f"{self.member}: the quorum's leader did not finish its on_leader work within "
+            f"{self.timeouts.describe('leader_timeout')}"
+        )
+
+    # --- leaving ---------------------------------------------------------------------------------
+
+    def farewell(self) -> None:
+        """One last tiny all-reduce, so that no member leaves while another still waits on the final step's.
+
+        Without it a member that finished the last all-reduce first could leave,
+        and the lighthouse's broken-quorum push would make a slower member give
+        up a collective that was about to complete. A failure here is harmless:
+        the last step is already applied.
+        """
+        if self.comm is None:
+            return
+        try:
+            self.comm.start_all_reduce_sum(torch.zeros(1, device=self.device))()
+        except CollectiveError as error:
+            log.info("%s: farewell all-reduce ended early (%s); the last step is applied", self.member, error)
+
+    def close(self, applied_step: int, *, leave: bool) -> None:
+        """Stop the heartbeat; with ``leave``, first leave the quorum cleanly at ``applied_step``.
+
+        Without it the lighthouse counts this member as failed when its socket
+        closes: a worker that stops before the job's end (an error, a loop
+        left early) is a failure the others recover from, never a job that
+        ended cleanly (which would let a whole-fleet restart skip its
+        checkpoint).
+        """
+        self.abort()
+        if self._client is not None:
+            if leave:
+                self._client.leave(applied_step)
+            self._client.close()
+
+    # --- checks against the peers ----------------------------------------------------------------
+
+    def _check_layout(self, answer: QuorumAnswer, store: dist.Store) -> None:
+        """Refuse to train beside a group that shards differently (FSDP2), or shards when this one does not."""
+        heal = answer.heal
+        reference = 0 if heal is None or heal.source_rank is None else heal.source_rank
+        if reference == answer.rank:
+            return
+        name = answer.members[reference]
+        size = self.group_sizes[reference]
+        theirs = store.get(f"layout/{name}/{min(self.group.rank, size - 1)}").decode()
+        if (theirs == REPLICATED) != (self.layout == REPLICATED):
+            raise ShardingMismatchError(
+                f"replica group {self.member!r} {'does not shard' if self.layout == REPLICATED else 'shards'} its "
+                f"model with FSDP2 and group {name!r} {'does' if theirs != REPLICATED else 'does not'}: every group "
+                "of a job must run the same training script"
+            )
+        if self.layout == REPLICATED:
+            return
+        if size != self.group.size:
+            raise ShardingMismatchError(
+                f"replica group {self.member!r} shards its model over {self.group.size} processes and group "
+                f"{name!r} over {size}: every FSDP2 group of a job needs the same number of processes"
+            )
+        if theirs != self.layout:
+            raise ShardingMismatchError(
+                f"process {self.group.rank} of replica group {self.member!r} holds its shard with layout "
+                f"{self.layout}, group {name!r}'s with {theirs}: every group must fully_shard the same model "
+                "the same way (see stalwart.runtime.sharding.sharding_layout)"
+            )
+
+    def _check_data(self, answer: QuorumAnswer, store: dist.Store) -> None:
+        """Refuse to train beside a member whose dataset has other shards: the same index would be another sample."""
+        heal = answer.heal
+        reference = 0 if heal is None or heal.source_rank is None else heal.source_rank
+        if reference == answer.rank:
+            return
+        name = answer.members[reference]
+        theirs = store.get(f"data/{name}/0").decode()
+        if theirs and self.data_fingerprint and theirs != self.data_fingerprint:
+            raise PlanMismatchError(
+                f"member {self.member!r} reads a dataset with fingerprint {self.data_fingerprint} and member "
+                f"{name!r} one with {theirs}: every member must read the same shards in the same order (the same file "
+                "names and row counts; sort the file list)"
+            )
+
+
+def _connect_client(
+    lighthouse: str,
+    member: str,
+    token: str | None,
+    plan: EpochPlan | None,
+    transport: Transport,
+    timeouts: Timeouts,
+) -> LighthouseClient:
+    """A lighthouse client that has reached the lighthouse (within ``connect_timeout``)."""
+    client = LighthouseClient(lighthouse, member, token=token, heartbeat_interval=transport.heartbeat_interval)
+    try:
+        client.wait_reachable(timeouts.connect_timeout)
+    except LighthouseUnreachable as error:
+        client.close()
+        raise LighthouseUnreachable(f"{error} ({timeouts.describe('connect_timeout')})") from None
+    except BaseException:
+        client.close()
+        raise
+    return client
