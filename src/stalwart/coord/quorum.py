@@ -30,13 +30,19 @@ Quorums
     is dead (or ``join_timeout`` passed since the first of them asked: the
     others are *excluded*), the askers from the quorum are a majority of its
     members that are not dead, and the new quorum has ``min_replicas``
-    members. The first quorum also waits for ``start_replicas`` members (the
+    members, unless it keeps a member of the current quorum that holds the
+    job's state: then it forms whatever its size (survivors carry on below
+    ``min_replicas``; it gates the first quorum and a quorum of newcomers
+    only). The first quorum also waits for ``start_replicas`` members (the
     fleet being launched), up to ``join_timeout`` after the first request. A
     *failure* quorum (a survivor at the target step asked with ``failure``)
     keeps the survivors only: they take the dead members' in-flight positions
     of that step. A *boundary* quorum (and the first one)
     also admits joiners, in order of arrival, after waiting up to
-    ``join_timeout`` for every live member to ask.
+    ``join_timeout`` for every live member to ask. A quorum none of whose
+    members is at the target step (it would have to resume from a checkpoint,
+    or lose the state) never forms while a live member of the current quorum
+    that holds the state has not asked: nobody excludes it, the others wait.
 
 The ledger
     The hosted :class:`~stalwart.data.DataLedger` is kept committed through
@@ -528,13 +534,22 @@ class LighthouseState:
         # majority rule, so the askers are the majority of what counts; some member of the quorum must ask.
         if roster.counting and not pending.ours:
             return None
-        if not pending.failures and not self._may_form(len(pending), False, timed_out):
+        carries_on = pending.survivors > 0  # at most: the walk below tells whether one of them holds the state
+        if not pending.failures and not self._may_form(len(pending), False, timed_out, carries_on):
             return None  # without a failure every asker joins the quorum: the counts decide, no walk needed
         return self._form_from_pending(now, timed_out, since)
 
-    def _may_form(self, size: int, failure: bool, timed_out: bool) -> bool:
-        """Whether a quorum of ``size`` members may form now (``min_replicas``, ``start_replicas``, stragglers)."""
-        if not size or size < self.min_replicas:
+    def _may_form(self, size: int, failure: bool, timed_out: bool, carries_on: bool) -> bool:
+        """Whether a quorum of ``size`` members may form now (``min_replicas``, ``start_replicas``, stragglers).
+
+        ``min_replicas`` does not hold back a quorum that ``carries_on``: one
+        that keeps a member of the current quorum holding the job's state. The
+        survivors of a failure train on below ``min_replicas`` rather than wait
+        (and lose the state if they die waiting); restarted members join them
+        at the next step boundary. It gates the first quorum, and a quorum of
+        newcomers only (a fleet restarted from a checkpoint).
+        """
+        if not size or (size < self.min_replicas and not carries_on):
             return False
         if self._roster.quorum is None and size < self.start_replicas and not timed_out:
             return False
@@ -561,7 +576,13 @@ class LighthouseState:
             pending[m].request.reason == "failure" and pending[m].request.applied_step == target for m in trusted
         )
         members = survivors if failure else survivors + joiners
-        if not self._may_form(len(members), failure, timed_out):
+        carries_on = any(pending[m].request.applied_step == target for m in trusted)
+        if not self._may_form(len(members), failure, timed_out, carries_on):
+            return None
+        stateless = roster.quorum is not None and not any(pending[m].request.applied_step == target for m in members)
+        if stateless and any(m not in self._healing for m in unaccounted):
+            # no member of this quorum holds the job's state at the target step: never form it (and exclude the
+            # members that do) while one of them lives; the joiners wait for it (a survivor alone in a slow step)
             return None
         return self._form(now, members, target, mode, failure, timed_out, unaccounted, since)
 
