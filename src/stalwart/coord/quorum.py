@@ -428,6 +428,9 @@ class LighthouseState:
         if record.alive:
             self._mark_dead(member, now, "left")
             record.left = True
+        if self._identities.leave(member):  # this incarnation has no more say (its late heartbeats are refused)
+            self._members_changed.add(member)
+            self.revision += 1
 
     @property
     def checkpoint(self) -> CheckpointRecord | None:

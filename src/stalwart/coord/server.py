@@ -513,25 +513,35 @@ class Lighthouse:
         if self._stopping:
             await ws.close(code=WSCloseCode.GOING_AWAY, message=b"lighthouse shutting down")
             return ws
+        if self._sockets.get(member) is not ws or not self._speaks(request, member):
+            # it left (or was replaced) while the socket opened: the socket is not a sign of life
+            if self._sockets.get(member) is ws:
+                del self._sockets[member]
+            await ws.close(code=WSCloseCode.POLICY_VIOLATION, message=b"this incarnation has no more say")
+            return ws
         self.state.connected(member, time.time())
         self._advance()
         try:
             async for message in ws:
+                # no await from this check to the state's: a leave (which retires this socket) cannot come between
                 if self._stopping or self._sockets.get(member) is not ws:
                     break
                 if message.type != WSMsgType.TEXT:
                     await ws.send_json({"type": "error", "error": "heartbeats must be JSON text messages"})
                     continue
+                heal_error: str | None = None
+                refused: str | None = None
                 try:
                     report = json.loads(message.data)
                     heal_error = self.metrics.take_heal_report(member, self.state.incarnation(member), report)
-                    if heal_error is not None:
-                        await ws.send_json({"type": "error", "error": heal_error})
                     applied_step, digest, weights = parse_report(report)
                     self.state.heartbeat(member, applied_step, time.time(), digest, weights)
                 except (ValueError, RecursionError, RequestError) as error:
-                    text = error.message if isinstance(error, RequestError) else f"not JSON: {error}"
-                    await ws.send_json({"type": "error", "error": text})
+                    refused = error.message if isinstance(error, RequestError) else f"not JSON: {error}"
+                for text in (heal_error, refused):
+                    if text is not None:
+                        await ws.send_json({"type": "error", "error": text})
+                if refused is not None:
                     continue
                 quorum = self.state.quorum
                 if quorum is not None and self.state.should_reconfigure(member):
@@ -602,12 +612,23 @@ class Lighthouse:
         applied_step = parse_step(body["applied_step"]) if "applied_step" in body else None
         digest = parse_digest(body.get("digest"))
         weights = parse_weights(body.get("weights"))
-        self._authenticate(request, member)
+        try:
+            self._authenticate(request, member)
+        except RequestError as error:
+            if error.details.get("code") == "left":
+                return web.json_response({"ok": True})  # a retried leave: it left already
+            raise
         self.state.leave(member, time.time(), applied_step, digest, weights)
+        # its socket closing next is no failure: retire it now, so neither a heartbeat still on the way nor the
+        # close counts (the incarnation's secret is refused from now on, 410 "left")
+        socket = self._sockets.pop(member, None)
+        if socket is not None and not socket.closed:
+            closing = socket.close(code=WSCloseCode.OK, message=b"left")
+            asyncio.get_running_loop().create_task(closing).add_done_callback(_consume)
         self._advance()
         for waiter in self._waiters.get(member, []):
             if not waiter.done():
-                waiter.set_result(RequestError(410, f"member {member!r} left", member=member))
+                waiter.set_result(RequestError(410, f"member {member!r} left", member=member, code="left"))
         return web.json_response({"ok": True})
 
     async def _checkpoint(self, request: web.Request) -> web.Response:
@@ -645,8 +666,16 @@ class Lighthouse:
                 waiter.set_result(refused)
 
     def _authenticate(self, request: web.Request, member: str) -> None:
-        """403 unless the request carries ``member``'s current incarnation and secret."""
+        """403 unless the request carries ``member``'s current incarnation and secret (410 once it left)."""
         self.state.authenticate(member, request.headers.get(INCARNATION_HEADER), request.headers.get(SECRET_HEADER))
+
+    def _speaks(self, request: web.Request, member: str) -> bool:
+        """Whether the request's incarnation still speaks for ``member`` (not replaced, not left)."""
+        try:
+            self._authenticate(request, member)
+        except RequestError:
+            return False
+        return True
 
     def _store_host(self, request: web.Request) -> str:
         """The store's address as the caller can reach it: the bound host, or the one it called when wildcard."""
@@ -667,7 +696,7 @@ def recommended_heartbeat_interval(members: int, heartbeat_timeout: float) -> fl
     return min(heartbeat_timeout / 4, members / HEARTBEATS_PER_SECOND)
 
 
-def _consume(task: asyncio.Task[None]) -> None:
+def _consume(task: asyncio.Task[Any]) -> None:
     """Retrieve a push's outcome: a member whose socket closed meanwhile misses it, and nothing else happens."""
     if not task.cancelled():
         task.exception()
