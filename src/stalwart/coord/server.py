@@ -61,6 +61,7 @@ from stalwart.coord.quorum import (
     parse_step,
     parse_weights,
 )
+from stalwart.coord.wire import parse_plan
 from stalwart.data.plan import EpochPlan
 
 logger = logging.getLogger(__name__)
@@ -76,15 +77,19 @@ HEARTBEATS_PER_SECOND = 8192
 INCARNATION_HEADER = "X-Stalwart-Incarnation"
 SECRET_HEADER = "X-Stalwart-Secret"
 _PUBLIC_PATHS = frozenset({"/healthz"})
+_REGISTER_FIELDS = frozenset({"member", "incarnation", "plan"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class Lighthouse:
     """The lighthouse server: membership, quorums and the ledger of record, over HTTP.
 
+    ``plan=None`` leaves the plan to the members: the lighthouse adopts the
+    first plan a member registers with (and persists it like a configured one);
+    a member offering another plan is refused, naming each differing field.
     With ``state_path`` the state lives in that SQLite file; when it already
-    holds a state, that state (and its plan) is resumed and ``plan`` must equal
-    it. ``port=0`` and ``store_port=0`` pick free ports (see ``port`` and
+    holds a state, that state (and its plan) is resumed and ``plan``, if
+    given, must equal it. ``port=0`` and ``store_port=0`` pick free ports (see ``port`` and
     ``store_port`` once started). ``balance_every=K > 0`` balances the ledger:
     members' shares follow their measured throughput, decided every ``K``
     steps (None: as persisted, else 0, off; a persisted state must agree).
@@ -92,7 +97,7 @@ class Lighthouse:
 
     def __init__(
         self,
-        plan: EpochPlan,
+        plan: EpochPlan | None = None,
         *,
         min_replicas: int = 1,
         start_replicas: int | None = None,
@@ -108,8 +113,8 @@ class Lighthouse:
         max_waiters: int = MAX_WAITERS,
         balance_every: int | None = None,
     ) -> None:
-        if not isinstance(plan, EpochPlan):
-            raise TypeError(f"plan must be an EpochPlan, got {type(plan).__name__}")
+        if plan is not None and not isinstance(plan, EpochPlan):
+            raise TypeError(f"plan must be an EpochPlan or None, got {type(plan).__name__}")
         if not isinstance(host, str) or not host:
             raise ValueError(f"host must be a non-empty string, got {host!r}")
         if token is not None and (not isinstance(token, str) or not token):
@@ -166,7 +171,7 @@ class Lighthouse:
 
     def _load_state(
         self,
-        plan: EpochPlan,
+        plan: EpochPlan | None,
         state_path: object,
         min_replicas: int,
         start_replicas: int | None,
@@ -175,7 +180,7 @@ class Lighthouse:
         max_members: int,
         balance_every: int | None,
     ) -> LighthouseState:
-        """The persisted state when there is one (its plan and balance must agree), else a fresh one."""
+        """The persisted state when there is one (the plan, if given, and balance must agree), else a fresh one."""
         persisted = self._database.load() if self._database is not None else None
         if persisted is None:
             return LighthouseState(
@@ -198,7 +203,8 @@ class Lighthouse:
             max_members=max_members,
             require_digest=True,
         )
-        _check_same_plan(plan, state.plan, state_path)
+        if plan is not None and state.plan is not None:
+            _check_same_plan(plan, state.plan, state_path)
         if balance_every is not None and balance_every != state.balance_every:
             raise ValueError(
                 f"balance_every={balance_every} does not match the state persisted in {state_path}: "
@@ -424,6 +430,8 @@ class Lighthouse:
         what a failed save held is saved with the next one.
         """
         assert self._save_lock is not None
+        if self.state.plan is None:
+            return True  # nothing to keep before a member brought the plan (registering adopts it, then saves)
         async with self._save_lock:
             revision = self.state.revision
             if revision == self._saved_revision and not self.state.history.journal:
@@ -642,11 +650,14 @@ class Lighthouse:
 
     async def _register(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
-        if not isinstance(body, dict) or set(body) != {"member", "incarnation"}:
-            raise RequestError(400, f'the body must be {{"member": str, "incarnation": str}}, got {body!r}')
+        if not isinstance(body, dict) or not {"member", "incarnation"} <= set(body) <= _REGISTER_FIELDS:
+            raise RequestError(
+                400, f'the body must be {{"member": str, "incarnation": str, "plan"?: {{...}}}}, got {body!r:.300}'
+            )
         member = parse_member(body["member"])
+        plan = parse_plan(body.get("plan"))
         previous = self.state.incarnation(member)
-        secret = self.state.register(member, body["incarnation"], time.time())
+        secret = self.state.register(member, body["incarnation"], time.time(), plan)
         if previous is not None:
             self._retire(member, previous)
         self._advance()
