@@ -100,7 +100,11 @@ def test_a_quorum_wait_outlasts_a_lighthouse_restart(tmp_path: Path) -> None:
         try:
             first.start_heartbeat(lambda: 0)
             waiting = pool.submit(first.quorum, 0, None, "join", 120)
-            wait_until(lambda: server.status()["members"][0]["asking"] == "join", what="a to ask")
+            asking = [{"member": "a", "asking": "join"}]
+            wait_until(
+                lambda: [{k: m[k] for k in ("member", "asking")} for m in server.status()["members"]] == asking,
+                what="a to ask",
+            )
         finally:
             server.stop()
         with Lighthouse(PLAN, join_timeout=0.3, **options) as restarted:
