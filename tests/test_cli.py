@@ -249,8 +249,17 @@ def test_balance_contradicting_the_state_is_a_usage_error(tmp_path: Path, never_
     refused(CliRunner().invoke(lighthouse_command, arguments), "--balance-every", "balance_every=5", str(state))
 
 
-def test_plan_options_are_required_without_a_state(never_serve: None) -> None:
-    refused(CliRunner().invoke(lighthouse_command, ["--min-replicas", "1"]), "--dataset-size", "--global-batch")
+@pytest.mark.parametrize(
+    ("arguments", "expected"),
+    [
+        (["--dataset-size", "10"], ("--dataset-size and --global-batch go together", "--global-batch is missing")),
+        (["--global-batch", "2"], ("--dataset-size is missing",)),
+        (["--seed", "3", "--window", "2"], ("--seed, --window describe a plan", "--dataset-size and --global-batch")),
+    ],
+)
+def test_a_partial_plan_is_a_usage_error(never_serve: None, arguments: list[str], expected: tuple[str, ...]) -> None:
+    """Without --dataset-size and --global-batch the plan is the first worker's; half a plan is a mistake."""
+    refused(CliRunner().invoke(lighthouse_command, ["--min-replicas", "1", *arguments]), *expected)
 
 
 def test_block_order_options_reach_the_plan_and_are_checked(tmp_path: Path, never_serve: None) -> None:

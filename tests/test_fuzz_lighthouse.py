@@ -176,7 +176,7 @@ bad_digest = bad_hex.filter(bool) | st.integers() | st.booleans() | st.lists(st.
 bad_incarnation = bad_hex | st.none() | st.integers() | st.booleans() | st.lists(st.text(max_size=3), max_size=2)
 bad_reason = json_values.filter(lambda v: v not in ("join", "failure", "reconfigure"))
 unknown_key = st.text(min_size=1, max_size=12).filter(
-    lambda k: k not in {"member", "applied_step", "quorum_id", "reason", "digest", "incarnation"}
+    lambda k: k not in {"member", "applied_step", "quorum_id", "reason", "digest", "incarnation", "plan"}
 )
 header_text = st.text(string.ascii_letters + string.digits + string.punctuation + " ", max_size=60)
 
@@ -205,15 +205,31 @@ def bad_ledgers() -> st.SearchStrategy[Any]:
     return (changed | dropped | plan | json_values).filter(lambda v: v != LEDGER)
 
 
+def bad_plans() -> st.SearchStrategy[Any]:
+    """A registration's plan with a field changed (to garbage, or to another valid value: a mismatch), a field
+    dropped or added, or not an object."""
+    offered = PLAN.to_dict()
+    changed = st.tuples(st.sampled_from(sorted(offered)), json_values | huge_ints | negative_ints).map(
+        lambda kv: {**offered, kv[0]: kv[1]}
+    )
+    other = st.sampled_from(
+        [{**offered, "dataset_size": 201}, {**offered, "global_batch_size": 8}, {**offered, "seed": 8}]
+    )
+    dropped = st.sampled_from(sorted(offered)).map(lambda k: {n: v for n, v in offered.items() if n != k})
+    added = unknown_key.map(lambda k: {**offered, k: 1})
+    plans = changed | other | dropped | added | json_values.filter(lambda v: v is not None)
+    return plans.filter(lambda v: not (isinstance(v, dict) and v.items() == offered.items()))
+
+
 # Per POST route: a valid body (never sent as is) and, per field, values its parser refuses.
 TEMPLATES: dict[str, dict[str, Any]] = {
-    "/v1/register": {"member": "m-new", "incarnation": "0" * 32},
+    "/v1/register": {"member": "m-new", "incarnation": "0" * 32, "plan": PLAN.to_dict()},
     "/v1/quorum": {"member": "m-alpha", "applied_step": 1, "quorum_id": 1, "reason": "failure", "digest": None},
     "/v1/leave": {"member": "m-alpha", "applied_step": 1, "digest": None},
     "/v1/checkpoint": {"member": "m-alpha", "step": 1, "path": "/ckpt/1", "ledger": LEDGER, "digest": LEDGER_DIGEST},
 }
 BAD_FIELDS: dict[str, dict[str, st.SearchStrategy[Any]]] = {
-    "/v1/register": {"member": bad_member, "incarnation": bad_incarnation},
+    "/v1/register": {"member": bad_member, "incarnation": bad_incarnation, "plan": bad_plans()},
     "/v1/quorum": {
         "member": bad_member,
         "applied_step": not_an_int | negative_ints,

@@ -324,7 +324,7 @@ def test_a_quorum_member_whose_peers_wait_on_it_without_progress_is_hung() -> No
     assert formation is not None and formation.members == tuple(members[:2]) and formation.applied_step == 3
 
 
-def test_min_replicas_holds_back_start_up_and_failure_quorums() -> None:
+def test_min_replicas_holds_back_the_first_quorum_but_a_failure_quorum_keeps_every_survivor() -> None:
     cluster = Cluster(min_replicas=3)
     first, second = cluster.spawn(), cluster.spawn()
     cluster.ask(first, "join")
@@ -336,13 +336,27 @@ def test_min_replicas_holds_back_start_up_and_failure_quorums() -> None:
     cluster.ask(third, "join")
     formation = cluster.state.tick(cluster.now)
     assert formation is not None and len(formation.members) == 3
+    cluster.run_steps(2)
+    in_flight = union(current_shares(cluster))
+    cluster.kill(second)
     cluster.kill(third)
+    restarted = [cluster.spawn(), cluster.spawn()]  # the two killed processes, started again, ask first
+    for member in restarted:
+        cluster.ask(member, "join")
+    assert cluster.state.tick(cluster.now) is None, "the joiners wait for the survivor, who holds the state"
     cluster.ask(first, "failure")
-    cluster.ask(second, "failure")
-    for _ in range(10):
-        cluster.now += JOIN_TIMEOUT
-        cluster.heartbeat()
-        assert cluster.state.tick(cluster.now) is None
+    formation = cluster.state.tick(cluster.now)
+    assert formation is not None, "the lone survivor forms a failure quorum at once, below min_replicas=3"
+    assert formation.reason == "failure" and formation.members == (first,) and formation.heal is None
+    assert union(formation.ledger["in_flight"]) == in_flight, "it takes the dead members' positions of the step"
+    assert all(member in cluster.state.pending for member in restarted), "joiners wait for the next boundary"
+    assert cluster.state.should_reconfigure(first)
+    cluster.applied[first] += 1
+    cluster.heartbeat()
+    cluster.ask(first, "reconfigure")
+    boundary = cluster.settle()
+    assert boundary.reason == "boundary" and boundary.members == (first, *restarted)
+    assert boundary.heal == {"source_rank": 0, "targets": restarted, "checkpoint": None}
 
 
 def test_join_timeout_excludes_a_member_that_heartbeats_but_never_asks() -> None:
@@ -641,3 +655,143 @@ def test_max_members_caps_registrations_naming_the_cap() -> None:
     state.register("a", INCARNATIONS[3], 0.0)
     with pytest.raises(RequestError, match="incarnation must be 32 lowercase hex"):
         state.register("d", "nope", 0.0)
+
+
+# --- the job's state is never lost while a live member holds it ----------------------------------------------------
+
+
+def test_a_member_disclaiming_its_state_waits_for_the_survivor_training_a_slow_step() -> None:
+    """The quorum's other member asks to join afresh (its state diverged): no quorum forms without the live
+    holder of the state, however long its step takes; the holder is not excluded, and heals the other."""
+    cluster = Cluster()
+    cluster.start(2)
+    cluster.run_steps(3)
+    holder, other = cluster.members
+    assert disclaim(cluster, other) is None
+    for _ in range(int(4 * JOIN_TIMEOUT / 0.25)):
+        cluster.now += 0.25
+        cluster.heartbeat()
+        assert cluster.state.tick(cluster.now) is None, "a stateless quorum never forms while the holder lives"
+    assert cluster.state.should_reconfigure(holder) and cluster.state.failures == []
+    cluster.applied[holder] += 1
+    cluster.heartbeat()
+    cluster.ask(holder, "reconfigure")
+    formation = cluster.settle()
+    assert formation.members == (holder, other) and formation.applied_step == 4
+    assert formation.heal == {"source_rank": 0, "targets": [other], "checkpoint": None}
+
+
+def disclaim(cluster: Cluster, member: str) -> dict[str, Any] | None:
+    """``member`` asks to join afresh, as a Manager whose state diverged does: ``join`` at step 0, naming its quorum."""
+    quorum = cluster.state.quorum
+    assert quorum is not None
+    return cluster.state.request(QuorumRequest(member, 0, quorum.quorum_id, "join"), cluster.now)
+
+
+def test_once_the_holder_is_gone_the_newcomers_form_and_learn_the_state_is_lost() -> None:
+    cluster = Cluster(min_replicas=2)
+    cluster.start(2)
+    cluster.run_steps(2)
+    for member in cluster.members:
+        cluster.kill(member)
+    newcomers = [cluster.spawn(), cluster.spawn()]
+    for member in newcomers:
+        cluster.ask(member, "join")
+    formation = cluster.settle()
+    assert formation.members == tuple(newcomers) and formation.applied_step == 2
+    assert formation.heal == {"source_rank": None, "targets": newcomers, "checkpoint": None}
+
+
+class Fleet(Cluster):
+    """Processes that follow the protocol on their own; every formation is checked against the processes that hold
+    the job's state: the live members of the current quorum (each adopted the last answer and was healed at once)
+    that did not ask to join afresh."""
+
+    def __init__(self, min_replicas: int) -> None:
+        super().__init__(min_replicas=min_replicas)
+        self.disclaimed: set[str] = set()
+
+    def holders(self) -> set[str]:
+        return {m for m in self.members if m in self.applied and m not in self.disclaimed}
+
+    def tick(self) -> Formation | None:
+        holders = self.holders()
+        formation = self.state.tick(self.now)
+        if formation is None:
+            return None
+        if holders:
+            assert set(formation.members) & holders, f"quorum {formation.members} left out every holder {holders}"
+            assert formation.heal is None or formation.heal["source_rank"] is not None, "the state is never lost"
+        self.formations.append(formation)
+        if formation.heal is not None:
+            for member in formation.heal["targets"]:
+                self.applied[member] = formation.applied_step
+        self.disclaimed -= set(formation.members)
+        return formation
+
+    def act(self, *, members_too: bool = True) -> None:
+        """Every live process that waits for nothing: the quorum's members answer a broken quorum with ``failure``
+        and a pending change at the step's end with ``reconfigure``; any other process asks to join."""
+        pending = self.state.pending
+        for member in list(self.applied):
+            if member in pending:
+                continue
+            if member in self.members and member not in self.disclaimed:
+                if not members_too:
+                    continue
+                if self.state.quorum_broken:
+                    self.ask(member, "failure")
+                elif self.state.reconfigure_pending:
+                    self.applied[member] += 1
+                    self.heartbeat([member])
+                    self.ask(member, "reconfigure")
+            else:
+                self.ask(member, "join", 0)
+
+    def run(self, rounds: int, *, members_too: bool = True) -> None:
+        for _ in range(rounds):
+            self.act(members_too=members_too)
+            self.tick()
+            self.now += 0.25
+            self.heartbeat()
+
+
+@settings(max_examples=150, deadline=None)
+@given(size=st.integers(1, 5), data=st.data())
+def test_a_formed_quorum_always_holds_the_state_while_a_live_member_holds_it(size: int, data) -> None:
+    """Random kills (one, several or all members at once, by socket or silence), restarts, slow steps and members
+    that ask to join afresh, under any ``min_replicas``: the survivors of a failure form at once whatever their
+    number, and no quorum forms without a holder of the state while one lives."""
+    min_replicas = data.draw(st.integers(1, size), label="min_replicas")
+    fleet = Fleet(min_replicas)
+    fleet.start(size)
+    for _ in range(data.draw(st.integers(1, 12), label="events")):
+        event = data.draw(st.sampled_from(["step", "kill", "kill", "restart", "slow", "disclaim"]), label="event")
+        members = [m for m in fleet.members if m in fleet.applied]
+        if event == "step" and not fleet.state.reconfigure_pending:
+            fleet.run_steps(1)
+        elif event == "kill" and members and not fleet.state.pending:
+            dead = data.draw(st.lists(st.sampled_from(members), min_size=1, unique=True), label="dead")
+            how = data.draw(st.sampled_from(["socket", "timeout"]), label="how")
+            for member in dead:
+                fleet.kill(member, how)
+            survivors = [m for m in members if m not in dead]
+            formations = len(fleet.formations)
+            fleet.run(int(3 * HEARTBEAT_TIMEOUT / 0.25))
+            if survivors and not set(survivors) & fleet.disclaimed:
+                assert len(fleet.formations) > formations, f"min_replicas={min_replicas}: no quorum for {survivors}"
+                failure = fleet.formations[formations]
+                assert failure.reason == "failure" and failure.members == tuple(survivors), (
+                    f"the survivors of min_replicas={min_replicas} carry on"
+                )
+        elif event == "restart":
+            for _ in range(data.draw(st.integers(1, 2), label="restarted")):
+                fleet.spawn()
+        elif event == "slow":
+            fleet.run(int(3 * JOIN_TIMEOUT / 0.25), members_too=False)
+        elif event == "disclaim" and len(members) > 1 and fleet.state.step > 0:  # at step 0 anyone holds it
+            member = data.draw(st.sampled_from(members), label="disclaims")
+            assert disclaim(fleet, member) is None
+            fleet.disclaimed.add(member)
+            fleet.run(int(3 * JOIN_TIMEOUT / 0.25), members_too=False)  # while the others train a slow step
+        fleet.run(int(3 * JOIN_TIMEOUT / 0.25))

@@ -173,6 +173,40 @@ def wait_until_asking(lighthouse: Lighthouse, member: str, cluster: LocalCluster
     pytest.fail(f"{member} did not ask to join within {JOB_TIMEOUT} s")
 
 
+def test_two_of_three_killed_at_once_with_min_replicas_2_restart_and_the_job_ends_exact(
+    tmp_path: Path, long_reference: dict[str, torch.Tensor]
+) -> None:
+    """``min_replicas=2``: workers 1 and 2 are SIGKILLed in the same step and started again.
+
+    The lone survivor holds the job's state: it forms a failure quorum alone,
+    finishes the step with the dead workers' samples and trains on below
+    ``min_replicas``; the restarted workers join it at a step boundary and
+    are healed from it. The job is held before step 8 until both ask to
+    rejoin, so the test does not depend on how long they take to start.
+    """
+    with Lighthouse(PLAN, min_replicas=2, start_replicas=WORKERS, heartbeat_timeout=1.0, join_timeout=30.0) as server:
+        cluster = LocalCluster(server.url, tmp_path, worker_args(LONG_STEPS))
+        cluster.hold(from_step=8)
+        for worker in range(WORKERS):
+            cluster.start(worker, ["--kill-at", "3:during_backward"] if worker in (1, 2) else None)
+        deadline = time.monotonic() + JOB_TIMEOUT
+        while any(cluster.processes[w].poll() is None for w in (1, 2)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [cluster.processes[w].returncode for w in (1, 2)] == [-signal.SIGKILL] * 2
+        for worker in (1, 2):
+            cluster.start(worker)
+        for worker in (1, 2):
+            wait_until_asking(server, f"worker-{worker}", cluster)
+        cluster.release()
+        wait_for(cluster)
+        status = server.status()
+    check_job(tmp_path, long_reference, finishers=WORKERS, steps_run=LONG_STEPS)
+    world_sizes = [record["world_size"] for record in committed_steps(tmp_path)]
+    assert world_sizes[:3] == [WORKERS] * 3 and world_sizes[3] == 1 and world_sizes[-1] == WORKERS
+    assert [quorum["reason"] for quorum in status["quorums"]][:3] == ["start-up", "failure", "boundary"]
+    assert {failure["member"] for failure in status["failures"]} == {"worker-1", "worker-2"}
+
+
 def test_killed_worker_restarts_and_is_healed(
     tmp_path: Path, lighthouse: Lighthouse, long_reference: dict[str, torch.Tensor]
 ) -> None:

@@ -48,7 +48,13 @@ def _non_empty(context: click.Context, parameter: click.Parameter, value: str | 
 
 
 @click.command("lighthouse")
-@click.option("--min-replicas", type=click.IntRange(min=1), required=True, help="Fewest members a quorum may have.")
+@click.option(
+    "--min-replicas",
+    type=click.IntRange(min=1),
+    required=True,
+    help="Fewest members the job starts with (or restarts with from a checkpoint); the survivors of a failure "
+    "carry on below it until restarted members join.",
+)
 @click.option(
     "--start-replicas",
     type=click.IntRange(min=1),
@@ -92,8 +98,16 @@ def _non_empty(context: click.Context, parameter: click.Parameter, value: str | 
     show_default=True,
     help="Seconds a quorum waits for members that have not asked.",
 )
-@click.option("--dataset-size", type=click.IntRange(min=1), help="Samples in the dataset.")
-@click.option("--global-batch", type=click.IntRange(min=1), help="Samples per step.")
+@click.option(
+    "--dataset-size",
+    type=click.IntRange(min=1),
+    help="Samples in the dataset (with --global-batch; without both, the first member's plan is adopted).",
+)
+@click.option(
+    "--global-batch",
+    type=click.IntRange(min=1),
+    help="Samples per step (with --dataset-size; without both, the first member's plan is adopted).",
+)
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Shuffle seed.")
 @click.option(
     "--multiple",
@@ -141,9 +155,17 @@ def lighthouse_command(
 ) -> None:
     """Serve membership, quorums and the data ledger to the workers of one job.
 
-    The ledger follows the plan given by the dataset options; when --state
+    The ledger follows the plan given by the dataset options (--dataset-size
+    and --global-batch, with --seed, --multiple, --drop-last, --no-shuffle,
+    --block-size, --window). Without them the lighthouse adopts the plan the
+    first worker registers with (the Manager's plan) and persists it; a worker
+    with another plan is refused, naming each differing field. When --state
     holds a persisted state, its plan is used and an option that contradicts
     it is an error.
+
+    A quorum needs --min-replicas members to start the job; once it trains,
+    the survivors of a failure carry on whatever their number, and restarted
+    workers join them at the next step.
     """
     if start_replicas is not None and start_replicas < min_replicas:
         raise click.BadParameter(
@@ -179,29 +201,49 @@ def lighthouse_command(
     except RuntimeError as error:
         raise click.ClickException(str(error)) from error
     click.echo(f"lighthouse listening on {lighthouse.url} store {host}:{lighthouse.store_port}")
+    if plan is None:
+        click.echo("no plan given: the first worker's plan (dataset size, global batch, ...) is adopted")
     lighthouse.serve_forever()
 
 
-def _plan(context: click.Context, state_path: Path | None, options: dict[str, Any]) -> EpochPlan:
-    """The persisted plan (checked against options given explicitly), else the plan the options describe."""
+def _plan(context: click.Context, state_path: Path | None, options: dict[str, Any]) -> EpochPlan | None:
+    """The persisted plan (checked against options given explicitly), else the plan the options describe, else
+    None (the first member's is adopted)."""
     wanted = {field: options[name] for name, (_, field) in _PLAN_OPTIONS.items()}
     wanted["shuffle"] = not options["no_shuffle"]
     persisted = _persisted_plan(state_path) if state_path is not None else None
     if persisted is None:
-        if options["dataset_size"] is None or options["global_batch"] is None:
-            raise click.UsageError("--dataset-size and --global-batch are required unless --state holds a state")
+        size, batch = options["dataset_size"], options["global_batch"]
+        if size is None and batch is None:
+            given = [flag for name, (flag, _) in _PLAN_OPTIONS.items() if _given(context, name)]
+            if given:
+                raise click.UsageError(
+                    f"{', '.join(given)} describe a plan: give --dataset-size and --global-batch too, or none of "
+                    "them to adopt the plan of the first worker"
+                )
+            return None
+        if size is None or batch is None:
+            missing = "--dataset-size" if size is None else "--global-batch"
+            raise click.UsageError(
+                f"--dataset-size and --global-batch go together: {missing} is missing (or give neither, to adopt "
+                "the plan of the first worker)"
+            )
         try:
             return EpochPlan(**wanted)
         except (TypeError, ValueError) as error:
             raise click.UsageError(str(error)) from error
     saved = persisted.to_dict()
     for name, (flag, field) in _PLAN_OPTIONS.items():
-        given = context.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)
-        if given and wanted[field] != saved[field]:
+        if _given(context, name) and wanted[field] != saved[field]:
             raise click.UsageError(
                 f"{flag} says {field}={wanted[field]!r} but the state in {state_path} has {field}={saved[field]!r}"
             )
     return persisted
+
+
+def _given(context: click.Context, name: str) -> bool:
+    """Whether option ``name`` was given (on the command line or by its environment variable)."""
+    return context.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)
 
 
 def _balance(context: click.Context, state_path: Path | None, balance_every: int) -> int | None:
@@ -215,8 +257,7 @@ def _balance(context: click.Context, state_path: Path | None, balance_every: int
     if ledger is None:
         return balance_every
     saved = ledger.get("balance", {}).get("every", 0)
-    given = context.get_parameter_source("balance_every") not in (ParameterSource.DEFAULT, None)
-    if given and balance_every != saved:
+    if _given(context, "balance_every") and balance_every != saved:
         raise click.UsageError(
             f"--balance-every says balance_every={balance_every} but the state in {state_path} has "
             f"balance_every={saved}"

@@ -15,11 +15,22 @@ the thread-safe :attr:`LighthouseClient.reconfigure_requested` flag that the
 worker folds into its next all-reduce. The worker's main thread calls the
 synchronous methods (``quorum``, ``status``, ``leave``), which run on the
 client's loop.
+
+A client given the job's ``plan`` sends it with its registration: a
+lighthouse started without one adopts it, one with a plan refuses a different
+one (:class:`LighthouseError`, status 409, ``body["code"] == "plan_mismatch"``
+and ``body["differences"]``). ``leave`` stops the heartbeat first, so that
+nothing it sends after the leave makes the member alive again.
+
+The Manager passes its settings as plain seconds; timeout messages name them
+and their environment variables (:data:`QUORUM_TIMEOUT_SETTING`,
+:data:`CONNECT_TIMEOUT_SETTING`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import math
@@ -38,13 +49,20 @@ from stalwart.coord.heal_report import HEAL_FIELD, HealTotals
 from stalwart.coord.hosted_ledger import ledger_digest
 from stalwart.coord.wire import QuorumRequest, RequestError, check_seconds, parse_member
 from stalwart.data.ledger import DataLedger
+from stalwart.data.plan import EpochPlan
 
 logger = logging.getLogger(__name__)
 
 MIN_BACKOFF = 0.05
 MAX_BACKOFF = 0.5
 """Reconnection backoff bounds (seconds): well under the default heartbeat timeout of 2 s."""
-_RETRIED_STATUSES = frozenset({408, 503})
+_RETRIED_STATUSES = frozenset({408, 502, 503, 504})
+"""Answers a quorum request is asked again after, until its timeout: the long poll's end, and a lighthouse (or a
+proxy before it) that cannot answer now."""
+_STICKY_CODES = frozenset({"superseded", "plan_mismatch", "no_plan"})
+"""Registration refusals that no retry can change: every later call raises the same error."""
+QUORUM_TIMEOUT_SETTING = "the Manager's quorum_timeout, or the STALWART_QUORUM_TIMEOUT environment variable"
+CONNECT_TIMEOUT_SETTING = "the Manager's connect_timeout, or the STALWART_CONNECT_TIMEOUT environment variable"
 KEEPALIVE_S = 60.0
 """How long an idle connection to the lighthouse is kept for the next request (aiohttp's server keeps it 75 s)."""
 INCARNATION_HEADER = "X-Stalwart-Incarnation"
@@ -219,6 +237,7 @@ class LighthouseClient:
         token: str | None = None,
         heartbeat_interval: float = 0.1,
         request_timeout: float = 10.0,
+        plan: EpochPlan | None = None,
     ) -> None:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"url must start with http:// or https://, got {url!r}")
@@ -228,6 +247,10 @@ class LighthouseClient:
             raise ValueError(error.message) from None
         if token is not None and (not isinstance(token, str) or not token):
             raise ValueError("token must be a non-empty string or None")
+        if plan is not None and not isinstance(plan, EpochPlan):
+            raise TypeError(f"plan must be an EpochPlan or None, got {plan!r} ({type(plan).__name__})")
+        self.plan = plan
+        """The plan this member trains with, sent with its registration (None: the lighthouse's is taken)."""
         self.url = url.rstrip("/")
         self.heartbeat_interval = check_seconds("heartbeat_interval", heartbeat_interval)
         self.request_timeout = check_seconds("request_timeout", request_timeout)
@@ -240,7 +263,10 @@ class LighthouseClient:
         """This process's incarnation of the member (registered with the lighthouse on first use)."""
         self._secret: str | None = None
         self._register_lock: asyncio.Lock | None = None
-        self._superseded: LighthouseError | None = None
+        self._refused: LighthouseError | None = None
+        """A registration refusal no retry changes (superseded, another plan, no plan): raised by every call."""
+        self._leaving = False
+        """Set by ``leave``: the heartbeat sends nothing more and does not reconnect."""
         self._quorum_id: int | None = None
         self._answer: QuorumAnswer | None = None
         """The last quorum answer: the next request names it (``known``) so the next answer can be a delta."""
@@ -275,7 +301,8 @@ class LighthouseClient:
         quorum that never forms.
         """
         timeout = check_seconds("timeout", timeout)
-        self._run(self._wait_reachable(time.monotonic() + timeout, timeout), timeout + self.request_timeout)
+        gave_up = f"cannot reach the lighthouse at {self.url}; gave up after {timeout:g} s ({CONNECT_TIMEOUT_SETTING})"
+        self._run(self._wait_reachable(time.monotonic() + timeout, timeout), timeout + self.request_timeout, gave_up)
 
     def start_heartbeat(self, get_applied_step: Callable[[], Report]) -> None:
         """Keep the heartbeat websocket open, reporting ``get_applied_step()`` (called on the client's thread).
@@ -305,11 +332,15 @@ class LighthouseClient:
         self._heal_totals = self._heal_totals.add(nbytes, float(seconds))
 
     def quorum(self, applied_step: int, quorum_id: int | None, reason: str, timeout: float = 60.0) -> QuorumAnswer:
-        """Ask for the next quorum (long poll); retries 408s and connection errors until ``timeout`` seconds.
+        """Ask for the next quorum (long poll); asks again after 408s, 502-504s and connection errors until
+        ``timeout`` seconds (the Manager's ``quorum_timeout``) passed, however long the lighthouse keeps it waiting.
 
-        Raises ``TimeoutError`` when no quorum formed in time and
-        :class:`LighthouseError` when the lighthouse refuses the request
-        (``status`` 409 with ``body["quorum_id"]``: stale, ask with ``join``).
+        Raises ``TimeoutError`` when no quorum formed in time (the message names
+        ``quorum_timeout`` and ``STALWART_QUORUM_TIMEOUT``),
+        :class:`LighthouseUnreachable` when the lighthouse did not answer
+        meanwhile, and :class:`LighthouseError` when it refuses the request
+        (``status`` 409 with ``body["quorum_id"]``: stale, ask with ``join``; 409
+        ``plan_mismatch`` / ``no_plan`` at registration, see the module doc).
         """
         body = {"member": self.member, "applied_step": applied_step, "quorum_id": quorum_id, "reason": reason}
         body.update(self._reported_at(applied_step))
@@ -318,7 +349,11 @@ class LighthouseClient:
         except RequestError as error:
             raise ValueError(error.message) from None
         timeout = check_seconds("timeout", timeout)
-        answer = self._run(self._ask_quorum(body, time.monotonic() + timeout), timeout + self.request_timeout)
+        answer = self._run(
+            self._ask_quorum(body, time.monotonic() + timeout, timeout),
+            timeout + self.request_timeout,
+            _no_quorum(self.member, timeout),
+        )
         if self.member in answer.members:
             self._quorum_id = answer.quorum_id
             self._answer = answer
@@ -331,15 +366,18 @@ class LighthouseClient:
         return self._run(self._request("GET", "/v1/status"))
 
     def leave(self, applied_step: int | None = None) -> None:
-        """Tell the lighthouse this member exits cleanly (it is counted as dead at once).
+        """Tell the lighthouse this member exits cleanly (it is counted as gone at once, never as a failure).
 
         ``applied_step`` reports the member's last step first: a short job can
         end between two heartbeats, and the ledger must still commit its steps.
+        The heartbeat sends nothing after this is called (the lighthouse closes
+        its socket, and refuses this incarnation from then on: 410 ``left``).
         """
         body: dict[str, Any] = {"member": self.member}
         if applied_step is not None:
             body["applied_step"] = applied_step
             body.update(self._reported_at(applied_step))
+        self._leaving = True
         self._run(self._authenticated_request("POST", "/v1/leave", body))
 
     def report_checkpoint(self, step: int, path: str, ledger: dict[str, Any], digest: str) -> dict[str, Any]:
@@ -392,12 +430,23 @@ class LighthouseClient:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _run(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+    def _run(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None, gave_up: str = "") -> T:
+        """Run ``coroutine`` on the client's loop; past ``timeout`` it is cancelled and ``TimeoutError(gave_up)``
+        raised (each coroutine bounds itself first: this is the backstop)."""
         if self._closed:
             coroutine.close()
             raise RuntimeError("the lighthouse client is closed")
+        limit = self.request_timeout + 5.0 if timeout is None else timeout
         future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
-        return future.result(self.request_timeout + 5.0 if timeout is None else timeout)
+        try:
+            return future.result(limit)
+        except concurrent.futures.TimeoutError:
+            if future.done():  # the coroutine's own TimeoutError, already worded
+                raise
+            future.cancel()
+            raise TimeoutError(
+                gave_up or f"the lighthouse at {self.url} did not answer within {limit:g} s (request_timeout)"
+            ) from None
 
     # --- coroutines (the client's loop) ----------------------------------------------------------
 
@@ -414,11 +463,20 @@ class LighthouseClient:
         await self._session.close()
 
     async def _request(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
-        async with self._session.request(method, self.url + path, json=body, headers=self._headers) as response:
-            data = await _json(response)
-            if response.status != 200:
-                raise LighthouseError(response.status, data)
-            return data
+        try:
+            async with self._session.request(method, self.url + path, json=body, headers=self._headers) as response:
+                data = await _json(response)
+        except asyncio.TimeoutError:
+            raise self._no_answer(method, path) from None
+        if response.status != 200:
+            raise LighthouseError(response.status, data)
+        return data
+
+    def _no_answer(self, method: str, path: str) -> TimeoutError:
+        return TimeoutError(
+            f"the lighthouse at {self.url} did not answer {method} {path} within {self.request_timeout:g} s "
+            "(LighthouseClient's request_timeout)"
+        )
 
     async def _wait_reachable(self, deadline: float, timeout: float) -> None:
         backoff = MIN_BACKOFF
@@ -432,7 +490,8 @@ class LighthouseClient:
                 reason = str(error) or type(error).__name__
                 if time.monotonic() + backoff >= deadline:
                     raise LighthouseUnreachable(
-                        f"cannot reach the lighthouse at {self.url} ({reason}); gave up after {timeout:g} s"
+                        f"cannot reach the lighthouse at {self.url} ({reason}); gave up after {timeout:g} s "
+                        f"({CONNECT_TIMEOUT_SETTING})"
                     ) from None
                 if not warned:
                     logger.warning(
@@ -446,17 +505,19 @@ class LighthouseClient:
         """Bearer token, incarnation and secret headers; registers this incarnation first when needed."""
         assert self._register_lock is not None
         async with self._register_lock:
-            if self._superseded is not None:
-                raise self._superseded
+            if self._refused is not None:
+                raise self._refused
             if self._secret is None:
-                body = {"member": self.member, "incarnation": self.incarnation}
+                body: dict[str, Any] = {"member": self.member, "incarnation": self.incarnation}
+                if self.plan is not None:
+                    body["plan"] = self.plan.to_dict()
                 try:
                     registered = await self._request("POST", "/v1/register", body)
                     self._secret = str(registered["secret"])
                     self._adopt_interval(registered)
                 except LighthouseError as error:
-                    if error.body.get("code") == "superseded":
-                        self._superseded = error
+                    if error.body.get("code") in _STICKY_CODES:
+                        self._refused = error
                     raise
         return {**self._headers, INCARNATION_HEADER: self.incarnation, SECRET_HEADER: self._secret}
 
@@ -480,17 +541,20 @@ class LighthouseClient:
         """A request with the identity headers; registers again once if the lighthouse forgot the incarnation."""
         for attempt in range(2):
             headers = await self._identity_headers()
-            async with self._session.request(method, self.url + path, json=body, headers=headers) as response:
-                data = await _json(response)
-                if response.status == 200:
-                    return data
-                if attempt == 0 and response.status == 403 and data.get("code") == "unregistered":
-                    self._forget_secret(headers[SECRET_HEADER])
-                    continue
-                raise LighthouseError(response.status, data)
+            try:
+                async with self._session.request(method, self.url + path, json=body, headers=headers) as response:
+                    data = await _json(response)
+            except asyncio.TimeoutError:
+                raise self._no_answer(method, path) from None
+            if response.status == 200:
+                return data
+            if attempt == 0 and response.status == 403 and data.get("code") == "unregistered":
+                self._forget_secret(headers[SECRET_HEADER])
+                continue
+            raise LighthouseError(response.status, data)
         raise AssertionError("unreachable")
 
-    async def _ask_quorum(self, body: dict[str, Any], deadline: float) -> QuorumAnswer:
+    async def _ask_quorum(self, body: dict[str, Any], deadline: float, timeout: float) -> QuorumAnswer:
         """Ask until answered; the request names the quorum this member holds, so the answer may be a delta."""
         previous = self._answer
         body = {**body, "known": None if previous is None else previous.quorum_id}
@@ -501,9 +565,10 @@ class LighthouseClient:
             if remaining <= 0:
                 if unreachable is not None:
                     raise LighthouseUnreachable(
-                        f"cannot reach the lighthouse at {self.url} ({unreachable}) to ask for a quorum"
+                        f"cannot reach the lighthouse at {self.url} ({unreachable}) to ask for a quorum; gave up "
+                        f"after {timeout:g} s ({QUORUM_TIMEOUT_SETTING})"
                     )
-                raise TimeoutError(f"no quorum formed for {self.member!r} before the timeout")
+                raise TimeoutError(_no_quorum(self.member, timeout))
             try:
                 headers = await self._identity_headers()
                 async with self._session.post(
@@ -529,7 +594,7 @@ class LighthouseClient:
                         raise LighthouseError(response.status, data)
                     if response.status == 408:
                         continue
-            except aiohttp.ClientConnectionError as error:
+            except aiohttp.ClientError as error:  # refused, reset, or an answer cut short (the lighthouse restarts)
                 if unreachable is None:
                     logger.warning("lighthouse at %s unreachable (%s); retrying", self.url, error)
                 unreachable = str(error) or type(error).__name__
@@ -540,7 +605,7 @@ class LighthouseClient:
 
     async def _heartbeat_forever(self) -> None:
         backoff = MIN_BACKOFF
-        while True:
+        while not self._leaving:
             headers: dict[str, str] = {}
             try:
                 headers = await self._identity_headers()
@@ -557,12 +622,14 @@ class LighthouseClient:
             except asyncio.CancelledError:
                 raise
             except aiohttp.WSServerHandshakeError as error:
+                if error.status == 410:  # this incarnation left
+                    return
                 if error.status == 403:
                     self._forget_secret(headers.get(SECRET_HEADER))
                 logger.debug("heartbeat of %s refused (%s); reconnecting", self.member, error)
             except LighthouseError as error:
-                if self._superseded is not None:
-                    logger.error("%s: a newer process replaced this one; the heartbeat stops (%s)", self.member, error)
+                if self._refused is not None:
+                    logger.error("%s: the lighthouse refuses this process; no more heartbeats (%s)", self.member, error)
                     return
                 logger.warning("heartbeat of %s cannot register (%s); retrying", self.member, error)
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as error:
@@ -580,6 +647,9 @@ class LighthouseClient:
         receiver = asyncio.create_task(self._receive(socket))
         try:
             while not receiver.done():
+                if self._leaving:  # the lighthouse closes the socket once the leave is in
+                    await receiver
+                    return
                 message = self._report()
                 heal = self._heal_totals
                 if heal.heals:
@@ -614,6 +684,10 @@ class LighthouseClient:
                         self._broken.set()
             elif data.get("type") == "error":
                 logger.warning("lighthouse refused a heartbeat of %s: %s", self.member, data.get("error"))
+
+
+def _no_quorum(member: str, timeout: float) -> str:
+    return f"no quorum formed for {member!r} within {timeout:g} s ({QUORUM_TIMEOUT_SETTING})"
 
 
 async def _json(response: aiohttp.ClientResponse) -> dict[str, Any]:

@@ -4,7 +4,9 @@ A worker registers ``(member, incarnation)`` and gets a secret (kept by the
 lighthouse only as a SHA-256 hash); every later heartbeat, quorum request and
 leave carries both. A new incarnation replaces the old one, whose secret stops
 working; a replaced incarnation cannot register again (it would evict the
-process that replaced it).
+process that replaced it). An incarnation that left cleanly has no more say:
+its secret is refused with 410 ``left`` (a heartbeat sent just before the
+leave, or a socket opened just after it, must not make it alive again).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class Identity:
 
     incarnation: str
     secret_sha256: str
+    left: bool = False
+    """True once this incarnation left cleanly (``/v1/leave``): it may not speak again."""
 
 
 class Identities:
@@ -107,6 +111,20 @@ class Identities:
             )
         if not hmac.compare_digest(identity.secret_sha256, _hash(secret)):
             raise RequestError(403, f"wrong secret for member {member!r}", code="forbidden")
+        if identity.left:
+            raise RequestError(
+                410,
+                f"incarnation {incarnation} of member {member!r} left the job; a new process registers anew",
+                code="left",
+            )
+
+    def leave(self, member: str) -> bool:
+        """Mark ``member``'s current incarnation as left; returns whether it had not left before."""
+        identity = self.current.get(member)
+        if identity is None or identity.left:
+            return False
+        identity.left = True
+        return True
 
     def forget(self, member: str) -> None:
         """Drop everything known of ``member`` (it was forgotten as long dead)."""
@@ -114,21 +132,15 @@ class Identities:
         self.retired.pop(member, None)
 
     def member_json(self, member: str) -> dict[str, Any]:
-        """What is known of one member: ``{"identity": {incarnation, secret_sha256} | None, "retired": [...]}``."""
+        """One member's row: ``{"identity": {incarnation, secret_sha256, left} | None, "retired": [...]}``."""
         identity = self.current.get(member)
-        return {
-            "identity": None
-            if identity is None
-            else {"incarnation": identity.incarnation, "secret_sha256": identity.secret_sha256},
-            "retired": list(self.retired.get(member, ())),
-        }
+        retired = list(self.retired.get(member, ()))
+        return {"identity": None if identity is None else _identity_json(identity), "retired": retired}
 
     def to_json(self) -> dict[str, Any]:
         """JSON form (hashes only, never a secret)."""
         return {
-            "current": {
-                m: {"incarnation": i.incarnation, "secret_sha256": i.secret_sha256} for m, i in self.current.items()
-            },
+            "current": {member: _identity_json(identity) for member, identity in self.current.items()},
             "retired": {m: list(r) for m, r in self.retired.items()},
         }
 
@@ -137,6 +149,12 @@ class Identities:
         """Inverse of ``to_json``."""
         identities = cls()
         for member, entry in data["current"].items():
-            identities.current[member] = Identity(str(entry["incarnation"]), str(entry["secret_sha256"]))
+            identities.current[member] = Identity(
+                str(entry["incarnation"]), str(entry["secret_sha256"]), entry.get("left") is True
+            )
         identities.retired = {member: [str(i) for i in retired] for member, retired in data["retired"].items()}
         return identities
+
+
+def _identity_json(identity: Identity) -> dict[str, Any]:
+    return {"incarnation": identity.incarnation, "secret_sha256": identity.secret_sha256, "left": identity.left}

@@ -30,13 +30,19 @@ Quorums
     is dead (or ``join_timeout`` passed since the first of them asked: the
     others are *excluded*), the askers from the quorum are a majority of its
     members that are not dead, and the new quorum has ``min_replicas``
-    members. The first quorum also waits for ``start_replicas`` members (the
+    members, unless it keeps a member of the current quorum that holds the
+    job's state: then it forms whatever its size (survivors carry on below
+    ``min_replicas``; it gates the first quorum and a quorum of newcomers
+    only). The first quorum also waits for ``start_replicas`` members (the
     fleet being launched), up to ``join_timeout`` after the first request. A
     *failure* quorum (a survivor at the target step asked with ``failure``)
     keeps the survivors only: they take the dead members' in-flight positions
     of that step. A *boundary* quorum (and the first one)
     also admits joiners, in order of arrival, after waiting up to
-    ``join_timeout`` for every live member to ask.
+    ``join_timeout`` for every live member to ask. A quorum none of whose
+    members is at the target step (it would have to resume from a checkpoint,
+    or lose the state) never forms while a live member of the current quorum
+    that holds the state has not asked: nobody excludes it, the others wait.
 
 The ledger
     The hosted :class:`~stalwart.data.DataLedger` is kept committed through
@@ -99,6 +105,7 @@ from stalwart.coord.wire import (
     parse_report,
     parse_step,
     parse_weights,
+    plan_differences,
 )
 from stalwart.data.ledger import Positions
 from stalwart.data.plan import EpochPlan
@@ -134,6 +141,11 @@ times per ``join_timeout``, so a hang is found within 110% of it."""
 MAX_CATCH_UP = 100_000
 """How far a quorum member's ``applied_step`` may run ahead of the ledger (a bound on catch-up work)."""
 
+NO_PLAN = (
+    "the lighthouse has no plan and the member offered none: start the lighthouse with --dataset-size and "
+    "--global-batch, or give the Manager the plan (LighthouseClient(plan=...))"
+)
+
 CommitListener = Callable[[int, int, Positions], None]
 
 
@@ -161,7 +173,7 @@ class LighthouseState:
 
     def __init__(
         self,
-        plan: EpochPlan,
+        plan: EpochPlan | None,
         min_replicas: int = 1,
         heartbeat_timeout: float = 2.0,
         join_timeout: float = 5.0,
@@ -172,9 +184,8 @@ class LighthouseState:
         require_digest: bool = False,
         balance_every: int = 0,
     ) -> None:
-        if not isinstance(plan, EpochPlan):
-            raise TypeError(f"plan must be an EpochPlan, got {type(plan).__name__}")
-        self.plan = plan
+        if plan is not None and not isinstance(plan, EpochPlan):
+            raise TypeError(f"plan must be an EpochPlan or None, got {type(plan).__name__}")
         self.min_replicas = check_int("min_replicas", min_replicas, minimum=1)
         self.start_replicas = check_int(
             "start_replicas", min_replicas if start_replicas is None else start_replicas, minimum=self.min_replicas
@@ -188,7 +199,8 @@ class LighthouseState:
         self._identities = Identities()
         self.revision = 0
         """Grows with every change that must be persisted (commits, quorums, history)."""
-        self._hosted = HostedLedger(plan, check_int("balance_every", balance_every, minimum=0))
+        self._balance_every = check_int("balance_every", balance_every, minimum=0)
+        self._ledger_of_record = None if plan is None else HostedLedger(plan, self._balance_every)
         self._checkpoint: CheckpointRecord | None = None
         self._roster = Roster()
         self._members = Membership(self.heartbeat_timeout)
@@ -203,6 +215,18 @@ class LighthouseState:
         self._hung_checked = float("-inf")
 
     # --- read-only views -------------------------------------------------------------------------
+
+    @property
+    def plan(self) -> EpochPlan | None:
+        """The job's plan: as configured, or adopted from the first member that offered one (None until then)."""
+        return None if self._ledger_of_record is None else self._ledger_of_record.ledger.plan
+
+    @property
+    def _hosted(self) -> HostedLedger:
+        """The ledger of record; every request that needs it comes after a registration, which needs a plan."""
+        if self._ledger_of_record is None:
+            raise RequestError(409, NO_PLAN, code="no_plan")
+        return self._ledger_of_record
 
     @property
     def quorum(self) -> Quorum | None:
@@ -317,17 +341,22 @@ class LighthouseState:
 
     # --- identity --------------------------------------------------------------------------------
 
-    def register(self, member: str, incarnation: str, now: float) -> str:
+    def register(self, member: str, incarnation: str, now: float, plan: EpochPlan | None = None) -> str:
         """Register ``incarnation`` of ``member`` and return its new secret.
 
         A first registration counts as a sign of life (the process heartbeats
         next). A new incarnation of a member still recorded alive marks the old
         one dead at once (failure reason ``restarted``); the old secret stops
-        working. ``RequestError`` 429 when ``max_members`` live members are
-        already registered, 409 for a replaced or already registered incarnation.
+        working. ``plan`` is the plan the member trains with: a lighthouse
+        without one adopts it; one with a plan refuses a different one.
+        ``RequestError`` (nothing changes) 429 when ``max_members`` live
+        members are already registered, 409 for a replaced or already
+        registered incarnation, 409 ``plan_mismatch`` (``differences`` names
+        each differing field with both values) or ``no_plan`` (neither side has one).
         """
         member = parse_member(member)
         incarnation = parse_incarnation(incarnation)
+        self._check_plan(member, plan)
         live = self._members.live
         if member not in self._identities and not self._members.alive(member) and live >= self.max_members:
             raise RequestError(
@@ -337,6 +366,9 @@ class LighthouseState:
                 cap="max_members",
             )
         secret, replaced = self._identities.register(member, incarnation)
+        if self._ledger_of_record is None:
+            assert plan is not None  # _check_plan refused a registration without one
+            self._ledger_of_record = HostedLedger(plan, self._balance_every)
         self.revision += 1
         self._members_changed.add(member)
         if replaced is not None and self._members.alive(member):
@@ -347,14 +379,37 @@ class LighthouseState:
             self._touch(member, now)
         return secret
 
+    def _check_plan(self, member: str, plan: EpochPlan | None) -> None:
+        """Refuse (409) a plan that differs from the lighthouse's, or a registration when neither side has one."""
+        ours = self.plan
+        if ours is None and plan is None:
+            raise RequestError(409, NO_PLAN, code="no_plan", member=member)
+        if ours is None or plan is None or plan == ours:
+            return
+        differences = plan_differences(ours, plan)
+        listed = "; ".join(
+            f"{name}: lighthouse {values['lighthouse']!r}, member {values['member']!r}"
+            for name, values in differences.items()
+        )
+        raise RequestError(
+            409,
+            f"member {member!r} trains with another plan than the lighthouse's ({listed}): every member and "
+            "the lighthouse must use the same plan",
+            code="plan_mismatch",
+            member=member,
+            differences=differences,
+        )
+
     def authenticate(self, member: str, incarnation: object, secret: object) -> None:
-        """``RequestError`` 403 unless ``incarnation`` and ``secret`` are ``member``'s current ones."""
+        """``RequestError`` 403 unless ``incarnation`` and ``secret`` are ``member``'s current ones; 410 ``left``
+        once that incarnation left."""
         self._identities.check(member, incarnation, secret)
 
     @property
     def balance_every(self) -> int:
         """Every how many steps the members rebalance their shares (0: shares are equal)."""
-        return self._hosted.ledger.balance_every
+        hosted = self._ledger_of_record
+        return self._balance_every if hosted is None else hosted.ledger.balance_every
 
     def incarnation(self, member: str) -> str | None:
         """The registered incarnation of ``member`` (None if none)."""
@@ -422,6 +477,9 @@ class LighthouseState:
         if record.alive:
             self._mark_dead(member, now, "left")
             record.left = True
+        if self._identities.leave(member):  # this incarnation has no more say (its late heartbeats are refused)
+            self._members_changed.add(member)
+            self.revision += 1
 
     @property
     def checkpoint(self) -> CheckpointRecord | None:
@@ -435,7 +493,7 @@ class LighthouseState:
         ledger that differs from the one committed at that step (422) or a step
         not committed yet (409: report again later).
         """
-        record = parse_checkpoint_report(body, self.plan, now)
+        record = parse_checkpoint_report(body, self._hosted.ledger.plan, now)
         vouch(record, self._hosted.step, self._hosted.digests)
         if self._checkpoint is None or record.step > self._checkpoint.step:
             self._checkpoint = record
@@ -528,13 +586,22 @@ class LighthouseState:
         # majority rule, so the askers are the majority of what counts; some member of the quorum must ask.
         if roster.counting and not pending.ours:
             return None
-        if not pending.failures and not self._may_form(len(pending), False, timed_out):
+        carries_on = pending.survivors > 0  # at most: the walk below tells whether one of them holds the state
+        if not pending.failures and not self._may_form(len(pending), False, timed_out, carries_on):
             return None  # without a failure every asker joins the quorum: the counts decide, no walk needed
         return self._form_from_pending(now, timed_out, since)
 
-    def _may_form(self, size: int, failure: bool, timed_out: bool) -> bool:
-        """Whether a quorum of ``size`` members may form now (``min_replicas``, ``start_replicas``, stragglers)."""
-        if not size or size < self.min_replicas:
+    def _may_form(self, size: int, failure: bool, timed_out: bool, carries_on: bool) -> bool:
+        """Whether a quorum of ``size`` members may form now (``min_replicas``, ``start_replicas``, stragglers).
+
+        ``min_replicas`` does not hold back a quorum that ``carries_on``: one
+        that keeps a member of the current quorum holding the job's state. The
+        survivors of a failure train on below ``min_replicas`` rather than wait
+        (and lose the state if they die waiting); restarted members join them
+        at the next step boundary. It gates the first quorum, and a quorum of
+        newcomers only (a fleet restarted from a checkpoint).
+        """
+        if not size or (size < self.min_replicas and not carries_on):
             return False
         if self._roster.quorum is None and size < self.start_replicas and not timed_out:
             return False
@@ -561,7 +628,13 @@ class LighthouseState:
             pending[m].request.reason == "failure" and pending[m].request.applied_step == target for m in trusted
         )
         members = survivors if failure else survivors + joiners
-        if not self._may_form(len(members), failure, timed_out):
+        carries_on = any(pending[m].request.applied_step == target for m in trusted)
+        if not self._may_form(len(members), failure, timed_out, carries_on):
+            return None
+        stateless = roster.quorum is not None and not any(pending[m].request.applied_step == target for m in members)
+        if stateless and any(m not in self._healing for m in unaccounted):
+            # no member of this quorum holds the job's state at the target step: never form it (and exclude the
+            # members that do) while one of them lives; the joiners wait for it (a survivor alone in a slow step)
             return None
         return self._form(now, members, target, mode, failure, timed_out, unaccounted, since)
 
@@ -831,10 +904,7 @@ class LighthouseState:
         return "alive" if member in self._roster else "joining"
 
     def to_status(self, now: float | None = None) -> dict[str, Any]:
-        """One JSON-able dict of everything a dashboard shows."""
-        ledger = self._hosted.ledger
-        missing = int(ledger.missing_indices.size)
-        length = self.plan.epoch_length
+        """One JSON-able dict of everything a dashboard shows (``plan`` null, the ledger at zero: none adopted yet)."""
         members = []
         for name, record in self._members.records.items():
             ask = self._pending.get(name)
@@ -851,6 +921,7 @@ class LighthouseState:
                 }
             )
         quorum = self._roster.quorum
+        plan = self.plan
         return {
             "members": members,
             "quorum": None if quorum is None else {"quorum_id": quorum.quorum_id, "members": list(quorum.members)},
@@ -860,25 +931,35 @@ class LighthouseState:
             "resumed_from_checkpoint": list(self.history.checkpoint_resumes),
             "min_replicas": self.min_replicas,
             "reconfigure_pending": self.reconfigure_pending,
-            "ledger": {
-                "step": ledger.step,
-                "epoch": ledger.epoch,
-                "epoch_step": ledger.epoch_step,
-                "base_index": ledger.base_index,
-                "missing": missing,
-                "epoch_length": length,
-                "epoch_progress": 1.0 if ledger.epoch_complete else (ledger.base_index - missing) / length,
-                "step_in_progress": self._hosted.record is not None,
-                "balance": None
-                if not ledger.balanced
-                else {"every": ledger.balance_every, "step": ledger.weights_step, "weights": ledger.weights},
-            },
-            "plan": self.plan.to_dict(),
+            "ledger": self._ledger_status(),
+            "plan": None if plan is None else plan.to_dict(),
             "counts": dict(self.counts),
             "failures": list(self.failures),
             "recoveries": list(self.recoveries),
             "departures": list(self.departures),
             "quorums": list(self.quorums),
+        }
+
+    def _ledger_status(self) -> dict[str, Any]:
+        hosted = self._ledger_of_record
+        if hosted is None:
+            zero = {"step": 0, "epoch": 0, "epoch_step": 0, "base_index": 0, "missing": 0, "epoch_length": 0}
+            return {**zero, "epoch_progress": 0.0, "step_in_progress": False, "balance": None}
+        ledger = hosted.ledger
+        missing = int(ledger.missing_indices.size)
+        length = ledger.plan.epoch_length
+        return {
+            "step": ledger.step,
+            "epoch": ledger.epoch,
+            "epoch_step": ledger.epoch_step,
+            "base_index": ledger.base_index,
+            "missing": missing,
+            "epoch_length": length,
+            "epoch_progress": 1.0 if ledger.epoch_complete else (ledger.base_index - missing) / length,
+            "step_in_progress": hosted.record is not None,
+            "balance": None
+            if not ledger.balanced
+            else {"every": ledger.balance_every, "step": ledger.weights_step, "weights": ledger.weights},
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -970,7 +1051,7 @@ class LighthouseState:
             max_members=max_members,
             require_digest=require_digest,
         )
-        restored._hosted = hosted
+        restored._ledger_of_record = hosted
         for name, applied_step in state["members"].items():
             step = None if applied_step is None else parse_step(applied_step, f"state['members'][{name!r}]")
             restored._members.restore(parse_member(name, "state['members']"), step, now)

@@ -61,6 +61,7 @@ from stalwart.coord.quorum import (
     parse_step,
     parse_weights,
 )
+from stalwart.coord.wire import parse_plan
 from stalwart.data.plan import EpochPlan
 
 logger = logging.getLogger(__name__)
@@ -76,15 +77,19 @@ HEARTBEATS_PER_SECOND = 8192
 INCARNATION_HEADER = "X-Stalwart-Incarnation"
 SECRET_HEADER = "X-Stalwart-Secret"
 _PUBLIC_PATHS = frozenset({"/healthz"})
+_REGISTER_FIELDS = frozenset({"member", "incarnation", "plan"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class Lighthouse:
     """The lighthouse server: membership, quorums and the ledger of record, over HTTP.
 
+    ``plan=None`` leaves the plan to the members: the lighthouse adopts the
+    first plan a member registers with (and persists it like a configured one);
+    a member offering another plan is refused, naming each differing field.
     With ``state_path`` the state lives in that SQLite file; when it already
-    holds a state, that state (and its plan) is resumed and ``plan`` must equal
-    it. ``port=0`` and ``store_port=0`` pick free ports (see ``port`` and
+    holds a state, that state (and its plan) is resumed and ``plan``, if
+    given, must equal it. ``port=0`` and ``store_port=0`` pick free ports (see ``port`` and
     ``store_port`` once started). ``balance_every=K > 0`` balances the ledger:
     members' shares follow their measured throughput, decided every ``K``
     steps (None: as persisted, else 0, off; a persisted state must agree).
@@ -92,7 +97,7 @@ class Lighthouse:
 
     def __init__(
         self,
-        plan: EpochPlan,
+        plan: EpochPlan | None = None,
         *,
         min_replicas: int = 1,
         start_replicas: int | None = None,
@@ -108,8 +113,8 @@ class Lighthouse:
         max_waiters: int = MAX_WAITERS,
         balance_every: int | None = None,
     ) -> None:
-        if not isinstance(plan, EpochPlan):
-            raise TypeError(f"plan must be an EpochPlan, got {type(plan).__name__}")
+        if plan is not None and not isinstance(plan, EpochPlan):
+            raise TypeError(f"plan must be an EpochPlan or None, got {type(plan).__name__}")
         if not isinstance(host, str) or not host:
             raise ValueError(f"host must be a non-empty string, got {host!r}")
         if token is not None and (not isinstance(token, str) or not token):
@@ -166,7 +171,7 @@ class Lighthouse:
 
     def _load_state(
         self,
-        plan: EpochPlan,
+        plan: EpochPlan | None,
         state_path: object,
         min_replicas: int,
         start_replicas: int | None,
@@ -175,7 +180,7 @@ class Lighthouse:
         max_members: int,
         balance_every: int | None,
     ) -> LighthouseState:
-        """The persisted state when there is one (its plan and balance must agree), else a fresh one."""
+        """The persisted state when there is one (the plan, if given, and balance must agree), else a fresh one."""
         persisted = self._database.load() if self._database is not None else None
         if persisted is None:
             return LighthouseState(
@@ -198,7 +203,8 @@ class Lighthouse:
             max_members=max_members,
             require_digest=True,
         )
-        _check_same_plan(plan, state.plan, state_path)
+        if plan is not None and state.plan is not None:
+            _check_same_plan(plan, state.plan, state_path)
         if balance_every is not None and balance_every != state.balance_every:
             raise ValueError(
                 f"balance_every={balance_every} does not match the state persisted in {state_path}: "
@@ -424,6 +430,8 @@ class Lighthouse:
         what a failed save held is saved with the next one.
         """
         assert self._save_lock is not None
+        if self.state.plan is None:
+            return True  # nothing to keep before a member brought the plan (registering adopts it, then saves)
         async with self._save_lock:
             revision = self.state.revision
             if revision == self._saved_revision and not self.state.history.journal:
@@ -513,25 +521,35 @@ class Lighthouse:
         if self._stopping:
             await ws.close(code=WSCloseCode.GOING_AWAY, message=b"lighthouse shutting down")
             return ws
+        if self._sockets.get(member) is not ws or not self._speaks(request, member):
+            # it left (or was replaced) while the socket opened: the socket is not a sign of life
+            if self._sockets.get(member) is ws:
+                del self._sockets[member]
+            await ws.close(code=WSCloseCode.POLICY_VIOLATION, message=b"this incarnation has no more say")
+            return ws
         self.state.connected(member, time.time())
         self._advance()
         try:
             async for message in ws:
+                # no await from this check to the state's: a leave (which retires this socket) cannot come between
                 if self._stopping or self._sockets.get(member) is not ws:
                     break
                 if message.type != WSMsgType.TEXT:
                     await ws.send_json({"type": "error", "error": "heartbeats must be JSON text messages"})
                     continue
+                heal_error: str | None = None
+                refused: str | None = None
                 try:
                     report = json.loads(message.data)
                     heal_error = self.metrics.take_heal_report(member, self.state.incarnation(member), report)
-                    if heal_error is not None:
-                        await ws.send_json({"type": "error", "error": heal_error})
                     applied_step, digest, weights = parse_report(report)
                     self.state.heartbeat(member, applied_step, time.time(), digest, weights)
                 except (ValueError, RecursionError, RequestError) as error:
-                    text = error.message if isinstance(error, RequestError) else f"not JSON: {error}"
-                    await ws.send_json({"type": "error", "error": text})
+                    refused = error.message if isinstance(error, RequestError) else f"not JSON: {error}"
+                for text in (heal_error, refused):
+                    if text is not None:
+                        await ws.send_json({"type": "error", "error": text})
+                if refused is not None:
                     continue
                 quorum = self.state.quorum
                 if quorum is not None and self.state.should_reconfigure(member):
@@ -602,12 +620,23 @@ class Lighthouse:
         applied_step = parse_step(body["applied_step"]) if "applied_step" in body else None
         digest = parse_digest(body.get("digest"))
         weights = parse_weights(body.get("weights"))
-        self._authenticate(request, member)
+        try:
+            self._authenticate(request, member)
+        except RequestError as error:
+            if error.details.get("code") == "left":
+                return web.json_response({"ok": True})  # a retried leave: it left already
+            raise
         self.state.leave(member, time.time(), applied_step, digest, weights)
+        # its socket closing next is no failure: retire it now, so neither a heartbeat still on the way nor the
+        # close counts (the incarnation's secret is refused from now on, 410 "left")
+        socket = self._sockets.pop(member, None)
+        if socket is not None and not socket.closed:
+            closing = socket.close(code=WSCloseCode.OK, message=b"left")
+            asyncio.get_running_loop().create_task(closing).add_done_callback(_consume)
         self._advance()
         for waiter in self._waiters.get(member, []):
             if not waiter.done():
-                waiter.set_result(RequestError(410, f"member {member!r} left", member=member))
+                waiter.set_result(RequestError(410, f"member {member!r} left", member=member, code="left"))
         return web.json_response({"ok": True})
 
     async def _checkpoint(self, request: web.Request) -> web.Response:
@@ -621,11 +650,14 @@ class Lighthouse:
 
     async def _register(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
-        if not isinstance(body, dict) or set(body) != {"member", "incarnation"}:
-            raise RequestError(400, f'the body must be {{"member": str, "incarnation": str}}, got {body!r}')
+        if not isinstance(body, dict) or not {"member", "incarnation"} <= set(body) <= _REGISTER_FIELDS:
+            raise RequestError(
+                400, f'the body must be {{"member": str, "incarnation": str, "plan"?: {{...}}}}, got {body!r:.300}'
+            )
         member = parse_member(body["member"])
+        plan = parse_plan(body.get("plan"))
         previous = self.state.incarnation(member)
-        secret = self.state.register(member, body["incarnation"], time.time())
+        secret = self.state.register(member, body["incarnation"], time.time(), plan)
         if previous is not None:
             self._retire(member, previous)
         self._advance()
@@ -645,8 +677,16 @@ class Lighthouse:
                 waiter.set_result(refused)
 
     def _authenticate(self, request: web.Request, member: str) -> None:
-        """403 unless the request carries ``member``'s current incarnation and secret."""
+        """403 unless the request carries ``member``'s current incarnation and secret (410 once it left)."""
         self.state.authenticate(member, request.headers.get(INCARNATION_HEADER), request.headers.get(SECRET_HEADER))
+
+    def _speaks(self, request: web.Request, member: str) -> bool:
+        """Whether the request's incarnation still speaks for ``member`` (not replaced, not left)."""
+        try:
+            self._authenticate(request, member)
+        except RequestError:
+            return False
+        return True
 
     def _store_host(self, request: web.Request) -> str:
         """The store's address as the caller can reach it: the bound host, or the one it called when wildcard."""
@@ -667,7 +707,7 @@ def recommended_heartbeat_interval(members: int, heartbeat_timeout: float) -> fl
     return min(heartbeat_timeout / 4, members / HEARTBEATS_PER_SECOND)
 
 
-def _consume(task: asyncio.Task[None]) -> None:
+def _consume(task: asyncio.Task[Any]) -> None:
     """Retrieve a push's outcome: a member whose socket closed meanwhile misses it, and nothing else happens."""
     if not task.cancelled():
         task.exception()

@@ -10,10 +10,16 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+from stalwart.data.plan import EpochPlan
+
 REASONS = ("join", "failure", "reconfigure")
+PLAN_FIELDS = tuple(f.name for f in fields(EpochPlan))
+"""The fields of a plan on the wire: ``EpochPlan``'s, as ``EpochPlan.to_dict()`` writes them."""
+MAX_PLAN_INT = 1 << 62
+"""Largest integer a plan field may hold on the wire (positions are int64 in the ledger)."""
 _MEMBER_PATTERN = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")
 _DIGEST_PATTERN = re.compile(r"[0-9a-f]{32}")
 
@@ -73,6 +79,43 @@ def parse_weights(value: Any, name: str = "weights") -> dict[str, Any] | None:
             raise RequestError(400, f"{name}['weights'][{member!r}] must be an int >= 1, got {weight!r}", field=name)
         weights[member] = weight
     return {"step": parse_step(value["step"], f"{name}['step']"), "weights": weights}
+
+
+def parse_plan(value: Any, name: str = "plan") -> EpochPlan | None:
+    """Return the :class:`EpochPlan` a member offers (its ``to_dict()`` fields, every one), or None.
+
+    ``EpochPlan``'s own validation checks types and ranges; integers above
+    ``MAX_PLAN_INT`` are refused first. Anything else is ``RequestError`` 400
+    naming the field and the value.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise RequestError(
+            400, f"{name} must be an object of the fields {list(PLAN_FIELDS)}, got {value!r:.200}", field=name
+        )
+    unknown = sorted(str(key) for key in set(value) - set(PLAN_FIELDS))
+    missing = [key for key in PLAN_FIELDS if key not in value]
+    if unknown or missing:
+        raise RequestError(
+            400,
+            f"{name} must have exactly the fields {list(PLAN_FIELDS)}; unknown {unknown}, missing {missing}",
+            field=name,
+        )
+    for key in PLAN_FIELDS:
+        item = value[key]
+        if isinstance(item, int) and not isinstance(item, bool) and item > MAX_PLAN_INT:
+            raise RequestError(400, f"{name}['{key}'] must be at most {MAX_PLAN_INT}, got {item}", field=name)
+    try:
+        return EpochPlan(**{key: value[key] for key in PLAN_FIELDS})
+    except (TypeError, ValueError) as error:
+        raise RequestError(400, f"{name} is not a valid plan: {error}", field=name) from None
+
+
+def plan_differences(ours: EpochPlan, theirs: EpochPlan) -> dict[str, dict[str, Any]]:
+    """``{field: {"lighthouse": ours, "member": theirs}}`` for each field where the two plans differ."""
+    mine, offered = ours.to_dict(), theirs.to_dict()
+    return {key: {"lighthouse": mine[key], "member": offered[key]} for key in PLAN_FIELDS if mine[key] != offered[key]}
 
 
 def parse_report(body: Any) -> tuple[int, str | None, dict[str, Any] | None]:
