@@ -1,9 +1,13 @@
-"""The GPT example's parts (stalwart.launch.gpt)."""
+"""The GPT example's parts (stalwart.launch.gpt) and its plain DDP script (examples/gpt_ddp.py) under torchrun."""
 
 from __future__ import annotations
 
 import math
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -271,3 +275,28 @@ def test_evaluate_is_the_mean_over_the_first_windows_without_gradients_and_resto
     assert not model.training
     with pytest.raises(ValueError, match="batch_size must be an int >= 1, got 0"):
         evaluate(model, val, 1, 0, torch.device("cpu"))
+
+
+def test_the_ddp_script_trains_under_torchrun_and_rank_0_alone_logs_and_saves(tmp_path: Path) -> None:
+    """2 Gloo processes, 12 steps of 8 windows (2 micro-batches of 2 per rank): the saved model's validation
+    loss is below the initial model's, and rank 0 alone printed the 2 validation losses."""
+    script = Path(__file__).resolve().parents[1] / "examples" / "gpt_ddp.py"
+    output = tmp_path / "gpt.pt"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", str(script),
+    ]  # fmt: skip
+    settings = {"GPT_STEPS": "12", "GPT_GLOBAL_BATCH": "8", "GPT_MICRO_BATCH": "2", "GPT_EVAL_EVERY": "6"}
+    environment = {**os.environ, **settings, "GPT_OUTPUT": str(output), "OMP_NUM_THREADS": "1"}
+    environment["GLOO_SOCKET_IFNAME"] = "lo"
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=environment)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert re.findall(r"^step (\d+): val loss", result.stdout, re.MULTILINE) == ["6", "12"], result.stdout
+    saved = torch.load(output, weights_only=True)
+    config = GPTConfig(**saved["config"])
+    trained = GPT(config)
+    trained.load_state_dict(saved["model"])
+    _, val = text_datasets(config.block_size)
+    device = torch.device("cpu")
+    initial, final = evaluate(seeded_model(config), val, 20, 8, device), evaluate(trained, val, 20, 8, device)
+    assert final < initial - 0.5, (initial, final)
