@@ -103,7 +103,7 @@ def test_bad_arguments_are_refused_naming_the_parameter(call, named: str) -> Non
         call()
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     characters=st.integers(100, 3000),
     block_size=st.integers(1, 40),
@@ -114,7 +114,13 @@ def test_windows_are_the_corpus_shifted_by_one_and_train_and_validation_share_no
     characters: int, block_size: int, validation_fraction: float, seed: int
 ) -> None:
     tokens = encode(generate_corpus(characters, seed))
+    split = round(characters * (1 - validation_fraction))
+    if min(split, characters - split) < block_size + 1:
+        with pytest.raises(ValueError, match=rf"part has \d+ tokens, fewer than block_size \+ 1 = {block_size + 1}"):
+            text_datasets(block_size, characters=characters, seed=seed, validation_fraction=validation_fraction)
+        return
     train, val = text_datasets(block_size, characters=characters, seed=seed, validation_fraction=validation_fraction)
+    assert len(train.tokens) == split
     split = len(train.tokens)
     assert torch.equal(train.tokens, tokens[:split]) and torch.equal(val.tokens, tokens[split:])
     for dataset, offset in ((train, 0), (val, split)):
@@ -252,7 +258,7 @@ def test_activation_checkpointing_recomputes_the_blocks_and_gives_the_same_gradi
         model.blocks[0].register_forward_pre_hook(lambda *_, calls=calls: calls.__setitem__(0, calls[0] + 1))
         _, loss = model(inputs, targets)
         loss.backward()
-        results[flag] = (float(loss), {name: p.grad for name, p in model.named_parameters()}, calls[0])
+        results[flag] = (loss.item(), {name: p.grad for name, p in model.named_parameters()}, calls[0])
     assert results[False][2] == 1 and results[True][2] == 2, "checkpointed: the block runs again in backward"
     assert results[True][0] == results[False][0]
     for name, gradient in results[False][1].items():
@@ -262,12 +268,12 @@ def test_activation_checkpointing_recomputes_the_blocks_and_gives_the_same_gradi
 def test_evaluate_is_the_mean_over_the_first_windows_without_gradients_and_restores_the_mode() -> None:
     model = seeded_model()
     _, val = text_datasets(SMALL.block_size, characters=8000)
-    expected = sum(float(model(*batch_of(val, [index]))[1]) for index in range(12)) / 12
+    expected = sum(model(*batch_of(val, [index]))[1].item() for index in range(12)) / 12
     assert evaluate(model, val, 3, 4, torch.device("cpu")) == pytest.approx(expected, rel=1e-6)
     assert evaluate(model, val, 12, 1, torch.device("cpu")) == pytest.approx(expected, rel=1e-6)
     assert len(val) < 1000
     whole = evaluate(model, val, 1000, 7, torch.device("cpu"))
-    everything = sum(float(model(*batch_of(val, [index]))[1]) for index in range(len(val))) / len(val)
+    everything = sum(model(*batch_of(val, [index]))[1].item() for index in range(len(val))) / len(val)
     assert whole == pytest.approx(everything, rel=1e-6)
     assert model.training and all(p.grad is None for p in model.parameters())
     model.eval()

@@ -208,6 +208,12 @@ def text_datasets(
         raise ValueError(f"validation_fraction must lie in (0, 1), got {validation_fraction!r}")
     tokens = encode(generate_corpus(characters, seed))
     split = round(len(tokens) * (1 - validation_fraction))
+    for part, length in (("training", split), ("validation", len(tokens) - split)):
+        if length < block_size + 1:
+            raise ValueError(
+                f"the {part} part has {length} tokens, fewer than block_size + 1 = {block_size + 1}: raise "
+                f"characters (got {characters}) or change validation_fraction (got {validation_fraction})"
+            )
     return TextWindows(tokens[:split], block_size), TextWindows(tokens[split:], block_size)
 
 
