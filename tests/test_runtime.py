@@ -193,10 +193,11 @@ def test_two_of_three_killed_at_once_with_min_replicas_2_restart_and_the_job_end
         while any(cluster.processes[w].poll() is None for w in (1, 2)) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert [cluster.processes[w].returncode for w in (1, 2)] == [-signal.SIGKILL] * 2
+        since = latest_quorum(server)
         for worker in (1, 2):
             cluster.start(worker)
         for worker in (1, 2):
-            wait_until_asking(server, f"worker-{worker}", cluster)
+            wait_until_asking(server, f"worker-{worker}", cluster, since)
         cluster.release()
         wait_for(cluster)
         status = server.status()

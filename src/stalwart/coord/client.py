@@ -50,6 +50,7 @@ from stalwart.coord.hosted_ledger import ledger_digest
 from stalwart.coord.wire import QuorumRequest, RequestError, check_seconds, parse_member
 from stalwart.data.ledger import DataLedger
 from stalwart.data.plan import EpochPlan
+from stalwart.errors import StalwartError
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ Report = int | tuple[int, str | None] | tuple[int, str | None, dict[str, Any] | 
 or ``(applied_step, digest, weights record or None)`` (a balanced ledger's ``weights_record()``)."""
 
 
-class LighthouseError(RuntimeError):
+class LighthouseError(StalwartError, RuntimeError):
     """The lighthouse refused a request: ``status`` and the JSON ``body`` (``body["error"]`` says why)."""
 
     def __init__(self, status: int, body: Mapping[str, Any]) -> None:
@@ -83,11 +84,11 @@ class LighthouseError(RuntimeError):
         self.body = dict(body)
 
 
-class LighthouseUnreachable(ConnectionError):
+class LighthouseUnreachable(StalwartError, ConnectionError):
     """Nothing answered at the lighthouse's address within the time allowed (the message names both)."""
 
 
-class StaleAnswer(ValueError):
+class StaleAnswer(StalwartError, ValueError):
     """A wire-2 answer's delta does not apply to the answer the member holds: ask again for the whole answer."""
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from stalwart.data.plan import EpochPlan
+from stalwart.errors import StalwartError
 
 REASONS = ("join", "failure", "reconfigure")
 PLAN_FIELDS = tuple(f.name for f in fields(EpochPlan))
@@ -24,7 +25,7 @@ _MEMBER_PATTERN = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")
 _DIGEST_PATTERN = re.compile(r"[0-9a-f]{32}")
 
 
-class RequestError(ValueError):
+class RequestError(StalwartError, ValueError):
     """A request the lighthouse refuses: ``status`` is the HTTP status, ``details`` go into the JSON body."""
 
     def __init__(self, status: int, message: str, **details: Any) -> None:

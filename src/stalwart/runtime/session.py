@@ -47,6 +47,8 @@ REPLICATED = "replicated"
 _LEADER_POLL = 0.05
 """Seconds between two looks at the store while the leader runs its own work."""
 
+PLAN_REFUSALS = ("plan_mismatch", "no_plan")
+"""The ``code`` of a lighthouse's answer refusing a member's plan (docs/protocol.md)."""
 Report = tuple[int, str | None, dict[str, Any] | None]
 """``(applied_step, ledger digest, weights record)``: what the heartbeat reports."""
 
@@ -186,7 +188,7 @@ class QuorumSession:
                 f"{self.member}: no quorum formed within {self.timeouts.describe('quorum_timeout')}: {error}"
             ) from error
         except LighthouseError as error:
-            if error.body.get("plan") is not None:
+            if error.body.get("code") in PLAN_REFUSALS:
                 raise PlanMismatchError(f"{self.member}: the lighthouse refused this worker's plan: {error}") from None
             if error.status != 409:
                 raise
@@ -423,7 +425,9 @@ def _connect_client(
     timeouts: Timeouts,
 ) -> LighthouseClient:
     """A lighthouse client that has reached the lighthouse (within ``connect_timeout``)."""
-    client = LighthouseClient(lighthouse, member, token=token, heartbeat_interval=transport.heartbeat_interval)
+    client = LighthouseClient(
+        lighthouse, member, token=token, heartbeat_interval=transport.heartbeat_interval, plan=plan
+    )
     try:
         client.wait_reachable(timeouts.connect_timeout)
     except LighthouseUnreachable as error:
