@@ -42,7 +42,9 @@ scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_schedule(WARMUP_
 scaler = torch.amp.GradScaler(device.type, enabled=device.type == "cuda")  # fp16 needs loss scaling, bf16 not
 
 
-def log(step, val_loss):
+def log(step):
+    """The validation loss after ``step`` steps, and the learning rate."""
+    val_loss = evaluate(model, val, EVAL_BATCHES, MICRO_BATCH, device)
     print(f"step {step}: val loss {val_loss:.4f}, lr {scheduler.get_last_lr()[0]:.2e}", flush=True)
 
 
@@ -83,7 +85,7 @@ for step, micro_batches in enumerate(itertools.islice(step_batches(), MAX_STEPS)
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     if step % EVAL_EVERY == 0 and is_leader:
-        log(step, evaluate(model, val, EVAL_BATCHES, MICRO_BATCH, device))
+        log(step)
 if is_leader:
     os.makedirs(os.path.dirname(OUTPUT) or ".", exist_ok=True)
     torch.save({"config": asdict(config), "model": model.state_dict()}, OUTPUT)

@@ -1,21 +1,21 @@
 """A complete training script under stalwart: run one copy per worker against a lighthouse.
 
-    stalwart lighthouse --port 29510 --min-replicas 2 --dataset-size 1024 --global-batch 64 &
-    WORKER_NAME=w0 python examples/train.py &
-    WORKER_NAME=w1 python examples/train.py
+    stalwart lighthouse --port 29510 --min-replicas 2 &
+    export STALWART_LIGHTHOUSE=http://127.0.0.1:29510
+    STALWART_MEMBER=w0 python examples/train.py &
+    STALWART_MEMBER=w1 python examples/train.py
 
 Kill either worker (``kill -9``) and start it again: the other one carries its
 share of the step, the restarted one is healed and training goes on with every
-step's 64 samples. ``STALWART_LIGHTHOUSE`` overrides the lighthouse's URL and
-``STALWART_LIGHTHOUSE_TOKEN`` gives its token when it has one (the Manager reads it).
+step's 64 samples. The Manager reads the lighthouse's URL from ``STALWART_LIGHTHOUSE``, this
+worker's name from ``STALWART_MEMBER`` and the token (when the lighthouse
+has one) from ``STALWART_LIGHTHOUSE_TOKEN``.
 """
-
-import os
 
 import torch
 from torch.utils.data import TensorDataset
 
-from stalwart import ElasticLoader, Manager
+from stalwart import ElasticLoader, EpochPlan, Manager
 
 generator = torch.Generator().manual_seed(0)
 dataset = TensorDataset(torch.randn(1024, 16, generator=generator), torch.randint(0, 4, (1024,), generator=generator))
@@ -26,9 +26,8 @@ loss_fn = torch.nn.CrossEntropyLoss()
 manager = Manager(
     model,
     optimizer,
-    lighthouse=os.environ.get("STALWART_LIGHTHOUSE", "http://127.0.0.1:29510"),
-    member=os.environ["WORKER_NAME"],
     max_microbatch=32,
+    plan=EpochPlan(len(dataset), 64),  # 64 samples every step, whatever the number of workers
 )
 loader = ElasticLoader(dataset)
 for step in manager.steps(loader, max_steps=100):

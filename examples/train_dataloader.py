@@ -1,8 +1,9 @@
 """examples/train.py with your own DataLoader: ``ManagedDistributedSampler(manager, dataset)`` as its batch sampler.
 
-    stalwart lighthouse --port 29510 --min-replicas 2 --dataset-size 1024 --global-batch 64 &
-    WORKER_NAME=w0 python examples/train_dataloader.py &
-    WORKER_NAME=w1 python examples/train_dataloader.py
+    stalwart lighthouse --port 29510 --min-replicas 2 &
+    export STALWART_LIGHTHOUSE=http://127.0.0.1:29510
+    STALWART_MEMBER=w0 python examples/train_dataloader.py &
+    STALWART_MEMBER=w1 python examples/train_dataloader.py
 
 The DataLoader keeps its worker processes, ``pin_memory`` and
 ``prefetch_factor``; each batch it yields is a micro-batch the Manager planned
@@ -12,12 +13,10 @@ share, loads the positions it took over, and the step still trains on its 64
 samples, each once. ``step.epoch_end`` steps the epoch-wise LR scheduler.
 """
 
-import os
-
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from stalwart import ManagedDistributedSampler, Manager
+from stalwart import EpochPlan, ManagedDistributedSampler, Manager
 
 generator = torch.Generator().manual_seed(0)
 dataset = TensorDataset(torch.randn(1024, 16, generator=generator), torch.randint(0, 4, (1024,), generator=generator))
@@ -29,9 +28,8 @@ loss_fn = torch.nn.CrossEntropyLoss()
 manager = Manager(
     model,
     optimizer,
-    lighthouse=os.environ.get("STALWART_LIGHTHOUSE", "http://127.0.0.1:29510"),
-    member=os.environ["WORKER_NAME"],
     max_microbatch=16,
+    plan=EpochPlan(len(dataset), 64),  # 64 samples every step, whatever the number of workers
 )
 manager.register_state("lr_scheduler", scheduler)  # healed with the model, like the optimizer
 sampler = ManagedDistributedSampler(manager, dataset)

@@ -1,8 +1,9 @@
 """Fault-tolerant HSDP: each replica group shards its model with FSDP2, stalwart replicates across groups.
 
-    stalwart lighthouse --port 29510 --min-replicas 2 --dataset-size 1024 --global-batch 64 &
-    WORKER_NAME=group-a torchrun --standalone --nproc-per-node 2 examples/train_hsdp.py &
-    WORKER_NAME=group-b torchrun --standalone --nproc-per-node 2 examples/train_hsdp.py
+    stalwart lighthouse --port 29510 --min-replicas 2 &
+    export STALWART_LIGHTHOUSE=http://127.0.0.1:29510
+    STALWART_MEMBER=group-a torchrun --standalone --nproc-per-node 2 examples/train_hsdp.py &
+    STALWART_MEMBER=group-b torchrun --standalone --nproc-per-node 2 examples/train_hsdp.py
 
 Each torchrun launch is one replica group: its processes ``fully_shard`` the
 model over their own mesh (FSDP2 reduce-scatters gradients inside the group),
@@ -14,15 +15,13 @@ script on the same number of processes. On GPUs, run one process per GPU
 (torchrun's ``LOCAL_RANK`` picks it).
 """
 
-import os
-
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import TensorDataset
 
-from stalwart import ElasticLoader, Manager, ReplicaGroup, WorldInfo
+from stalwart import ElasticLoader, EpochPlan, Manager, ReplicaGroup, WorldInfo
 from stalwart.runtime.comm import default_device
 
 device = default_device()  # cuda:LOCAL_RANK when CUDA is available, else the CPU
@@ -42,9 +41,8 @@ loss_fn = torch.nn.CrossEntropyLoss()
 manager = Manager(
     model,
     optimizer,
-    lighthouse=os.environ.get("STALWART_LIGHTHOUSE", "http://127.0.0.1:29510"),
-    member=os.environ["WORKER_NAME"],
     max_microbatch=16,
+    plan=EpochPlan(len(dataset), 64),
     group=ReplicaGroup(WorldInfo.from_env()),  # this process's rank in its group: the group's share is split by it
     device=device,
 )

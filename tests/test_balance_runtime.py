@@ -21,8 +21,8 @@ import torch
 from stalwart.coord.server import Lighthouse
 from stalwart.data.plan import EpochPlan
 from stalwart.launch.cluster import LocalCluster
-from stalwart.launch.digits import reference_run
 from stalwart.launch.report import audit_steps, committed_steps, planned_total
+from stalwart.launch.tasks import reference_run
 
 STEPS = 12
 PLAN = EpochPlan(1797, 48, seed=0, local_batch_multiple=4)

@@ -19,7 +19,7 @@ from test_runtime import LONG_STEPS, PLAN, WORKERS, check_job, wait_for, worker_
 
 from stalwart.coord.server import Lighthouse
 from stalwart.launch.cluster import LocalCluster, latest_step
-from stalwart.launch.digits import reference_run
+from stalwart.launch.tasks import reference_run
 
 TIMEOUT = 240.0
 

@@ -23,8 +23,9 @@ import torch
 from stalwart.coord.server import Lighthouse
 from stalwart.data.plan import EpochPlan
 from stalwart.launch.cluster import LocalCluster
-from stalwart.launch.digits import digits_dataset, digits_model, digits_optimizer, mean_loss, reference_run
+from stalwart.launch.digits import digits_dataset, digits_model, digits_optimizer, mean_loss
 from stalwart.launch.report import audit_steps, committed_steps, planned_total
+from stalwart.launch.tasks import reference_run
 from stalwart.runtime.consistency import (
     DRIFT_SLOTS,
     AuditError,

@@ -28,8 +28,9 @@ from stalwart.data.plan import EpochPlan
 from stalwart.data.shards import InMemoryShard, ShardedDataset
 from stalwart.data.streaming import ShardedStream
 from stalwart.launch.cluster import LocalCluster
-from stalwart.launch.digits import digits_dataset, digits_rows_collate, reference_run, write_digits_shards
+from stalwart.launch.digits import digits_dataset, digits_rows_collate, write_digits_shards
 from stalwart.launch.report import audit_steps, committed_steps, loader_audit_mismatches, planned_total
+from stalwart.launch.tasks import reference_run
 from stalwart.runtime.loader import ElasticLoader
 
 STEPS = 10

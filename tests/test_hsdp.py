@@ -24,8 +24,8 @@ import torch
 from stalwart.coord.server import Lighthouse
 from stalwart.data.plan import EpochPlan
 from stalwart.launch.cluster import latest_step
-from stalwart.launch.digits import reference_run
 from stalwart.launch.report import audit_steps, committed_steps, planned_total
+from stalwart.launch.tasks import reference_run
 from tests.support import wait_until
 from tests.test_replica_groups import PARAM_TOLERANCE, PLAN, STEPS, end_group, launch_group  # launch_group runs STEPS
 

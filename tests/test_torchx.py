@@ -40,8 +40,8 @@ from torchx.specs.builders import materialize_appdef
 
 from stalwart.data.plan import EpochPlan
 from stalwart.launch.cluster import read_status
-from stalwart.launch.digits import reference_run
 from stalwart.launch.report import audit_steps, committed_steps, planned_total
+from stalwart.launch.tasks import reference_run
 from stalwart.torchx import STATE_MOUNT, TOKEN_VARIABLE, job
 from tests.support import wait_until
 from tests.test_deploy import typed

@@ -44,8 +44,8 @@ if not torch.cuda.is_available():
 from stalwart.coord.server import Lighthouse
 from stalwart.data.plan import EpochPlan
 from stalwart.launch.cluster import LocalCluster
-from stalwart.launch.digits import reference_run
 from stalwart.launch.report import audit_steps, committed_steps, planned_total
+from stalwart.launch.tasks import reference_run
 from stalwart.runtime.comm import NCCL_ENVIRONMENT, CollectiveError, Communicator, nccl_environment, quorum_store
 from tests.test_hsdp import PLAN as HSDP_PLAN
 from tests.test_hsdp import kill_restart_and_heal

@@ -1,4 +1,4 @@
-"""``stalwart demo``: train the digits MLP on a local cluster while a chaos schedule kills workers."""
+"""``stalwart demo``: train the digits MLP or a GPT on a local cluster while a chaos schedule kills workers."""
 
 from __future__ import annotations
 
@@ -25,19 +25,17 @@ from stalwart.launch.cluster import (
     read_status,
     worker_events,
 )
-from stalwart.launch.digits import OPTIMIZERS, digits_dataset, reference_run
 from stalwart.launch.driver import ChaosDriver
 from stalwart.launch.driver import Progress as DriverProgress
 from stalwart.launch.report import RunReport, build_report, committed_steps, plot_report, write_audit
+from stalwart.launch.tasks import TASKS, reference_run
 from stalwart.redundancy.config import parse_parity
 
 
 @click.command("demo")
 @click.option("--workers", type=click.IntRange(1, 64), default=4, show_default=True, help="Worker processes.")
 @click.option("--steps", type=click.IntRange(1, 100_000), default=60, show_default=True, help="Steps to commit.")
-@click.option(
-    "--global-batch", type=click.IntRange(1, 1797), default=64, show_default=True, help="Samples in every step."
-)
+@click.option("--global-batch", type=click.IntRange(1), default=64, show_default=True, help="Samples in every step.")
 @click.option(
     "--multiple", type=click.IntRange(1), default=1, show_default=True, help="Each share is a multiple of this."
 )
@@ -109,10 +107,17 @@ from stalwart.redundancy.config import parse_parity
 @click.option("--parity", default=None, help="Shard the optimizer state with K,M parity (7,1 like RAID-5).")
 @click.option(
     "--optimizer",
-    type=click.Choice(sorted(OPTIMIZERS)),
+    type=click.Choice(["adam", "adamw", "sgd"]),
     default="adam",
     show_default=True,
-    help="The workers' optimizer (and the reference's).",
+    help="The workers' optimizer (and the reference's); a GPT's is over weight-decay groups.",
+)
+@click.option(
+    "--model",
+    type=click.Choice(sorted(TASKS)),
+    default="digits",
+    show_default=True,
+    help="The task: the digits MLP, or a small GPT on a generated corpus (AdamW groups, cosine LR, clipping).",
 )
 def demo_command(
     workers: int,
@@ -137,6 +142,7 @@ def demo_command(
     overlap: float | None,
     parity: str | None,
     optimizer: str,
+    model: str,
 ) -> None:
     """Train with failures injected, then report constant batch, exactly-once data and parameter drift.
 
@@ -151,12 +157,18 @@ def demo_command(
         )
     redundancy_args = _redundancy_args(overlap, parity, workers)
     planned = _planned_kills(kills, workers, steps, mtbf, console)
-    plan = EpochPlan(len(digits_dataset()), global_batch, seed=seed, local_batch_multiple=multiple)
+    dataset_size = len(TASKS[model].dataset())  # type: ignore[arg-type]
+    if global_batch > dataset_size:
+        raise click.BadParameter(
+            f"must be at most the {model} training set's {dataset_size} samples, got {global_batch}",
+            param_hint="--global-batch",
+        )
+    plan = EpochPlan(dataset_size, global_batch, seed=seed, local_batch_multiple=multiple)
     run_dir = _prepare_run_dir(run_dir)
     lighthouse = None
     worker_args = ["--max-steps", str(steps), "--max-microbatch", str(max_microbatch), "--seed", str(seed)]
     worker_args += ["--step-seconds", str(step_seconds), "--collective-timeout", str(heartbeat_timeout)]
-    worker_args += ["--optimizer", optimizer, *redundancy_args]
+    worker_args += ["--optimizer", optimizer, "--model", model, *redundancy_args]
     if token:
         worker_args += ["--token", token]
     previous_handlers = _raise_on_termination()
@@ -205,7 +217,7 @@ def demo_command(
         for line in errors:
             console.print(f"[red]{line}[/]", highlight=False)
         raise click.ClickException(f"the workers stopped after {driver.progress.committed} of {steps} steps")
-    reference = reference_run(plan, steps, seed, optimizer_name=optimizer) if compare else None
+    reference = reference_run(plan, steps, seed, optimizer_name=optimizer, task=model) if compare else None
     report = build_report(plan, run_dir, cluster.failures, reference, driver.events)
     write_audit(plan, run_dir / "audit", committed_steps(run_dir))
     _print(report, console)

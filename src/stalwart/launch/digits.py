@@ -6,8 +6,7 @@ JSON-lines shards and :func:`digits_source` reads it back through
 :class:`~stalwart.data.shards.ShardedDataset` or Hugging Face ``datasets``, in
 the same index order, so a run over shards trains exactly as over memory.
 The model is seeded, so every worker starts from the same parameters; the
-loss is summed over samples, as the Manager divides the reduced gradient by
-the step's sample count.
+loss is the micro-batch's mean, as a user's loop under the Manager has it.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
-from stalwart.data.plan import EpochPlan
 from stalwart.data.shards import ShardedDataset
 
 SOURCE_KINDS = ("digits", "parquet", "hf", "hf-iterable")
@@ -135,41 +133,3 @@ def mean_loss(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> torch.Te
     """Cross-entropy, the mean over the micro-batch (torch's default reduction)."""
     features, labels = batch
     return torch.nn.functional.cross_entropy(model(features), labels)
-
-
-def reference_run(
-    plan: EpochPlan,
-    steps: int,
-    seed: int = 0,
-    lr: float = DEFAULT_LR,
-    optimizer_name: str = "adam",
-    clip: float | None = None,
-) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Train without failures in this process: each step on the plan's samples, mean gradient.
-
-    ``clip``: clip the gradient's global norm to it before each update.
-    Returns the final parameters and the loss of each step. Any failure-free
-    or failure-transparent distributed run of the same plan computes the same
-    steps, up to the order in which floating-point sums are taken.
-    """
-    dataset = digits_dataset()
-    model = digits_model(seed)
-    optimizer = OPTIMIZERS[optimizer_name](model, lr)
-    scheduler = digits_scheduler(optimizer)
-    losses = []
-    epoch, epoch_step = 0, 0
-    for _ in range(steps):
-        if epoch_step >= plan.steps_per_epoch:
-            epoch, epoch_step = epoch + 1, 0
-        indices = plan.indices(epoch, plan.step_start(epoch_step), plan.step_start(epoch_step + 1))
-        features, labels = dataset[torch.from_numpy(indices)]
-        loss = mean_loss(model, (features, labels))
-        optimizer.zero_grad()
-        loss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-        scheduler.step()
-        losses.append(float(loss.detach()))
-        epoch_step += 1
-    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}, losses

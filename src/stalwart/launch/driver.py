@@ -8,7 +8,9 @@ survivors train ``HOLD_LEAD`` more steps without it, then the job is *held*
 until the revived worker asks the lighthouse to join, so that it rejoins
 however long its start-up takes; the hold is bounded by ``rejoin_limit``.
 The job is also held at each planned failure's step until the signal is
-sent, so that ``--kill STEP:WORKER`` lands at that step however fast steps are.
+sent, so that ``--kill STEP:WORKER`` lands at that step however fast steps are
+(after the rejoin of a worker revived earlier, so that failures planned at
+different steps never overlap).
 Random failures (``mtbf``) are timed on a clock that runs only while the job
 trains (not during start-up or holds), and hit workers that are in the
 quorum, so that a worker is never killed again while it is still starting.
@@ -126,6 +128,14 @@ class ChaosDriver:
     # --- failures --------------------------------------------------------------------------------
 
     def _fire_planned(self, committed: int) -> None:
+        """Send the planned failures that are due, once no revived worker is still rejoining.
+
+        A failure landing in another's repair (a rejoin and its reshard) is two
+        failures at once, which parity of one does not cover: the job is held at
+        the planned step until the rejoin ends, then the signal goes.
+        """
+        if self._waiting:
+            return
         due = [kill for kill in self.planned if kill.step <= committed]
         self.planned[:] = [kill for kill in self.planned if kill not in due]
         for kill in due:

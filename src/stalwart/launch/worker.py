@@ -1,4 +1,4 @@
-"""One worker process of the local cluster: trains the digits task under a Manager.
+"""One worker process of the local cluster: trains a task (``--model``: the digits MLP, a GPT) under a Manager.
 
 Started by torchrun (``RANK``/``WORLD_SIZE`` set), the processes of one launch
 form a replica group named ``--member`` and split the group's share.
@@ -80,21 +80,15 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
 
 from stalwart.coord.client import LighthouseError, LighthouseUnreachable
 from stalwart.data.sampler import ManagedDistributedSampler
 from stalwart.data.shards import ShardError
 from stalwart.data.world import WorldInfo
 from stalwart.errors import JobFinishedError, PlanMismatchError, ShardingMismatchError, StateLostError
-from stalwart.launch.digits import (
-    DEFAULT_LR,
-    OPTIMIZERS,
-    digits_model,
-    digits_scheduler,
-    digits_source,
-    mean_loss,
-)
+from stalwart.launch.digits import digits_source
+from stalwart.launch.tasks import TASKS, Task
 from stalwart.redundancy.config import Overlap, parse_parity
 from stalwart.redundancy.layout import ShardsLostError
 from stalwart.runtime.comm import default_device
@@ -198,8 +192,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="The address other workers reach this one on.")
     parser.add_argument("--seed", type=int, default=0, help="Model initialisation and sample transform seed.")
-    parser.add_argument("--lr", type=float, default=DEFAULT_LR, help="Adam's initial learning rate.")
-    parser.add_argument("--clip", type=float, default=None, help="Clip the gradient's global norm to this.")
+    parser.add_argument("--model", choices=sorted(TASKS), default="digits", help="The task: digits or a GPT.")
+    parser.add_argument("--lr", type=float, default=None, help="The initial learning rate (default: the task's).")
+    parser.add_argument("--clip", type=float, default=None, help="Clip the gradient's norm (default: the task's).")
     parser.add_argument("--checkpoint-dir", type=Path, default=None, help="Durable checkpoints go here.")
     parser.add_argument("--checkpoint-every", type=int, default=None, help="Checkpoint every this many steps.")
     parser.add_argument("--collective-timeout", type=float, default=None, help="Default: STALWART_COLLECTIVE_TIMEOUT.")
@@ -220,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
         "--overlap", type=float, default=None, help="Shard the optimizer state; each shard held by round(F*N) more."
     )
     redundancy.add_argument("--parity", type=parse_parity, default=None, help="Shard the optimizer state; K,M parity.")
-    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam", help="The optimizer.")
+    parser.add_argument("--optimizer", choices=("adam", "adamw", "sgd"), default="adam", help="The optimizer.")
     parser.add_argument("--node", default=None, help="This process's node label (default: the host name).")
     parser.add_argument("--hold-file", type=Path, default=None, help="Wait before steps >= the number it holds.")
     parser.add_argument(
@@ -282,14 +277,20 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
             events.write(event, step=step, quorum_id=manager.quorum_id, world_size=manager.world_size)
 
     device = default_device()
-    dataset, collate = digits_source(args.data)
+    task = TASKS[args.model]
+    if args.model == "digits":
+        dataset, collate = digits_source(args.data)
+    elif args.data != "digits":
+        raise SystemExit(f"--data {args.data!r} applies to --model digits only")
+    else:
+        dataset, collate = task.dataset(), default_collate
     elastic = ElasticLoader(dataset, collate_fn=collate, seed=args.seed) if args.loader == "elastic" else None
-    model = digits_model(args.seed).to(device)
+    model = task.model(args.seed).to(device)
     if args.fsdp:
         _fully_shard(model, group, device)
-    optimizer = OPTIMIZERS[args.optimizer](model, args.lr)
+    optimizer = task.optimizer(model, args.optimizer, task.lr if args.lr is None else args.lr)
     redundancy = args.parity if args.parity is not None else None if args.overlap is None else Overlap(args.overlap)
-    scheduler = digits_scheduler(optimizer)
+    scheduler = task.scheduler(optimizer, args.max_steps)
     timeouts = Timeouts.resolve(
         collective_timeout=args.collective_timeout,
         connect_timeout=args.connect_timeout,
@@ -324,7 +325,7 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
     )
     try:
         try:
-            _steps(args, manager, model, optimizer, scheduler, loader, elastic, name, kill_if)
+            _steps(args, task, manager, optimizer, scheduler, loader, elastic, name, kill_if)
         except JobFinishedError as error:
             events.write("joined_after_end", step=manager.ledger.step)
             print(f"stalwart worker {name}: {error}; nothing to do", file=sys.stderr)
@@ -353,8 +354,8 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
 
 def _steps(
     args: argparse.Namespace,
+    task: Task,
     manager: Manager,
-    model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     loader: ElasticLoader | DataLoader[Any],
@@ -363,7 +364,8 @@ def _steps(
     kill_if: Callable[[str, int], None],
 ) -> None:
     """The training loop: one JSON line per step to ``RUN_DIR/steps-NAME.jsonl``."""
-    device = manager.device
+    device, model = manager.device, manager.model
+    clip = task.clip if args.clip is None else args.clip
     with open(args.run_dir / f"steps-{name}.jsonl", "a", encoding="utf-8") as steps_file:
         for step in manager.steps(loader, max_steps=args.max_steps):
             number = manager.ledger.step
@@ -381,12 +383,12 @@ def _steps(
                     base_index = manager.get_data_loading_info().base_index
                 kill_if("before_forward", number)
                 time.sleep(args.sample_seconds * len(batch[0]))
-                loss = mean_loss(model, [tensor.to(device) for tensor in batch])
+                loss = task.loss(model, [tensor.to(device) for tensor in batch])
                 if args.kill_at == (number, "during_backward"):
                     loss.register_hook(lambda grad, step_number=number: kill_if("during_backward", step_number))
                 step.backward(loss)
-            if args.clip is not None:
-                clip_grad_norm(model, args.clip)
+            if clip is not None:
+                clip_grad_norm(model, clip)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)

@@ -105,11 +105,12 @@ class StepReport:
 class Manager:
     """Keeps one worker (or one replica group's process) in the quorum and runs its steps.
 
-    ``lighthouse`` is the lighthouse's URL, ``member`` this worker's name
-    there (its replica group's, when ``group`` says this process is one of
-    several launched together: the group's share is then split among its
-    processes by intra-group rank). ``token`` defaults to the
-    ``STALWART_LIGHTHOUSE_TOKEN`` environment variable. ``plan`` (an
+    ``lighthouse`` is the lighthouse's URL (default: the
+    ``STALWART_LIGHTHOUSE`` environment variable), ``member`` this worker's
+    name there (default: ``STALWART_MEMBER``; its replica group's, when
+    ``group`` says this process is one of several launched together: the
+    group's share is then split among its processes by intra-group rank).
+    ``token`` defaults to ``STALWART_LIGHTHOUSE_TOKEN``. ``plan`` (an
     :class:`~stalwart.data.plan.EpochPlan`: dataset size, global batch, seed,
     ``local_batch_multiple``) is offered to the lighthouse, which adopts it if
     it has none, and must equal the lighthouse's plan
@@ -152,9 +153,9 @@ class Manager:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         *,
-        lighthouse: str,
-        member: str,
         max_microbatch: int,
+        lighthouse: str | None = None,
+        member: str | None = None,
         token: str | None = None,
         plan: EpochPlan | None = None,
         redundancy: Redundancy | None = None,
@@ -168,6 +169,8 @@ class Manager:
         device: torch.device | None = None,
         on_event: Callable[[str, int], None] | None = None,
     ) -> None:
+        lighthouse = _from_environment("lighthouse", lighthouse, "STALWART_LIGHTHOUSE")
+        member = _from_environment("member", member, "STALWART_MEMBER")
         _check_arguments(model, optimizer, member, plan, checkpoint, reduction, checks, transport, timeouts, group)
         apply_thread_default()
         self.timeouts = timeouts or Timeouts.resolve()
@@ -237,6 +240,7 @@ class Manager:
         self._warned_no_update = False
         self._finished = False
         """The job's end was reached here (its last step, or a late join): ``close()`` then leaves cleanly."""
+        self._untrained_late_join = False
 
     # --- what the training loop reads ---------------------------------------------------------------
 
@@ -370,6 +374,11 @@ class Manager:
                     self._join(reason="join" if first else "reconfigure")
                     if first:
                         self._check_plan(loader)
+                    if self._untrained_late_join:
+                        raise JobFinishedError(
+                            f"the job had already committed its {self.ledger.step} steps when {self.member} joined, "
+                            "and no checkpoint holds the trained state: this worker's parameters are untrained"
+                        )
                 self._between_steps()
                 if self.ledger.step >= max_steps:
                     self._finish()
@@ -635,10 +644,7 @@ class Manager:
                 )
         elif outcome.job_finished:
             self._finished = True
-            raise JobFinishedError(
-                f"{self.member}: the job had already committed its {answer.applied_step} steps when this worker "
-                "joined, and no checkpoint holds the trained state: this worker's parameters are untrained"
-            )
+            self._untrained_late_join = True
         if outcome.loaded or outcome.checkpoint is not None:
             self.optimizer.zero_grad(set_to_none=True)
             self._reset_step()
@@ -813,6 +819,16 @@ class TrainStep:
         if self._report is None:
             raise RuntimeError("the step is not reduced yet: iterate its micro-batches to their end first")
         return self._report
+
+
+def _from_environment(name: str, value: str | None, variable: str) -> str:
+    """``value``, else the environment variable's (a launcher sets it), else an error naming both."""
+    if value is not None:
+        return value
+    found = os.environ.get(variable)
+    if not found:
+        raise ValueError(f"{name} must be given, or the environment variable {variable} set (neither is)")
+    return found
 
 
 def _check_arguments(
