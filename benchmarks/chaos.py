@@ -46,8 +46,8 @@ import torch
 from benchmarks._measure import make_console, print_table, progress_display
 from stalwart.data.plan import EpochPlan
 from stalwart.launch.cluster import LocalCluster, latest_step, read_status
-from stalwart.launch.tasks import reference_run
 from stalwart.launch.report import audit_steps, committed_steps, planned_total
+from stalwart.launch.tasks import reference_run
 
 KINDS = ("worker_kill", "worker_stop", "fleet_restart", "lighthouse_restart", "database_failure")
 PLAN = EpochPlan(1797, 64, seed=0)
