@@ -90,6 +90,8 @@ CASES = [
     (["--parity", "3,1"], ["3:gather_started:2"]),
     (["--parity", "2,2", "--optimizer", "sgd"], ["1:before_update:1", "1:before_update:2"]),
     (["--overlap", "0.5", "--optimizer", "adamw"], ["4:gather_started:1", "4:before_update:2"]),
+    (["--parity", "3,1", "--optimizer", "adamw-groups"], ["3:parity_started:1"]),  # groups, each its own lr and decay
+    (["--overlap", "0.25", "--optimizer", "adamw-groups"], ["2:before_update:2"]),
 ]
 
 

@@ -38,6 +38,11 @@ def model_and_optimizer(kind: str) -> tuple[torch.nn.Module, torch.optim.Optimiz
         return model, torch.optim.Adam(model.parameters(), lr=0.01)
     if kind == "adamw":
         return model, torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    if kind == "adamw-groups":  # biases first, then weights: the flat run follows the groups, not the model
+        biases = [param for name, param in model.named_parameters() if name.endswith("bias")]
+        weights = [param for name, param in model.named_parameters() if name.endswith("weight")]
+        groups = [{"params": biases, "lr": 0.02, "weight_decay": 0.0}, {"params": weights, "weight_decay": 0.1}]
+        return model, torch.optim.AdamW(groups, lr=0.01)
     return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 

@@ -14,7 +14,7 @@ of floating-point sums.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +43,8 @@ class Task:
     scheduler: Callable[[torch.optim.Optimizer, int], torch.optim.lr_scheduler.LRScheduler]
     loss: Callable[[torch.nn.Module, Sequence[torch.Tensor]], torch.Tensor]
     clip: float | None
-    optimizers: tuple[str, ...] = ("adam", "adamw", "sgd")
+    fsdp_units: Callable[[torch.nn.Module], list[torch.nn.Module]]
+    """The modules a replica group ``fully_shard``-s one by one before the root (a GPT's blocks)."""
     lr: float = digits.DEFAULT_LR
 
 
@@ -83,6 +84,12 @@ def _gpt_loss(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> torch.Te
     return loss
 
 
+def _gpt_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """A GPT's transformer blocks: the root keeps the tied embedding and output layer in one FSDP unit."""
+    assert isinstance(model, gpt.GPT)
+    return list(model.blocks)
+
+
 @functools.cache
 def gpt_datasets(name: str) -> tuple[gpt.TextWindows, gpt.TextWindows]:
     """The training and validation windows of GPT task ``name`` (the corpus is generated once per process)."""
@@ -98,6 +105,7 @@ def _gpt_task(name: str) -> Task:
         scheduler=_gpt_scheduler,
         loss=_gpt_loss,
         clip=1.0,
+        fsdp_units=_gpt_blocks,
         lr=3e-3,
     )
 
@@ -111,6 +119,7 @@ TASKS: dict[str, Task] = {
         scheduler=lambda optimizer, _max_steps: digits.digits_scheduler(optimizer),
         loss=digits.mean_loss,
         clip=None,
+        fsdp_units=lambda model: [layer for layer in model.children() if any(True for _ in layer.parameters())],
     ),
     **{name: _gpt_task(name) for name in GPT_SIZES},
 }
@@ -126,13 +135,15 @@ def reference_run(
     clip: float | None = None,
     task: str = "digits",
     max_steps: int | None = None,
+    skip_steps: Collection[int] = (),
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Train ``task`` without failures in this process: each step on the plan's samples, mean gradient.
 
     ``clip`` (default: the task's) clips the gradient's global norm before
     each update; ``max_steps`` (default ``steps``) shapes the task's LR
-    schedule as the workers' ``--max-steps`` does. Returns the final
-    parameters and the loss of each step.
+    schedule as the workers' ``--max-steps`` does; at ``skip_steps`` the
+    update is skipped (a GradScaler's overflow) and the schedule steps on.
+    Returns the final parameters and the loss of each step.
     """
     spec = TASKS[task]
     dataset = spec.dataset()
@@ -140,7 +151,7 @@ def reference_run(
     optimizer = spec.optimizer(model, optimizer_name, spec.lr if lr is None else lr)
     scheduler = spec.scheduler(optimizer, steps if max_steps is None else max_steps)
     clip = spec.clip if clip is None else clip
-    losses = []
+    losses: list[float] = []
     epoch, epoch_step = 0, 0
     for _ in range(steps):
         if epoch_step >= plan.steps_per_epoch:
@@ -152,7 +163,8 @@ def reference_run(
         loss.backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
+        if len(losses) not in skip_steps:
+            optimizer.step()
         scheduler.step()
         losses.append(float(loss.detach()))
         epoch_step += 1

@@ -208,6 +208,10 @@ def main(argv: list[str] | None = None) -> None:
         "--kill-rank", type=int, default=None, help="With --kill-at: only the process of this intra-group rank."
     )
     parser.add_argument("--corrupt-at", type=int, default=None, help="Perturb the parameters at this step (tests).")
+    parser.add_argument("--scaler", action="store_true", help="Scale the loss with a GradScaler (fp16's recipe).")
+    parser.add_argument("--inf-at", type=int, default=None, help="Make this worker's gradient inf at this step.")
+    parser.add_argument("--eval-every", type=int, default=0, help="Evaluate on the leader every this many steps.")
+    parser.add_argument("--eval-seconds", type=float, default=0.0, help="Simulated seconds each evaluation takes.")
     parser.add_argument("--data", default="digits", help="digits, or parquet:DIR, hf:DIR, hf-iterable:DIR (shards).")
     parser.add_argument("--fsdp", action="store_true", help="Shard the model over the group's processes (FSDP2).")
     redundancy = parser.add_mutually_exclusive_group()
@@ -287,7 +291,7 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
     elastic = ElasticLoader(dataset, collate_fn=collate, seed=args.seed) if args.loader == "elastic" else None
     model = task.model(args.seed).to(device)
     if args.fsdp:
-        _fully_shard(model, group, device)
+        _fully_shard(model, task.fsdp_units(model), group, device)
     optimizer = task.optimizer(model, args.optimizer, task.lr if args.lr is None else args.lr)
     redundancy = args.parity if args.parity is not None else None if args.overlap is None else Overlap(args.overlap)
     scheduler = task.scheduler(optimizer, args.max_steps)
@@ -317,6 +321,9 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
         node=args.node,
     )
     manager.register_state("lr_scheduler", scheduler)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10) if args.scaler else None
+    if scaler is not None:
+        manager.register_state("scaler", scaler)
     loader: ElasticLoader | DataLoader[Any] = elastic or DataLoader(
         dataset,
         batch_sampler=ManagedDistributedSampler(manager, cast(Sized, dataset)),
@@ -325,7 +332,7 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
     )
     try:
         try:
-            _steps(args, task, manager, optimizer, scheduler, loader, elastic, name, kill_if)
+            _steps(args, task, manager, optimizer, scheduler, scaler, loader, elastic, name, kill_if, events)
         except JobFinishedError as error:
             events.write("joined_after_end", step=manager.ledger.step)
             print(f"stalwart worker {name}: {error}; nothing to do", file=sys.stderr)
@@ -358,10 +365,12 @@ def _steps(
     manager: Manager,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
+    scaler: torch.amp.GradScaler | None,
     loader: ElasticLoader | DataLoader[Any],
     elastic: ElasticLoader | None,
     name: str,
     kill_if: Callable[[str, int], None],
+    events: EventLog,
 ) -> None:
     """The training loop: one JSON line per step to ``RUN_DIR/steps-NAME.jsonl``."""
     device, model = manager.device, manager.model
@@ -386,12 +395,23 @@ def _steps(
                 loss = task.loss(model, [tensor.to(device) for tensor in batch])
                 if args.kill_at == (number, "during_backward"):
                     loss.register_hook(lambda grad, step_number=number: kill_if("during_backward", step_number))
-                step.backward(loss)
+                if args.inf_at == number:
+                    loss = loss * math.inf  # this worker's gradient overflows; the reduced one does on every member
+                step.backward(loss, scaler=scaler)
+            kill_if("during_update", number)
+            if scaler is not None:
+                scaler.unscale_(optimizer)
             if clip is not None:
                 clip_grad_norm(model, clip)
-            optimizer.step()
+            if scaler is None:
+                optimizer.step()
+            else:
+                scaler.step(optimizer)
+                scaler.update()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+            if args.eval_every and (number + 1) % args.eval_every == 0:
+                manager.on_leader(_evaluate, task, model, args.eval_seconds, number + 1, events)
             report = step.report
             record = {
                 "member": args.member,
@@ -404,6 +424,7 @@ def _steps(
                 "loss": report.loss,
                 "drift_heals": report.drift_heals,
                 "loaded_checksum": f"{report.loaded_checksum:016x}",
+                "scale": None if scaler is None else scaler.get_scale(),
                 "time": time.time(),
                 "positions": sorted(report.positions.tolist()),
             }
@@ -411,6 +432,16 @@ def _steps(
                 record.update(base_index=base_index, dropped=manager.dropped_microbatches)
             steps_file.write(json.dumps(record) + "\n")
             steps_file.flush()
+
+
+def _evaluate(task: Task, model: torch.nn.Module, seconds: float, step: int, events: EventLog) -> None:
+    """The leader's evaluation: ``seconds`` of simulated work, then the loss of the first 64 samples."""
+    time.sleep(seconds)
+    dataset = task.dataset()
+    batch = default_collate([dataset[index] for index in range(64)])
+    with torch.no_grad():
+        loss = float(task.loss(model, [tensor.to(next(model.parameters()).device) for tensor in batch]))
+    events.write("evaluated", step=step, loss=loss)
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> None:
@@ -435,13 +466,12 @@ def _redundancy_report(manager: Manager) -> dict[str, Any]:
     }
 
 
-def _fully_shard(model: torch.nn.Module, group: WorldInfo, device: torch.device) -> None:
-    """Shard each layer and the root over a mesh of the group's processes (torchrun's environment)."""
+def _fully_shard(model: torch.nn.Module, units: list[torch.nn.Module], group: WorldInfo, device: torch.device) -> None:
+    """Shard each of ``units`` (the task's layers), then the root, over a mesh of the group's processes."""
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=group.rank, world_size=group.world_size)
     mesh = init_device_mesh(device.type, (group.world_size,))
-    for layer in model.children():
-        if any(True for _ in layer.parameters()):
-            fully_shard(layer, mesh=mesh)
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
 
 

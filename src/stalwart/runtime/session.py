@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import logging
 import time
 from collections.abc import Callable
@@ -327,11 +326,13 @@ class QuorumSession:
         deadline = time.monotonic() + self.timeouts.leader_timeout
         while time.monotonic() < deadline:
             try:
-                store.wait([key], datetime.timedelta(seconds=_LEADER_POLL))
-                return True, None
+                if store.check([key]):  # a check, not a wait with a timeout: that would desync the store's client
+                    return True, None
             except (RuntimeError, dist.DistError):
-                if self.abandon():
-                    return False, None
+                return False, None  # the store is gone: so is the quorum
+            if self.abandon():
+                return False, None
+            time.sleep(_LEADER_POLL)
         raise JoinError(
             f"{self.member}: the quorum's leader did not finish its on_leader work within "
             f"{self.timeouts.describe('leader_timeout')}"
