@@ -128,7 +128,11 @@ def _permutation(size: int, key: tuple[int, ...]) -> FeistelPermutation:
 
 
 def lane_rows(
-    step_totals: Sequence[int], ranks: int, workers: int, interleave: int, local_batch_multiple: int = 1
+    step_totals: Sequence[int] | npt.NDArray[np.int64],
+    ranks: int,
+    workers: int,
+    interleave: int,
+    local_batch_multiple: int = 1,
 ) -> npt.NDArray[np.int64]:
     """Rows each lane delivers over steps of ``step_totals`` (the first one is worker 0's): shape (ranks, workers,
     interleave). Rank ``r`` takes ``split_sizes(total, ranks, local_batch_multiple)[r]`` of each step, the worker

@@ -13,7 +13,7 @@ order asked. :meth:`ShardedDataset.gather` returns each row's key with it
 Reading forwards
     A Hugging Face ``IterableDataset`` shard is read through one cursor per
     process, in pieces, with the public ``iter(batch_size=...)`` in Arrow
-    format, which (unlike ``__iter__``) does not split the shard among
+    format (``piece_rows`` rows a piece), which (unlike ``__iter__``) does not split the shard among
     DataLoader workers. A piece after the cursor continues it, caching the
     pieces it passes; a piece before it starts the shard again. A reader that
     takes a shard's pieces in order (what :class:`~stalwart.data.streaming.ShardedStream`
@@ -65,6 +65,8 @@ DEFAULT_CACHED_PIECES = 32
 DEFAULT_OPEN_SHARDS = 16
 DEFAULT_PIECE_ROWS = 1024
 """Rows per piece of a shard that does not say where its pieces begin (no ``piece_starts``)."""
+DEFAULT_HF_PIECE_ROWS = 256
+"""Rows per piece of a Hugging Face shard: where two readers split a shard, both decode the piece they share."""
 SAMPLED_ROWS = 16
 """Rows at each end of a shard that its content digest covers, when the shard has no digest of its own."""
 SAMPLED_WINDOWS = 4
@@ -266,7 +268,9 @@ class HFIterableShard:
 
     sequential = True
 
-    def __init__(self, dataset: Any, index: int, num_rows: int | None = None, piece_rows: int = DEFAULT_PIECE_ROWS):
+    def __init__(
+        self, dataset: Any, index: int, num_rows: int | None = None, piece_rows: int = DEFAULT_HF_PIECE_ROWS
+    ) -> None:
         shards = check_int("dataset.num_shards", dataset.num_shards, minimum=1)
         self.index = check_int("index", index, minimum=0, maximum=shards - 1)
         self.name = f"shard {index} of {shards}"
@@ -398,7 +402,7 @@ class ShardedDataset(Dataset[Any]):
         num_rows: Sequence[int] | None = None,
         *,
         key: str | None = None,
-        piece_rows: int = DEFAULT_PIECE_ROWS,
+        piece_rows: int = DEFAULT_HF_PIECE_ROWS,
         **options: int,
     ) -> ShardedDataset:
         """One shard per shard (data file) of a Hugging Face ``IterableDataset``; ``num_rows`` saves a counting pass.

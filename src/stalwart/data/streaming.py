@@ -24,9 +24,11 @@ Mixing
     ``block_size`` rows shuffled, from one shard. A global batch thus holds
     rows of about ``world_size * interleave`` shards. ``interleave=m`` makes
     each worker read ``m`` lanes at once and take every batch from all of them:
-    ``m`` times the shards per batch, for ``m`` shards open and ``m`` pieces
-    decoded at a time per worker, and more cuts (each a row group, or for a
-    forwards-only shard the rows before the cut, read twice).
+    ``m`` times the shards per batch, for ``m`` shards open, ``m`` times the
+    cached pieces per worker (a worker whose ``m`` lanes share a forwards-only
+    shard keeps the pieces between them as its cursor passes), and more cuts
+    between workers (each a row group, or for a forwards-only shard the rows
+    before the cut, decoded twice).
 
 Resuming
     The state is the epoch, the next step and the positions not yet delivered
@@ -61,8 +63,15 @@ from stalwart.data.lanes import (
     take,
 )
 from stalwart.data.plan import EpochPlan
-from stalwart.data.schedule import split_sizes
-from stalwart.data.shards import Shard, ShardedDataset, ShardIdentity, fingerprint_of, shard_difference
+from stalwart.data.schedule import split_sizes, step_boundaries
+from stalwart.data.shards import (
+    DEFAULT_CACHED_PIECES,
+    Shard,
+    ShardedDataset,
+    ShardIdentity,
+    fingerprint_of,
+    shard_difference,
+)
 
 DEFAULT_BLOCK_SIZE = 256
 STATE_VERSION = 3
@@ -93,6 +102,8 @@ class _Segment:
     epoch: int
     first: int
     workers: int
+    totals: npt.NDArray[np.int64]
+    """Rows of each step from ``first`` to the epoch's end, all ranks together."""
     lanes: list[list[list[Ranges]]]
     """``lanes[rank][worker][i]``: the positions that lane delivers, in order."""
     delivered: npt.NDArray[np.int64]
@@ -149,7 +160,8 @@ class ShardedStream(IterableDataset[StreamBatch]):
         shards = source.shards if isinstance(source, ShardedDataset) else source
         if isinstance(source, ShardedDataset) and key is None:
             key = source.key
-        self.dataset = ShardedDataset(shards, key=key)
+        self.interleave = check_int("interleave", interleave, minimum=1)
+        self.dataset = ShardedDataset(shards, key=key, cached_pieces=DEFAULT_CACHED_PIECES * self.interleave)
         self.world_size = check_int("world_size", world_size, minimum=1)
         self.rank = check_int("rank", rank, minimum=0, maximum=self.world_size - 1)
         total = len(self.dataset)
@@ -158,8 +170,8 @@ class ShardedStream(IterableDataset[StreamBatch]):
             check_int("seed", seed, minimum=0),
             min(check_int("block_size", block_size, minimum=1), total),
         )
-        self.interleave = check_int("interleave", interleave, minimum=1)
         self._schedule = EpochPlan(total, global_batch_size, shuffle=False, local_batch_multiple=local_batch_multiple)
+        self._steps = self._schedule.steps_per_epoch
         if collate_fn is not None and not callable(collate_fn):
             raise TypeError(f"collate_fn must be callable or None, got {collate_fn!r}")
         self.collate_fn = collate_fn
@@ -172,6 +184,7 @@ class ShardedStream(IterableDataset[StreamBatch]):
         self._step = 0
         self._rest: Ranges | None = None
         self._segment: _Segment | None = None
+        self._split: dict[int, npt.NDArray[np.int64]] = {}
 
     @property
     def shards(self) -> list[Shard]:
@@ -196,7 +209,7 @@ class ShardedStream(IterableDataset[StreamBatch]):
     @property
     def steps_per_epoch(self) -> int:
         """Steps in every epoch (the same for every world size)."""
-        return self._schedule.steps_per_epoch
+        return self._steps
 
     def step_total(self, step: int) -> int:
         """Rows of step ``step``, all ranks together."""
@@ -339,25 +352,30 @@ class ShardedStream(IterableDataset[StreamBatch]):
     def _deal(self, workers: int) -> _Segment:
         """Deal what is left of the epoch to every rank's ``workers`` workers (each with ``interleave`` lanes)."""
         rest = self._remaining()
-        totals = [self._schedule.step_total(step) for step in range(self.step, self.steps_per_epoch)]
+        schedule = self._schedule
+        steps = np.arange(self.step, self.steps_per_epoch + 1)
+        bounds = step_boundaries(steps, schedule.global_batch_size, schedule.local_batch_multiple, self.order.total)
+        totals = np.diff(bounds)
         rows = lane_rows(totals, self.world_size, workers, self.interleave, self._schedule.local_batch_multiple)
         breaks = self.order.breaks(self.epoch)
         lanes = []
         for rank, region in enumerate(deal(rest, rows.sum(axis=(1, 2)).tolist(), breaks)):
             dealt = deal(region, rows[rank].reshape(-1).tolist(), breaks)
             lanes.append([dealt[first : first + self.interleave] for first in range(0, len(dealt), self.interleave)])
-        return _Segment(self.epoch, self.step, workers, lanes, np.zeros_like(rows))
+        return _Segment(self.epoch, self.step, workers, totals, lanes, np.zeros_like(rows))
 
-    def _shares(self, step: int) -> list[list[int]]:
-        """Each rank's rows of ``step`` cut among its worker's ``interleave`` lanes."""
-        parts = split_sizes(self._schedule.step_total(step), self.world_size, self._schedule.local_batch_multiple)
-        return [split_sizes(part, self.interleave) for part in parts]
+    def _shares(self, total: int) -> npt.NDArray[np.int64]:
+        """Each rank's rows of a step of ``total`` rows cut among its ``interleave`` lanes: (world, interleave)."""
+        if total not in self._split:
+            parts = split_sizes(total, self.world_size, self._schedule.local_batch_multiple)
+            self._split[total] = np.asarray([split_sizes(part, self.interleave) for part in parts], dtype=np.int64)
+        return self._split[total]
 
     def _batches(self, segment: _Segment, worker: int, workers: int) -> Iterator[StreamBatch]:
         rests = list(segment.lanes[self.rank][worker])
         for step in range(segment.first + worker, self.steps_per_epoch, workers):
             taken = []
-            for lane, count in enumerate(self._shares(step)[self.rank]):
+            for lane, count in enumerate(self._shares(int(segment.totals[step - segment.first]))[self.rank].tolist()):
                 head, rests[lane] = take(rests[lane], count)
                 taken.append(positions_of(head))
             indices = self.order.rows_at(segment.epoch, np.concatenate(taken))
@@ -381,8 +399,8 @@ class ShardedStream(IterableDataset[StreamBatch]):
             if self._audit_writer is None:
                 self._audit_writer = AuditWriter(self.audit_dir, self.rank, world_size=self.world_size)
             self._audit_writer.write(batch.epoch, batch.step, batch.indices, keys=batch.keys)
-        turn = (batch.step - segment.first) % segment.workers
-        segment.delivered[:, turn, :] += np.asarray(self._shares(batch.step), dtype=np.int64)
+        offset = batch.step - segment.first
+        segment.delivered[:, offset % segment.workers, :] += self._shares(int(segment.totals[offset]))
         if batch.step + 1 < self.steps_per_epoch:
             self._step = batch.step + 1
         else:
