@@ -2,7 +2,7 @@
 
 Run from the repository root, with the virtual environment active::
 
-    python -m benchmarks.data_streams           # 8 JSON-lines shards of 5000 rows, 3 rounds: a few minutes
+    python -m benchmarks.data_streams           # 8 JSON-lines shards of 5000 rows, 5 rounds: a few minutes
     python -m benchmarks.data_streams --quick   # small shards, one round (numbers indicative only)
 
 The data is ``SHARDS`` JSON-lines files of rows ``{"id", "text"}`` written to
@@ -78,7 +78,7 @@ class Settings:
     rounds: int
 
 
-FULL = Settings(shards=8, rows_per_shard=5000, worlds=((2, 2), (3, 2)), rounds=3)
+FULL = Settings(shards=8, rows_per_shard=5000, worlds=((2, 2), (3, 2)), rounds=5)
 QUICK = Settings(shards=8, rows_per_shard=400, worlds=((2, 2), (3, 2)), rounds=1)
 
 
