@@ -218,6 +218,19 @@ def test_a_forwards_only_shard_decodes_each_piece_once_in_order_and_again_after_
     assert small.rows_decoded == 48 + 8
 
 
+def test_workers_forked_after_the_main_process_read_open_cursors_of_their_own(tmp_path: Path) -> None:
+    """The main process reads a shard's first piece, then two forked DataLoader workers read on from there.
+    Small JSON chunks keep the cursor reading its file: continuing the cursor they inherited, the workers would
+    read through one shared file offset, each getting the other's bytes."""
+    datasets = pytest.importorskip("datasets")
+    files = write_jsonl(tmp_path, [2000])
+    stream = datasets.load_dataset("json", data_files=files, split="train", streaming=True, chunksize=256)
+    dataset = ShardedDataset.from_hf_iterable(stream, num_rows=[2000], piece_rows=8)
+    assert dataset[0]["id"] == 0
+    loader = DataLoader(dataset, batch_size=8, sampler=range(8, 2000), num_workers=2, collate_fn=list)
+    assert [row["id"] for batch in loader for row in batch] == list(range(8, 2000))
+
+
 def test_hugging_face_shards_are_identified_by_content(tmp_path: Path) -> None:
     files = write_jsonl(tmp_path, [20, 20])
     stream = hf_stream(files)

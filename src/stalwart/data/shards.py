@@ -12,10 +12,12 @@ order asked. :meth:`ShardedDataset.gather` returns each row's key with it
 
 Reading forwards
     A Hugging Face ``IterableDataset`` shard is read through one cursor per
-    process, in pieces, with the public ``iter(batch_size=...)`` in Arrow
-    format (``piece_rows`` rows a piece), which (unlike ``__iter__``) does not split the shard among
-    DataLoader workers. A piece after the cursor continues it, caching the
-    pieces it passes; a piece before it starts the shard again. A reader that
+    process (a DataLoader worker forked from a process that read ignores the
+    parent's cursor and open file), in pieces of ``piece_rows`` rows, with the
+    public ``iter(batch_size=...)`` in Arrow format, which (unlike
+    ``__iter__``) does not split the shard among DataLoader workers. A piece
+    after the cursor continues it, caching the pieces it passes; a piece
+    before it starts the shard again. A reader that
     takes a shard's pieces in order (what :class:`~stalwart.data.streaming.ShardedStream`
     arranges) decodes every row once; a reader that jumps back pays for the
     rows before the piece (``rows_decoded`` counts them).
@@ -193,6 +195,7 @@ class ParquetShard:
             columns = list(columns)
         self.columns: list[str] | None = columns
         self._file: pq.ParquetFile | None = None
+        self._owner = os.getpid()
 
     @property
     def name(self) -> str:
@@ -236,6 +239,8 @@ class ParquetShard:
             self._file = None
 
     def _open(self) -> pq.ParquetFile:
+        if self._owner != os.getpid():  # inherited through fork (a DataLoader worker): open our own
+            self._file, self._owner = None, os.getpid()
         if self._file is None:
             file = pq.ParquetFile(self.path)
             metadata = file.metadata
@@ -288,10 +293,12 @@ class HFIterableShard:
         self._cursor: Iterator[pa.Table] | None = None
         self._held: pa.Table | None = None
         self._held_start = 0
+        self._owner = os.getpid()
 
     @property
     def position(self) -> int:
-        """The row the cursor continues from (0 when it has not started)."""
+        """The row this process's cursor continues from (0 when it has not started)."""
+        self._own()
         return self._held_start + (0 if self._held is None else self._held.num_rows)
 
     def content_digest(self) -> str:
@@ -309,6 +316,7 @@ class HFIterableShard:
         """Rows ``start..stop-1`` as a table: the cursor continues when ``start`` is at or after it, else restarts."""
         start = check_int("start", start, minimum=0, maximum=self.num_rows)
         stop = check_int("stop", stop, minimum=start, maximum=self.num_rows)
+        self._own()
         if start < self._held_start or self._cursor is None:
             self._cursor, self._held, self._held_start = self._tables(), None, 0
         parts = []
@@ -330,6 +338,11 @@ class HFIterableShard:
 
     def _tables(self) -> Iterator[pa.Table]:
         return iter(self._part.iter(batch_size=self.piece_rows))
+
+    def _own(self) -> None:
+        """Drop a cursor inherited through ``fork`` (a DataLoader worker): its open file is the parent's."""
+        if self._owner != os.getpid():
+            self._cursor, self._held, self._held_start, self._owner = None, None, 0, os.getpid()
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_cursor": None, "_held": None, "_held_start": 0}
