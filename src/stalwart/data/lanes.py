@@ -40,7 +40,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -54,6 +54,7 @@ Ranges = list[tuple[int, int]]
 
 _SHARDS, _ROWS = 1, 2
 """Key domains: the epoch's order of shards, and the order of rows inside one block."""
+_Layout = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]
 
 
 @dataclass(frozen=True)
@@ -63,12 +64,15 @@ class StreamOrder:
     shard_sizes: tuple[int, ...]
     seed: int
     block_size: int
+    _layouts: dict[int, _Layout] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _offsets: npt.NDArray[np.int64] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_int("seed", self.seed, minimum=0)
         check_int("block_size", self.block_size, minimum=1)
         if not self.shard_sizes or sum(self.shard_sizes) < 1:
             raise ValueError(f"shard_sizes must hold at least one row, got {self.shard_sizes!r}")
+        object.__setattr__(self, "_offsets", np.concatenate([[0], np.cumsum(self.shard_sizes, dtype=np.int64)]))
 
     @property
     def total(self) -> int:
@@ -77,7 +81,7 @@ class StreamOrder:
 
     def shard_starts(self, epoch: int) -> npt.NDArray[np.int64]:
         """The base position where each shard's rows begin in epoch ``epoch`` (by shard number)."""
-        return _layout(self, check_int("epoch", epoch, minimum=0))[1]
+        return self._layout(check_int("epoch", epoch, minimum=0))[1]
 
     def breaks(self, epoch: int) -> list[int]:
         """Ascending base positions where a shard begins, and the end: where dealing lays out cut shards."""
@@ -89,8 +93,7 @@ class StreamOrder:
         array = np.asarray(positions, dtype=np.int64).reshape(-1)
         if array.size and (array.min() < 0 or array.max() >= self.total):
             raise ValueError(f"positions must be in [0, {self.total - 1}], got [{array.min()}, {array.max()}]")
-        ordered, _, ordered_starts = _layout(self, epoch)
-        offsets = np.concatenate([[0], np.cumsum(self.shard_sizes, dtype=np.int64)])
+        ordered, _, ordered_starts = self._layout(epoch)
         slot = np.searchsorted(ordered_starts, array, side="right") - 1
         shard = ordered[slot]
         within_shard = array - ordered_starts[slot]
@@ -104,22 +107,22 @@ class StreamOrder:
             picked = within_block[where]
             if length > 1:
                 picked = _permutation(length, (self.seed, epoch, _ROWS, number, first))(picked)
-            rows[where] = offsets[number] + first + picked
+            rows[where] = self._offsets[number] + first + picked
         return rows
 
-
-@functools.lru_cache(maxsize=8)
-def _layout(
-    order: StreamOrder, epoch: int
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    """(shards in epoch order, base start of each ordered shard plus the end, base start by shard number)."""
-    count = len(order.shard_sizes)
-    ordered = _permutation(count, (order.seed, epoch, _SHARDS))(np.arange(count, dtype=np.int64))
-    sizes = np.asarray(order.shard_sizes, dtype=np.int64)[ordered]
-    ordered_starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    by_number = np.empty(count, dtype=np.int64)
-    by_number[ordered] = ordered_starts[:-1]
-    return ordered, by_number, ordered_starts
+    def _layout(self, epoch: int) -> _Layout:
+        """(shards in epoch order, base start by shard number, base start of each ordered shard plus the end)."""
+        if epoch not in self._layouts:
+            count = len(self.shard_sizes)
+            ordered = _permutation(count, (self.seed, epoch, _SHARDS))(np.arange(count, dtype=np.int64))
+            sizes = np.asarray(self.shard_sizes, dtype=np.int64)[ordered]
+            ordered_starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+            by_number = np.empty(count, dtype=np.int64)
+            by_number[ordered] = ordered_starts[:-1]
+            if len(self._layouts) >= 4:
+                self._layouts.pop(next(iter(self._layouts)))
+            self._layouts[epoch] = (ordered, by_number, ordered_starts)
+        return self._layouts[epoch]
 
 
 @functools.lru_cache(maxsize=4096)
