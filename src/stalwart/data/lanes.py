@@ -77,7 +77,7 @@ class StreamOrder:
     @property
     def total(self) -> int:
         """Rows in an epoch."""
-        return int(sum(self.shard_sizes))
+        return int(self._offsets[-1])
 
     def shard_starts(self, epoch: int) -> npt.NDArray[np.int64]:
         """The base position where each shard's rows begin in epoch ``epoch`` (by shard number)."""
