@@ -273,12 +273,6 @@ class ShardedStream(IterableDataset[StreamBatch]):
         """
         if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
             raise ValueError(f"state must be a ShardedStream state_dict of version {STATE_VERSION}, got {state!r}")
-        for name, value in self._settings().items():
-            if state.get(name) != value:
-                raise ValueError(
-                    f"state[{name!r}] is {state.get(name)!r} but this stream has {value!r}: a stream resumes only "
-                    "over the same shards, seed, block_size, key, global_batch_size and local_batch_multiple"
-                )
         try:
             theirs = [ShardIdentity.from_list(item) for item in state.get("shards", ())]
         except ValueError as error:
@@ -286,6 +280,12 @@ class ShardedStream(IterableDataset[StreamBatch]):
         difference = shard_difference(theirs, self.dataset.identities, "the state")
         if difference is not None:
             raise ValueError(f"{difference}: a stream resumes only over the same shards, in the same order")
+        for name, value in self._settings().items():
+            if state.get(name) != value:
+                raise ValueError(
+                    f"state[{name!r}] is {state.get(name)!r} but this stream has {value!r}: a stream resumes only "
+                    "over the same shards, seed, block_size, key, global_batch_size and local_batch_multiple"
+                )
         epoch = check_int("state['epoch']", state["epoch"], minimum=0)
         step = check_int("state['step']", state["step"], minimum=0, maximum=self.steps_per_epoch - 1)
         rest = check_ranges("state['remaining']", state.get("remaining"), self.order.total)
