@@ -35,9 +35,9 @@ Four measurements, each printed as a table, then a summary of the goals:
    (``ShardedDataset.from_hf_iterable``), and the global shuffle for contrast;
    both sides first warm pyarrow's compute kernels up (a one-time ~0.5 s).
    Goal: at 4 members, Parquet and the ``Dataset`` at least 80% of the
-   sequential rate. An ``IterableDataset`` shard reads only forwards, so every
-   member that needs one of its rows reads it whole: about ``1 / world`` of
-   the sequential rate, shown, not a goal.
+   sequential rate. An ``IterableDataset`` shard reads only forwards (in
+   pieces, through a cursor that starts again for a piece behind it), so a
+   member decodes the pieces before the ones it needs too: shown, not a goal.
 
 The benchmark reports; it never fails because a goal is missed.
 """

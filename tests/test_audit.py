@@ -52,8 +52,8 @@ def test_round_trip_counts_ranks_and_workers(tmp_path: Path) -> None:
     assert report.ok and report.torn_lines == 0 and report.spec == {"dataset_size": 10}
     (epoch,) = report.epochs
     assert epoch.complete and epoch.coverage.exactly_once and epoch.expected == 10
-    assert epoch.rank_samples == {0: 3, 1: 5, 2: 2}
-    assert epoch.rank_batches == {0: 2, 1: 2, 2: 1}
+    assert epoch.rank_samples == {(0, None): 3, (1, None): 5, (2, None): 2}
+    assert epoch.rank_batches == {(0, None): 2, (1, None): 2, (2, None): 1}
 
 
 @settings(max_examples=60, deadline=None)
@@ -158,6 +158,8 @@ def test_expected_spec_is_idempotent_and_refuses_conflicts(tmp_path: Path) -> No
     with pytest.raises(ValueError, match="conflicts with the spec already recorded"):
         write_expected(tmp_path, {"plan": {**plan.to_dict(), "seed": 1}})
     with pytest.raises(ValueError, match=r"spec must be \{'dataset_size': N\} or"):
+        write_expected(tmp_path, {"dataset_size": 10, "shard": []})
+    with pytest.raises(ValueError, match=r"spec must be \{'dataset_size': N\} or"):
         write_expected(tmp_path, {"dataset_size": 10, "plan": plan.to_dict()})
     with pytest.raises(ValueError, match=r"spec\['dataset_size'\] must be in \[1, inf\], got 0"):
         write_expected(tmp_path, {"dataset_size": 0})
@@ -200,3 +202,101 @@ def test_cli_exit_codes(tmp_path: Path) -> None:
     result = runner.invoke(audit_command, [str(unreadable)])
     assert result.exit_code == 2, result.output
     assert "audit.json not found" in result.output
+
+
+def test_no_records_is_an_error_not_a_pass(tmp_path: Path) -> None:
+    write_expected(tmp_path, {"dataset_size": 4})  # a stream was built with audit_dir but nothing was consumed
+    report = audit_directory(tmp_path)
+    assert report.empty and not report.ok
+    result = CliRunner().invoke(audit_command, [str(tmp_path)])
+    assert result.exit_code == 1, result.output
+    assert "NO RECORDS" in result.output and "nothing was consumed through an audited loop" in result.output
+
+
+def test_ranks_are_labelled_with_their_world_size(tmp_path: Path) -> None:
+    write_expected(tmp_path, {"dataset_size": 10})
+    for world, parts in ((2, [[0, 1], [2, 3]]), (3, [[4, 5], [6, 7], [8, 9]])):  # resumed at another world size
+        for rank, indices in enumerate(parts):
+            with AuditWriter(tmp_path, rank, world_size=world) as writer:
+                writer.write(0, world, indices)
+    assert json.loads((tmp_path / "rank-00000.jsonl").read_text().splitlines()[1])["world_size"] == 3
+    (epoch,) = audit_directory(tmp_path).epochs
+    assert epoch.rank_samples == {(0, 2): 2, (1, 2): 2, (0, 3): 2, (1, 3): 2, (2, 3): 2}
+    assert [str(consumer) for consumer in epoch.rank_samples] == ["0 of 2", "1 of 2", "0 of 3", "1 of 3", "2 of 3"]
+    result = CliRunner().invoke(audit_command, [str(tmp_path)])
+    assert result.exit_code == 0 and "0 of 2" in result.output and "2 of 3" in result.output, result.output
+    with pytest.raises(ValueError, match=r"world_size must be in \[3, inf\], got 2"):
+        AuditWriter(tmp_path, 2, world_size=2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 4), st.data())
+def test_rows_delivered_twice_are_named_and_the_missing_counted(size: int, ranks: int, data: st.DataObject) -> None:
+    """Every index once, but each rank reads its own view of the rows (a per-rank shuffle): only keys can tell."""
+    views = [data.draw(st.permutations(range(size)), label=f"rank {rank}'s rows") for rank in range(ranks)]
+    owners = data.draw(st.lists(st.integers(0, ranks - 1), min_size=size, max_size=size), label="owner of each index")
+    with tempfile.TemporaryDirectory() as temporary:
+        root = Path(temporary)
+        write_expected(root, {"dataset_size": size, "key": "id"})
+        for rank in range(ranks):
+            mine = [index for index in range(size) if owners[index] == rank]
+            with AuditWriter(root, rank, world_size=ranks) as writer:
+                writer.write(0, 0, mine, keys=[views[rank][index] for index in mine])
+        report = audit_directory(root)
+    (epoch,) = report.epochs
+    delivered = [views[owners[index]][index] for index in range(size)]
+    counts = np.bincount(delivered, minlength=size)
+    assert epoch.coverage.exactly_once, "by position alone every index was consumed once"
+    assert epoch.keys is not None and epoch.keys.keyed == size
+    assert set(epoch.keys.duplicates) == {key for key in range(size) if counts[key] > 1}
+    for key, deliveries in epoch.keys.duplicates.items():
+        assert sorted(delivery.index for delivery in deliveries) == [i for i in range(size) if delivered[i] == key]
+        assert all(delivery.consumer == (owners[delivery.index], ranks) for delivery in deliveries)
+    assert epoch.missing_rows == int((counts == 0).sum())
+    assert epoch.ok == report.ok == (counts == 1).all()
+
+
+def test_an_index_delivered_as_two_rows_is_named_across_epochs(tmp_path: Path) -> None:
+    write_expected(tmp_path, {"dataset_size": 3})
+    with AuditWriter(tmp_path, 0, world_size=2) as writer:
+        writer.write(0, 0, [0, 1, 2], keys=["a", "b", "c"])
+    with AuditWriter(tmp_path, 1, world_size=2) as writer:
+        writer.write(1, 0, [0, 1, 2], keys=["a", "c", "b"])  # another rank sees rows 1 and 2 swapped
+    report = audit_directory(tmp_path)
+    assert all(epoch.ok for epoch in report.epochs) and not report.ok
+    assert [(conflict.index, [key for key, _ in conflict.deliveries]) for conflict in report.conflicts] == [
+        (1, ["b", "c"]),
+        (2, ["c", "b"]),
+    ]
+    first = report.conflicts[0].deliveries[1][1]
+    assert (first.consumer, first.epoch, first.step, first.index) == ((1, 2), 1, 0, 1)
+    result = CliRunner().invoke(audit_command, [str(tmp_path)])
+    assert result.exit_code == 1, result.output
+    assert "2 indices delivered as different rows (index 1: key 'b' at rank 0 of 2, epoch 0 step 0" in result.output
+
+
+def test_keys_must_match_the_indices(tmp_path: Path) -> None:
+    with AuditWriter(tmp_path, 0) as writer:
+        with pytest.raises(ValueError, match=r"keys must be a list of one key per index \(2\)"):
+            writer.write(0, 0, [1, 2], keys=[1])
+        with pytest.raises(TypeError, match=r"keys must be ints or strings, got 1\.5"):
+            writer.write(0, 0, [1], keys=[1.5])
+    write_expected(tmp_path, {"dataset_size": 4})
+    (tmp_path / "rank-00000.jsonl").write_text('{"epoch": 0, "step": 0, "rank": 0, "indices": [0], "keys": []}\n')
+    with pytest.raises(AuditFileError, match=r"rank-00000\.jsonl:1: keys must be a list of one key per index"):
+        audit_directory(tmp_path)
+
+
+def test_the_spec_records_the_shards_and_refuses_other_data_naming_the_shard(tmp_path: Path) -> None:
+    shards = [["a.parquet", 10, "00aa"], ["b.parquet", 12, "00bb"]]
+    write_expected(tmp_path, {"dataset_size": 22, "shards": shards, "key": "id"})
+    moved = [["/elsewhere/a.parquet", 10, "00aa"], ["/elsewhere/b.parquet", 12, "00bb"]]
+    write_expected(tmp_path, {"dataset_size": 22, "shards": moved, "key": "id"})  # the same data under other paths
+    with pytest.raises(ValueError, match=r"^shard 0 is 'b.parquet' \(12 rows, content 00bb\) here but 'a.parquet'"):
+        write_expected(tmp_path, {"dataset_size": 22, "shards": shards[::-1], "key": "id"})
+    with pytest.raises(ValueError, match="a per-rank shuffle or seed of the source gives each rank other rows"):
+        write_expected(tmp_path, {"dataset_size": 22, "shards": [shards[0], ["b.parquet", 12, "0bad"]], "key": "id"})
+    with pytest.raises(ValueError, match="conflicts with the spec already recorded"):
+        write_expected(tmp_path, {"dataset_size": 22, "shards": shards, "key": None})
+    with pytest.raises(ValueError, match=r"a shard identity must be \[name, rows, digest\]"):
+        write_expected(tmp_path, {"dataset_size": 22, "shards": [["a", "10", "00aa"]]})

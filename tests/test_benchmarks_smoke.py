@@ -234,3 +234,15 @@ def test_goodput_quick_run_replays_the_trace_against_every_system() -> None:
     statuses = ("met:", "MISSED:", "not measured:")
     goal_lines = [line for line in output.splitlines() if line.lstrip().startswith(statuses)]
     assert len(goal_lines) == 3
+
+
+def test_streams_quick_run_measures_every_case_and_goal() -> None:
+    completed = _run_benchmark("--quick", module="benchmarks.data_streams", timeout=300)
+    assert completed.returncode == 0, completed.stderr
+    output = completed.stdout
+    assert "Hugging Face stream, 8 JSON-lines shards of 400 rows" in output and "Goals" in output
+    for case in ("split_dataset_by_node", "+ shuffle", "ShardedStream", "interleave=4", "content keys"):
+        assert output.count(case) >= 2, case  # at 2 x 2 and at 3 x 2
+    assert "NO" not in output.split("Goals")[0], "every case covered the epoch exactly once"
+    goal_lines = [line for line in output.splitlines() if line.lstrip().startswith(("met:", "MISSED:"))]
+    assert len(goal_lines) == 2

@@ -221,7 +221,7 @@ def test_audit_dir_records_every_share(tmp_path: Path) -> None:
     report = audit_directory(tmp_path)
     assert report.ok and [audit.epoch for audit in report.epochs] == [0, 1]
     assert all(audit.complete and audit.coverage.exactly_once for audit in report.epochs)
-    assert report.epochs[0].rank_batches == {0: 6, 1: 6, 2: 6}
+    assert report.epochs[0].rank_batches == {(0, 3): 6, (1, 3): 6, (2, 3): 6}
 
 
 def test_audit_dir_rejects_a_different_plan(tmp_path: Path) -> None:

@@ -14,10 +14,12 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils.data import DataLoader
 
 from stalwart.data.plan import EpochPlan
+from stalwart.data.rowkeys import python_hashes, table_hashes
 from stalwart.data.schedule import split_sizes
-from stalwart.data.shards import InMemoryShard, ShardedDataset, ShardError
+from stalwart.data.shards import InMemoryShard, ShardedDataset, ShardError, shard_difference
 
 
 def write_parquet(directory: Path, sizes: list[int], row_group: int) -> list[Path]:
@@ -112,11 +114,49 @@ def test_open_shards_are_closed_beyond_the_limit_and_the_dataset_pickles(tmp_pat
     assert all(shard._file is None for shard in dataset.shards)  # type: ignore[attr-defined]
 
 
-def test_fingerprint_follows_the_files_and_their_order(tmp_path: Path) -> None:
-    paths = write_parquet(tmp_path, [10, 10, 12], row_group=5)
+def test_fingerprint_follows_the_content_and_order_not_the_paths(tmp_path: Path) -> None:
+    paths = write_parquet(tmp_path / "a", [10, 10, 12], row_group=5)
+    original = ShardedDataset.from_parquet(paths)
     same = ShardedDataset.from_parquet(write_parquet(tmp_path / "copy", [10, 10, 12], row_group=5))
-    assert ShardedDataset.from_parquet(paths).fingerprint == same.fingerprint
-    assert ShardedDataset.from_parquet([paths[1], paths[0], paths[2]]).fingerprint != same.fingerprint
+    assert original.fingerprint == same.fingerprint
+    assert shard_difference(original.identities, same.identities, "the copy") is None
+    reordered = ShardedDataset.from_parquet([paths[1], paths[0], paths[2]])
+    assert reordered.fingerprint != same.fingerprint
+    assert shard_difference(original.identities, reordered.identities, "the state") == (
+        f"shard 0 is {reordered.identities[0].describe()} here but {original.identities[0].describe()} in the state"
+    )
+    renamed = tmp_path / "a" / "renamed.parquet"  # other rows under a name that sorts the same, same size
+    pq.write_table(pa.table({"id": list(range(10, 20)), "square": [0] * 10}), renamed, row_group_size=5)
+    rewritten = ShardedDataset.from_parquet([renamed, paths[1], paths[2]])
+    assert rewritten.identities[0].rows == original.identities[0].rows
+    assert shard_difference(original.identities, rewritten.identities, "x").startswith("shard 0 is 'renamed.parquet'")
+    assert shard_difference(original.identities, original.identities[:2], "x") == "there are 2 shards here but 3 in x"
+
+
+def test_a_large_parquet_file_is_identified_from_samples_of_its_bytes(tmp_path: Path) -> None:
+    path = tmp_path / "big.parquet"
+    ids = list(range(200_000))
+    pq.write_table(pa.table({"id": ids, "text": [f"row {i:07d}" for i in ids]}), path, row_group_size=50_000)
+    digest = ShardedDataset.from_parquet([path]).identities[0].digest
+    ids[123_456] = -1  # one value changes: the column statistics in the footer move
+    pq.write_table(pa.table({"id": ids, "text": [f"row {i:07d}" for i in range(200_000)]}), path, row_group_size=50_000)
+    assert ShardedDataset.from_parquet([path]).identities[0].digest != digest
+
+
+def test_rows_come_with_keys_a_column_or_a_content_hash(tmp_path: Path) -> None:
+    paths = write_parquet(tmp_path, [30, 20], row_group=8)
+    indices = [49, 3, 17, 33, 3]
+    keyed = ShardedDataset.from_parquet(paths, key="square")
+    rows, keys = keyed.gather(indices)
+    assert [row["id"] for row in rows] == indices and keys == [i * i for i in indices]
+    hashed = ShardedDataset.from_parquet(paths)
+    expected = table_hashes(pa.table({"id": indices, "square": [i * i for i in indices]})).tolist()
+    assert hashed.row_keys(indices) == expected
+    memory = ShardedDataset([InMemoryShard([{"id": i} for i in range(5)])], key="id")
+    assert memory.gather([4, 0]) == ([{"id": 4}, {"id": 0}], [4, 0])
+    assert ShardedDataset([InMemoryShard(["x", "y"])]).row_keys([1]) == python_hashes(["y"]).tolist()
+    with pytest.raises(KeyError, match="key 'nope' is not a column of the rows"):
+        ShardedDataset.from_parquet(paths, key="nope").row_keys([0])
 
 
 def test_hugging_face_iterable_dataset_over_json_files(tmp_path: Path) -> None:
@@ -136,6 +176,75 @@ def test_hugging_face_iterable_dataset_over_json_files(tmp_path: Path) -> None:
         ShardedDataset.from_hf_iterable(stream, num_rows=[7, 5])
 
 
+def write_jsonl(directory: Path, sizes: list[int]) -> list[str]:
+    """JSON-lines shards ``part-K.jsonl`` whose rows are ``{"id": global id, "text": ...}``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    files, start = [], 0
+    for number, size in enumerate(sizes):
+        path = directory / f"part-{number}.jsonl"
+        path.write_text("".join(json.dumps({"id": i, "text": f"row {i}"}) + "\n" for i in range(start, start + size)))
+        files.append(str(path))
+        start += size
+    return files
+
+
+def hf_stream(files: list[str]) -> Any:
+    datasets = pytest.importorskip("datasets")
+    return datasets.load_dataset("json", data_files=files, split="train", streaming=True)
+
+
+@pytest.mark.parametrize("workers", [0, 1, 2, 4])
+def test_hugging_face_shards_read_right_in_dataloader_workers(tmp_path: Path, workers: int) -> None:
+    """Before: a one-file shard read in worker k > 0 held no rows (Hugging Face split it across the workers)."""
+    dataset = ShardedDataset.from_hf_iterable(hf_stream(write_jsonl(tmp_path, [23, 5, 40, 12])), piece_rows=8)
+    order = EpochPlan(80, 10, seed=1).indices(0, 0, 80).tolist()
+    loader = DataLoader(dataset, batch_size=10, sampler=order, num_workers=workers, collate_fn=list)
+    assert [row["id"] for batch in loader for row in batch] == order
+
+
+def test_a_forwards_only_shard_decodes_each_piece_once_in_order_and_again_after_a_jump(tmp_path: Path) -> None:
+    dataset = ShardedDataset.from_hf_iterable(hf_stream(write_jsonl(tmp_path, [50])), num_rows=[50], piece_rows=8)
+    (shard,) = dataset.shards
+    assert [row["id"] for row in dataset.__getitems__(list(range(0, 50, 3)))] == list(range(0, 50, 3))
+    assert dataset.rows_decoded == 50 and shard.position == 50  # type: ignore[attr-defined]
+    assert dataset.__getitems__([9])[0]["id"] == 9 and dataset.rows_decoded == 50, "cached on the way"
+    dataset.close()
+    assert dataset.__getitems__([45])[0]["id"] == 45
+    assert dataset.rows_decoded == 50 + 48, "a restart reads (and caches) every piece up to the one asked for"
+    assert dataset.__getitems__([1, 20])[0]["id"] == 1 and dataset.rows_decoded == 98
+    small = ShardedDataset(dataset.shards, cached_pieces=1)
+    small.__getitems__([41])  # the shared cursor stands at row 48: pieces 0..5 again
+    small.__getitems__([2])  # piece 0 fell out of the one-piece cache: the shard starts again
+    assert small.rows_decoded == 48 + 8
+
+
+def test_workers_forked_after_the_main_process_read_open_cursors_of_their_own(tmp_path: Path) -> None:
+    """The main process reads a shard's first piece, then two forked DataLoader workers read on from there.
+    Small JSON chunks keep the cursor reading its file: continuing the cursor they inherited, the workers would
+    read through one shared file offset, each getting the other's bytes."""
+    datasets = pytest.importorskip("datasets")
+    files = write_jsonl(tmp_path, [2000])
+    stream = datasets.load_dataset("json", data_files=files, split="train", streaming=True, chunksize=256)
+    dataset = ShardedDataset.from_hf_iterable(stream, num_rows=[2000], piece_rows=8)
+    assert dataset[0]["id"] == 0
+    loader = DataLoader(dataset, batch_size=8, sampler=range(8, 2000), num_workers=2, collate_fn=list)
+    assert [row["id"] for batch in loader for row in batch] == list(range(8, 2000))
+
+
+def test_hugging_face_shards_are_identified_by_content(tmp_path: Path) -> None:
+    files = write_jsonl(tmp_path, [20, 20])
+    stream = hf_stream(files)
+    counted = ShardedDataset.from_hf_iterable(stream)
+    given = ShardedDataset.from_hf_iterable(stream, num_rows=[20, 20])
+    assert counted.fingerprint == given.fingerprint
+    assert [identity.name for identity in counted.identities] == ["shard 0 of 2", "shard 1 of 2"]
+    shuffled = ShardedDataset.from_hf_iterable(stream.shuffle(seed=43, buffer_size=8))  # a per-rank seed, say
+    difference = shard_difference(counted.identities, shuffled.identities, "the state")
+    assert difference is not None and difference.startswith("shard 0 is 'shard 0 of 2' (20 rows, content ")
+    swapped = ShardedDataset.from_hf_iterable(hf_stream(files[::-1]))
+    assert shard_difference(counted.identities, swapped.identities, "x") is not None
+
+
 @pytest.mark.parametrize(
     ("arguments", "error", "message"),
     [
@@ -144,6 +253,7 @@ def test_hugging_face_iterable_dataset_over_json_files(tmp_path: Path) -> None:
         ({"shards": [InMemoryShard([])]}, ValueError, "at least one row in total"),
         ({"shards": [InMemoryShard([1])], "cached_pieces": 0}, ValueError, r"cached_pieces must be in \[1, inf\]"),
         ({"shards": [InMemoryShard([1])], "open_shards": 0}, ValueError, r"open_shards must be in \[1, inf\], got 0"),
+        ({"shards": [InMemoryShard([1])], "key": 3}, TypeError, "key must be a column name or None"),
     ],
 )
 def test_bad_arguments_are_refused(arguments: dict[str, Any], error: type[Exception], message: str) -> None:

@@ -1,10 +1,20 @@
-"""Sharded streams: the epoch order, the split over ranks and workers, resuming and re-splitting, Parquet shards."""
+"""Sharded streams: the split over ranks and DataLoader workers, resuming and re-splitting, keys, misuse, shards.
+
+In-process tests (``stream.consume(stream)``) check the invariants over many
+configurations; the DataLoader tests run real worker processes over Parquet
+and Hugging Face JSON-lines shards and check exactly once by the row ids read
+out of the rows, apart from the audit.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import itertools
+import json
+import random
 import sys
+import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +27,9 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from stalwart.data.audit import audit_directory, coverage
+from stalwart.data.rowkeys import python_hashes
 from stalwart.data.schedule import split_sizes, step_boundary
-from stalwart.data.shards import InMemoryShard, ParquetShard
+from stalwart.data.shards import InMemoryShard, ParquetShard, ShardedDataset
 from stalwart.data.streaming import ShardedStream, StreamBatch
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "rank_seeded_shuffle_overlap.py"
@@ -30,13 +41,13 @@ def memory_shards(sizes: list[int]) -> list[InMemoryShard]:
     return [InMemoryShard(list(range(offsets[i], offsets[i + 1]))) for i in range(len(sizes))]
 
 
-def streams(shards: list[Any], world_size: int, **kwargs: Any) -> list[ShardedStream]:
+def streams(shards: Any, world_size: int, **kwargs: Any) -> list[ShardedStream]:
     return [ShardedStream(shards, rank=rank, world_size=world_size, **kwargs) for rank in range(world_size)]
 
 
 def consume_steps(stream: ShardedStream, steps: int | None = None) -> list[StreamBatch]:
     """Consume up to ``steps`` batches of the stream's current epoch in this process."""
-    return list(itertools.islice(stream.consume(iter(stream)), steps))
+    return list(itertools.islice(stream.consume(stream), steps))
 
 
 shard_sizes = st.lists(st.integers(0, 40), min_size=1, max_size=6).filter(lambda sizes: sum(sizes) > 0)
@@ -49,82 +60,58 @@ def stream_settings(draw: st.DrawFn) -> dict[str, Any]:
         "global_batch_size": batch,
         "local_batch_multiple": draw(st.integers(1, batch)),
         "block_size": draw(st.integers(1, 12)),
+        "interleave": draw(st.integers(1, 3)),
         "seed": draw(st.integers(0, 2**32)),
     }
-
-
-# --- the epoch order: the plan's windowed block shuffle (tests/test_block_order.py) --------------------------------
-
-
-@settings(max_examples=60, deadline=None)
-@given(shard_sizes, stream_settings(), st.integers(0, 5))
-def test_the_stream_follows_the_plan_and_reads_blocks_as_runs(
-    sizes: list[int], kwargs: dict[str, Any], epoch: int
-) -> None:
-    stream = ShardedStream(memory_shards(sizes), rank=0, world_size=1, **kwargs)
-    total = sum(sizes)
-    plan = stream.plan
-    assert (plan.dataset_size, plan.seed, plan.block_size) == (total, kwargs["seed"], min(kwargs["block_size"], total))
-    ids = np.concatenate([stream.batch(epoch, step).indices for step in range(stream.steps_per_epoch)])
-    assert ids.tolist() == plan.indices(epoch, 0, total).tolist()
-    runs = [block for block, _ in itertools.groupby((ids // plan.block_size).tolist())]
-    assert len(runs) == len(set(runs)), "each block is streamed in one run"
-
-
-def test_the_default_window_holds_about_one_shard() -> None:
-    assert ShardedStream(memory_shards([100, 100, 60]), 8, rank=0, world_size=1, block_size=10).plan.window == 9
-    assert ShardedStream(memory_shards([5, 0, 7]), 8, rank=0, world_size=1, block_size=10).plan.window == 1
-    assert ShardedStream(memory_shards([50]), 8, rank=0, world_size=1, block_size=10, window=2).plan.window == 2
 
 
 # --- the split over ranks -----------------------------------------------------------------------------------------
 
 
 @settings(max_examples=80, deadline=None)
-@given(shard_sizes, stream_settings(), st.integers(1, 6), st.integers(0, 3))
+@given(shard_sizes, stream_settings(), st.integers(1, 5), st.integers(0, 3))
 def test_ranks_split_every_step_and_cover_the_epoch_exactly_once(
     sizes: list[int], kwargs: dict[str, Any], world_size: int, epoch: int
 ) -> None:
     ranks = streams(memory_shards(sizes), world_size, **kwargs)
     total, batch, multiple = sum(sizes), kwargs["global_batch_size"], kwargs["local_batch_multiple"]
     consumed: list[np.ndarray] = []
-    for step in range(ranks[0].steps_per_epoch):
-        start, stop = (min(step_boundary(t, batch, multiple), total) for t in (step, step + 1))
-        assert start < stop
-        parts = [stream.batch(epoch, step) for stream in ranks]
-        assert [len(part.indices) for part in parts] == split_sizes(stop - start, world_size, multiple)
-        assert (
-            np.concatenate([part.indices for part in parts]).tolist()
-            == ranks[0].plan.indices(epoch, start, stop).tolist()
-        )
-        for part in parts:
-            assert (part.epoch, part.step) == (epoch, step)
-            assert part.rows == part.indices.tolist()
-        consumed.extend(part.indices for part in parts)
-    assert min(step_boundary(ranks[0].steps_per_epoch, batch, multiple), total) == total
+    for stream in ranks:
+        stream.set_epoch(epoch)
+        batches = consume_steps(stream)
+        assert [part.step for part in batches] == list(range(stream.steps_per_epoch))
+        for part in batches:
+            start, stop = (min(step_boundary(t, batch, multiple), total) for t in (part.step, part.step + 1))
+            assert len(part.indices) == split_sizes(stop - start, world_size, multiple)[stream.rank]
+            assert part.epoch == epoch and part.rows == part.indices.tolist()
+            assert part.keys == python_hashes(part.rows).tolist(), "without a key column: content hashes"
+            consumed.append(part.indices)
+        assert (stream.epoch, stream.step) == (epoch + 1, 0), "after the last step the state is the next epoch's first"
     assert coverage(consumed, np.arange(total)).exactly_once
 
 
-@settings(max_examples=40, deadline=None)
-@given(shard_sizes, stream_settings(), st.integers(1, 4))
-def test_iterating_a_rank_yields_its_batches_of_every_step_in_order(
-    sizes: list[int], kwargs: dict[str, Any], world_size: int
-) -> None:
-    for stream in streams(memory_shards(sizes), world_size, **kwargs):
-        stream.set_epoch(2)
-        produced = list(stream)
-        assert [batch.step for batch in produced] == list(range(stream.steps_per_epoch))
-        for batch in produced:
-            assert batch.indices.tolist() == stream.batch(2, batch.step).indices.tolist()
+def test_the_order_changes_with_the_epoch_and_keeps_blocks_together() -> None:
+    (stream,) = streams(memory_shards([64, 64, 64, 64]), 1, global_batch_size=32, block_size=16, seed=3)
+    first = np.concatenate([batch.indices for batch in consume_steps(stream)])
+    second = np.concatenate([batch.indices for batch in consume_steps(stream)])
+    assert first.tolist() != second.tolist() and sorted(first.tolist()) == sorted(second.tolist())
+    for order in (first, second):
+        blocks = [block for block, _ in itertools.groupby((order // 16).tolist())]
+        assert len(blocks) == len(set(blocks)) == 16, "each block of 16 rows is streamed in one run"
 
 
 # --- resuming and re-splitting ------------------------------------------------------------------------------------
 
 
 @settings(max_examples=60, deadline=None)
-@given(shard_sizes, stream_settings(), st.integers(1, 6), st.integers(1, 6), st.data())
+@given(shard_sizes, stream_settings(), st.integers(1, 5), st.integers(1, 5), st.integers(1, 3), st.data())
 def test_resuming_with_another_world_size_keeps_the_epoch_exactly_once(
-    sizes: list[int], kwargs: dict[str, Any], old_world: int, new_world: int, data: st.DataObject
+    sizes: list[int],
+    kwargs: dict[str, Any],
+    old_world: int,
+    new_world: int,
+    new_interleave: int,
+    data: st.DataObject,
 ) -> None:
     shards = memory_shards(sizes)
     old = streams(shards, old_world, **kwargs)
@@ -132,138 +119,123 @@ def test_resuming_with_another_world_size_keeps_the_epoch_exactly_once(
     for stream in old:
         stream.set_epoch(1)
     consumed = [batch.indices for stream in old for batch in consume_steps(stream, done)]
-    states = [stream.state_dict() for stream in old]
-    assert all(state == states[0] for state in states), "every rank agrees on the next step"
+    states = [json.loads(json.dumps(stream.state_dict())) for stream in old]
+    assert all(state == states[0] for state in states), "every rank agrees on the state"
     assert (states[0]["epoch"], states[0]["step"]) == (1, done)
-    new = streams(shards, new_world, **kwargs)
+    new = streams(shards, new_world, **{**kwargs, "interleave": new_interleave})
     for stream in new:
         stream.load_state_dict(states[0])
         remaining = consume_steps(stream)
         assert [batch.step for batch in remaining] == list(range(done, stream.steps_per_epoch))
         consumed.extend(batch.indices for batch in remaining)
-        assert (stream.epoch, stream.step) == (2, 0), "after the last step the state is the next epoch's first"
     assert coverage(consumed, np.arange(sum(sizes))).exactly_once
-
-
-@pytest.mark.parametrize(("old_world", "new_world"), [(4, 3), (2, 5)])
-def test_world_size_change_mid_epoch_named_cases(old_world: int, new_world: int) -> None:
-    shards = memory_shards([37, 0, 5, 64, 21])
-    kwargs = {"global_batch_size": 24, "local_batch_multiple": 4, "block_size": 6, "seed": 3}
-    old = streams(shards, old_world, **kwargs)
-    consumed = [batch.indices for stream in old for batch in consume_steps(stream, 2)]
-    state = old[0].state_dict()
-    for stream in streams(shards, new_world, **kwargs):
-        stream.load_state_dict(state)
-        consumed.extend(batch.indices for batch in consume_steps(stream))
-    assert coverage(consumed, np.arange(127)).exactly_once
 
 
 def test_set_epoch_keeps_a_resumed_position_and_restarts_other_epochs() -> None:
     stream = ShardedStream(memory_shards([30]), 4, rank=0, world_size=2)
-    stream.load_state_dict({**stream.state_dict(), "epoch": 3, "step": 5})
+    consume_steps(stream, 5)
+    state = {**stream.state_dict(), "epoch": 3}
+    stream.load_state_dict(state)
     stream.set_epoch(3)
     assert (stream.epoch, stream.step) == (3, 5)
-    assert next(iter(stream)).step == 5
+    assert next(stream.consume(stream)).step == 5
     stream.set_epoch(4)
-    assert (stream.epoch, stream.step) == (4, 0)
+    assert (stream.epoch, stream.step) == (4, 0) and stream.state_dict()["remaining"] == [[0, 30]]
 
 
-def test_consumption_out_of_order_is_refused() -> None:
-    stream = ShardedStream(memory_shards([30]), 4, rank=0, world_size=2)
-    with pytest.raises(RuntimeError, match="expected step 0 of epoch 0 next, got step 1"):
-        stream.record_consumed(stream.batch(0, 1))
-
-
-def test_state_of_another_stream_is_refused() -> None:
-    stream = ShardedStream(memory_shards([30, 10]), 4, rank=0, world_size=2, seed=1, block_size=10)  # window 2
+def test_state_of_another_stream_is_refused_in_one_line() -> None:
+    stream = ShardedStream(memory_shards([30, 10]), 4, rank=0, world_size=2, seed=1, block_size=10)
     state = stream.state_dict()
-    for other in (
-        ShardedStream(memory_shards([30, 10]), 4, rank=0, world_size=2, seed=2, block_size=10),
-        ShardedStream(memory_shards([10, 30]), 4, rank=0, world_size=2, seed=1, block_size=10),
-        ShardedStream(memory_shards([30, 10]), 5, rank=0, world_size=2, seed=1, block_size=10),
-        ShardedStream(memory_shards([30, 10]), 4, rank=0, world_size=2, seed=1, block_size=10, window=1),
-        ShardedStream(memory_shards([30, 10]), 4, rank=0, world_size=2, seed=1, block_size=5, window=2),
-    ):
-        with pytest.raises(ValueError, match="a stream resumes only over the same shards"):
+    for other, setting in (
+        (ShardedStream(memory_shards([30, 10]), 4, rank=0, world_size=2, seed=2, block_size=10), "seed"),
+        (ShardedStream(memory_shards([30, 10]), 5, rank=0, world_size=2, seed=1, block_size=10), "global_batch_size"),
+        (ShardedStream(memory_shards([30, 10]), 4, rank=0, world_size=2, seed=1, block_size=5), "block_size"),
+        (ShardedStream(memory_shards([30, 10]), 4, rank=0, world_size=2, seed=1, block_size=10, key="id"), "key"),
+        (ShardedStream(memory_shards([30, 10]), 4, rank=0, world_size=2, seed=1, block_size=10, local_batch_multiple=2),
+         "local_batch_multiple"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"^state\['{setting}'\] is .* a stream resumes only over the same"):
             other.load_state_dict(state)
     with pytest.raises(ValueError, match=r"state\['step'\] must be in \[0, 9\]"):
         stream.load_state_dict({**state, "step": 10})
+    with pytest.raises(ValueError, match=r"state\['remaining'\] holds 40 positions but step 2 leaves 32"):
+        stream.load_state_dict({**state, "step": 2})
+    with pytest.raises(ValueError, match=r"state\['remaining'\]\[0\]\[1\] must be in \[1, 40\], got 41"):
+        stream.load_state_dict({**state, "remaining": [[0, 41]]})
     with pytest.raises(ValueError, match="version"):
         stream.load_state_dict({"epoch": 0, "step": 0})
 
 
-def test_collate_fn_receives_the_rows_of_a_step() -> None:
-    stream = ShardedStream(memory_shards([12]), 6, rank=1, world_size=2, collate_fn=sum)
-    batch = stream.batch(0, 0)
-    assert batch.rows == sum(batch.indices.tolist())
+def test_a_reordered_or_rewritten_shard_set_is_refused_naming_the_shard(tmp_path: Path) -> None:
+    paths = [write_parquet(tmp_path / f"shard-{i}.parquet", range(i * 20, i * 20 + 20), 5) for i in range(3)]
+    stream = ShardedStream([ParquetShard(path) for path in paths], 8, rank=0, world_size=1, key="id")
+    consume_steps(stream, 2)
+    state = json.loads(json.dumps(stream.state_dict()))
+    order = [paths[1], paths[0], paths[2]]
+    reordered = ShardedStream([ParquetShard(path) for path in order], 8, rank=0, world_size=1, key="id")
+    with pytest.raises(ValueError, match=r"^shard 0 is 'shard-1.parquet' \(20 rows, content [0-9a-f]{16}\) here but "):
+        reordered.load_state_dict(state)
+    write_parquet(paths[2], range(100, 120), 5)  # rewritten: same rows count, other rows
+    rewritten = ShardedStream([ParquetShard(path) for path in paths], 8, rank=0, world_size=1, key="id")
+    message = (
+        r"^shard 2 is 'shard-2.parquet' \(20 rows, content [0-9a-f]{16}\) here but 'shard-2.parquet' \(20 rows, "
+        r"content [0-9a-f]{16}\) in the state: a stream resumes only over the same shards, in the same order$"
+    )
+    with pytest.raises(ValueError, match=message):
+        rewritten.load_state_dict(state)
+    consume_steps(rewritten, 2)
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    copies = [moved / path.name for path in paths]
+    for path, copy in zip(paths, copies, strict=True):
+        copy.write_bytes(path.read_bytes())
+    resumed = ShardedStream([ParquetShard(copy) for copy in copies], 8, rank=0, world_size=1, key="id")
+    resumed.load_state_dict(rewritten.state_dict())  # the same data under another path is accepted
+    assert resumed.step == 2
 
 
-# --- DataLoader workers, Parquet, audit ---------------------------------------------------------------------------
+def test_collate_fn_receives_the_rows_of_a_step_and_keys_come_from_the_column() -> None:
+    shards = [InMemoryShard([{"id": i, "x": 2 * i} for i in range(12)])]
+    stream = ShardedStream(
+        shards, 6, rank=1, world_size=2, collate_fn=lambda rows: sum(row["x"] for row in rows), key="id"
+    )
+    batch = next(stream.consume(stream))
+    assert batch.rows == 2 * sum(batch.indices.tolist()) and batch.keys == batch.indices.tolist()
 
 
-def write_parquet(path: Path, ids: range, row_group_size: int) -> None:
-    pq.write_table(pa.table({"id": list(ids), "square": [i * i for i in ids]}), path, row_group_size=row_group_size)
+def test_a_sharded_dataset_is_a_source_and_lends_its_key() -> None:
+    dataset = ShardedDataset([InMemoryShard([{"id": i} for i in range(10)])], key="id")
+    stream = ShardedStream(dataset, 4, rank=0, world_size=1)
+    assert stream.shards == dataset.shards and stream.key == "id"
+    assert ShardedStream(dataset, 4, rank=0, world_size=1, key=None).key == "id"
 
 
-def parquet_shards(directory: Path, sizes: list[int], row_group_size: int = 5) -> list[ParquetShard]:
-    shards, start = [], 0
-    for index, size in enumerate(sizes):
-        write_parquet(directory / f"shard-{index}.parquet", range(start, start + size), row_group_size)
-        shards.append(ParquetShard(directory / f"shard-{index}.parquet", columns=["id"]))
-        start += size
-    return shards
+# --- no silent misuse ---------------------------------------------------------------------------------------------
 
 
-def test_dataloader_workers_cover_the_epoch_in_step_order_and_resume(tmp_path: Path) -> None:
-    shards = parquet_shards(tmp_path, [23, 0, 4, 31])
-    kwargs: dict[str, Any] = {"global_batch_size": 6, "block_size": 4, "seed": 5, "audit_dir": tmp_path / "audit"}
-    consumed: list[list[int]] = []
-    for stream in streams(shards, 2, **kwargs):
-        loader = DataLoader(stream, batch_size=None, num_workers=2)
-        first = list(itertools.islice(stream.consume(loader), 3))
-        state = stream.state_dict()
-        assert (state["epoch"], state["step"]) == (0, 3)
-        resumed = ShardedStream(shards, rank=stream.rank, world_size=2, **kwargs)
-        resumed.load_state_dict(state)
-        rest = list(resumed.consume(DataLoader(resumed, batch_size=None, num_workers=2)))
-        batches = first + rest
-        assert [batch.step for batch in batches] == list(range(stream.steps_per_epoch))
-        for batch in batches:
-            assert [row["id"] for row in batch.rows] == batch.indices.tolist()
-            assert batch.indices.tolist() == stream.batch(0, batch.step).indices.tolist()
-            consumed.append(batch.indices.tolist())
-        stream.close()
-        resumed.close()
-    assert coverage(consumed, np.arange(58)).exactly_once
-    report = audit_directory(tmp_path / "audit")
-    assert report.ok and [epoch.complete for epoch in report.epochs] == [True]
-    assert report.epochs[0].rank_batches == {0: 10, 1: 10}
+@pytest.mark.parametrize("workers", [0, 2])
+def test_iterating_the_dataloader_without_consume_fails_at_once(workers: int) -> None:
+    stream = ShardedStream(memory_shards([40]), 8, rank=0, world_size=1)
+    with pytest.raises(RuntimeError, match=r"iterate a ShardedStream through stream.consume\(loader\)"):
+        next(iter(DataLoader(stream, batch_size=None, num_workers=workers)))
+    assert (stream.epoch, stream.step) == (0, 0)
+    list(stream.consume(DataLoader(stream, batch_size=None, num_workers=workers)))
+    with pytest.raises(RuntimeError, match="consume"):
+        next(iter(DataLoader(stream, batch_size=None, num_workers=workers)))
 
 
-def test_parquet_shard_reads_ranges_across_row_groups(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = tmp_path / "rows.parquet"
-    write_parquet(path, range(100, 153), row_group_size=7)
-    shard = ParquetShard(path)
-    assert shard.num_rows == 53
-    groups_read: list[list[int]] = []
-    original = pq.ParquetFile.read_row_groups
-
-    def recording(self: pq.ParquetFile, row_groups: list[int], *args: Any, **kwargs: Any) -> pa.Table:
-        groups_read.append(list(row_groups))
-        return original(self, row_groups, *args, **kwargs)
-
-    monkeypatch.setattr(pq.ParquetFile, "read_row_groups", recording)
-    for start, stop in [(0, 53), (6, 8), (7, 14), (13, 29), (52, 53), (20, 20)]:
-        assert shard.read(start, stop) == [{"id": i, "square": i * i} for i in range(100 + start, 100 + stop)]
-    assert groups_read == [list(range(8)), [0, 1], [1], [1, 2, 3, 4], [7]]
-    assert ParquetShard(path, columns=["square"]).read(8, 10) == [{"square": 108 * 108}, {"square": 109 * 109}]
-    with pytest.raises(ValueError, match=r"columns must be among \['id', 'square'\]"):
-        ParquetShard(path, columns=["nope"])
-    with pytest.raises(ValueError, match=r"stop must be in \[3, 53\], got 54"):
-        shard.read(3, 54)
-
-
-# --- arguments ----------------------------------------------------------------------------------------------------
+def test_consume_refuses_a_loader_that_would_not_keep_the_steps_in_order() -> None:
+    stream = ShardedStream(memory_shards([40]), 8, rank=0, world_size=1)
+    other = ShardedStream(memory_shards([40]), 8, rank=0, world_size=1)
+    for loader, error, message in (
+        (DataLoader(stream, batch_size=2), ValueError, "batch_size=None"),
+        (DataLoader(stream, batch_size=None, num_workers=1, persistent_workers=True), ValueError, "persistent"),
+        (DataLoader(other, batch_size=None), TypeError, "a DataLoader over this stream"),
+        ([stream], TypeError, "a DataLoader over this stream"),
+    ):
+        with pytest.raises(error, match=message):
+            next(stream.consume(loader))  # type: ignore[arg-type]
+    assert (stream.epoch, stream.step) == (0, 0)
 
 
 @pytest.mark.parametrize(
@@ -273,7 +245,7 @@ def test_parquet_shard_reads_ranges_across_row_groups(tmp_path: Path, monkeypatc
         ({"shards": [object()]}, TypeError, r"shards\[0\] must have num_rows and read"),
         ({"shards": [InMemoryShard([])]}, ValueError, "shards must hold at least one row"),
         ({"block_size": 0}, ValueError, r"block_size must be in \[1, inf\], got 0"),
-        ({"window": 3}, ValueError, r"window must be in \[1, 1\], got 3"),
+        ({"interleave": 0}, ValueError, r"interleave must be in \[1, inf\], got 0"),
         ({"rank": 3}, ValueError, r"rank must be in \[0, 2\], got 3"),
         ({"rank": -1}, ValueError, r"rank must be in \[0, 2\], got -1"),
         ({"world_size": 0, "rank": 0}, ValueError, r"world_size must be in \[1, inf\], got 0"),
@@ -281,6 +253,7 @@ def test_parquet_shard_reads_ranges_across_row_groups(tmp_path: Path, monkeypatc
         ({"global_batch_size": 0}, ValueError, r"global_batch_size must be in \[1, inf\], got 0"),
         ({"seed": -1}, ValueError, r"seed must be in \[0, inf\], got -1"),
         ({"collate_fn": 3}, TypeError, "collate_fn must be callable"),
+        ({"key": 3}, TypeError, "key must be a column name or None"),
     ],
 )
 def test_bad_arguments_name_the_parameter(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:
@@ -288,6 +261,115 @@ def test_bad_arguments_name_the_parameter(kwargs: dict[str, Any], error: type[Ex
     arguments.update(kwargs)
     with pytest.raises(error, match=message):
         ShardedStream(arguments.pop("shards"), arguments.pop("global_batch_size"), **arguments)
+
+
+# --- DataLoader workers: Parquet, Hugging Face streams, audit ----------------------------------------------------
+
+
+def write_parquet(path: Path, ids: range, row_group_size: int) -> Path:
+    pq.write_table(pa.table({"id": list(ids), "square": [i * i for i in ids]}), path, row_group_size=row_group_size)
+    return path
+
+
+def write_jsonl(directory: Path, sizes: list[int]) -> list[str]:
+    directory.mkdir(parents=True, exist_ok=True)
+    files, start = [], 0
+    for number, size in enumerate(sizes):
+        path = directory / f"part-{number}.jsonl"
+        path.write_text("".join(json.dumps({"id": i, "text": f"row {i}"}) + "\n" for i in range(start, start + size)))
+        files.append(str(path))
+        start += size
+    return files
+
+
+def hf_source(files: list[str], piece_rows: int = 8) -> ShardedDataset:
+    datasets = pytest.importorskip("datasets")
+    stream = datasets.load_dataset("json", data_files=files, split="train", streaming=True)
+    return ShardedDataset.from_hf_iterable(stream, key="id", piece_rows=piece_rows)
+
+
+def run_ranks(
+    source: Any, world: int, workers: int, steps: int | None, state: dict[str, Any] | None, **kwargs: Any
+) -> tuple[list[int], dict[str, Any], int]:
+    """Each rank of a ``world`` consumes ``steps`` steps through a DataLoader with ``workers`` workers:
+    the row ids read out of the rows, the (common) state afterwards and the rows decoded."""
+    ids: list[int] = []
+    states = []
+    decoded = 0
+    for stream in streams(source, world, **kwargs):
+        if state is not None:
+            stream.load_state_dict(state)
+        loader = DataLoader(stream, batch_size=None, num_workers=workers)
+        for batch in itertools.islice(stream.consume(loader), steps):
+            ids.extend(row["id"] for row in batch.rows)
+            assert batch.keys == [row["id"] for row in batch.rows] == batch.indices.tolist()
+            decoded += batch.rows_decoded
+        states.append(json.loads(json.dumps(stream.state_dict())))
+        stream.close()
+    assert all(other == states[0] for other in states)
+    return ids, states[0], decoded
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [((1, 0), (2, 4)), ((2, 1), (3, 2)), ((2, 2), (3, 0)), ((3, 4), (1, 1)), ((2, 4), (2, 2))],
+)
+def test_hugging_face_streams_with_workers_are_exactly_once_across_a_world_size_change(
+    tmp_path: Path, before: tuple[int, int], after: tuple[int, int]
+) -> None:
+    """Before: a Hugging Face shard read by DataLoader worker 1 of 2 held no rows (ShardError), and a state
+    carried only the step. Row ids come out of the rows; the audit is checked apart."""
+    source = hf_source(write_jsonl(tmp_path / "data", [40, 24, 40, 8, 40, 40]))
+    kwargs: dict[str, Any] = {"global_batch_size": 12, "block_size": 4, "seed": 5, "audit_dir": tmp_path / "audit"}
+    first, state, _ = run_ranks(source, *before, steps=7, state=None, **kwargs)
+    assert (state["epoch"], state["step"]) == (0, 7)
+    rest, state, _ = run_ranks(source, *after, steps=None, state=state, **kwargs)
+    assert (state["epoch"], state["step"]) == (1, 0)
+    counts = Counter(first + rest)
+    assert sorted(counts) == list(range(192)) and set(counts.values()) == {1}
+    report = audit_directory(tmp_path / "audit")
+    assert report.ok and report.epochs[0].complete and report.epochs[0].keys is not None
+    assert set(report.epochs[0].rank_samples) == {
+        (rank, world) for world, _ in (before, after) for rank in range(world)
+    }
+
+
+def test_each_worker_decodes_only_the_rows_it_delivers(tmp_path: Path) -> None:
+    """Eight shards, two ranks of two workers: each worker reads two whole shards. Before: every worker read
+    every shard (four times the rows)."""
+    source = hf_source(write_jsonl(tmp_path, [40] * 8))
+    ids, _, decoded = run_ranks(source, 2, 2, steps=None, state=None, global_batch_size=8, block_size=8)
+    assert sorted(ids) == list(range(320)) and decoded == 320
+
+
+def test_parquet_shards_with_workers_started_in_any_order(tmp_path: Path) -> None:
+    paths = [write_parquet(tmp_path / f"shard-{i}.parquet", range(i * 25, i * 25 + 25), 5) for i in range(4)]
+    shards = [ParquetShard(path, columns=["id"]) for path in paths]
+
+    def late_first_worker(worker: int) -> None:
+        if worker == 0:
+            time.sleep(0.2)  # worker 1 reads first; nothing may depend on it
+
+    ids: list[int] = []
+    for stream in streams(shards, 2, global_batch_size=10, block_size=5, key="id"):
+        loader = DataLoader(stream, batch_size=None, num_workers=2, worker_init_fn=late_first_worker)
+        ids.extend(row["id"] for batch in stream.consume(loader) for row in batch.rows)
+    assert sorted(ids) == list(range(100))
+
+
+def test_a_per_rank_shuffle_of_the_source_is_refused_by_the_audit_naming_the_shard(tmp_path: Path) -> None:
+    """The proposal's mistake carried over: each rank shuffles its file list with 42 + rank. Before: the audit
+    saw every position once and said OK while rows were trained twice and others never."""
+    files = write_jsonl(tmp_path / "data", [20, 20, 20, 20])
+    sources = []
+    for rank in range(2):
+        mine = list(files)
+        random.Random(42 + rank).shuffle(mine)
+        sources.append(hf_source(mine))
+    ShardedStream(sources[0], 8, rank=0, world_size=2, audit_dir=tmp_path / "audit")
+    with pytest.raises(ValueError, match=r"^shard \d is 'shard \d of 4' \(20 rows, content [0-9a-f]+\) here but .*"
+                       r"audit.json: every rank.*must read the same shards in the same order"):  # fmt: skip
+        ShardedStream(sources[1], 8, rank=1, world_size=2, audit_dir=tmp_path / "audit")
 
 
 # --- the example --------------------------------------------------------------------------------------------------
@@ -305,4 +387,4 @@ def test_example_shows_overlap_for_rank_seeded_shuffle_and_none_for_stalwart(
     mistake, stalwart = comparison.rank_seeded, comparison.stalwart
     assert not mistake.ok and mistake.epochs[0].coverage.duplicates and mistake.epochs[0].coverage.missing
     assert stalwart.ok and stalwart.epochs[0].complete and stalwart.epochs[0].coverage.exactly_once
-    assert stalwart.epochs[0].rank_samples == {0: 24, 1: 24, 2: 24}
+    assert stalwart.epochs[0].rank_samples == {(0, 3): 24, (1, 3): 24, (2, 3): 24}

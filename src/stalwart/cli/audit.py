@@ -1,17 +1,20 @@
-"""``stalwart audit DIR``: was every epoch in an audit directory consumed exactly once?"""
+"""``stalwart audit DIR``: was every epoch in an audit directory consumed exactly once, by index and by row?"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.console import Console
 from rich.table import Table
 
-from stalwart.data.audit import AuditFileError, AuditReport, EpochAudit, audit_directory
+from stalwart.data.audit import AuditFileError, AuditReport, Delivery, EpochAudit, KeyConflict, audit_directory
 
 EXIT_VIOLATION = 1
 EXIT_UNREADABLE = 2
+NAMED = 5
+"""Rows (or indices) named per finding; the counts cover all of them."""
 
 
 class UnreadableAudit(click.ClickException):
@@ -25,9 +28,12 @@ class UnreadableAudit(click.ClickException):
 def audit_command(directory: Path) -> None:
     """Check the audit files in DIRECTORY: each epoch's samples consumed exactly once.
 
-    Exits 0 when every complete epoch was covered exactly once and no epoch in
-    progress repeats a sample, 1 on any violation, 2 when the directory cannot
-    be read.
+    Records that carry row keys are checked by key too: rows delivered twice
+    are named, rows of a complete epoch never delivered counted, and indices
+    delivered as two different rows named. Exits 0 when every complete epoch
+    was covered exactly once and no epoch in progress repeats a sample, 1 on
+    any violation or when the directory holds no records (nothing was consumed
+    through an audited loop), 2 when it cannot be read.
     """
     try:
         report = audit_directory(directory)
@@ -36,39 +42,67 @@ def audit_command(directory: Path) -> None:
     console = Console()
     for epoch in report.epochs:
         console.print(_epoch_table(epoch))
-        console.print(_epoch_summary(epoch), highlight=False, soft_wrap=True)
+        for line in _epoch_summary(epoch):
+            console.print(line, highlight=False, soft_wrap=True)
+    if report.conflicts:
+        console.print(_conflicts_line(report.conflicts), highlight=False, soft_wrap=True)
     console.print(_verdict(report), highlight=False, soft_wrap=True)
     if not report.ok:
         raise SystemExit(EXIT_VIOLATION)
 
 
 def _epoch_table(epoch: EpochAudit) -> Table:
-    """One epoch's per-rank batches and samples."""
+    """One epoch's per-rank batches and samples; ranks that recorded their world size are labelled ``r of w``."""
     state = "complete" if epoch.complete else "in progress"
     table = Table(title=f"epoch {epoch.epoch} ({state})", title_justify="left")
     table.add_column("rank", justify="right")
     table.add_column("batches", justify="right")
     table.add_column("samples", justify="right")
-    for rank, samples in epoch.rank_samples.items():
-        table.add_row(str(rank), str(epoch.rank_batches[rank]), str(samples))
+    for consumer, samples in epoch.rank_samples.items():
+        table.add_row(str(consumer), str(epoch.rank_batches[consumer]), str(samples))
     return table
 
 
-def _epoch_summary(epoch: EpochAudit) -> str:
-    """One epoch's coverage; missing samples only count once the epoch is complete."""
+def _epoch_summary(epoch: EpochAudit) -> list[str]:
+    """One epoch's coverage by index and, when the records carry keys, by row."""
     result = epoch.coverage
     missing = len(result.missing) if epoch.complete else f"{len(result.missing)} not yet consumed"
-    return (
+    lines = [
         f"consumed {result.consumed} of {epoch.expected}: duplicates {len(result.duplicates)}, "
         f"missing {missing}, unexpected {len(result.unexpected)}"
+    ]
+    keys = epoch.keys
+    if keys is not None:
+        line = f"rows by key: {keys.distinct} distinct of {keys.keyed} keyed"
+        if keys.duplicates:
+            named = "; ".join(
+                f"{_key(key)} at {', '.join(delivery.describe() for delivery in deliveries)}"
+                for key, deliveries in list(keys.duplicates.items())[:NAMED]
+            )
+            line += f", {len(keys.duplicates)} delivered more than once ({named}{_more(keys.duplicates)})"
+        if epoch.missing_rows:
+            line += f", {epoch.missing_rows} never delivered"
+        lines.append(line)
+    return lines
+
+
+def _conflicts_line(conflicts: list[KeyConflict]) -> str:
+    named = "; ".join(
+        f"index {conflict.index}: "
+        + ", ".join(f"{_key(key)} at {_where(delivery)}" for key, delivery in conflict.deliveries)
+        for conflict in conflicts[:NAMED]
     )
+    return f"{len(conflicts)} indices delivered as different rows ({named}{_more(conflicts)})"
 
 
 def _verdict(report: AuditReport) -> str:
     """One line: OK, or what went wrong in which epochs."""
     torn = f" ({report.torn_lines} torn last line(s) skipped)" if report.torn_lines else ""
-    if not report.epochs:
-        return f"[bold yellow]NO RECORDS[/] in {report.directory}{torn}"
+    if report.empty:
+        return (
+            f"[bold red]NO RECORDS[/] in {report.directory}{torn}: nothing was consumed through an audited loop "
+            "(a ShardedStream's consume(), a sampler's steps()), so nothing can be vouched for"
+        )
     if report.ok:
         count = len(report.epochs)
         return f"[bold green]OK[/]: {count} epoch(s); complete ones exactly once, none repeats a sample{torn}"
@@ -81,5 +115,23 @@ def _verdict(report: AuditReport) -> str:
         if epoch.complete:
             found.append(f"{len(result.missing)} missing")
         found.append(f"{len(result.unexpected)} unexpected")
+        if epoch.keys is not None and epoch.keys.duplicates:
+            found.append(f"{len(epoch.keys.duplicates)} rows delivered twice")
+        if epoch.missing_rows:
+            found.append(f"{epoch.missing_rows} rows never delivered")
         problems.append(f"epoch {epoch.epoch}: " + ", ".join(found))
+    if report.conflicts:
+        problems.append(f"{len(report.conflicts)} indices delivered as different rows")
     return "[bold red]VIOLATION[/]: " + "; ".join(problems) + torn
+
+
+def _key(key: Any) -> str:
+    return f"key {key!r}"
+
+
+def _where(delivery: Delivery) -> str:
+    return f"rank {delivery.consumer}, epoch {delivery.epoch} step {delivery.step}"
+
+
+def _more(items: Any) -> str:
+    return f"; and {len(items) - NAMED} more" if len(items) > NAMED else ""

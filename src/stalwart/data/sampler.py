@@ -310,7 +310,7 @@ class ManagedDistributedSampler:
         self._handed.clear()
         self._close_audit()
         if self.audit_dir is not None:
-            self._audit = AuditWriter(self.audit_dir, self.world.rank)
+            self._audit = AuditWriter(self.audit_dir, self.world.rank, world_size=self.world.world_size)
         shares = self._shares()
         return shares if self.batch_size is None else (index for share in shares for index in share)
 

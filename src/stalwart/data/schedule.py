@@ -30,6 +30,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TypeVar
 
+import numpy as np
+import numpy.typing as npt
+
 from stalwart._validate import check_int
 
 T = TypeVar("T", bound=Sequence)
@@ -44,6 +47,17 @@ def step_boundary(step: int, global_batch_size: int, multiple: int = 1) -> int:
     if 2 * remainder > multiple:
         quotient += 1
     return quotient * multiple
+
+
+def step_boundaries(
+    steps: npt.ArrayLike, global_batch_size: int, multiple: int = 1, limit: int | None = None
+) -> npt.NDArray[np.int64]:
+    """:func:`step_boundary` of every step in ``steps`` at once (int64), clamped to ``limit`` when given."""
+    global_batch_size = check_int("global_batch_size", global_batch_size, minimum=1)
+    multiple = check_int("local_batch_multiple", multiple, minimum=1, maximum=global_batch_size)
+    quotient, remainder = np.divmod(np.asarray(steps, dtype=np.int64) * global_batch_size, multiple)
+    boundaries = (quotient + (2 * remainder > multiple)) * multiple
+    return boundaries if limit is None else np.minimum(boundaries, limit)
 
 
 def step_total(step: int, global_batch_size: int, multiple: int = 1) -> int:

@@ -22,17 +22,33 @@ Data audit
     all-reduce cost nothing; a separate int64 all-reduce would cost a second
     collective (its latency) per step. The reduced value must equal the hash
     sum of the samples at the step's ledger positions (:func:`index_checksum`).
+
+Row audit
+    Positions alone cannot see a loader that hands out other rows than its
+    indices name (a member whose dataset is shuffled on its own, a wrong
+    shard). A loader whose dataset keys its rows (``ShardedDataset.row_keys``:
+    a column, or a content hash) also sums ``hash(index, key)`` over the rows
+    it handed out (:func:`row_checksum`, the same eight pieces). Nobody can
+    know the expected value of one step without reading every row, but an
+    epoch that covers the whole dataset sums every ``(index, key)`` pair once,
+    whichever member read which: every complete epoch must give the same sum
+    (:class:`RowDigest`). Reading another member's view of the rows shows as a
+    different sum at the end of the next epoch whose order gives those
+    indices to another member.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
+from stalwart._validate import check_int
+from stalwart.data.rowkeys import mix64
 from stalwart.errors import StalwartError
 
 DRIFT_SLOTS = 5
@@ -148,10 +164,73 @@ def index_checksum(epochs: np.ndarray | int, indices: np.ndarray | Sequence[int]
 
 def _mix(values: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser on a uint64 array (wrapping arithmetic)."""
-    values = values + np.uint64(0x9E3779B97F4A7C15)
-    values = (values ^ (values >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    values = (values ^ (values >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return values ^ (values >> np.uint64(31))
+    return mix64(values)
+
+
+def row_checksum(indices: np.ndarray | Sequence[int], row_hashes: np.ndarray | Sequence[int]) -> int:
+    """Sum mod 2**64 of a hash of each ``(index, row hash)``: order-free and the same in every epoch."""
+    index_array = np.asarray(indices, dtype=np.uint64).reshape(-1)
+    hash_array = np.asarray(row_hashes, dtype=np.uint64).reshape(-1)
+    if index_array.shape != hash_array.shape:
+        raise ValueError(f"row_hashes must give one hash per index ({index_array.size}), got {hash_array.size}")
+    return int(_mix(_mix(index_array) ^ hash_array).sum(dtype=np.uint64))
+
+
+class RowDigest:
+    """The row checksums of an epoch, summed; every complete epoch must match the first one (see the module doc).
+
+    ``add(epoch, value)`` after each committed step with the quorum's reduced
+    row checksum; ``close_epoch(epoch)`` when that epoch's last step
+    committed, for plans that cover the whole dataset every epoch (not
+    ``drop_last``, whose dropped tail differs by epoch). Its state is part of
+    a member's state: healed, checkpointed, the same on every member.
+    """
+
+    def __init__(self) -> None:
+        self.reference: int | None = None
+        self.epoch = 0
+        self.running = 0
+
+    def add(self, epoch: int, value: int) -> None:
+        """Add a committed step's row checksum to epoch ``epoch``'s sum."""
+        epoch = check_int("epoch", epoch, minimum=0)
+        if epoch != self.epoch:
+            self.epoch, self.running = epoch, 0
+        self.running = (self.running + check_int("value", value, minimum=0, maximum=_MASK)) & _MASK
+
+    def close_epoch(self, epoch: int) -> None:
+        """Epoch ``epoch`` is complete: its sum becomes the reference, or must equal it (else :class:`AuditError`)."""
+        epoch = check_int("epoch", epoch, minimum=0)
+        running = self.running if epoch == self.epoch else 0
+        self.epoch, self.running = epoch + 1, 0
+        if self.reference is None:
+            self.reference = running
+        elif running != self.reference:
+            raise AuditError(
+                f"epoch {epoch}: the rows the quorum trained on sum to {running:#018x}, earlier epochs to "
+                f"{self.reference:#018x}: some member's loader hands out other rows for the same indices than earlier "
+                "epochs did (a dataset shuffled or seeded per member, other files, a source that changed)"
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-safe: the sums as hex strings."""
+        reference = None if self.reference is None else f"{self.reference:#x}"
+        return {"reference": reference, "epoch": self.epoch, "running": f"{self.running:#x}"}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s form."""
+        if not isinstance(state, Mapping) or set(state) != {"reference", "epoch", "running"}:
+            raise ValueError(f"state must be a RowDigest.state_dict(), got {state!r}")
+        try:
+            reference = None if state["reference"] is None else int(state["reference"], 16)
+            running = int(state["running"], 16)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"state's sums must be hex strings, got {state!r}") from error
+        self.reference, self.epoch, self.running = (
+            reference,
+            check_int("state['epoch']", state["epoch"], minimum=0),
+            running,
+        )
 
 
 def audit_pieces(checksum: int) -> torch.Tensor:

@@ -43,6 +43,14 @@ Reading in groups
     prefetched request and each worker's chunk in one call, so that it can read
     each shard piece once; other datasets are indexed one sample at a time.
 
+Row keys
+    A dataset with ``gather(indices)`` (a :class:`~stalwart.data.shards.ShardedDataset`)
+    returns each row's key with it, in the process that read the row; the key's
+    64-bit hash travels with the sample, and :meth:`ElasticLoader.take_row_checksum`
+    sums ``hash(index, key)`` over the samples handed out
+    (:func:`~stalwart.runtime.consistency.row_checksum`), so that the
+    Manager's audit covers the rows delivered, not only their positions.
+
 Random augmentation must not depend on which process loads a sample, or a
 reassigned sample would be transformed differently: ``transform(sample,
 generator)`` receives :func:`sample_generator` seeded by (seed, epoch, index),
@@ -64,11 +72,15 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 from stalwart._validate import check_bool, check_int
+from stalwart.data.rowkeys import key_hashes
 from stalwart.data.schedule import split_microbatches, split_sizes
+from stalwart.runtime.consistency import row_checksum
 
 Transform = Callable[[Any, torch.Generator], Any]
 Key = tuple[int, int]
 """A sample to load: (epoch, dataset index)."""
+Loaded = tuple[Any, int | None]
+"""A loaded sample and the 64-bit hash of its row's key (None when the dataset does not key its rows)."""
 
 _CHUNKS_PER_WORKER = 4
 """A request is cut into at most this many chunks per worker, all handed out at ``iter()`` (the prefetch factor)."""
@@ -89,29 +101,36 @@ class _KeyedSamples(Dataset[tuple[Key, Any]]):
         self.seed = seed
 
     def load(self, key: Key) -> Any:
-        return self.load_many([key])[0]
+        return self.load_many([key])[0][0]
 
-    def load_many(self, keys: list[Key]) -> list[Any]:
-        """The samples of ``keys`` in order: one ``dataset.__getitems__`` call when the dataset has it."""
+    def load_many(self, keys: list[Key]) -> list[Loaded]:
+        """The samples of ``keys`` in order with their row hashes: one ``gather`` or ``__getitems__`` call when the
+        dataset has it."""
+        indices = [index for _, index in keys]
+        hashes: list[int | None] = [None] * len(keys)
+        gather = getattr(self.dataset, "gather", None)
         getitems = getattr(self.dataset, "__getitems__", None)
-        if getitems is None:
-            samples = [self.dataset[index] for _, index in keys]
+        if callable(gather):
+            samples, row_keys = gather(indices)
+            hashes = key_hashes(row_keys).tolist()
+        elif getitems is None:
+            samples = [self.dataset[index] for index in indices]
         else:
-            samples = list(getitems([index for _, index in keys]))
-            if len(samples) != len(keys):
-                raise RuntimeError(f"dataset.__getitems__ returned {len(samples)} samples for {len(keys)} indices")
+            samples = list(getitems(indices))
+        if len(samples) != len(keys):
+            raise RuntimeError(f"the dataset returned {len(samples)} samples for {len(keys)} indices")
         if self.transform is not None:
             transform = self.transform
             samples = [
                 transform(sample, sample_generator(self.seed, epoch, index))
                 for sample, (epoch, index) in zip(samples, keys, strict=True)
             ]
-        return samples
+        return list(zip(samples, hashes, strict=True))
 
-    def __getitem__(self, key: Key) -> tuple[Key, Any]:
-        return key, self.load(key)
+    def __getitem__(self, key: Key) -> tuple[Key, Loaded]:
+        return key, self.load_many([key])[0]
 
-    def __getitems__(self, keys: list[Key]) -> list[tuple[Key, Any]]:
+    def __getitems__(self, keys: list[Key]) -> list[tuple[Key, Loaded]]:
         return list(zip(keys, self.load_many(keys), strict=True))
 
 
@@ -140,7 +159,7 @@ class _ThreadSource:
     def __init__(self, samples: _KeyedSamples) -> None:
         self._samples = samples
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stalwart-prefetch")
-        self._prefetched: Future[dict[Key, Any]] | None = None
+        self._prefetched: Future[dict[Key, Loaded]] | None = None
         self._prefetched_keys: frozenset[Key] = frozenset()
 
     def prefetch(self, keys: list[Key]) -> None:
@@ -152,7 +171,7 @@ class _ThreadSource:
         if self._prefetched_keys.isdisjoint(keys):
             self._drop()
 
-    def take(self, keys: list[Key]) -> list[Any]:
+    def take(self, keys: list[Key]) -> list[Loaded]:
         prefetched = self._prefetched_keys.intersection(keys)
         if not prefetched:
             return self._samples.load_many(keys)
@@ -165,7 +184,7 @@ class _ThreadSource:
         self._drop()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    def _load_all(self, keys: list[Key]) -> dict[Key, Any]:
+    def _load_all(self, keys: list[Key]) -> dict[Key, Loaded]:
         return dict(zip(keys, self._samples.load_many(keys), strict=True))
 
     def _drop(self) -> None:
@@ -193,7 +212,7 @@ class _WorkerSource:
         self._pass: Iterator[list[tuple[Key, Any]]] | None = None
         self._pending: set[Key] = set()
         self._wanted: set[Key] = set()
-        self._ready: dict[Key, Any] = {}
+        self._ready: dict[Key, Loaded] = {}
         self._start([])
 
     def prefetch(self, keys: list[Key]) -> None:
@@ -210,7 +229,7 @@ class _WorkerSource:
                 self._receive()
             self._start(missing)
 
-    def take(self, keys: list[Key]) -> list[Any]:
+    def take(self, keys: list[Key]) -> list[Loaded]:
         """The samples of ``keys``: received from the workers where they have them in hand, the rest loaded here."""
         taken = {}
         for key in keys:
@@ -283,6 +302,7 @@ class ElasticLoader:
             self._source = _ThreadSource(self._samples)
         self._closed = False
         self._produced: list[Key] = []
+        self._row_sum = 0
 
     def take_produced(self) -> list[Key]:
         """The ``(epoch, index)`` of every sample in the micro-batches produced since the last call (then forgotten).
@@ -292,6 +312,12 @@ class ElasticLoader:
         """
         produced, self._produced = self._produced, []
         return produced
+
+    def take_row_checksum(self) -> int:
+        """:func:`~stalwart.runtime.consistency.row_checksum` of the samples handed out since the last call (then
+        reset): 0 when the dataset does not key its rows (it has no ``gather``)."""
+        row_sum, self._row_sum = self._row_sum, 0
+        return row_sum
 
     def load(self, epoch: int, index: int) -> Any:
         """One sample, transformed with its own generator, loaded in the calling process."""
@@ -330,8 +356,13 @@ class ElasticLoader:
     def _collated(self, keys: list[Key], chunks: list[list[Key]]) -> Iterator[Any]:
         self._source.request(keys)
         for chunk in chunks:
-            batch = self.collate_fn(self._source.take(chunk))
+            loaded = self._source.take(chunk)
+            batch = self.collate_fn([sample for sample, _ in loaded])
             self._produced.extend(chunk)
+            hashes = [row_hash for _, row_hash in loaded if row_hash is not None]
+            if chunk and len(hashes) == len(chunk):
+                row_sum = row_checksum([index for _, index in chunk], hashes)
+                self._row_sum = (self._row_sum + row_sum) % (1 << 64)
             yield batch
 
 
