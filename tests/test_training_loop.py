@@ -24,12 +24,14 @@ import torch
 from torch.utils.data import TensorDataset
 
 from stalwart import Checkpointing, ElasticLoader, EpochPlan, Lighthouse, Manager, StepContractError
+from stalwart.data.shards import InMemoryShard, ShardedDataset
 from stalwart.errors import JobFinishedError, PlanMismatchError
 from stalwart.launch import gpt
 from stalwart.launch.cluster import LocalCluster
 from stalwart.launch.digits import digits_dataset, digits_model, digits_optimizer, mean_loss
 from stalwart.launch.report import audit_steps, committed_steps, planned_total
 from stalwart.launch.tasks import TASKS, gpt_datasets, reference_run
+from stalwart.runtime.consistency import AuditError
 from tests.test_replica_groups import end_group, launch_group
 from tests.test_runtime import wait_for
 
@@ -389,3 +391,30 @@ def test_bad_manager_arguments_name_the_argument(solo: Lighthouse, monkeypatch: 
     finally:
         other.close()
         loader.close()
+
+
+def test_rows_that_change_under_their_indices_stop_the_job_at_the_end_of_the_epoch(solo: Lighthouse) -> None:
+    """The row audit through the Manager: the loader's rows are reshuffled in place after epoch 0 (a source that
+    changed): every position is still delivered once, but epoch 1's rows sum to another value than epoch 0's."""
+    rows = [{"id": index, "x": [float(index % 7), 1.0]} for index in range(32)]
+    dataset = ShardedDataset([InMemoryShard(rows)], key="id")
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    manager = Manager(model, optimizer, lighthouse=solo.url, member="solo", max_microbatch=8, plan=EpochPlan(32, 16))
+    loader = ElasticLoader(dataset, collate_fn=lambda batch: torch.tensor([row["x"] for row in batch]))
+    epochs = []
+    try:
+        with pytest.raises(AuditError, match=r"epoch 1: the rows the quorum trained on sum to"):
+            for step in manager.steps(loader, max_steps=8):
+                for features in step:
+                    step.backward(model(features).pow(2).mean())
+                optimizer.step()
+                optimizer.zero_grad()
+                epochs.append(step.epoch)
+                if step.epoch_end and step.epoch == 0:
+                    rows.reverse()  # in place: the shard's rows under the same indices change
+                    dataset.close()  # and the source is read again (its cached pieces dropped)
+    finally:
+        manager.close()
+        loader.close()
+    assert epochs == [0, 0, 1, 1]  # epoch 0 passed; epoch 1 was refused as it committed

@@ -35,6 +35,7 @@ import numpy.typing as npt
 from stalwart._validate import check_int
 from stalwart.data.plan import EpochPlan
 from stalwart.data.shards import ShardIdentity, shard_difference
+from stalwart.errors import StalwartError
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ _RECORD_FILE = re.compile(r"^rank-(\d{5,})(?:-w(\d+))?\.jsonl$")
 _SPEC_OPTIONS = ("shards", "key")
 
 
-class AuditFileError(ValueError):
+class AuditFileError(StalwartError, ValueError):
     """An audit directory holds a file that cannot be read as audit records or an expected spec."""
 
 

@@ -62,6 +62,7 @@ from torch.utils.data import Dataset
 
 from stalwart._validate import check_int
 from stalwart.data.rowkeys import UInt64s, python_hashes, row_keys, table_hashes
+from stalwart.errors import StalwartError
 
 DEFAULT_CACHED_PIECES = 32
 DEFAULT_OPEN_SHARDS = 16
@@ -76,7 +77,7 @@ SAMPLED_WINDOW_BYTES = 4096
 """A Parquet file's digest covers its size, its footer and this many windows of this many bytes."""
 
 
-class ShardError(RuntimeError):
+class ShardError(StalwartError, RuntimeError):
     """A shard could not be read, or it no longer holds the rows it held when it was opened."""
 
 

@@ -44,6 +44,8 @@ class Source(Protocol):
 
     def take_produced(self) -> list[Key]: ...
 
+    def take_row_checksum(self) -> int: ...
+
 
 class StepAccumulation:
     """This process's gradients, losses and weights of the step in progress, and their reduction."""
@@ -67,6 +69,8 @@ class StepAccumulation:
         )
         self.loaded_checksum = 0
         """The audit checksum of the samples the loader produced in the step (all parts)."""
+        self.row_checksum = 0
+        """The row checksum of the rows the loader handed out in the step (0 when its dataset keys no rows)."""
         self._loss = torch.zeros((), device=device)
         self._weight = torch.zeros((), device=device)
         self._size: int | None = None
@@ -79,6 +83,7 @@ class StepAccumulation:
         self._loss = torch.zeros((), device=self.device)
         self._weight = torch.zeros((), device=self.device)
         self.loaded_checksum = 0
+        self.row_checksum = 0
         self._size = None
 
     def microbatches(
@@ -100,6 +105,7 @@ class StepAccumulation:
                 set_gradient_sync(self.model, number == len(sizes))
             if number == len(sizes):
                 self.loaded_checksum = (self.loaded_checksum + produced_checksum(source)) % (1 << 64)
+                self.row_checksum = (self.row_checksum + source.take_row_checksum()) % (1 << 64)
                 arm()
             self._size = size
             yield batch

@@ -366,6 +366,7 @@ class Manager:
         self._max_steps = check_int("max_steps", max_steps, minimum=0)
         source = self._source(loader)
         self._session.data_fingerprint = str(getattr(loader.dataset, "fingerprint", ""))
+        self._session.data_identities = list(getattr(loader.dataset, "identities", []))
         self._started = True
         try:
             while True:
@@ -480,7 +481,11 @@ class Manager:
             self._warned_no_update = True
             log.warning("%s: step %d committed without optimizer.step() (a GradScaler skip?)", self.member, step.number)
         ledger = self.ledger
+        epoch, ends_epoch = ledger.epoch, self._planner.ends_epoch
         ledger.commit()
+        self._replica.row_digest.add(epoch, reduced.row_checksum)
+        if ends_epoch and not ledger.plan.drop_last:  # every row once: each epoch must sum the same
+            self._replica.row_digest.close_epoch(epoch)
         self._replica.applied_step += 1
         self._replica.trained_step = self._replica.applied_step
         self._drift.step_committed()
@@ -502,6 +507,7 @@ class Manager:
         head = TailHead(
             drift=self._drift.slots(self.ledger.step, comm.rank, comm.world_size, self._replica.applied_step),
             loaded_checksum=self._accumulation.loaded_checksum,
+            row_checksum=self._accumulation.row_checksum,
             samples=self._planner.samples,
             reconfigure=client is not None and client.reconfigure_requested,
         )

@@ -1,9 +1,10 @@
 """A member's replica: the state a heal copies as one, and the step it is at.
 
 The state is the model, the optimizer, what the user registered
-(:meth:`Replica.register`: an LR scheduler, a GradScaler, an EMA) and the
-random generators (:mod:`stalwart.runtime.state`), in that order on every
-member. ``applied_step`` is the number of steps this replica holds applied;
+(:meth:`Replica.register`: an LR scheduler, a GradScaler, an EMA), the
+random generators (:mod:`stalwart.runtime.state`) and the row audit's
+epoch sums (:class:`~stalwart.runtime.consistency.RowDigest`), in that order
+on every member. ``applied_step`` is the number of steps this replica holds applied;
 ``trained_step`` the step it reached by applying steps itself (a heal to a
 step does not count): only a replica that trained a step writes its
 checkpoint, so that two quorums never write the same step.
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from stalwart.runtime.comm import Communicator, device_rng_states
+from stalwart.runtime.consistency import RowDigest
 from stalwart.runtime.heal import state_specs, transfer_state
 from stalwart.runtime.state import Stateful, check_state_name, host_rng_states
 from stalwart.runtime.timeouts import Timeouts
@@ -31,6 +33,8 @@ class Replica:
         self.trained_step = -1
         self._registered: dict[str, Stateful] = {}
         self._rng_states: dict[str, Stateful] = {**host_rng_states(), **device_rng_states()}
+        self.row_digest = RowDigest()
+        """The quorum's row checksums by epoch (the same on every member: healed and checkpointed with the rest)."""
 
     def register(self, name: str, obj: Stateful) -> None:
         """Make ``obj`` part of the state under ``name`` (it needs ``state_dict()`` and ``load_state_dict()``)."""
@@ -42,7 +46,13 @@ class Replica:
     @property
     def states(self) -> dict[str, Stateful]:
         """Everything a heal copies, in order: model, optimizer, registered states, random generators."""
-        return {"model": self.model, "optimizer": self.optimizer, **self._registered, **self._rng_states}
+        return {
+            "model": self.model,
+            "optimizer": self.optimizer,
+            **self._registered,
+            **self._rng_states,
+            "audit/rows": self.row_digest,
+        }
 
     @property
     def state_bytes(self) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from stalwart.coord.client import (
     QuorumAnswer,
 )
 from stalwart.data.plan import EpochPlan
+from stalwart.data.shards import ShardIdentity, shard_difference
 from stalwart.errors import JoinError, PlanMismatchError, ShardingMismatchError, StateLostError
 from stalwart.runtime.comm import CollectiveError, Communicator, quorum_store
 from stalwart.runtime.config import ReplicaGroup, Transport
@@ -100,6 +102,8 @@ class QuorumSession:
         self.group_sizes: list[int] = []
         self.report: Report = (0, None, None)
         self.data_fingerprint = ""
+        self.data_identities: list[ShardIdentity] = []
+        """The loader's dataset's shards (a ShardedDataset's), named in the message when fingerprints differ."""
         self._heals = 0
         self._leader_calls = 0
         self._diverged = False
@@ -214,6 +218,8 @@ class QuorumSession:
                 store.set(f"group_size/{self.member}", str(self.group.size))
             store.set(f"layout/{self.member}/{self.group.rank}", self.layout)
             store.set(f"data/{self.member}/{self.group.rank}", self.data_fingerprint)
+            shards = json.dumps([identity.to_list() for identity in self.data_identities])
+            store.set(f"data-shards/{self.member}/{self.group.rank}", shards)
             self.group_sizes = [int(store.get(f"group_size/{member}")) for member in answer.members]
             self._check_layout(answer, store)
             self._check_data(answer, store)
@@ -410,10 +416,17 @@ class QuorumSession:
         name = answer.members[reference]
         theirs = store.get(f"data/{name}/0").decode()
         if theirs and self.data_fingerprint and theirs != self.data_fingerprint:
+            difference = None
+            try:
+                listed = json.loads(store.get(f"data-shards/{name}/0"))
+                their_shards = [ShardIdentity.from_list(item) for item in listed]
+                difference = shard_difference(their_shards, self.data_identities, f"member {name!r}'s dataset")
+            except (ValueError, TypeError):
+                pass  # a peer's malformed list: the fingerprints' difference is the message
             raise PlanMismatchError(
                 f"member {self.member!r} reads a dataset with fingerprint {self.data_fingerprint} and member "
-                f"{name!r} one with {theirs}: every member must read the same shards in the same order (the same file "
-                "names and row counts; sort the file list)"
+                f"{name!r} one with {theirs}" + (f" ({difference})" if difference else "") + ": every member must "
+                "read the same shards in the same order (the same row counts and contents; sort the file list)"
             )
 
 

@@ -22,9 +22,9 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-RESERVED_PREFIX = "rng/"
+RESERVED_PREFIXES = ("rng/", "audit/")
 RESERVED_NAMES = frozenset({"model", "optimizer"})
-"""State names the Manager registers itself; user names may not be these nor start with ``rng/``."""
+"""State names the Manager registers itself; user names may not be these nor start with ``rng/`` or ``audit/``."""
 
 
 @runtime_checkable
@@ -99,9 +99,10 @@ def check_state_name(name: Any, taken: set[str] | frozenset[str]) -> str:
     """Return ``name`` if it can name a user state: a non-empty str, not reserved, not ``taken``; else raise."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty str, got {name!r}")
-    if name in RESERVED_NAMES or name.startswith(RESERVED_PREFIX):
+    if name in RESERVED_NAMES or name.startswith(RESERVED_PREFIXES):
         raise ValueError(
-            f"name {name!r} is reserved (the Manager registers {sorted(RESERVED_NAMES)} and 'rng/...' itself)"
+            f"name {name!r} is reserved (the Manager registers {sorted(RESERVED_NAMES)}, 'rng/...' and 'audit/...' "
+            "itself)"
         )
     if name in taken:
         raise ValueError(f"name {name!r} is already registered; registered names: {sorted(taken)}")

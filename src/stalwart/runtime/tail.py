@@ -6,7 +6,8 @@ table and takes the same decisions. In order::
 
     [balance slots]  2 per process, balanced ledgers only: compute seconds, samples since the last re-weighing
     drift slots      5 per process (stalwart.runtime.consistency): parameter checksum and applied step
-    audit pieces     8: the checksum of the samples the loaders produced
+    audit pieces     8: the checksum of the samples the loaders produced (their positions)
+    row pieces       8: the checksum of the rows they handed out (their keys, when the dataset keys its rows)
     samples          the step's sample count (this process's part)
     reconfigure      > 0 when a member's lighthouse asked for a step boundary
     weight           the micro-batches' weights (samples, or the user's counts such as tokens)
@@ -38,6 +39,7 @@ class TailHead:
     drift: torch.Tensor
     """``DRIFT_SLOTS * processes`` values, this process's own filled in (zeros when not checking)."""
     loaded_checksum: int
+    row_checksum: int
     samples: int
     reconfigure: bool
 
@@ -49,6 +51,7 @@ class ReducedTail:
     balance: list[float]
     drift: torch.Tensor
     loaded_checksum: int
+    row_checksum: int
     samples: int
     reconfigure: bool
     weight: float
@@ -69,7 +72,7 @@ class TailLayout:
     @property
     def size(self) -> int:
         """Float32 values in the tail."""
-        return self.balance_size + DRIFT_SLOTS * self.processes + AUDIT_PIECES + _COUNTS
+        return self.balance_size + DRIFT_SLOTS * self.processes + 2 * AUDIT_PIECES + _COUNTS
 
     def balance_slots(self, rank: int, seconds: float, samples: int) -> torch.Tensor:
         """The balance slots with ``rank``'s compute seconds and samples in its own two."""
@@ -82,7 +85,8 @@ class TailLayout:
     def encode(self, balance: torch.Tensor, head: TailHead, weight: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
         """The whole tail on ``loss``'s device (``weight`` and ``loss`` are 0-dim tensors, possibly on the GPU)."""
         counts = torch.tensor([float(head.samples), 1.0 if head.reconfigure else 0.0])
-        known = torch.cat([balance, head.drift.float(), audit_pieces(head.loaded_checksum), counts])
+        pieces = [audit_pieces(head.loaded_checksum), audit_pieces(head.row_checksum)]
+        known = torch.cat([balance, head.drift.float(), *pieces, counts])
         return torch.cat([known.to(loss.device), weight.reshape(1).float(), loss.reshape(1).float()])
 
     def decode(self, reduced: torch.Tensor) -> ReducedTail:
@@ -92,11 +96,13 @@ class TailLayout:
             raise ValueError(f"a reduced tail of {values.numel()} values does not fit a layout of {self.size}")
         drift_end = self.balance_size + DRIFT_SLOTS * self.processes
         audit_end = drift_end + AUDIT_PIECES
-        samples, reconfigure, weight, loss = values[audit_end:].tolist()
+        rows_end = audit_end + AUDIT_PIECES
+        samples, reconfigure, weight, loss = values[rows_end:].tolist()
         return ReducedTail(
             balance=values[: self.balance_size].tolist(),
             drift=values[self.balance_size : drift_end],
             loaded_checksum=audit_value(values[drift_end:audit_end]),
+            row_checksum=audit_value(values[audit_end:rows_end]),
             samples=round(samples),
             reconfigure=reconfigure > 0,
             weight=weight,
