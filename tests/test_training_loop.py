@@ -32,6 +32,7 @@ from stalwart.launch.digits import digits_dataset, digits_model, digits_optimize
 from stalwart.launch.report import audit_steps, committed_steps, planned_total
 from stalwart.launch.tasks import TASKS, gpt_datasets, reference_run
 from stalwart.runtime.consistency import AuditError
+from stalwart.runtime.threads import apply_thread_default
 from tests.test_replica_groups import end_group, launch_group
 from tests.test_runtime import wait_for
 
@@ -418,3 +419,14 @@ def test_rows_that_change_under_their_indices_stop_the_job_at_the_end_of_the_epo
         manager.close()
         loader.close()
     assert epochs == [0, 0, 1, 1]  # epoch 0 passed; epoch 1 was refused as it committed
+
+
+def test_a_worker_started_by_hand_gets_one_thread_as_under_torchrun() -> None:
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert apply_thread_default({"OMP_NUM_THREADS": "2"}) is None and torch.get_num_threads() == 2
+        assert apply_thread_default({"TORCHELASTIC_RUN_ID": "job"}) is None and torch.get_num_threads() == 2
+        assert apply_thread_default({}) == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)

@@ -18,8 +18,8 @@ __version__ = "0.1.0"
 
 _LOCATIONS: dict[str, str] = {
     "Manager": "stalwart.runtime.manager",
-    "StepReport": "stalwart.runtime.manager",
-    "TrainStep": "stalwart.runtime.manager",
+    "StepReport": "stalwart.runtime.step",
+    "TrainStep": "stalwart.runtime.step",
     "Checkpointing": "stalwart.runtime.config",
     "Checks": "stalwart.runtime.config",
     "Reduction": "stalwart.runtime.config",

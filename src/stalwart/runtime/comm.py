@@ -89,6 +89,10 @@ _ALIASES = {ASYNC_ERROR_HANDLING: ("NCCL_ASYNC_ERROR_HANDLING",)}
 log = logging.getLogger(__name__)
 
 
+COLLECTIVE_SETTING = "collective_timeout (environment variable STALWART_COLLECTIVE_TIMEOUT)"
+HEAL_SETTING = "heal_timeout or heal_min_bandwidth (STALWART_HEAL_TIMEOUT, STALWART_HEAL_MIN_BANDWIDTH)"
+
+
 class CollectiveError(StalwartError, RuntimeError):
     """A collective or a group's rendezvous failed: a peer died, hung or never came."""
 
@@ -151,7 +155,7 @@ class Communicator:
             raise CollectiveError(
                 f"all-reduce could not start on rank {self.rank}/{self.world_size}: {error}"
             ) from error
-        return lambda: self._wait(work, "all-reduce", time.monotonic() + self.timeout + _GRACE)
+        return lambda: self._wait(work, "all-reduce", time.monotonic() + self.timeout + _GRACE, COLLECTIVE_SETTING)
 
     def broadcast(self, tensors: list[torch.Tensor], source_rank: int, *, timeout: float | None = None) -> None:
         """Overwrite ``tensors`` on every rank with the source rank's, all within ``timeout`` seconds.
@@ -166,7 +170,7 @@ class Communicator:
             options = dist.BroadcastOptions()
             options.rootRank = source_rank
             options.timeout = datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3))
-            self._wait(self._group.broadcast([tensor], options), "broadcast", deadline + _GRACE)
+            self._wait(self._group.broadcast([tensor], options), "broadcast", deadline + _GRACE, HEAL_SETTING)
 
     def publish(self, key: str, value: str) -> None:
         """Put ``value`` under ``key`` in the quorum's store; :class:`CollectiveError` if the store is gone."""
@@ -211,7 +215,7 @@ class Communicator:
             work = start()
         except (RuntimeError, dist.DistError) as error:
             raise CollectiveError(f"{name} could not start on rank {self.rank}/{self.world_size}: {error}") from error
-        self._wait(work, name, time.monotonic() + self.timeout + _GRACE)
+        self._wait(work, name, time.monotonic() + self.timeout + _GRACE, COLLECTIVE_SETTING)
 
     def abort(self) -> None:
         """Abandon the group: pending collectives end, sockets close (NCCL: ``ncclCommAbort`` ends its kernels)."""
@@ -224,7 +228,7 @@ class Communicator:
             self._group_timeout = seconds
             self._group.set_timeout(datetime.timedelta(seconds=seconds))
 
-    def _wait(self, work: dist.Work, name: str, deadline: float) -> None:
+    def _wait(self, work: dist.Work, name: str, deadline: float, setting: str) -> None:
         """Wait for ``work`` while watching ``abandon()`` and the deadline.
 
         Gloo: the work's future wakes this thread the moment it completes (a
@@ -241,7 +245,10 @@ class Communicator:
             if self._abandon():
                 raise CollectiveError(f"{name} abandoned on rank {self.rank}: a member of this quorum is dead")
             if time.monotonic() > deadline:
-                raise CollectiveError(f"{name} on rank {self.rank}/{self.world_size} passed its deadline")
+                raise CollectiveError(
+                    f"{name} on rank {self.rank}/{self.world_size} passed its deadline (raise {setting} if the "
+                    "peers are alive but slow)"
+                )
             if self.device.type == "cuda":
                 time.sleep(delay)
                 delay = min(2 * delay, _LAST_POLL)

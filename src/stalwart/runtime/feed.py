@@ -67,6 +67,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
+from stalwart.data.sampler import ManagedDistributedSampler
 from stalwart.data.schedule import split_microbatches
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,28 @@ class SamplerFeed:
         self._iterator: Iterator[Any] | None = None
         self._opening = False
         self._produced: list[Key] = []
+
+    @classmethod
+    def of(cls, loader: Any, driver: object, max_microbatch: int, foresee: Foresight) -> SamplerFeed:
+        """The feed of ``loader``, a DataLoader whose batch sampler ``driver`` (the Manager) drives; checked."""
+        if not isinstance(loader, DataLoader):
+            raise TypeError(f"loader must be an ElasticLoader or a torch DataLoader, got {type(loader).__name__}")
+        sampler = loader.batch_sampler
+        if not isinstance(sampler, ManagedDistributedSampler) or sampler.driver is not driver:
+            raise ValueError(
+                f"loader's batch_sampler must be ManagedDistributedSampler(manager, dataset) of this Manager, got "
+                f"{type(sampler).__name__}: build it as DataLoader(dataset, batch_sampler=ManagedDistributedSampler("
+                "manager, dataset), ...)"
+            )
+        if not getattr(loader, "in_order", True):
+            raise ValueError("loader must have in_order=True: each batch is matched with its micro-batch by order")
+        size = len(loader.dataset)  # type: ignore[arg-type]
+        if size != sampler.dataset_size:
+            raise ValueError(
+                f"loader's dataset has {size} samples but its ManagedDistributedSampler was built for "
+                f"{sampler.dataset_size}: give both the same dataset"
+            )
+        return cls(loader, max_microbatch, foresee)
 
     def sampler_pass(self) -> Iterator[list[int]]:
         """A pass of the sampler: yields each planned micro-batch's indices, recording it as handed out."""

@@ -44,7 +44,6 @@ import math
 import os
 import socket
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -56,7 +55,6 @@ from stalwart.coord.hosted_ledger import ledger_digest
 from stalwart.data.info import DataLoadingInfo
 from stalwart.data.ledger import DataLedger
 from stalwart.data.plan import EpochPlan
-from stalwart.data.sampler import ManagedDistributedSampler
 from stalwart.errors import JobFinishedError, JoinError, PlanMismatchError, StepContractError
 from stalwart.redundancy.config import Redundancy
 from stalwart.runtime.accumulation import Source, StepAccumulation
@@ -73,6 +71,7 @@ from stalwart.runtime.replica import Replica
 from stalwart.runtime.session import REPLICATED, QuorumSession
 from stalwart.runtime.sharding import is_sharded, prepare_fsdp, sharding_layout
 from stalwart.runtime.state import Stateful
+from stalwart.runtime.step import StepReport, TrainStep
 from stalwart.runtime.tail import ReducedTail, TailHead, TailLayout
 from stalwart.runtime.threads import apply_thread_default
 from stalwart.runtime.timeouts import Timeouts
@@ -82,24 +81,6 @@ from stalwart.runtime.zero import RepairStats, ShardedOptimizer
 log = logging.getLogger(__name__)
 _CLOSE_WAIT = 120.0
 """Seconds ``close()`` waits for a checkpoint being written and reported."""
-
-
-@dataclass(frozen=True)
-class StepReport:
-    """What one step did, known once its gradients are reduced (it then commits whatever the update does)."""
-
-    step: int
-    epoch: int
-    samples: int
-    loss: float
-    """The mean loss over the step's samples (weighted as the micro-batches were)."""
-    world_size: int
-    quorum_id: int
-    recoveries: int
-    positions: np.ndarray
-    drift_heals: int = 0
-    loaded_checksum: int = 0
-    """The quorum's reduced checksum of the samples its loaders produced (``consistency.index_checksum``)."""
 
 
 class Manager:
@@ -423,7 +404,12 @@ class Manager:
                     continue
             except CollectiveError as error:
                 log.warning(
-                    "%s: step %d all-reduce failed (%s); asking for a new quorum", self.member, self.ledger.step, error
+                    "%s: step %d all-reduce failed (%s); asking for a new quorum (a peer that is alive but busy, "
+                    "e.g. evaluating, needs manager.on_leader() or a larger %s)",
+                    self.member,
+                    self.ledger.step,
+                    error,
+                    self.timeouts.describe("collective_timeout"),
                 )
                 self._join(reason="failure")
                 self.recoveries += 1
@@ -711,26 +697,9 @@ class Manager:
         """The loader itself, or the feed of a DataLoader driven by this Manager's sampler (checked)."""
         if isinstance(loader, ElasticLoader):
             return loader
-        if not isinstance(loader, DataLoader):
-            raise TypeError(f"loader must be an ElasticLoader or a torch DataLoader, got {type(loader).__name__}")
-        sampler = loader.batch_sampler
-        if not isinstance(sampler, ManagedDistributedSampler) or sampler.driver is not self:
-            raise ValueError(
-                f"loader's batch_sampler must be ManagedDistributedSampler(manager, dataset) of this Manager, got "
-                f"{type(sampler).__name__}: build it as DataLoader(dataset, batch_sampler=ManagedDistributedSampler("
-                "manager, dataset), ...)"
-            )
-        if not getattr(loader, "in_order", True):
-            raise ValueError("loader must have in_order=True: each batch is matched with its micro-batch by order")
-        size = len(loader.dataset)  # type: ignore[arg-type]
-        if size != sampler.dataset_size:
-            raise ValueError(
-                f"loader's dataset has {size} samples but its ManagedDistributedSampler was built for "
-                f"{sampler.dataset_size}: give both the same dataset"
-            )
         assert self._max_steps is not None
         max_steps = self._max_steps
-        self._feed = SamplerFeed(loader, self.max_microbatch, lambda: self._planner.foreseen_parts(max_steps))
+        self._feed = SamplerFeed.of(loader, self, self.max_microbatch, lambda: self._planner.foreseen_parts(max_steps))
         return self._feed
 
     def sampler_pass(self) -> Iterator[list[int]]:
@@ -779,52 +748,6 @@ class Manager:
         self._accumulation.close()
         self._window.remove()
         self._session.close(self.applied_step, leave=self._finished)
-
-
-class TrainStep:
-    """One step: iterate its micro-batches (the reduction, and any failure retry, happen at the end), then update.
-
-    ``number`` is the step being trained, ``epoch`` its epoch, ``epoch_end``
-    True on an epoch's last step (for an epoch-wise scheduler or an evaluation
-    after it). After the iteration, :attr:`report` says what the step did.
-    """
-
-    def __init__(
-        self,
-        number: int,
-        epoch: int,
-        epoch_end: bool,
-        accumulation: StepAccumulation,
-        run: Generator[Any, None, StepReport],
-    ) -> None:
-        self.number = number
-        self.epoch = epoch
-        self.epoch_end = epoch_end
-        self._accumulation = accumulation
-        self._run = run
-        self._report: StepReport | None = None
-
-    def __iter__(self) -> Iterator[Any]:
-        self._report = yield from self._run
-
-    def backward(self, loss: torch.Tensor, *, weight: float | torch.Tensor | None = None, scaler: Any = None) -> None:
-        """Back-propagate a micro-batch's **mean** ``loss``, weighted so that the step's gradient is the mean.
-
-        ``weight``: what the mean is over, when not the micro-batch's samples
-        (for example its tokens, a tensor: no host sync); the reduced gradient
-        is divided by the quorum's summed weights. ``scaler``: a
-        ``torch.amp.GradScaler`` whose ``scale()`` the weighted loss goes
-        through (then ``scaler.unscale_(optimizer)`` after the step's
-        iteration, as usual). Call it once per micro-batch.
-        """
-        self._accumulation.backward(loss, weight, scaler)
-
-    @property
-    def report(self) -> StepReport:
-        """What the step did (its samples, mean loss, positions), once its micro-batches are iterated."""
-        if self._report is None:
-            raise RuntimeError("the step is not reduced yet: iterate its micro-batches to their end first")
-        return self._report
 
 
 def _from_environment(name: str, value: str | None, variable: str) -> str:

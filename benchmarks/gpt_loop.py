@@ -1,0 +1,143 @@
+"""The GPT example's step time under stalwart against its plain torchrun DDP twin, interleaved rounds.
+
+``python -m benchmarks.gpt_loop`` runs the two scripts exactly as written,
+``examples/gpt_ddp.py`` under ``torchrun --nproc-per-node P`` and
+``examples/gpt.py`` as P workers against a lighthouse, on the same model,
+data, global batch and micro-batch, with no failures. The time per step is
+read off the runs themselves: both print a validation line every
+``--eval-every`` steps (rank 0 / the leader evaluates, the others wait), and
+the time between the second and the last of those lines, over the steps
+between them, is the step time with start-up and the first steps left out
+(the evaluations cost the same in both). Rounds alternate which system runs
+first; the table shows each system's median and range and the per-round
+ratio stalwart / DDP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks._measure import REPO_ROOT, make_console, print_table
+from stalwart.coord.server import Lighthouse
+
+EXAMPLES = REPO_ROOT / "examples"
+_TIMEOUT = 900.0
+
+
+def step_seconds(lines: list[tuple[float, str]], eval_every: int) -> float:
+    """Seconds per step between the second and the last validation line (their arrival times)."""
+    marks = [(when, int(text.split()[1].rstrip(":"))) for when, text in lines if text.startswith("step ")]
+    if len(marks) < 3:
+        raise RuntimeError(f"expected at least 3 validation lines every {eval_every} steps, got {len(marks)}")
+    (start, first), (end, last) = marks[1], marks[-1]
+    return (end - start) / (last - first)
+
+
+def _read_lines(processes: list[subprocess.Popen[str]]) -> list[tuple[float, str]]:
+    """Every line the processes print, with the time it arrived (the leader prints; the others are silent)."""
+    lines: list[tuple[float, str]] = []
+    leader = processes[0]
+    assert leader.stdout is not None
+    for line in leader.stdout:
+        lines.append((time.monotonic(), line.strip()))
+    for process in processes:
+        process.wait(timeout=_TIMEOUT)
+        if process.returncode != 0:
+            raise RuntimeError(f"{process.args} exited with {process.returncode}")
+    return lines
+
+
+def run_ddp(processes: int, environment: dict[str, str]) -> float:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
+               str(EXAMPLES / "gpt_ddp.py")]  # fmt: skip
+    process = subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+    return step_seconds(_read_lines([process]), int(environment["GPT_EVAL_EVERY"]))
+
+
+def run_stalwart(processes: int, environment: dict[str, str]) -> float:
+    with Lighthouse(None, min_replicas=processes, start_replicas=processes, join_timeout=60.0) as lighthouse:
+        workers = [
+            subprocess.Popen(
+                [sys.executable, str(EXAMPLES / "gpt.py")],
+                env={**environment, "STALWART_LIGHTHOUSE": lighthouse.url, "STALWART_MEMBER": f"w{number}"},
+                stdout=subprocess.PIPE,
+                text=True,
+                cwd=REPO_ROOT,
+            )
+            for number in range(processes)
+        ]
+        lines = [line for worker in workers for line in _drain(worker)]
+    return step_seconds(sorted(lines), int(environment["GPT_EVAL_EVERY"]))
+
+
+def _drain(worker: subprocess.Popen[str]) -> list[tuple[float, str]]:
+    """A worker's lines with arrival times; only the leader prints, and any worker may be the leader."""
+    assert worker.stdout is not None
+    lines = [(time.monotonic(), line.strip()) for line in worker.stdout]
+    worker.wait(timeout=_TIMEOUT)
+    if worker.returncode != 0:
+        raise RuntimeError(f"{worker.args} exited with {worker.returncode}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--processes", type=int, default=2, help="Processes in both systems (default 2).")
+    parser.add_argument("--rounds", type=int, default=3, help="Interleaved rounds (default 3).")
+    parser.add_argument("--steps", type=int, default=100, help="Steps each run trains (default 100).")
+    parser.add_argument("--eval-every", type=int, default=10, help="Validation lines every this many steps.")
+    parser.add_argument("--quick", action="store_true", help="One round of 40 steps (a smoke run).")
+    args = parser.parse_args(argv)
+    rounds, steps = (1, 40) if args.quick else (args.rounds, args.steps)
+    console = make_console()
+    with tempfile.TemporaryDirectory() as scratch:
+        environment = {
+            **os.environ,
+            "GPT_STEPS": str(steps),
+            "GPT_EVAL_EVERY": str(args.eval_every),
+            "GPT_OUTPUT": str(Path(scratch) / "gpt.pt"),
+            "PYTHONUNBUFFERED": "1",
+        }
+        environment.pop("OMP_NUM_THREADS", None)  # torchrun and the Manager both give each worker one thread
+        times: dict[str, list[float]] = {"ddp": [], "stalwart": []}
+        for number in range(rounds):
+            order = ("ddp", "stalwart") if number % 2 == 0 else ("stalwart", "ddp")
+            for system in order:
+                console.print(f"round {number + 1}/{rounds}: {system}", highlight=False)
+                run = run_ddp if system == "ddp" else run_stalwart
+                times[system].append(run(args.processes, environment))
+    ratios = [s / d for s, d in zip(times["stalwart"], times["ddp"], strict=True)]
+    rows = [
+        [
+            "torchrun + DDP (examples/gpt_ddp.py)",
+            _ms(times["ddp"]),
+            "1.000",
+        ],
+        [
+            "stalwart (examples/gpt.py)",
+            _ms(times["stalwart"]),
+            f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})",
+        ],
+    ]
+    print_table(
+        console,
+        f"GPT example, {args.processes} processes, {steps} steps, {rounds} interleaved rounds",
+        ["system", "step (ms): median (min-max)", "vs DDP: median (min-max of rounds)"],
+        rows,
+        caption="Step time between the second and the last validation line of each run; no failures.",
+    )
+
+
+def _ms(values: list[float]) -> str:
+    return f"{1000 * statistics.median(values):.1f} ({1000 * min(values):.1f}-{1000 * max(values):.1f})"
+
+
+if __name__ == "__main__":
+    main()
