@@ -30,9 +30,11 @@ JOB_TIMEOUT = 300
 def run_job(tmp_path: Path, world: int, options: list[str], *, join_at: int | None = None) -> list[int]:
     """Run ``world`` processes (and a joiner at ``join_at``); their exit codes.
 
-    The processes are forked from this one (torch is imported already: a
-    process starts in milliseconds instead of seconds); the store they meet on
-    lives here.
+    The processes are forked from a fork server that imported the job (and
+    torch) once, so a process starts in milliseconds instead of seconds; not
+    from this process, whose other threads (an HTTP client's, a progress
+    monitor's) could hold a lock at the fork and leave the child stuck on it.
+    The store they meet on lives here.
     """
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=JOB_TIMEOUT)
@@ -40,7 +42,8 @@ def run_job(tmp_path: Path, world: int, options: list[str], *, join_at: int | No
     processes = world + (join_at is not None)
     common = ["--world", str(world), "--port", str(store.port), "--steps", str(STEPS), "--out", str(tmp_path)]
     joining = [] if join_at is None else ["--join-at", str(join_at)]
-    fork = multiprocessing.get_context("fork")
+    fork = multiprocessing.get_context("forkserver")
+    fork.set_forkserver_preload(["tests.zero_job"])
     launched = [
         fork.Process(target=zero_job.run, args=(["--rank", str(rank), *common, *options, *joining],))
         for rank in range(processes)
