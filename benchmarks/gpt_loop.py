@@ -7,8 +7,10 @@ data, global batch and micro-batch, with no failures. The time per step is
 read off the runs themselves: both print a validation line every
 ``--eval-every`` steps (rank 0 / the leader evaluates, the others wait), and
 the time between the second and the last of those lines, over the steps
-between them, is the step time with start-up and the first steps left out
-(the evaluations cost the same in both). Rounds alternate which system runs
+between them, is the step time with start-up and the first steps left out.
+Each evaluation is one batch (``GPT_EVAL_BATCHES=1``): under DDP the other
+ranks start the next step while rank 0 evaluates, under stalwart they wait
+for the leader, so a long evaluation would weigh on the comparison. Rounds alternate which system runs
 first; the table shows each system's median and range and the per-round
 ratio stalwart / DDP.
 """
@@ -22,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmarks._measure import REPO_ROOT, make_console, print_table
@@ -40,25 +43,11 @@ def step_seconds(lines: list[tuple[float, str]], eval_every: int) -> float:
     return (end - start) / (last - first)
 
 
-def _read_lines(processes: list[subprocess.Popen[str]]) -> list[tuple[float, str]]:
-    """Every line the processes print, with the time it arrived (the leader prints; the others are silent)."""
-    lines: list[tuple[float, str]] = []
-    leader = processes[0]
-    assert leader.stdout is not None
-    for line in leader.stdout:
-        lines.append((time.monotonic(), line.strip()))
-    for process in processes:
-        process.wait(timeout=_TIMEOUT)
-        if process.returncode != 0:
-            raise RuntimeError(f"{process.args} exited with {process.returncode}")
-    return lines
-
-
 def run_ddp(processes: int, environment: dict[str, str]) -> float:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
                str(EXAMPLES / "gpt_ddp.py")]  # fmt: skip
     process = subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
-    return step_seconds(_read_lines([process]), int(environment["GPT_EVAL_EVERY"]))
+    return step_seconds(_drain(process), int(environment["GPT_EVAL_EVERY"]))
 
 
 def run_stalwart(processes: int, environment: dict[str, str]) -> float:
@@ -73,17 +62,18 @@ def run_stalwart(processes: int, environment: dict[str, str]) -> float:
             )
             for number in range(processes)
         ]
-        lines = [line for worker in workers for line in _drain(worker)]
+        with ThreadPoolExecutor(len(workers)) as pool:  # read every worker at once: any may be the leader
+            lines = [line for lines in pool.map(_drain, workers) for line in lines]
     return step_seconds(sorted(lines), int(environment["GPT_EVAL_EVERY"]))
 
 
 def _drain(worker: subprocess.Popen[str]) -> list[tuple[float, str]]:
-    """A worker's lines with arrival times; only the leader prints, and any worker may be the leader."""
+    """A worker's lines with the times they arrived (only the leader prints)."""
     assert worker.stdout is not None
     lines = [(time.monotonic(), line.strip()) for line in worker.stdout]
     worker.wait(timeout=_TIMEOUT)
     if worker.returncode != 0:
-        raise RuntimeError(f"{worker.args} exited with {worker.returncode}")
+        raise RuntimeError(f"{worker.args!r} exited with {worker.returncode}")
     return lines
 
 
@@ -102,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
             **os.environ,
             "GPT_STEPS": str(steps),
             "GPT_EVAL_EVERY": str(args.eval_every),
+            "GPT_EVAL_BATCHES": "1",
             "GPT_OUTPUT": str(Path(scratch) / "gpt.pt"),
             "PYTHONUNBUFFERED": "1",
         }

@@ -27,7 +27,7 @@ MAX_STEPS = int(os.environ.get("GPT_STEPS", "300"))
 GLOBAL_BATCH = int(os.environ.get("GPT_GLOBAL_BATCH", "32"))  # windows per optimizer step, over all ranks
 MICRO_BATCH = int(os.environ.get("GPT_MICRO_BATCH", "8"))  # windows per forward/backward
 EVAL_EVERY = int(os.environ.get("GPT_EVAL_EVERY", "50"))
-EVAL_BATCHES = 20
+EVAL_BATCHES = int(os.environ.get("GPT_EVAL_BATCHES", "20"))
 OUTPUT = os.environ.get("GPT_OUTPUT", "out/gpt.pt")
 LR, WEIGHT_DECAY, WARMUP_STEPS, MIN_LR_RATIO, SEED = 3e-3, 0.1, MAX_STEPS // 10, 0.1, 0
 
