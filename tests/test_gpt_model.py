@@ -306,3 +306,39 @@ def test_the_ddp_script_trains_under_torchrun_and_rank_0_alone_logs_and_saves(tm
     device = torch.device("cpu")
     initial, final = evaluate(seeded_model(config), val, 20, 8, device), evaluate(trained, val, 20, 8, device)
     assert final < initial - 0.5, (initial, final)
+
+
+def test_the_stalwart_script_trains_two_workers_and_ends_where_the_ddp_script_does(tmp_path: Path) -> None:
+    """examples/gpt.py as written: two workers against a lighthouse with no plan of its own (the script's is
+    adopted); the leader alone logs the 2 validation losses and saves; its model trains like the DDP twin's."""
+    from stalwart.coord.server import Lighthouse
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "gpt.py"
+    output = tmp_path / "gpt.pt"
+    settings = {"GPT_STEPS": "12", "GPT_GLOBAL_BATCH": "8", "GPT_MICRO_BATCH": "2", "GPT_EVAL_EVERY": "6"}
+    with Lighthouse(None, min_replicas=2, start_replicas=2, join_timeout=60.0) as lighthouse:
+        environment = {**os.environ, **settings, "GPT_OUTPUT": str(output), "STALWART_LIGHTHOUSE": lighthouse.url}
+        workers = [
+            subprocess.Popen(
+                [sys.executable, str(script)],
+                env={**environment, "STALWART_MEMBER": f"w{number}"},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for number in range(2)
+        ]
+        outputs = [worker.communicate(timeout=240) for worker in workers]
+        status = lighthouse.status()
+    for worker, (_, stderr) in zip(workers, outputs, strict=True):
+        assert worker.returncode == 0, stderr[-4000:]
+    printed = [stdout for stdout, _ in outputs if stdout.strip()]
+    assert len(printed) == 1 and re.findall(r"^step (\d+): val loss", printed[0], re.MULTILINE) == ["6", "12"]
+    assert status["plan"]["global_batch_size"] == 8 and status["ledger"]["step"] == 12
+    saved = torch.load(output, weights_only=True)
+    trained = GPT(GPTConfig(**saved["config"]))
+    trained.load_state_dict(saved["model"])
+    _, val = text_datasets(trained.config.block_size)
+    device = torch.device("cpu")
+    initial = evaluate(seeded_model(trained.config), val, 20, 8, device)
+    assert evaluate(trained, val, 20, 8, device) < initial - 0.5
