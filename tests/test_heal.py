@@ -25,9 +25,10 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from support import prefix_store
 
 from stalwart.runtime import heal
-from stalwart.runtime.comm import Communicator, quorum_store
+from stalwart.runtime.comm import Communicator
 from stalwart.runtime.heal import HealError, flatten_states, transfer_state
 from stalwart.runtime.state import host_rng_states
 
@@ -122,7 +123,7 @@ def heal_peer(rank: int, port: int, prefix: str, out: str) -> None:
     torch.manual_seed(10 + rank)
     np.random.seed(20 + rank)
     random.seed(30 + rank)
-    store = quorum_store(HOST, port, prefix, TIMEOUT)
+    store = prefix_store(HOST, port, prefix, TIMEOUT)
     comm = Communicator(store, rank, len(ROLES), timeout=TIMEOUT, device=torch.device("cpu"))
     try:
         before = snapshot(states)
@@ -215,7 +216,7 @@ def test_optimizer_state_that_is_not_json_raises_a_clear_type_error(store: dist.
     states = make_states(seed=0)
     train(states, 1, seed=0)
     states["optimizer"].param_groups[0]["schedule"] = {0.1, 0.01}
-    alone = quorum_store(HOST, store.port, f"json-{uuid.uuid4().hex}/", TIMEOUT)
+    alone = prefix_store(HOST, store.port, f"json-{uuid.uuid4().hex}/", TIMEOUT)
     comm = Communicator(alone, 0, 1, timeout=TIMEOUT, device=torch.device("cpu"))
     try:
         with pytest.raises(TypeError, match=r"optimizer/param_groups/0/schedule.*set.*cannot be sent as JSON"):

@@ -77,26 +77,25 @@ Refusals (``RequestError``, nothing changes)
 
 from __future__ import annotations
 
-import hmac
 import json
-import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from stalwart._validate import check_bool, check_int
 from stalwart.coord.checkpoints import CheckpointRecord, parse_checkpoint_report, vouch
+from stalwart.coord.commits import MAX_CATCH_UP, CommitListener, Commits
 from stalwart.coord.formation import Formation, MemberDelta
 from stalwart.coord.history import HISTORY_LIMIT, History
 from stalwart.coord.history import KINDS as HISTORY_KINDS
-from stalwart.coord.hosted_ledger import HostedLedger, StepRecord, ledger_digest
-from stalwart.coord.identity import Identities, parse_incarnation
+from stalwart.coord.hosted_ledger import HostedLedger, StepRecord
+from stalwart.coord.identity import Identities, RegistrationRate, parse_incarnation
 from stalwart.coord.membership import MemberRecord, Membership
 from stalwart.coord.pending import Pending
+from stalwart.coord.protocol import QuorumRequest, ledger_digest
 from stalwart.coord.roster import Quorum, Roster
 from stalwart.coord.wire import (
     REASONS,
-    QuorumRequest,
     RequestError,
     check_seconds,
     parse_digest,
@@ -107,7 +106,6 @@ from stalwart.coord.wire import (
     parse_weights,
     plan_differences,
 )
-from stalwart.data.ledger import Positions
 from stalwart.data.plan import EpochPlan
 
 __all__ = [
@@ -138,15 +136,10 @@ MAX_MEMBERS = 4096
 HUNG_CHECK_S = 0.5
 """How often, at most, :meth:`LighthouseState.tick` looks for hung members (a walk of the quorum); at least ten
 times per ``join_timeout``, so a hang is found within 110% of it."""
-MAX_CATCH_UP = 100_000
-"""How far a quorum member's ``applied_step`` may run ahead of the ledger (a bound on catch-up work)."""
-
 NO_PLAN = (
     "the lighthouse has no plan and the member offered none: start the lighthouse with --dataset-size and "
     "--global-batch, or give the Manager the plan (LighthouseClient(plan=...))"
 )
-
-CommitListener = Callable[[int, int, Positions], None]
 
 
 @dataclass(frozen=True)
@@ -192,21 +185,21 @@ class LighthouseState:
         )
         self.heartbeat_timeout = check_seconds("heartbeat_timeout", heartbeat_timeout)
         self.join_timeout = check_seconds("join_timeout", join_timeout)
-        self.on_commit = on_commit
         self.max_members = check_int("max_members", max_members, minimum=1)
-        self.require_digest = check_bool("require_digest", require_digest)
-        """Refuse reports that would commit steps without a ledger digest (the server sets it)."""
         self._identities = Identities()
-        self.revision = 0
-        """Grows with every change that must be persisted (commits, quorums, history)."""
+        self._registrations = RegistrationRate(max(64, self.max_members), max(16.0, self.max_members / 10))
+        self._revision = 0
         self._balance_every = check_int("balance_every", balance_every, minimum=0)
-        self._ledger_of_record = None if plan is None else HostedLedger(plan, self._balance_every)
+        self.commits = Commits(
+            None if plan is None else HostedLedger(plan, self._balance_every),
+            require_digest=check_bool("require_digest", require_digest),
+        )
+        """The ledger of record and what commits it (reports verified by replay in bounded slices, healing)."""
+        self.commits.on_commit = on_commit
         self._checkpoint: CheckpointRecord | None = None
         self._roster = Roster()
         self._members = Membership(self.heartbeat_timeout)
         self._pending = Pending()
-        self._healing: dict[str, bool] = {}
-        self._heal_step = 0
         self._formation: Formation | None = None
         self._answered: dict[str, QuorumRequest] = {}
         self.history = History()
@@ -217,16 +210,35 @@ class LighthouseState:
     # --- read-only views -------------------------------------------------------------------------
 
     @property
+    def revision(self) -> int:
+        """Grows with every change that must be persisted (commits, quorums, history)."""
+        return self._revision + self.commits.revision
+
+    @property
+    def require_digest(self) -> bool:
+        """Refuse reports that would commit steps without a ledger digest (the server sets it)."""
+        return self.commits.require_digest
+
+    @property
+    def on_commit(self) -> CommitListener | None:
+        """Called with ``(epoch, step, positions)`` for every step the hosted ledger commits."""
+        return self.commits.on_commit
+
+    @on_commit.setter
+    def on_commit(self, listener: CommitListener | None) -> None:
+        self.commits.on_commit = listener
+
+    @property
     def plan(self) -> EpochPlan | None:
         """The job's plan: as configured, or adopted from the first member that offered one (None until then)."""
-        return None if self._ledger_of_record is None else self._ledger_of_record.ledger.plan
+        return None if self.commits.hosted is None else self.commits.hosted.ledger.plan
 
     @property
     def _hosted(self) -> HostedLedger:
         """The ledger of record; every request that needs it comes after a registration, which needs a plan."""
-        if self._ledger_of_record is None:
+        if self.commits.hosted is None:
             raise RequestError(409, NO_PLAN, code="no_plan")
-        return self._ledger_of_record
+        return self.commits.hosted
 
     @property
     def quorum(self) -> Quorum | None:
@@ -341,18 +353,30 @@ class LighthouseState:
 
     # --- identity --------------------------------------------------------------------------------
 
-    def register(self, member: str, incarnation: str, now: float, plan: EpochPlan | None = None) -> str:
+    def register(
+        self,
+        member: str,
+        incarnation: str,
+        now: float,
+        plan: EpochPlan | None = None,
+        current: tuple[object, object] | None = None,
+    ) -> str:
         """Register ``incarnation`` of ``member`` and return its new secret.
 
         A first registration counts as a sign of life (the process heartbeats
-        next). A new incarnation of a member still recorded alive marks the old
-        one dead at once (failure reason ``restarted``); the old secret stops
-        working. ``plan`` is the plan the member trains with: a lighthouse
-        without one adopts it; one with a plan refuses a different one.
-        ``RequestError`` (nothing changes) 429 when ``max_members`` live
-        members are already registered, 409 for a replaced or already
-        registered incarnation, 409 ``plan_mismatch`` (``differences`` names
-        each differing field with both values) or ``no_plan`` (neither side has one).
+        next). A new incarnation of a member still alive needs ``current``,
+        the live incarnation and its secret: it then marks the old one dead at
+        once (failure reason ``restarted``) and the old secret stops working;
+        without them the answer is 409 ``member_alive`` (``retry_after``: when
+        the old one is dead by heartbeat, if it stays silent), so that nobody
+        holding only the token can evict a live member. ``plan`` is the plan
+        the member trains with: a lighthouse without one adopts it; one with a
+        plan refuses a different one. ``RequestError`` (nothing changes) 429
+        when ``max_members`` live members are already registered or
+        registrations come faster than their rate limit, 409 for a replaced or
+        already registered incarnation, 409 ``plan_mismatch`` (``differences``
+        names each differing field with both values) or ``no_plan`` (neither
+        side has one).
         """
         member = parse_member(member)
         incarnation = parse_incarnation(incarnation)
@@ -365,11 +389,13 @@ class LighthouseState:
                 field="member",
                 cap="max_members",
             )
+        self._check_replacement(member, incarnation, now, current)
+        self._registrations.take(now)
         secret, replaced = self._identities.register(member, incarnation)
-        if self._ledger_of_record is None:
+        if self.commits.hosted is None:
             assert plan is not None  # _check_plan refused a registration without one
-            self._ledger_of_record = HostedLedger(plan, self._balance_every)
-        self.revision += 1
+            self.commits.hosted = HostedLedger(plan, self._balance_every)
+        self._revision += 1
         self._members_changed.add(member)
         if replaced is not None and self._members.alive(member):
             self._mark_dead(member, now, "restarted")
@@ -378,6 +404,28 @@ class LighthouseState:
         elif replaced is None:
             self._touch(member, now)
         return secret
+
+    def _check_replacement(
+        self, member: str, incarnation: str, now: float, current: tuple[object, object] | None
+    ) -> None:
+        """409 ``member_alive`` for a new incarnation of a live member that does not prove the live one's secret."""
+        identity = self._identities.current.get(member)
+        if identity is None or identity.left or identity.incarnation == incarnation or not self._members.alive(member):
+            return
+        if incarnation in self._identities.retired.get(member, ()):
+            return  # a replaced process: refused as superseded
+        if current is not None:
+            self._identities.check(member, *current)
+            return
+        record = self._members[member]
+        raise RequestError(
+            409,
+            f"member {member!r} is alive as incarnation {identity.incarnation}: a new process may register once it "
+            "is dead by heartbeat (or with the live incarnation's headers)",
+            code="member_alive",
+            member=member,
+            retry_after=round(max(0.0, record.last_seen + self.heartbeat_timeout - now), 3),
+        )
 
     def _check_plan(self, member: str, plan: EpochPlan | None) -> None:
         """Refuse (409) a plan that differs from the lighthouse's, or a registration when neither side has one."""
@@ -408,7 +456,7 @@ class LighthouseState:
     @property
     def balance_every(self) -> int:
         """Every how many steps the members rebalance their shares (0: shares are equal)."""
-        hosted = self._ledger_of_record
+        hosted = self.commits.hosted
         return self._balance_every if hosted is None else hosted.ledger.balance_every
 
     def incarnation(self, member: str) -> str | None:
@@ -452,11 +500,12 @@ class LighthouseState:
         applied_step = parse_step(applied_step)
         digest = parse_digest(digest)
         weights = parse_weights(weights)
-        self._check_catch_up(member, applied_step)
-        self._check_digest(member, applied_step, digest, weights)
+        counts = self.commits.verify(self._roster, member, applied_step, digest, weights)
         record = self._touch(member, now)
-        record.report(applied_step)
-        self._progress(member, applied_step, weights)
+        if counts:  # else its replay goes on: the step is recorded once verified
+            record.report(applied_step)
+            self.commits.progress(self._roster, member, applied_step, weights)
+        self._take_verdicts()
 
     def leave(
         self,
@@ -479,7 +528,7 @@ class LighthouseState:
             record.left = True
         if self._identities.leave(member):  # this incarnation has no more say (its late heartbeats are refused)
             self._members_changed.add(member)
-            self.revision += 1
+            self._revision += 1
 
     @property
     def checkpoint(self) -> CheckpointRecord | None:
@@ -489,16 +538,30 @@ class LighthouseState:
     def record_checkpoint(self, body: Any, now: float) -> CheckpointRecord:
         """A member wrote a durable checkpoint: keep it if it is newer and its ledger is the one committed.
 
-        Raises ``RequestError`` (nothing changes) for a malformed report, a
-        ledger that differs from the one committed at that step (422) or a step
-        not committed yet (409: report again later).
+        Only the current quorum's checkpoint writer (its rank 0, while it
+        counts for the quorum) may report: a worker loads what the lighthouse
+        announces, and DCP's metadata is pickled. Raises ``RequestError``
+        (nothing changes) for a malformed report, a reporter that is not the
+        writer (403 ``not_writer``), a ledger that differs from the one
+        committed at that step (422) or a step not committed yet (409: report
+        again later).
         """
         record = parse_checkpoint_report(body, self._hosted.ledger.plan, now)
+        quorum = self._roster.quorum
+        writer = None if quorum is None else quorum.members[0]
+        if record.member != writer or not self._roster.counts(record.member):
+            raise RequestError(
+                403,
+                f"member {record.member!r} is not the checkpoint writer of the current quorum (its rank 0, "
+                f"{writer!r}): only the writer reports checkpoints",
+                field="member",
+                code="not_writer",
+            )
         vouch(record, self._hosted.step, self._hosted.digests)
         if self._checkpoint is None or record.step > self._checkpoint.step:
             self._checkpoint = record
             self.history.checkpoint()
-            self.revision += 1
+            self._revision += 1
         return self._checkpoint
 
     def request(self, request: QuorumRequest, now: float) -> dict[str, Any] | None:
@@ -520,22 +583,48 @@ class LighthouseState:
         record = self._touch(request.member, now)
         if request.reason != "join":
             record.report(request.applied_step)
-            self._progress(request.member, request.applied_step, request.weights)
+            self.commits.progress(self._roster, request.member, request.applied_step, request.weights)
         self._pending.add(request, now, self._roster.counts(request.member))
+        self._take_verdicts()
         return None
 
     def excuse_silence(self, seconds: float, now: float) -> None:
         """The lighthouse could not listen for ``seconds`` before ``now``: no member expires for that silence."""
         self._members.excuse(seconds, now)
 
+    def take_refusals(self) -> list[tuple[str, str]]:
+        """``(member, message)`` for each report refused after the event that made it (its replay took slices)."""
+        return self.commits.take_refusals()
+
+    @property
+    def catching_up(self) -> bool:
+        """Whether a report's replay is in progress (:meth:`work_catch_up` advances it)."""
+        return self.commits.catch_up.trial is not None
+
+    def work_catch_up(self) -> None:
+        """One more slice of the replay in progress (a few milliseconds; the server interleaves them)."""
+        self.commits.work(self._roster)
+        self._take_verdicts()
+
+    def _take_verdicts(self) -> None:
+        """Record the steps of reports verified after the events that made them (their replay took slices)."""
+        for report in self.commits.take_counted():
+            record = self._members.get(report.member)
+            if record is not None and (record.applied_step is None or record.applied_step < report.step):
+                record.report(report.step)
+            self.commits.progress(self._roster, report.member, report.step, report.weights)
+
     def tick(self, now: float) -> Formation | None:
-        """Expire heartbeats and join timeouts, forget long-dead members; form the next quorum when the rules allow."""
+        """Expire heartbeats and join timeouts, forget long-dead members, verify a slice of a report's replay; form
+        the next quorum when the rules allow."""
+        self.commits.work(self._roster)
+        self._take_verdicts()
         for name in self._members.expired(now):
             self._mark_dead(name, now, "heartbeat timeout")
         for forgotten in self._members.forget_dead(self._roster):
             self._identities.forget(forgotten)
             self._members_changed.add(forgotten)
-            self.revision += 1
+            self._revision += 1
         if now - self._hung_checked >= min(HUNG_CHECK_S, self.join_timeout / 10) or now < self._hung_checked:
             self._hung_checked = now
             self._detect_hung(now)
@@ -555,15 +644,15 @@ class LighthouseState:
         steps: dict[str, int] = {}
         for member in quorum.members:
             step = records[member].applied_step
-            if step is not None and self._roster.counts(member) and member not in self._healing:
+            if step is not None and self._roster.counts(member) and member not in self.commits.healing:
                 steps[member] = step
         if not steps:
             return
         ahead = max(steps.values())
         for member, step in steps.items():
             record = records[member]
-            if step >= ahead or member in self._pending:
-                record.waited_since = None
+            if step >= ahead or member in self._pending or self.commits.pending(member):
+                record.waited_since = None  # a member whose report is being verified is not known to be behind
             elif record.waited_since is None:
                 record.waited_since = now
             elif now - record.waited_since > self.join_timeout:
@@ -622,7 +711,7 @@ class LighthouseState:
         chosen = set(survivors)
         joiners = [m for m, _ in pending.items() if m not in chosen]
         # a restarted or hung member of the quorum may come back only as a joiner
-        trusted = [m for m in survivors if m not in self._healing]
+        trusted = [m for m in survivors if m not in self.commits.healing]
         target, mode = self._target_step(trusted)
         failure = any(
             pending[m].request.reason == "failure" and pending[m].request.applied_step == target for m in trusted
@@ -632,7 +721,7 @@ class LighthouseState:
         if not self._may_form(len(members), failure, timed_out, carries_on):
             return None
         stateless = roster.quorum is not None and not any(pending[m].request.applied_step == target for m in members)
-        if stateless and any(m not in self._healing for m in unaccounted):
+        if stateless and any(m not in self.commits.healing for m in unaccounted):
             # no member of this quorum holds the job's state at the target step: never form it (and exclude the
             # members that do) while one of them lives; the joiners wait for it (a survivor alone in a slow step)
             return None
@@ -663,9 +752,9 @@ class LighthouseState:
         """Form the quorum; members of the old one that did not ask by the timeout are excluded as of ``since``."""
         previous = self._roster.quorum
         if mode == "catch-up":
-            asked = [self._pending[m].request for m in members if m not in self._healing]
+            asked = [self._pending[m].request for m in members if m not in self.commits.healing]
             reports = [r.weights for r in asked if r.reason != "join" and r.applied_step == target]
-            self._catch_up(target, reports[0] if reports else None)
+            self.commits.catch_up_to(self._roster, target, reports[0] if reports else None)
         elif mode == "rollback":
             self._hosted.rollback()
             self.history.rollback()
@@ -693,8 +782,8 @@ class LighthouseState:
             heal = {"source_rank": None, "targets": targets, "checkpoint": checkpoint.announcement()}
         elif targets:
             heal = {"source_rank": at_target[0] if at_target else None, "targets": targets, "checkpoint": None}
-        self._healing = {m: applied[m] > target for m in targets}
-        self._heal_step = target
+        self.commits.healing = {m: applied[m] > target for m in targets}
+        self.commits.heal_step = target
         self._hosted.snapshot = None
         quorum_id = previous.quorum_id + 1 if previous else 1
         for member in previous.members if previous else ():
@@ -722,14 +811,13 @@ class LighthouseState:
             now,
             timed_out,
             mode == "rollback",
-            f"q{quorum_id}-{secrets.token_hex(16)}/",
             delta,
         )
         self._formation = formation
         self._answered = requests
         self._formation_changed = True
         self.history.quorum(quorum_id, list(members), reason, now, target, timed_out=timed_out)
-        self.revision += 1
+        self._revision += 1
         return formation
 
     def _resume_point(self, members: list[str], target: int, failure: bool) -> CheckpointRecord | None:
@@ -756,78 +844,7 @@ class LighthouseState:
         self.history.checkpoint_resume(quorum_id, self._hosted.step, checkpoint.step, checkpoint.path, now)
         self._hosted.restore(checkpoint.ledger)
 
-    # --- the ledger ------------------------------------------------------------------------------
-
-    def _catch_up(self, step: int, weights: Mapping[str, Any] | None) -> None:
-        """Commit the hosted ledger through ``step`` with the quorum's members (``weights``: the report's)."""
-        if step <= self._hosted.step:
-            return
-        quorum = self._roster.quorum
-        assert quorum is not None
-        for epoch, committed, positions in self._hosted.catch_up(list(quorum.members), step, weights):
-            self.revision += 1
-            if self.on_commit is not None:
-                self.on_commit(epoch, committed, positions)
-
-    def _reports_count(self, member: str, applied_step: int) -> bool:
-        """Whether ``member``'s report of ``applied_step`` counts towards commits (see ``_progress``)."""
-        if member not in self._roster or member in self._roster.evicted:
-            return False
-        if member in self._healing:
-            ahead = self._healing[member]
-            return applied_step == self._heal_step if ahead else applied_step >= self._heal_step
-        return True
-
-    def _would_commit(self, member: str, applied_step: int) -> bool:
-        """Whether ``member``'s report of ``applied_step`` would commit steps (see ``_progress``)."""
-        return applied_step > self._hosted.step and self._reports_count(member, applied_step)
-
-    def _check_digest(
-        self, member: str, applied_step: int, digest: str | None, weights: Mapping[str, Any] | None
-    ) -> None:
-        """Refuse (422) a report that would commit steps the lighthouse's own replay does not reach."""
-        if not self._would_commit(member, applied_step):
-            return
-        committed = self._hosted.step
-        if digest is None:
-            if self.require_digest:
-                raise RequestError(
-                    422,
-                    f"applied_step {applied_step} is ahead of the ledger's step {committed}: a digest of the "
-                    "member's ledger is required to commit it",
-                    field="digest",
-                )
-            return
-        quorum = self._roster.quorum
-        assert quorum is not None
-        ours = self._hosted.digest_after(list(quorum.members), applied_step, weights)
-        if not hmac.compare_digest(ours, digest):
-            raise RequestError(
-                422,
-                f"digest {digest} of member {member!r} at applied_step {applied_step} does not match the "
-                f"lighthouse's replay ({ours}): the steps are not committed; the ledger stays at step {committed}",
-                field="digest",
-            )
-
-    def _progress(self, member: str, applied_step: int, weights: Mapping[str, Any] | None) -> None:
-        """Commit through ``applied_step`` if ``member`` is a quorum member whose reports count."""
-        if not self._reports_count(member, applied_step):
-            return
-        if member in self._healing:
-            del self._healing[member]
-            self.revision += 1
-        self._catch_up(applied_step, weights)
-
     # --- checks ----------------------------------------------------------------------------------
-
-    def _check_catch_up(self, member: str, applied_step: int) -> None:
-        if member in self._roster and applied_step > self._hosted.step + MAX_CATCH_UP:
-            raise RequestError(
-                422,
-                f"applied_step {applied_step} is impossible: more than {MAX_CATCH_UP} steps ahead of "
-                f"the ledger's step {self._hosted.step}",
-                field="applied_step",
-            )
 
     def _check_request(self, request: QuorumRequest) -> None:
         quorum = self._roster.quorum
@@ -864,15 +881,21 @@ class LighthouseState:
                 quorum_id=quorum.quorum_id,
                 members=list(quorum.members),
             )
-        self._check_catch_up(request.member, request.applied_step)
-        self._check_digest(request.member, request.applied_step, request.digest, request.weights)
+        if not self.commits.verify(self._roster, request.member, request.applied_step, request.digest, request.weights):
+            raise RequestError(
+                503,
+                f"the lighthouse is verifying the ledger up to applied_step {request.applied_step} (its replay "
+                "goes on in slices); ask again",
+                code="catching_up",
+                retry=True,
+            )
 
     # --- liveness and history --------------------------------------------------------------------
 
     def _touch(self, member: str, now: float) -> MemberRecord:
         if member not in self._members:
             self._members_changed.add(member)
-            self.revision += 1
+            self._revision += 1
         record = self._members.touch(member, now)
         self._roster.revived(member)
         return record
@@ -886,13 +909,13 @@ class LighthouseState:
         in_quorum = member in self._roster
         if reason == "left":
             self.history.departure(member, now, in_quorum=in_quorum)
-            self.revision += 1
+            self._revision += 1
         else:
             self._record_failure(member, now, reason, in_quorum=in_quorum)
 
     def _record_failure(self, member: str, now: float, reason: str, *, in_quorum: bool) -> None:
         self.history.failure(member, now, reason, in_quorum=in_quorum)
-        self.revision += 1
+        self._revision += 1
 
     # --- status and persistence ------------------------------------------------------------------
 
@@ -917,7 +940,7 @@ class LighthouseState:
                     "last_seen": record.last_seen,
                     "seconds_since_seen": None if now is None else max(0.0, now - record.last_seen),
                     "asking": None if ask is None else ask.request.reason,
-                    "healing": name in self._healing,
+                    "healing": name in self.commits.healing,
                 }
             )
         quorum = self._roster.quorum
@@ -941,7 +964,7 @@ class LighthouseState:
         }
 
     def _ledger_status(self) -> dict[str, Any]:
-        hosted = self._ledger_of_record
+        hosted = self.commits.hosted
         if hosted is None:
             zero = {"step": 0, "epoch": 0, "epoch_step": 0, "base_index": 0, "missing": 0, "epoch_length": 0}
             return {**zero, "epoch_progress": 0.0, "step_in_progress": False, "balance": None}
@@ -978,8 +1001,8 @@ class LighthouseState:
         return {
             "version": STATE_VERSION,
             **self._hosted.to_json(),
-            "healing": dict(self._healing),
-            "heal_step": self._heal_step,
+            "healing": dict(self.commits.healing),
+            "heal_step": self.commits.heal_step,
             "history": json.loads(json.dumps(kept)),  # a copy: the save thread reads it while the loop goes on
             "checkpoint": None if self._checkpoint is None else self._checkpoint.to_json(),
         }
@@ -1051,7 +1074,7 @@ class LighthouseState:
             max_members=max_members,
             require_digest=require_digest,
         )
-        restored._ledger_of_record = hosted
+        restored.commits.hosted = hosted
         for name, applied_step in state["members"].items():
             step = None if applied_step is None else parse_step(applied_step, f"state['members'][{name!r}]")
             restored._members.restore(parse_member(name, "state['members']"), step, now)
@@ -1064,8 +1087,8 @@ class LighthouseState:
             restored._formation = Formation.from_json(state["formation"])
             restored._answered = {member: QuorumRequest(**request) for member, request in state["answered"].items()}
 
-        restored._healing = {name: bool(ahead) for name, ahead in state["healing"].items()}
-        restored._heal_step = check_int("state['heal_step']", state["heal_step"], minimum=0)
+        restored.commits.healing = {name: bool(ahead) for name, ahead in state["healing"].items()}
+        restored.commits.heal_step = check_int("state['heal_step']", state["heal_step"], minimum=0)
         restored.history = History.from_json(state["history"])
         if state.get("identities") is not None:
             restored._identities = Identities.from_json(state["identities"])
