@@ -6,6 +6,8 @@ Pure tests drive ``LighthouseState`` with the simulated cluster of
 
 from __future__ import annotations
 
+import stat
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +17,9 @@ from test_quorum import Cluster
 from stalwart.coord.hosted_ledger import ledger_digest
 from stalwart.coord.quorum import RequestError
 from stalwart.data.ledger import DataLedger
+from stalwart.data.plan import EpochPlan
+from stalwart.runtime.checkpoint import Checkpointer, CheckpointMeta, load_checkpoint
+from stalwart.runtime.config import Checkpointing
 
 
 def ledger_at(cluster: Cluster, step: int) -> dict[str, Any]:
@@ -47,6 +52,8 @@ def test_a_checkpoint_is_kept_only_when_its_ledger_is_the_one_committed() -> Non
         (report(cluster, 3, ledger={"nonsense": 1}), 400),
         (report(cluster, 3, extra=1), 400),
         ([1, 2], 400),
+        (report(cluster, 3, member=cluster.state.quorum.members[1]), 403),  # not the quorum's writer (its rank 0)
+        (report(cluster, 3, member="never-in-a-quorum"), 403),
     ]:
         with pytest.raises(RequestError) as refused:
             cluster.state.record_checkpoint(body, cluster.now)
@@ -181,3 +188,20 @@ def test_a_member_the_quorum_went_on_without_is_told_it_is_left_out() -> None:
     assert cluster.state.left_out(second) and not cluster.state.left_out(first)
     cluster.ask(second, "join")
     assert not cluster.state.left_out(second), "asking to join is enough"
+
+
+def test_a_finished_checkpoint_is_readable_by_its_owner_only(tmp_path: Path) -> None:
+    """DCP's metadata is pickled and the JSON holds the ledger: 0600 files in 0700 directories."""
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    finished: list[Path] = []
+    writer = Checkpointer(Checkpointing(tmp_path / "ckpt", every_steps=1), on_finished=lambda d, m: finished.append(d))
+    ledger = DataLedger(EpochPlan(8, 4)).state_dict()
+    writer.start({"model": model, "optimizer": optimizer}, CheckpointMeta(1, ledger, ledger_digest(ledger)))
+    assert writer.wait(120) and len(finished) == 1
+    directory = finished[0]
+    assert (directory / ".metadata").is_file() and (directory / "stalwart.json").is_file()
+    assert stat.S_IMODE((tmp_path / "ckpt").stat().st_mode) == 0o700
+    for path in [directory, *directory.rglob("*")]:
+        assert stat.S_IMODE(path.stat().st_mode) == (0o700 if path.is_dir() else 0o600), path
+    assert load_checkpoint(directory, {"model": model, "optimizer": optimizer}).step == 1
