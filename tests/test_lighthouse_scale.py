@@ -133,8 +133,8 @@ def test_heartbeats_requests_and_deaths_walk_no_member_list() -> None:
     state, names, digest = fleet(256)
     quorum = state.quorum
     assert quorum is not None
-    state._members.records = CountingDict(state._members.records)
-    state._roster.quorum = Quorum(quorum.quorum_id, CountingTuple(quorum.members))
+    state.membership.records = CountingDict(state.membership.records)
+    state.roster.quorum = Quorum(quorum.quorum_id, CountingTuple(quorum.members))
     CountingDict.walks = CountingTuple.walks = 0
     for name in names:
         state.heartbeat(name, 1, 0.2, digest)

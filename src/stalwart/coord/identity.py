@@ -180,7 +180,7 @@ class RegistrationRate:
                 f"too many registrations: at most {self.burst} at once and {self.per_second:g} a second; "
                 f"register again in {wait:.2f} s",
                 code="rate_limited",
-                retry_after=round(wait, 3),
+                retry_after=max(0.001, round(wait, 3)),
             )
         self._tokens -= 1
 

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.coord.history import HISTORY_LIMIT, KINDS
-from stalwart.coord.quorum import Changes
+from stalwart.coord.snapshot import Changes
 from stalwart.data.plan import EpochPlan
 from stalwart.errors import StalwartError
 

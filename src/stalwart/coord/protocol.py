@@ -25,6 +25,8 @@ from stalwart.data.ledger import DataLedger
 from stalwart.data.plan import EpochPlan
 from stalwart.errors import StalwartError
 
+TOKEN_ENVIRONMENT = "STALWART_LIGHTHOUSE_TOKEN"
+"""Where the lighthouse, the workers and the demo's workers read the job's bearer token (never a command line)."""
 AUTHORIZATION_HEADER = "Authorization"
 INCARNATION_HEADER = "X-Stalwart-Incarnation"
 SECRET_HEADER = "X-Stalwart-Secret"
