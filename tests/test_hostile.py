@@ -40,7 +40,7 @@ import aiohttp
 import pytest
 from support import remember, report, wait_until
 
-from stalwart.coord.client import LighthouseClient, LighthouseError, QuorumAnswer
+from stalwart.coord.client import LighthouseClient, QuorumAnswer
 from stalwart.coord.hosted_ledger import ledger_digest
 from stalwart.coord.server import Lighthouse
 from stalwart.data.ledger import DataLedger
