@@ -815,13 +815,27 @@ class Lighthouse:
         )
 
     async def _store(self, request: web.Request) -> web.Response:
-        """One operation on a quorum's store: its key is checked before the body is read."""
+        """One operation on a quorum's store: its key is checked before the body is read.
+
+        A large body is decoded, and a large answer encoded, on a worker thread: a value of megabytes (heal
+        metadata) must not hold the event loop.
+        """
         quorum_id = _path_int(request.match_info["quorum_id"], "quorum_id")
         store = self.stores.get(quorum_id)
         store.check_key(parse_header(request.headers.get(STORE_KEY_HEADER), STORE_KEY_HEADER))
-        body = await _json_body(request.clone(client_max_size=MAX_STORE_BODY_BYTES))
-        operation = StoreRequest.from_json(body, store.limits.value_bytes)
-        return web.json_response(await store.apply(operation))
+        raw = await _read_body(request.clone(client_max_size=MAX_STORE_BODY_BYTES))
+        loop = asyncio.get_running_loop()
+        limit = store.limits.value_bytes
+        if len(raw) > MAX_BODY_BYTES:
+            operation = await loop.run_in_executor(None, _parse_store_request, raw, limit)
+        else:
+            operation = _parse_store_request(raw, limit)
+        answer = await store.apply(operation)
+        if _large(answer):
+            body = await loop.run_in_executor(None, _encode_json, answer)
+        else:
+            body = _encode_json(answer)
+        return web.Response(body=body, content_type="application/json")
 
     def _deliver_refusals(self) -> None:
         """Tell members whose reports were refused after the event that made them (their replay took slices)."""
@@ -858,16 +872,38 @@ def _consume(task: asyncio.Task[Any]) -> None:
         task.exception()
 
 
-async def _json_body(request: web.BaseRequest) -> Any:
-    """The request's JSON body, read within ``BODY_TIMEOUT`` (408 after) and its size limit (413 above)."""
+async def _read_body(request: web.BaseRequest) -> bytes:
+    """The request's body, read within ``BODY_TIMEOUT`` (408 after) and its size limit (413 above)."""
     try:
-        raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT)
+        return await asyncio.wait_for(request.read(), BODY_TIMEOUT)
     except asyncio.TimeoutError:
         raise RequestError(408, f"the body did not arrive within {BODY_TIMEOUT:g} s") from None
+
+
+def _decode_json(raw: bytes) -> Any:
     try:
         return json.loads(raw)
     except (ValueError, RecursionError) as error:
         raise RequestError(400, f"the body must be JSON: {error}") from error
+
+
+async def _json_body(request: web.BaseRequest) -> Any:
+    """The request's JSON body (see :func:`_read_body`); 400 when it is not JSON."""
+    return _decode_json(await _read_body(request))
+
+
+def _parse_store_request(raw: bytes, max_value_bytes: int) -> StoreRequest:
+    return StoreRequest.from_json(_decode_json(raw), max_value_bytes)
+
+
+def _encode_json(answer: dict[str, Any]) -> bytes:
+    return json.dumps(answer, separators=(",", ":")).encode()
+
+
+def _large(answer: dict[str, Any]) -> bool:
+    """Whether a store answer carries more than ``MAX_BODY_BYTES`` of values."""
+    values = answer.get("values") or [answer.get("value")]
+    return sum(len(value) for value in values if isinstance(value, str)) > MAX_BODY_BYTES
 
 
 async def _send(socket: web.WebSocketResponse, message: dict[str, Any]) -> None:
