@@ -7,8 +7,9 @@ Run from the repository root, with the virtual environment active::
 
 A lighthouse process (``stalwart lighthouse`` with a token and a state file)
 serves three honest members (real ``LighthouseClient``s that formed a quorum
-and commit steps). For each attack, a probe asks ``GET /healthz`` over one
-kept-alive connection, one request after the other, while the attacker sends
+and commit steps). For each attack, a probe (a process of its own) asks
+``GET /healthz`` over one kept-alive connection, one request after the other,
+while the attacker sends
 its messages as fast as it can; the table shows the probe's latency (median,
 99th percentile and the longest) during the attack, next to the same with no
 attack, and that the honest members still committed their next step.
@@ -23,6 +24,7 @@ import asyncio
 import base64
 import http.client
 import json
+import multiprocessing
 import os
 import signal
 import socket
@@ -258,33 +260,40 @@ ATTACKS: list[tuple[str, Callable[[Target], int]]] = [
 ]
 
 
+def _probe(port: int, ready: Any, stop: Any, latencies: Any) -> None:
+    """``GET /healthz`` one after the other until ``stop`` is set (a process of its own: no GIL shared with the
+    attacker); the seconds each took go to ``latencies``."""
+    taken: list[float] = []
+    connection = http.client.HTTPConnection(HOST, port, timeout=120)
+    while not stop.is_set():
+        started = time.perf_counter()
+        try:
+            connection.request("GET", "/healthz")
+            connection.getresponse().read()
+        except (OSError, http.client.HTTPException):
+            connection.close()
+            connection = http.client.HTTPConnection(HOST, port, timeout=120)
+            continue
+        taken.append(time.perf_counter() - started)
+        ready.set()
+        time.sleep(0.002)
+    latencies.put(taken)
+
+
 def measure(target: Target, attack: Callable[[Target], int]) -> dict[str, Any]:
     """The probe's latencies while ``attack`` runs, the messages it sent, and whether a step commits after."""
-    latencies: list[float] = []
-    stop = threading.Event()
-
-    def probe() -> None:
-        connection = http.client.HTTPConnection(HOST, target.port, timeout=120)
-        while not stop.is_set():
-            started = time.perf_counter()
-            try:
-                connection.request("GET", "/healthz")
-                connection.getresponse().read()
-            except (OSError, http.client.HTTPException):
-                connection.close()
-                connection = http.client.HTTPConnection(HOST, target.port, timeout=120)
-                continue
-            latencies.append(time.perf_counter() - started)
-            time.sleep(0.002)
-
-    thread = threading.Thread(target=probe)
-    thread.start()
+    context = multiprocessing.get_context("spawn")
+    ready, stop, latencies = context.Event(), context.Event(), context.Queue()
+    probe = context.Process(target=_probe, args=(target.port, ready, stop, latencies))
+    probe.start()
+    ready.wait(120)  # the probe answers before the attack starts
     try:
         sent = attack(target)
     finally:
         stop.set()
-        thread.join(180)
-    return {"sent": sent, "latencies": latencies, "goes_on": target.advance()}
+        taken = latencies.get(timeout=180)
+        probe.join(60)
+    return {"sent": sent, "latencies": taken, "goes_on": target.advance()}
 
 
 def main() -> None:
