@@ -16,6 +16,13 @@ worker folds into its next all-reduce. The worker's main thread calls the
 synchronous methods (``quorum``, ``status``, ``leave``), which run on the
 client's loop.
 
+A registration of a member whose old process is still alive (409
+``member_alive``) or that comes too fast (429 ``rate_limited``) is asked again
+for up to ``register_timeout``. An ``https://`` lighthouse is verified with
+``ca_file`` (else ``STALWART_LIGHTHOUSE_CA``, else the system's trust store);
+a token sent in cleartext to another machine is warned about. Every message
+is built and read with :mod:`stalwart.coord.protocol`.
+
 A client given the job's ``plan`` sends it with its registration: a
 lighthouse started without one adopts it, one with a plan refuses a different
 one (:class:`LighthouseError`, status 409, ``body["code"] == "plan_mismatch"``
