@@ -721,8 +721,8 @@ class Lighthouse:
             formation = result
         await self._require_durable(f"quorum {formation.quorum_id}")
         if self.state.quorum is None or self.state.quorum.quorum_id != formation.quorum_id:
-            raise RequestError(
-                409, f"quorum {formation.quorum_id} was superseded meanwhile; ask again", member=member, retry=True
+            raise RequestError(  # another quorum formed while this answer was saved: ask again
+                503, f"quorum {formation.quorum_id} was superseded meanwhile; ask again", member=member, retry=True
             )
         store = self.stores.open(formation.quorum_id)
         extra = {
