@@ -874,6 +874,8 @@ def _consume(task: asyncio.Task[Any]) -> None:
 
 async def _read_body(request: web.BaseRequest) -> bytes:
     """The request's body, read within ``BODY_TIMEOUT`` (408 after) and its size limit (413 above)."""
+    if request.content.is_eof():  # the whole body came with the headers (most requests): no timer to arm
+        return await request.read()
     try:
         return await asyncio.wait_for(request.read(), BODY_TIMEOUT)
     except asyncio.TimeoutError:
