@@ -1,0 +1,78 @@
+"""Fixtures every test module shares, and the ``integration`` marker given by directory.
+
+``tests/unit`` holds pure logic (no process, no socket); ``tests/integration``
+and ``tests/gpu`` real processes, sockets and signals. ``pytest -m "not
+integration"`` runs the unit tests alone.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from stalwart.coord.server import Lighthouse
+from stalwart.data.plan import EpochPlan
+from stalwart.testing import digits_job
+from stalwart.testing.loopback import HOST
+
+STORE_TIMEOUT = 30.0
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "unit" not in item.path.relative_to(item.config.rootpath).parts:
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture
+def make_lighthouse() -> Iterator[Callable[..., Lighthouse]]:
+    """Start embedded lighthouses on 127.0.0.1, stopped when the test ends.
+
+    ``make_lighthouse(plan, workers=3, **options)`` waits for ``workers``
+    members before the first quorum; ``options`` are ``Lighthouse``'s own
+    (``heartbeat_timeout`` 1 s and ``join_timeout`` 30 s unless given).
+    """
+    started: list[Lighthouse] = []
+
+    def make(plan: EpochPlan = digits_job.PLAN, workers: int = digits_job.WORKERS, **options: Any) -> Lighthouse:
+        options = {"min_replicas": 1, "heartbeat_timeout": 1.0, "join_timeout": 30.0, **options}
+        server = Lighthouse(plan, start_replicas=workers, **options)
+        server.start()
+        started.append(server)
+        return server
+
+    yield make
+    for server in reversed(started):
+        server.stop()
+
+
+@pytest.fixture
+def lighthouse(request: pytest.FixtureRequest, make_lighthouse: Callable[..., Lighthouse]) -> Lighthouse:
+    """A lighthouse for the test module's ``PLAN`` and ``WORKERS`` (the digits job's when the module has none)."""
+    module = request.module
+    return make_lighthouse(getattr(module, "PLAN", digits_job.PLAN), getattr(module, "WORKERS", digits_job.WORKERS))
+
+
+@pytest.fixture
+def store() -> Iterator[dist.TCPStore]:
+    """The test's own ``TCPStore`` on 127.0.0.1: a rendezvous for process groups without a lighthouse."""
+    yield dist.TCPStore(
+        HOST, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=STORE_TIMEOUT)
+    )
+
+
+@pytest.fixture(scope="session")
+def reference() -> dict[str, torch.Tensor]:
+    """The digits job's failure-free parameters after ``digits_job.STEPS`` steps."""
+    return digits_job.reference_parameters(digits_job.STEPS)
+
+
+@pytest.fixture(scope="session")
+def long_reference() -> dict[str, torch.Tensor]:
+    """The digits job's failure-free parameters after ``digits_job.LONG_STEPS`` steps."""
+    return digits_job.reference_parameters(digits_job.LONG_STEPS)

@@ -1,0 +1,115 @@
+"""Fault-tolerant HSDP: two replica groups of two processes, each sharding the model with FSDP2.
+
+Each group is one ``torchrun --standalone --nproc-per-node 2`` launch of the
+digits worker with ``--fsdp``: the group's processes ``fully_shard`` the MLP
+over their own mesh, FSDP2 reduce-scatters gradients within the group and the
+Manager reduces each shard across the groups. One process of group B is
+SIGKILLed while the step's buckets are in flight (torchrun's agent ends its
+sibling); group A recomputes B's share of that step and carries it alone; B
+is launched again, asks to join while the job is held, and is healed shard by
+shard from A. The run must keep every step's global batch, train each sample
+exactly once, and end with the failure-free parameters on all four processes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from stalwart.coord.server import Lighthouse
+from stalwart.data.plan import EpochPlan
+from stalwart.launch.cluster import latest_step
+from stalwart.launch.report import audit_steps, committed_steps, planned_total
+from stalwart.launch.tasks import reference_run
+from stalwart.testing.digits_job import PARAM_TOLERANCE
+from stalwart.testing.groups import GROUP_PLAN as PLAN
+from stalwart.testing.groups import GROUP_STEPS as STEPS
+from stalwart.testing.groups import end_group, launch_group
+from tests.integration.hsdp_scenario import KILL_AT, TIMEOUT, assert_finals_match_the_reference, kill_restart_and_heal
+
+WORKERS = 2  # groups
+
+
+def test_a_killed_fsdp_group_restarts_and_is_healed_shard_by_shard(tmp_path: Path, lighthouse: Lighthouse) -> None:
+    kill_restart_and_heal(tmp_path, lighthouse, {})
+
+
+def test_a_group_that_does_not_shard_like_the_others_is_refused(tmp_path: Path, lighthouse: Lighthouse) -> None:
+    agents = {
+        "group-a": launch_group(lighthouse.url, "group-a", tmp_path, ["--fsdp"]),
+        "group-b": launch_group(lighthouse.url, "group-b", tmp_path),
+    }
+    try:
+        codes = {name: agent.wait(timeout=TIMEOUT) for name, agent in agents.items()}
+    finally:
+        for agent in agents.values():
+            end_group(agent)
+    refused = [name for name, code in codes.items() if code != 0]
+    assert len(refused) == 1, codes
+    log = (tmp_path / f"{refused[0]}.log").read_text()
+    assert "shard" in log and "every group of a job must run the same training script" in log
+    assert latest_step(tmp_path)[0] == STEPS
+    assert audit_steps(PLAN, committed_steps(tmp_path)) == (True, 0, 0)
+
+
+UNEVEN_PLAN = EpochPlan(1797, 400, seed=0, local_batch_multiple=4)
+"""Four full steps, then 197 samples: the groups' processes get 13 and 12 micro-batches at step 4."""
+
+
+def test_fsdp_groups_run_in_step_when_their_processes_get_unequal_parts(tmp_path: Path) -> None:
+    steps = 6
+    with Lighthouse(UNEVEN_PLAN, min_replicas=2, heartbeat_timeout=5.0, join_timeout=30.0) as server:
+        more = ["--fsdp", "--max-steps", str(steps), "--step-seconds", "0"]
+        agents = [launch_group(server.url, name, tmp_path, more) for name in ("group-a", "group-b")]
+        try:
+            codes = [agent.wait(timeout=TIMEOUT) for agent in agents]
+        finally:
+            for agent in agents:
+                end_group(agent)
+    assert codes == [0, 0]
+    records = committed_steps(tmp_path)
+    assert [record["samples"] for record in records] == [planned_total(UNEVEN_PLAN, step) for step in range(steps)]
+    assert records[4]["samples"] == 197
+    assert audit_steps(UNEVEN_PLAN, records) == (True, 0, 0)
+    reference, _ = reference_run(UNEVEN_PLAN, steps)
+    for path in sorted(tmp_path.glob("final-*.pt")):
+        parameters = torch.load(path, weights_only=True)
+        worst = max(float((parameters[key] - value).abs().max()) for key, value in reference.items())
+        assert worst < PARAM_TOLERANCE, path.name
+
+
+def test_fsdp_groups_split_their_shards_optimizer_state_with_parity(tmp_path: Path) -> None:
+    """HSDP with a partial replicate dimension: three FSDP2 groups, each shard's Adam state split with parity (2, 1).
+
+    The processes holding the same FSDP shard in the three groups hold a
+    third of its optimizer state each, plus parity. Group B dies while the
+    step's parameters are gathered; A and C rebuild its part from parity,
+    finish the step and go on with the failure-free parameters.
+    """
+    with Lighthouse(PLAN, min_replicas=1, start_replicas=3, heartbeat_timeout=1.0, join_timeout=30.0) as server:
+        more = ["--fsdp", "--parity", "2,1"]
+        kill = ["--kill-at", f"{KILL_AT}:during_gather", "--kill-rank", "1"]
+        agents = {
+            name: launch_group(server.url, name, tmp_path, [*more, *(kill if name == "group-b" else [])])
+            for name in ("group-a", "group-b", "group-c")
+        }
+        try:
+            codes = {name: agent.wait(timeout=TIMEOUT) for name, agent in agents.items()}
+        finally:
+            for agent in agents.values():
+                end_group(agent)
+    assert codes["group-a"] == codes["group-c"] == 0 and codes["group-b"] != 0
+    steps = committed_steps(tmp_path)
+    assert [record["samples"] for record in steps] == [planned_total(PLAN, step) for step in range(STEPS)]
+    assert audit_steps(PLAN, steps) == (True, 0, 0)
+    assert steps[0]["world_size"] == 3 and steps[-1]["world_size"] == 2
+    assert_finals_match_the_reference(tmp_path, "ac")
+    finished = [
+        json.loads(line)
+        for path in sorted(tmp_path.glob("events-group-[ac].*.jsonl"))
+        for line in path.read_text().splitlines()
+        if '"finished"' in line
+    ]
+    assert len(finished) == 4 and all(event["repairs"] >= 1 for event in finished)
