@@ -1,7 +1,7 @@
 """The goodput benchmark's pure logic: the failure trace and the audit of what a run trained.
 
 No processes and no I/O here, so that both are property-tested
-(``tests/test_goodput_audit.py``).
+(``tests/unit/test_goodput_audit.py``).
 """
 
 from __future__ import annotations

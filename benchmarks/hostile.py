@@ -1,4 +1,4 @@
-"""``/healthz`` latency while a hostile client sends each attack of ``tests/test_hostile.py`` to a lighthouse.
+"""``/healthz`` latency while a hostile client sends each attack of ``test_hostile.py`` to a lighthouse.
 
 Run from the repository root, with the virtual environment active::
 

@@ -100,7 +100,7 @@ def read_state(lighthouse: Lighthouse) -> dict[str, Any]:
     async def read() -> dict[str, Any]:
         return {"revision": lighthouse.state.revision, "state": lighthouse.state.state_dict()}
 
-    loop = lighthouse._loop
+    loop = lighthouse._loop  # private on purpose: the state is read on the server's own loop, between requests
     assert loop is not None
     snapshot = asyncio.run_coroutine_threadsafe(read(), loop).result(10)
     status = lighthouse.status()
@@ -326,7 +326,7 @@ content_types = st.sampled_from(
 
 
 def test_the_fuzzed_routes_are_all_the_routes(world: World) -> None:
-    runner = world.lighthouse._runner
+    runner = world.lighthouse._runner  # private on purpose: the routes the server really serves
     assert runner is not None
     served = {(r.method, r.resource.canonical) for r in runner.app.router.routes() if r.method != "HEAD"}
     fuzzed = {("GET", p) for p in (*GET_ROUTES, *DASHBOARD_ROUTES)} | {("POST", p) for p in (*POST_ROUTES, STORE_ROUTE)}

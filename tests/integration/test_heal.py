@@ -366,4 +366,4 @@ def test_a_state_that_refuses_its_values_is_a_heal_error_not_a_crash() -> None:
 
     meta = {"applied_step": 1, "names": ["picky"], "states": [{"__dict__": [["epoch", "x"]]}], "tensors": []}
     with pytest.raises(HealError, match="state 'picky' refused the values the heal brought: epoch must be an int"):
-        heal._load({"picky": Picky()}, meta, [])
+        heal._load({"picky": Picky()}, meta, [])  # private on purpose: the load step alone, without a group

@@ -86,7 +86,7 @@ def refusal(store: dist.Store, states: dict[str, Any]) -> str:
     def allocate(specs: list[heal.TensorSpec], device: torch.device) -> list[torch.Tensor]:
         raise AssertionError("a refused heal must not allocate")
 
-    heal._allocate = allocate  # this spawned process is done healing
+    heal._allocate = allocate  # private on purpose: nothing may be allocated (this spawned process is done healing)
     try:
         transfer_state(Receiver(store), LIVE, states, 0, is_target=True)  # type: ignore[arg-type]
     except HealError as error:

@@ -422,7 +422,8 @@ def test_one_identity_cannot_take_every_waiting_slot() -> None:
         ask = {"member": "mallory", "applied_step": 0, "quorum_id": None, "reason": "join"}
         with ThreadPoolExecutor(8) as pool:
             polls = [pool.submit(http, server.url + "/v1/quorum", "POST", ask, mallory["headers"]) for _ in range(4)]
-            # each newer poll replaces the older ones (the fix), or all four wait and fill every slot (before it)
+            # each newer poll replaces the older ones (the fix), or all four wait and fill every slot (before it);
+            # server._waiting (private on purpose) counts the polls the lighthouse holds
             wait_until(
                 lambda: sum(p.done() for p in polls) >= 3 or server._waiting == 4, BOUND, "mallory's polls to arrive"
             )
@@ -457,7 +458,7 @@ def test_a_binary_authorization_header_is_a_400_and_a_closing_socket_no_tracebac
                     lighthouse.url + "/v1/heartbeat", params={"member": "mallory"}, headers=mallory["headers"]
                 )
                 await ws.send_str("not json")  # answered with an error message: written to a closing socket
-                ws._response.connection.transport.abort()  # type: ignore[union-attr]
+                ws._response.connection.transport.abort()  # type: ignore[union-attr]  # private on purpose: a half-open peer
 
     asyncio.run(hang_up(40))
     healthz(lighthouse.url)

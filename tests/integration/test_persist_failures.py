@@ -36,7 +36,7 @@ def test_a_quorum_that_could_not_be_saved_is_not_handed_out_until_a_save_succeed
     with Lighthouse(PLAN, **options) as server, LighthouseClient(server.url, "a", heartbeat_interval=0.05) as client:
         client.start_heartbeat(lambda: 0)
         assert client.quorum(0, None, "join", 20).quorum_id == 1
-        database = server._database
+        database = server._database  # private on purpose: a real SQLite failure under the running lighthouse
         assert database is not None
         database._connection.close()  # the real SQLite connection fails under the running lighthouse
         headers = client.identity_headers()
@@ -62,7 +62,9 @@ def test_history_rows_are_appended_and_trimmed_and_load_back(tmp_path: Path) -> 
             state.disconnected(f"m{n}", float(n))
             if n % 100 == 0 or n == HISTORY_LIMIT + 29:
                 store.save(state.changes(), float(n))
-        rows = store._connection.execute("SELECT COUNT(*) FROM history WHERE kind = 'failures'").fetchone()[0]
+        rows = store._connection.execute(  # private on purpose: the rows on disk, not what the store says
+            "SELECT COUNT(*) FROM history WHERE kind = 'failures'"
+        ).fetchone()[0]
         assert rows == HISTORY_LIMIT
         loaded = store.load()
         assert loaded is not None

@@ -37,8 +37,9 @@ CASES = [
     (["--overlap", "0.25"], "during_update", [1]),
     (["--parity", "3,1"], "during_parity", [3]),
     (["--parity", "2,2"], "during_gather", [1, 2]),
-    (["--overlap", "0.5"], "during_reduce", [0, 3]),
 ]
+"""A double kill during the reduction of overlap 0.5 is the GPT loop's (test_training_loop) and the harness's
+(test_zero: two kills at gather and update); a kill during the reduction the replicated job's (test_runtime)."""
 
 
 @pytest.mark.parametrize(("redundancy", "point", "victims"), CASES, ids=lambda value: str(value))

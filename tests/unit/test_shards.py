@@ -93,6 +93,7 @@ def test_a_shard_returning_fewer_rows_than_it_had_is_refused() -> None:
 def test_open_shards_are_closed_beyond_the_limit_and_the_dataset_pickles(tmp_path: Path) -> None:
     dataset = ShardedDataset.from_parquet(write_parquet(tmp_path, [10] * 5, row_group=5), open_shards=2)
     dataset.__getitems__([0, 10, 20, 30, 40])
+    # private on purpose: which shards hold an open file is the limit under test
     assert [shard._file is not None for shard in dataset.shards] == [False, False, False, True, True]  # type: ignore[attr-defined]
     copy = pickle.loads(pickle.dumps(dataset))
     assert [row["id"] for row in copy.__getitems__([49, 0])] == [49, 0]
