@@ -77,9 +77,6 @@ from typing import Any, TextIO, cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, default_collate
 
 from stalwart.coord.client import LighthouseError, LighthouseUnreachable
@@ -95,6 +92,7 @@ from stalwart.runtime.comm import default_device
 from stalwart.runtime.config import Checkpointing, ReplicaGroup, Transport
 from stalwart.runtime.loader import ElasticLoader
 from stalwart.runtime.manager import Manager
+from stalwart.runtime.sharding import is_dtensor
 from stalwart.runtime.timeouts import Timeouts
 
 KILL_POINTS = (
@@ -346,7 +344,7 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
             )
             return
         whole = {
-            key: (value.full_tensor() if isinstance(value, DTensor) else value).cpu()
+            key: (value.full_tensor() if is_dtensor(value) else value).cpu()
             for key, value in model.state_dict().items()
         }
         torch.save(whole, args.run_dir / f"final-{name}.pt")
@@ -448,7 +446,7 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> None:
     """Clip the gradient's global norm, also over an FSDP2 group's DTensor shards (as torchtitan does)."""
     grads = [param.grad for param in model.parameters() if param.grad is not None]
     total = torch.nn.utils.get_total_norm(grads)
-    if isinstance(total, DTensor):
+    if is_dtensor(total):
         total = total.full_tensor()
     torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, total)
 
@@ -468,6 +466,9 @@ def _redundancy_report(manager: Manager) -> dict[str, Any]:
 
 def _fully_shard(model: torch.nn.Module, units: list[torch.nn.Module], group: WorldInfo, device: torch.device) -> None:
     """Shard each of ``units`` (the task's layers), then the root, over a mesh of the group's processes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard  # FSDP2 only where --fsdp asks for it: a second of CPU
+
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=group.rank, world_size=group.world_size)
     mesh = init_device_mesh(device.type, (group.world_size,))
     for unit in units:

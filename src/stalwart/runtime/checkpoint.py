@@ -34,9 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from stalwart.errors import StalwartError
 from stalwart.runtime.config import Checkpointing
@@ -50,8 +47,24 @@ FILE_MODE = 0o600
 DIRECTORY_MODE = 0o700
 
 
-DCP_ERRORS = (Exception, CheckpointException)
-"""What DCP raises: its ``CheckpointException`` derives from ``BaseException``, which ``except Exception`` misses."""
+def _dcp() -> Any:
+    """``torch.distributed.checkpoint``, imported on first use: half a second of CPU that a process that never
+    checkpoints does not pay."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
+
+
+def _state_dicts() -> Any:
+    """``torch.distributed.checkpoint.state_dict``, imported on first use (see :func:`_dcp`)."""
+    from torch.distributed.checkpoint import state_dict
+
+    return state_dict
+
+
+def _dcp_errors() -> tuple[type[BaseException], ...]:
+    """What DCP raises: its ``CheckpointException`` derives from ``BaseException`` (``except Exception`` misses it)."""
+    return (Exception, _dcp().api.CheckpointException)
 
 
 class CheckpointError(StalwartError, RuntimeError):
@@ -171,8 +184,8 @@ class Checkpointer:
         self._last_step, self._last_time = meta.step, time.monotonic()
         self._idle.clear()
         try:
-            response = dcp.async_save(_state_to_save(states), checkpoint_id=str(directory))
-        except DCP_ERRORS as error:
+            response = _dcp().async_save(_state_to_save(states), checkpoint_id=str(directory))
+        except _dcp_errors() as error:
             self._idle.set()
             raise CheckpointError(f"cannot start the checkpoint of step {meta.step} in {directory}: {error}") from None
         except BaseException:
@@ -201,7 +214,7 @@ class Checkpointer:
             write_meta(directory, meta)
             if self.on_finished is not None:
                 self.on_finished(directory, meta)
-        except DCP_ERRORS as error:  # disk full, a failed write: the next due step writes again
+        except _dcp_errors() as error:  # disk full, a failed write: the next due step writes again
             log.warning("checkpoint of step %d in %s failed: %s", meta.step, directory, error)
         finally:
             self._idle.set()
@@ -213,12 +226,14 @@ def load_checkpoint(directory: str | os.PathLike[str], states: dict[str, Statefu
     meta = CheckpointMeta.read(directory)
     template = _state_to_save(states)
     try:
-        dcp.load(template, checkpoint_id=str(directory))
-    except DCP_ERRORS as error:
+        _dcp().load(template, checkpoint_id=str(directory))
+    except _dcp_errors() as error:
         raise CheckpointError(f"cannot load the checkpoint in {directory}: {error}") from None
     model, optimizer = states["model"], states["optimizer"]
     assert isinstance(model, torch.nn.Module) and isinstance(optimizer, torch.optim.Optimizer)
-    set_state_dict(model, optimizer, model_state_dict=template["model"], optim_state_dict=template["optimizer"])
+    _state_dicts().set_state_dict(
+        model, optimizer, model_state_dict=template["model"], optim_state_dict=template["optimizer"]
+    )
     for name, obj in states.items():
         if name not in ("model", "optimizer"):
             obj.load_state_dict(template["states"][name])
@@ -229,6 +244,6 @@ def _state_to_save(states: dict[str, Stateful]) -> dict[str, Any]:
     """DCP's state dict: model and optimizer keyed by parameter names, then every other state by name."""
     model, optimizer = states["model"], states["optimizer"]
     assert isinstance(model, torch.nn.Module) and isinstance(optimizer, torch.optim.Optimizer)
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = _state_dicts().get_state_dict(model, optimizer)
     others = {name: obj.state_dict() for name, obj in states.items() if name not in ("model", "optimizer")}
     return {"model": model_state, "optimizer": optimizer_state, "states": others}

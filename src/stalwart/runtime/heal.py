@@ -44,10 +44,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from stalwart.runtime.comm import CollectiveError, Communicator
-from stalwart.runtime.sharding import local_tensor
+from stalwart.runtime.sharding import is_dtensor, local_tensor
 from stalwart.runtime.state import Stateful
 
 META_KEY = "heal/meta"
@@ -84,8 +83,8 @@ class ShardSpec:
     coordinate: tuple[int, ...]
 
     @classmethod
-    def of(cls, tensor: DTensor) -> ShardSpec:
-        """The layout of this process's shard of ``tensor``."""
+    def of(cls, tensor: Any) -> ShardSpec:
+        """The layout of this process's shard of ``tensor`` (a DTensor)."""
         mesh = tensor.device_mesh
         return cls(
             tuple(tensor.shape),
@@ -116,7 +115,7 @@ class TensorSpec:
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
         """The spec of ``tensor`` (of its local shard if it is a DTensor)."""
-        shard = ShardSpec.of(tensor) if isinstance(tensor, DTensor) else None
+        shard = ShardSpec.of(tensor) if is_dtensor(tensor) else None
         return cls(name, tuple(local_tensor(tensor).shape), tensor.dtype, shard)
 
     @property
@@ -529,8 +528,8 @@ def _as_own_dtensors(
         template = own.get(spec.name)
         if template is None:
             template = _optional_param(spec.name, optional)
-        if spec.shard is not None and isinstance(template, DTensor):
-            tensor = DTensor.from_local(
+        if spec.shard is not None and is_dtensor(template):
+            tensor = type(template).from_local(
                 tensor,
                 template.device_mesh,
                 template.placements,

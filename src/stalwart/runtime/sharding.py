@@ -9,26 +9,52 @@ holds the same shard, so a group is healed shard by shard (see
 
 Nothing here creates a process group or talks to a peer except through FSDP's
 own reduce-scatter.
+
+FSDP2 and DTensor are never imported here: no model is sharded and no tensor
+is a DTensor before the training script imported them, and importing them
+costs about a second of CPU in every process that does not use them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import sys
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+
+def loaded_class(module: str, name: str) -> Any:
+    """``module.name`` if ``module`` has been imported, else ``None`` (then nothing is an instance of it)."""
+    loaded = sys.modules.get(module)
+    return None if loaded is None else getattr(loaded, name)
+
+
+def is_dtensor(tensor: object) -> TypeGuard[DTensor]:
+    """Whether ``tensor`` is a DTensor, without importing ``torch.distributed.tensor``."""
+    dtensor = loaded_class("torch.distributed.tensor", "DTensor")
+    return dtensor is not None and isinstance(tensor, dtensor)
+
+
+def _fsdp_modules(model: torch.nn.Module) -> Iterator[Any]:
+    fsdp_module = loaded_class("torch.distributed.fsdp", "FSDPModule")
+    if fsdp_module is not None:
+        yield from (module for module in model.modules() if isinstance(module, fsdp_module))
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
     """Whether ``model`` or one of its submodules was ``fully_shard``-ed."""
-    return any(isinstance(module, FSDPModule) for module in model.modules())
+    return next(_fsdp_modules(model), None) is not None
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This process's shard of a DTensor; any other tensor as it is."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def sharding_layout(model: torch.nn.Module) -> str:
@@ -41,7 +67,7 @@ def sharding_layout(model: torch.nn.Module) -> str:
     """
     rows = []
     for name, param in model.named_parameters():
-        if isinstance(param, DTensor):
+        if is_dtensor(param):
             placements = [repr(placement) for placement in param.placements]
             mesh_size = param.device_mesh.size()
         else:
@@ -61,10 +87,9 @@ def prepare_fsdp(model: torch.nn.Module) -> None:
     of a gradient is then that shard of the sum of the processes' full
     gradients, and the runtime normalizes once, across groups.
     """
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
+    for module in _fsdp_modules(model):
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)
 
 
 def set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
@@ -74,6 +99,5 @@ def set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
     (each for itself only), which is what calling it on the root with
     ``recurse=True`` does, without needing to know which module is the root.
     """
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_requires_gradient_sync(enabled, recurse=False)
+    for module in _fsdp_modules(model):
+        module.set_requires_gradient_sync(enabled, recurse=False)
