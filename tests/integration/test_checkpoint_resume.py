@@ -14,17 +14,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from stalwart.coord.server import Lighthouse
 from stalwart.launch.cluster import LocalCluster, latest_step
-from stalwart.launch.tasks import reference_run
-from stalwart.testing.digits_job import LONG_STEPS, PLAN, WORKERS, check_job, wait_for, worker_args
+from stalwart.testing.digits_job import LONG_STEPS, PLAN, check_job, wait_for, worker_args
 from stalwart.testing.waiting import wait_until
 
 TIMEOUT = 240.0
+WORKERS = 2  # the whole fleet: two processes killed and started again
 
 
-def test_whole_fleet_killed_resumes_from_the_newest_checkpoint(tmp_path: Path) -> None:
-    reference, _ = reference_run(PLAN, LONG_STEPS)
+def test_whole_fleet_killed_resumes_from_the_newest_checkpoint(
+    tmp_path: Path, long_reference: dict[str, torch.Tensor]
+) -> None:
     checkpoints = tmp_path / "checkpoints"
     with Lighthouse(
         PLAN,
@@ -96,7 +99,7 @@ def test_whole_fleet_killed_resumes_from_the_newest_checkpoint(tmp_path: Path) -
     assert status["ledger"]["step"] == LONG_STEPS
     assert status["checkpoint"]["step"] == LONG_STEPS, "the writer checkpoints the last step"
     assert latest_step(tmp_path / "run")[0] == LONG_STEPS
-    check_job(tmp_path / "run", reference, finishers=WORKERS, steps_run=LONG_STEPS)
+    check_job(tmp_path / "run", long_reference, finishers=WORKERS, steps_run=LONG_STEPS)
     assert late.returncode == 0, late.stderr
     assert f"the job had already committed its {LONG_STEPS} steps" in late.stderr
     assert after_late["ledger"]["step"] == LONG_STEPS

@@ -23,10 +23,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 
 from stalwart.coord.server import Lighthouse
@@ -60,17 +60,24 @@ def test_failure_free_run_matches_the_reference(
     assert {record["world_size"] for record in committed_steps(tmp_path)} == {WORKERS}
 
 
-@pytest.mark.parametrize("point", ["before_forward", "during_backward", "during_reduce", "after_reduce"])
-def test_sigkill_at_each_point_of_a_step(
-    tmp_path: Path, lighthouse: Lighthouse, reference: dict[str, torch.Tensor], point: str
+POINTS = ["before_forward", "during_backward", "during_reduce", "after_reduce"]
+
+
+def test_a_sigkill_at_each_point_of_a_step(
+    tmp_path: Path, make_lighthouse: Callable[..., Lighthouse], reference: dict[str, torch.Tensor]
 ) -> None:
+    """Five workers; worker k (1 to 4) is SIGKILLed at step 2k at the k-th point of a step: one job meets a kill at
+    every point, each with a different world size, and ends on the failure-free parameters."""
+    lighthouse = make_lighthouse(PLAN, workers=5)
+    kills = {1 + index: f"{2 + 2 * index}:{point}" for index, point in enumerate(POINTS)}
     cluster = LocalCluster(lighthouse.url, tmp_path, worker_args())
-    for worker in range(WORKERS):
-        cluster.start(worker, ["--kill-at", f"4:{point}"] if worker == 1 else None)
+    for worker in range(5):
+        cluster.start(worker, ["--kill-at", kills[worker]] if worker in kills else None)
     wait_for(cluster)
-    assert cluster.processes[1].returncode == -signal.SIGKILL
-    check_job(tmp_path, reference, finishers=WORKERS - 1)
-    assert min(record["world_size"] for record in committed_steps(tmp_path)) == WORKERS - 1
+    assert [cluster.processes[worker].returncode for worker in kills] == [-signal.SIGKILL] * len(POINTS)
+    check_job(tmp_path, reference, finishers=1)
+    world_sizes = [record["world_size"] for record in committed_steps(tmp_path)]
+    assert world_sizes == sorted(world_sizes, reverse=True) and set(world_sizes) == {5, 4, 3, 2, 1}
 
 
 def test_two_workers_killed_at_once(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
