@@ -24,14 +24,16 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
+from torch.utils.data import DataLoader
 
-from stalwart import ElasticLoader, EpochPlan, Lighthouse, Manager, Overlap
+from stalwart import ElasticLoader, EpochPlan, Lighthouse, ManagedDistributedSampler, Manager, Overlap
 from stalwart.cli import cli
 from stalwart.launch.cluster import LocalCluster
 from stalwart.launch.report import audit_steps, committed_steps, planned_total, write_audit
 from stalwart.launch.tasks import TASKS, gpt_datasets, reference_run
 from stalwart.runtime.config import Checkpointing
 from stalwart.runtime.diloco.config import DiLoCo
+from tests.test_replica_groups import end_group, launch_group
 from tests.test_runtime import latest_quorum, wait_for, wait_until_asking
 
 TOLERANCE = 1e-4
@@ -60,18 +62,19 @@ def solo() -> Any:
 
 
 @pytest.mark.parametrize(
-    ("fragments", "overlap", "steps"),
-    [(1, None, 8), (2, None, 8), (3, 0, 12)],
-    ids=["diloco", "streaming", "no-overlap"],
+    ("fragments", "overlap", "steps", "loader"),
+    [(1, None, 8, "elastic"), (2, None, 8, "elastic"), (3, 0, 12, "elastic"), (2, None, 8, "dataloader")],
+    ids=["diloco", "streaming", "no-overlap", "dataloader"],
 )
 def test_one_group_with_an_outer_lr_of_1_trains_the_every_step_run(
-    solo: Lighthouse, fragments: int, overlap: int | None, steps: int
+    solo: Lighthouse, fragments: int, overlap: int | None, steps: int, loader: str
 ) -> None:
     """With one group every inner step is the reference's step, and lr 1 makes each outer step a copy.
 
     A mistake in the inner-step schedule (other samples, other order), in a
     fragment's pseudo-gradient or in the local update after an overlapped
-    exchange would move the parameters off the reference.
+    exchange would move the parameters off the reference; with a DataLoader
+    driven by the Manager's sampler, the foreseen inner steps are what it loads.
     """
     reference, losses = reference_run(PLAN, steps, optimizer_name="adamw", clip=1e9, task="gpt-tiny")
     task = TASKS["gpt-tiny"]
@@ -82,8 +85,14 @@ def test_one_group_with_an_outer_lr_of_1_trains_the_every_step_run(
     manager = Manager(model, optimizer, lighthouse=solo.url, member="solo", max_microbatch=5, plan=PLAN, sync=sync)
     manager.register_state("scheduler", scheduler)
     seen = []
+    dataset = task.dataset()
+    source: Any = (
+        ElasticLoader(dataset)
+        if loader == "elastic"
+        else DataLoader(dataset, batch_sampler=ManagedDistributedSampler(manager, dataset), num_workers=1)
+    )
     try:
-        for step in manager.steps(ElasticLoader(task.dataset()), max_steps=steps):
+        for step in manager.steps(source, max_steps=steps):
             for batch in step:
                 step.backward(task.loss(model, batch))
             optimizer.step()
@@ -99,6 +108,7 @@ def test_one_group_with_an_outer_lr_of_1_trains_the_every_step_run(
     assert manager.last_round is not None and manager.last_round.step == steps // INNER - 1
     assert manager.last_round.samples == 16 * INNER
     assert manager.applied_step == steps // INNER
+    assert manager.dropped_microbatches == 0  # the DataLoader loaded what the inner steps took, nothing else
 
 
 def test_bad_configurations_are_refused_before_training(solo: Lighthouse) -> None:
@@ -257,3 +267,28 @@ def test_rounds_of_one_inner_step_with_an_outer_lr_of_1_are_data_parallel_sgd(tm
     assert [record["samples"] for record in records] == [16] * steps
     for path in sorted(tmp_path.glob("final-*.pt")):
         assert largest_difference(torch.load(path, weights_only=True), reference) < TOLERANCE, path.name
+
+
+def test_groups_of_two_processes_exchange_slices_and_equal_data_parallel_sgd(tmp_path: Path) -> None:
+    """Two torchrun groups of two processes, H = 1, outer lr 1: process r of each group exchanges slice r of the
+    pseudo-gradient and the group gathers the slices; the run is the every-step reference on every process."""
+    steps = 4
+    plan = EpochPlan(PLAN.dataset_size, 16, seed=0)
+    reference, _ = reference_run(plan, steps, optimizer_name="sgd", clip=1e9, task="gpt-tiny")
+    args = ["--model", "gpt-tiny", "--optimizer", "sgd", "--clip", "1e9", "--max-steps", str(steps),
+            "--step-seconds", "0", "--collective-timeout", "5.0", "--diloco", "1", "--outer-lr", "1",
+            "--outer-momentum", "0"]  # fmt: skip
+    with Lighthouse(plan, min_replicas=2, start_replicas=2, heartbeat_timeout=1.0, join_timeout=30.0) as server:
+        agents = {name: launch_group(server.url, name, tmp_path, args) for name in ("group-a", "group-b")}
+        try:
+            codes = {name: agent.wait(timeout=JOB_TIMEOUT) for name, agent in agents.items()}
+        finally:
+            for agent in agents.values():
+                end_group(agent)
+    assert codes == {"group-a": 0, "group-b": 0}
+    finals = sorted(tmp_path.glob("final-*.pt"))
+    assert len(finals) == 4
+    for path in finals:
+        assert largest_difference(torch.load(path, weights_only=True), reference) < TOLERANCE, path.name
+    ends = finished(tmp_path)
+    assert len({event["outer_digest"] for event in ends.values()}) == 1
