@@ -234,9 +234,13 @@ def test_streaming_diloco_in_8_bits_survives_a_kill_during_a_fragments_exchange(
         for worker in range(3):
             cluster.start(worker, ["--kill-at", "1:during_exchange"] if worker == 1 else None)
         wait_for(cluster, timeout=JOB_TIMEOUT)
+        lighthouse_rounds = server.status()["rounds"]
     assert cluster.processes[1].returncode == -signal.SIGKILL
     records = check_rounds(tmp_path, rounds)
     assert [record["world_size"] for record in records] == [3, 2, 2]
+    assert lighthouse_rounds["rounds_committed"] == rounds  # the lighthouse counts rounds, from the heartbeats
+    assert (lighthouse_rounds["inner_steps"], lighthouse_rounds["fragments"]) == (INNER, 2)
+    assert lighthouse_rounds["bytes_exchanged"] > 0 and lighthouse_rounds["exchanges"] > 0
     ends = finished(tmp_path)
     assert sorted(ends) == ["worker-0", "worker-2"]
     assert len({event["outer_digest"] for event in ends.values()}) == 1

@@ -47,6 +47,7 @@ from stalwart._validate import check_int
 from stalwart.coord.formation import MemberDelta, step_ledger
 from stalwart.coord.heal_report import HEAL_FIELD, HealTotals
 from stalwart.coord.hosted_ledger import ledger_digest
+from stalwart.coord.rounds import ROUNDS_FIELD
 from stalwart.coord.wire import QuorumRequest, RequestError, check_seconds, parse_member
 from stalwart.data.ledger import DataLedger
 from stalwart.data.plan import EpochPlan
@@ -276,6 +277,8 @@ class LighthouseClient:
         self._get_applied_step: Callable[[], Report] | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._heal_totals = HealTotals()
+        self._rounds: Callable[[], dict[str, Any]] | None = None
+        """What ``report_rounds`` gave: each heartbeat's ``rounds`` field (DiLoCo members)."""
         self._closed = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"lighthouse-client-{member}", daemon=True)
@@ -331,6 +334,13 @@ class LighthouseClient:
         if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 <= seconds < math.inf:
             raise ValueError(f"seconds must be a finite number >= 0, got {seconds!r}")
         self._heal_totals = self._heal_totals.add(nbytes, float(seconds))
+
+    def report_rounds(self, rounds: Callable[[], dict[str, Any]]) -> None:
+        """Send ``rounds()`` (called on the client's thread) as every heartbeat's ``rounds`` field (DiLoCo's figures,
+        see :mod:`stalwart.coord.rounds`)."""
+        if not callable(rounds):
+            raise TypeError(f"rounds must be callable, got {rounds!r}")
+        self._rounds = rounds
 
     def quorum(self, applied_step: int, quorum_id: int | None, reason: str, timeout: float = 60.0) -> QuorumAnswer:
         """Ask for the next quorum (long poll); asks again after 408s, 502-504s and connection errors until
@@ -655,6 +665,8 @@ class LighthouseClient:
                 heal = self._heal_totals
                 if heal.heals:
                     message[HEAL_FIELD] = heal.to_json()
+                if self._rounds is not None:
+                    message[ROUNDS_FIELD] = self._rounds()
                 await socket.send_json(message)
                 await asyncio.wait({receiver}, timeout=self.effective_heartbeat_interval)
         finally:

@@ -61,6 +61,7 @@ from stalwart.coord.quorum import (
     parse_step,
     parse_weights,
 )
+from stalwart.coord.rounds import RoundsBoard
 from stalwart.coord.wire import parse_plan
 from stalwart.data.plan import EpochPlan
 
@@ -148,6 +149,8 @@ class Lighthouse:
             raise
         self.metrics = LighthouseMetrics()
         self.state.history.listener = self.metrics.on_history_event
+        self.rounds = RoundsBoard(self.metrics.registry)
+        """DiLoCo members' round figures, from their heartbeats (:mod:`stalwart.coord.rounds`)."""
         self._dashboard = Dashboard(self._status, lambda: self.state.revision, self.state.incarnation, self.metrics)
         self._saved_revision = -1
         self._save_failing = False
@@ -471,10 +474,12 @@ class Lighthouse:
                     waiter.set_result(formation)
 
     def _status(self) -> dict[str, Any]:
+        status = self.state.to_status(time.time())
         return {
-            **self.state.to_status(time.time()),
+            **status,
             "url": self.url,
             "store": {"host": self.host, "port": self.store_port},
+            "rounds": self.rounds.to_status(status),
         }
 
     # --- HTTP ------------------------------------------------------------------------------------
@@ -538,15 +543,17 @@ class Lighthouse:
                     await ws.send_json({"type": "error", "error": "heartbeats must be JSON text messages"})
                     continue
                 heal_error: str | None = None
+                rounds_error: str | None = None
                 refused: str | None = None
                 try:
                     report = json.loads(message.data)
                     heal_error = self.metrics.take_heal_report(member, self.state.incarnation(member), report)
+                    rounds_error = self.rounds.take(member, self.state.incarnation(member), report)
                     applied_step, digest, weights = parse_report(report)
                     self.state.heartbeat(member, applied_step, time.time(), digest, weights)
                 except (ValueError, RecursionError, RequestError) as error:
                     refused = error.message if isinstance(error, RequestError) else f"not JSON: {error}"
-                for text in (heal_error, refused):
+                for text in (heal_error, rounds_error, refused):
                     if text is not None:
                         await ws.send_json({"type": "error", "error": text})
                 if refused is not None:

@@ -168,6 +168,9 @@ class RoundLoop:
         self._own_samples = 0
         self._reconciles = 0
         self._tail: ReducedTail | None = None
+        client = manager._session.client
+        if client is not None:  # the group's leader: the lighthouse shows the rounds
+            client.report_rounds(self.rounds_report)
 
     # --- what the Manager reads ------------------------------------------------------------------------------
 
