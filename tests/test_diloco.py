@@ -245,8 +245,11 @@ def test_streaming_diloco_in_8_bits_survives_a_kill_during_a_fragments_exchange(
     assert sorted(ends) == ["worker-0", "worker-2"]
     assert len({event["outer_digest"] for event in ends.values()}) == 1
     for event in ends.values():
-        assert {entry["fragment"] for entry in event["exchange_log"]} == {0, 1}
-        overlapped = [entry for entry in event["exchange_log"] if entry["overlap"]]
+        exchanges = [entry for entry in event["exchange_log"] if entry["kind"] == "exchange"]
+        assert {entry["fragment"] for entry in exchanges} == {0, 1}
+        tails = [entry["round"] for entry in event["exchange_log"] if entry["kind"] == "tail"]
+        assert tails == list(range(rounds))  # one tail per committed round, in order
+        overlapped = [entry for entry in exchanges if entry["overlap"]]
         assert overlapped and all(entry["overlap"] == 1 for entry in overlapped)
         full_float32 = 4 * sum(p.numel() for p in TASKS["gpt-tiny"].model(0).parameters())
         assert event["largest_exchange"] < full_float32 / 4  # a fragment, in 8 bits

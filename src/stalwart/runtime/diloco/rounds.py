@@ -99,16 +99,25 @@ class Traffic:
     largest: int = 0
     """The most bytes of one exchange (the peak a link must carry at once)."""
     log: list[dict[str, Any]] = field(default_factory=list)
-    """One entry per exchange: round, fragment, bytes, collectives, overlap (inner steps it ran behind)."""
+    """One entry per collective step: ``kind`` (``exchange``: a fragment's, ``tail``: the round's end), round,
+    fragment, bytes, collectives, overlap (inner steps it ran behind), alone (a tail with no exchange beside it)."""
 
     def record(self, round_: int, fragment: int, nbytes: int, collectives: int, overlap: int) -> None:
+        """A fragment's exchange."""
         self.bytes += nbytes
         self.exchanges += 1
         self.collectives += collectives
         self.largest = max(self.largest, nbytes)
         self.log.append(
-            {"round": round_, "fragment": fragment, "bytes": nbytes, "collectives": collectives, "overlap": overlap}
-        )
+            {"kind": "exchange", "round": round_, "fragment": fragment, "bytes": nbytes,
+             "collectives": collectives, "overlap": overlap}
+        )  # fmt: skip
+
+    def record_tail(self, round_: int, nbytes: int, *, alone: bool) -> None:
+        """The round's tail all-reduce (``alone``: no exchange ran beside it, so it waits a round trip of its own)."""
+        self.bytes += nbytes
+        self.collectives += 1
+        self.log.append({"kind": "tail", "round": round_, "bytes": nbytes, "collectives": 1, "alone": alone})
 
 
 @dataclass
@@ -562,6 +571,9 @@ class RoundLoop:
             )
         for fragment, whole, total in results:
             self.outer.apply(fragment, whole, total)
+        members = len(manager._session.members)
+        tail_bytes = round(2 * (comm.world_size - 1) / comm.world_size * 4 * tail.numel()) if members > 1 else 0
+        self.traffic.record_tail(ledger.step, tail_bytes, alone=not ending)
         self._tail = reduced
         self.last_round = StepReport(
             step=ledger.step,
