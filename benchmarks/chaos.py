@@ -57,34 +57,31 @@ DATABASE_LOCK_SECONDS = 7.0
 
 
 class Lighthouse:
-    """``stalwart lighthouse`` as a process of its own, restartable on the same ports and state file."""
+    """``stalwart lighthouse`` as a process of its own, restartable on the same port and state file."""
 
     def __init__(self, state: Path, workers: int) -> None:
         self.state = state
         self.workers = workers
         self.port = 0
-        self.store_port = 0
         self.process: subprocess.Popen[str] | None = None
         self.url = ""
 
     def start(self) -> None:
-        """Start it (on the ports of the last start, if any) and wait for its first line."""
+        """Start it (on the port of the last start, if any) and wait for its first line."""
         command = [
             sys.executable, "-m", "stalwart", "lighthouse", "--min-replicas", "1",
             "--start-replicas", str(self.workers), "--state", str(self.state),
             "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT), "--join-timeout", "30",
             "--dataset-size", str(PLAN.dataset_size), "--global-batch", str(PLAN.global_batch_size),
-            "--port", str(self.port), "--store-port", str(self.store_port),
+            "--port", str(self.port),
         ]  # fmt: skip
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         assert self.process.stdout is not None
         line = self.process.stdout.readline()
         if not line.startswith("lighthouse listening on "):
             raise RuntimeError(f"the lighthouse did not start: {line!r}")
-        url, _, store = line.removeprefix("lighthouse listening on ").strip().partition(" store ")
-        self.url = url
-        self.port = int(url.rpartition(":")[2])
-        self.store_port = int(store.rpartition(":")[2])
+        self.url = line.removeprefix("lighthouse listening on ").strip()
+        self.port = int(self.url.rpartition(":")[2])
 
     def kill(self) -> None:
         """SIGKILL it and reap it."""

@@ -12,8 +12,11 @@ clients (aiohttp) spread over ``--processes`` processes: each registers, keeps
 its heartbeat websocket, reports its applied step with its ledger digest (the
 driver advances the step every ``--step-seconds``, so the lighthouse commits
 and persists), and asks ``POST /v1/quorum`` the way a worker does: ``join`` at
-start-up, ``failure`` as soon as the broken-quorum push arrives. Each process
-replays the ledger once per quorum for the digests, as every worker does.
+start-up, ``failure`` as soon as the broken-quorum push arrives. They build
+and read every message with the client's own protocol code
+(:mod:`stalwart.coord.protocol`: headers, registration, heartbeats, quorum
+requests and answers), without its thread per client. Each process replays
+the ledger once per quorum for the digests, as every worker does.
 
 Per member count it reports: members joined and how long the start-up took;
 heartbeat messages per second sent and how stale the lighthouse's view got;
@@ -56,7 +59,18 @@ from typing import Any
 import aiohttp
 
 from benchmarks._measure import Goal, make_console, print_goals, print_table
-from stalwart.coord.hosted_ledger import ledger_digest
+from stalwart.coord.protocol import (
+    HEARTBEAT_PATH,
+    QUORUM_PATH,
+    REGISTER_PATH,
+    QuorumAnswer,
+    QuorumRequest,
+    StoreAddress,
+    heartbeat_message,
+    identity_headers,
+    ledger_digest,
+    register_body,
+)
 from stalwart.data.ledger import DataLedger
 from stalwart.data.plan import EpochPlan
 
@@ -166,7 +180,7 @@ class Sim:
 
     def headers(self) -> dict[str, str]:
         """The identity headers."""
-        return {"X-Stalwart-Incarnation": self.incarnation, "X-Stalwart-Secret": self.secret}
+        return identity_headers(self.incarnation, self.secret)
 
 
 class Fleet:
@@ -183,7 +197,7 @@ class Fleet:
         self.quorums: dict[int, Any] = {}
         """What this process knows of each quorum: ``(members, ledger state in its applied step)``."""
         self.step = 0
-        self.report = json.dumps({"applied_step": 0})
+        self.report = json.dumps(heartbeat_message(0))
         self.digest: str | None = None
         self.sent = 0
         self.answer_bytes: list[int] = []
@@ -228,8 +242,8 @@ class Fleet:
             adopted.set()
 
         async def one(sim: Sim) -> None:
-            body = {"member": sim.name, "incarnation": sim.incarnation}
-            async with session.post(self.url + "/v1/register", json=body) as response:
+            body = register_body(sim.name, sim.incarnation, None)
+            async with session.post(self.url + REGISTER_PATH, json=body) as response:
                 data = await response.json()
                 if response.status != 200:
                     raise RuntimeError(f"register {sim.name}: {response.status} {data}")
@@ -240,7 +254,7 @@ class Fleet:
                 self.interval = max(DEFAULT_INTERVAL, float(data["heartbeat_interval"]))
                 adopted.set()
             sim.socket = await session.ws_connect(
-                self.url + "/v1/heartbeat", params={"member": sim.name}, headers=sim.headers(), heartbeat=None
+                self.url + HEARTBEAT_PATH, params={"member": sim.name}, headers=sim.headers(), heartbeat=None
             )
             sim.tasks += [asyncio.create_task(self._beat(sim)), asyncio.create_task(self._receive(sim))]
 
@@ -275,19 +289,16 @@ class Fleet:
                 sim.tasks.append(asyncio.create_task(self._ask(sim, "failure")))
 
     async def _ask(self, sim: Sim, reason: str) -> None:
-        """Ask for the next quorum until answered (408 and 503 are asked again), as the client does."""
+        """Ask for the next quorum until answered (408 and 503 are asked again), as ``LighthouseClient`` does."""
         assert self.session is not None
         sim.asking = True
-        body: dict[str, Any] = {"member": sim.name, "applied_step": self.step, "quorum_id": sim.quorum_id}
-        body["reason"] = reason
-        if reason != "join" and self.digest is not None:
-            body["digest"] = self.digest  # the request may commit the step, as the heartbeat would
-        if self.wire == 2:
-            body["known"] = sim.quorum_id
+        digest = self.digest if reason != "join" else None  # the request may commit the step, as the heartbeat would
+        request = QuorumRequest(sim.name, self.step, sim.quorum_id, reason, digest, wire=self.wire, known=sim.quorum_id)
+        body = request.to_body()
         deadline = time.monotonic() + PHASE_LIMIT
         try:
             while not sim.dead and time.monotonic() < deadline:
-                async with self.session.post(self.url + "/v1/quorum", json=body, headers=sim.headers()) as response:
+                async with self.session.post(self.url + QUORUM_PATH, json=body, headers=sim.headers()) as response:
                     raw = await response.read()
                     if response.status in (408, 503):
                         if response.status not in self.retried:
@@ -315,16 +326,11 @@ class Fleet:
         """Keep what this process needs of a quorum it first hears of: its members and ledger."""
         if data["quorum_id"] in self.quorums:
             return
-        if self.wire == 1:
-            self.quorums[data["quorum_id"]] = (tuple(data["members"]), data["ledger"])
-            return
-        from stalwart.coord.client import QuorumAnswer, StoreAddress
-
         previous = None
         if known in self.quorums:
             members, ledger = self.quorums[known]
-            previous = QuorumAnswer(known, members, 0, len(members), StoreAddress("", 0, ""), 0, None, ledger)
-        answer = QuorumAnswer.from_json(data, previous)
+            previous = QuorumAnswer(known, members, 0, len(members), StoreAddress(self.url, known, ""), 0, None, ledger)
+        answer = QuorumAnswer.from_json(data, previous, url=self.url)
         self.quorums[answer.quorum_id] = (answer.members, answer.ledger)
 
     async def join(self) -> dict[str, Any]:
@@ -354,7 +360,7 @@ class Fleet:
             ledger.commit()
         self.step = step
         self.digest = ledger_digest(ledger.state_dict())
-        self.report = json.dumps({"applied_step": step, "digest": self.digest})
+        self.report = json.dumps(heartbeat_message(step, self.digest))
         return {}
 
     async def counters(self) -> dict[str, Any]:

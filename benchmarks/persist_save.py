@@ -1,6 +1,9 @@
-"""Time one lighthouse save at the history cap: the old single JSON row against what changed (core row, events).
+"""Time one lighthouse save at the history cap: the old single JSON row against what changed (core row, events),
+and what makes a save durable on an operating-system crash costs (``synchronous=FULL``, the lighthouse's, against
+``NORMAL``: a sync of the write-ahead log per commit).
 
-Run: ``python benchmarks/persist_save.py`` (prints milliseconds per save, median of ``--repeat`` saves).
+Run: ``python benchmarks/persist_save.py`` (prints milliseconds per save, median of ``--repeat`` saves, with the
+spread; the FULL and NORMAL saves alternate, so the disk's and the machine's load fall on both alike).
 """
 
 from __future__ import annotations
@@ -69,6 +72,27 @@ def main() -> None:
         print(f"  what changed (core row, events): {median:.2f} ms/save ({core} bytes of core)")
         store.close()
         old.close()
+        durable = StateStore(Path(folder) / "full.db")
+        loose = StateStore(Path(folder) / "normal.db", synchronous="NORMAL")
+        times: dict[str, list[float]] = {"FULL": [], "NORMAL": []}
+        for target in (durable, loose):
+            target.save(state.changes(), 0.0)
+        for n in range(args.repeat):
+            for name, target in (
+                (("FULL", durable), ("NORMAL", loose)) if n % 2 else (("NORMAL", loose), ("FULL", durable))
+            ):
+                state.connected(f"durable-{name}-{n}", float(n))
+                changes = state.changes()
+                started = time.perf_counter()
+                target.save(changes, 0.0)
+                times[name].append(time.perf_counter() - started)
+        full, normal = (statistics.median(times[name]) * 1e3 for name in ("FULL", "NORMAL"))
+        for name in ("FULL", "NORMAL"):
+            spread = f"{min(times[name]) * 1e3:.2f}-{max(times[name]) * 1e3:.2f}"
+            print(f"  synchronous={name}: {statistics.median(times[name]) * 1e3:.2f} ms/save (spread {spread})")
+        print(f"  durable on an OS crash (FULL) / NORMAL: {full / normal:.1f}x")
+        durable.close()
+        loose.close()
 
 
 if __name__ == "__main__":

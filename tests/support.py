@@ -1,4 +1,4 @@
-"""Helpers shared by the tests: bounded waiting."""
+"""Helpers shared by the tests: bounded waiting, simulated members' reports, a plain TCPStore view."""
 
 from __future__ import annotations
 
@@ -44,3 +44,13 @@ def report(member: str, step: int) -> tuple[int, str | None]:
             ledger.begin_step(list(answer.members))
         ledger.commit()
     return step, ledger_digest(ledger.state_dict())
+
+
+def prefix_store(host: str, port: int, prefix: str, timeout: float) -> Any:
+    """Keys under ``prefix`` of the test's own ``TCPStore`` at ``port``: a rendezvous without a lighthouse."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
+    return dist.PrefixStore(prefix, store)

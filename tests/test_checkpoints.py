@@ -6,15 +6,25 @@ Pure tests drive ``LighthouseState`` with the simulated cluster of
 
 from __future__ import annotations
 
+import stat
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 from test_quorum import Cluster
 
+from stalwart.coord.client import CheckpointAnnouncement
 from stalwart.coord.hosted_ledger import ledger_digest
 from stalwart.coord.quorum import RequestError
 from stalwart.data.ledger import DataLedger
+from stalwart.data.plan import EpochPlan
+from stalwart.errors import StateLostError
+from stalwart.runtime.checkpoint import Checkpointer, CheckpointError, CheckpointMeta, load_checkpoint
+from stalwart.runtime.checkpointing import CheckpointPolicy
+from stalwart.runtime.config import Checkpointing
+from stalwart.runtime.replica import Replica
 
 
 def ledger_at(cluster: Cluster, step: int) -> dict[str, Any]:
@@ -47,6 +57,8 @@ def test_a_checkpoint_is_kept_only_when_its_ledger_is_the_one_committed() -> Non
         (report(cluster, 3, ledger={"nonsense": 1}), 400),
         (report(cluster, 3, extra=1), 400),
         ([1, 2], 400),
+        (report(cluster, 3, member=cluster.state.quorum.members[1]), 403),  # not the quorum's writer (its rank 0)
+        (report(cluster, 3, member="never-in-a-quorum"), 403),
     ]:
         with pytest.raises(RequestError) as refused:
             cluster.state.record_checkpoint(body, cluster.now)
@@ -181,3 +193,53 @@ def test_a_member_the_quorum_went_on_without_is_told_it_is_left_out() -> None:
     assert cluster.state.left_out(second) and not cluster.state.left_out(first)
     cluster.ask(second, "join")
     assert not cluster.state.left_out(second), "asking to join is enough"
+
+
+def test_a_finished_checkpoint_is_readable_by_its_owner_only(tmp_path: Path) -> None:
+    """DCP's metadata is pickled and the JSON holds the ledger: 0600 files in 0700 directories."""
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    finished: list[Path] = []
+    writer = Checkpointer(Checkpointing(tmp_path / "ckpt", every_steps=1), on_finished=lambda d, m: finished.append(d))
+    ledger = DataLedger(EpochPlan(8, 4)).state_dict()
+    writer.start({"model": model, "optimizer": optimizer}, CheckpointMeta(1, ledger, ledger_digest(ledger)))
+    assert writer.wait(120) and len(finished) == 1
+    directory = finished[0]
+    assert (directory / ".metadata").is_file() and (directory / "stalwart.json").is_file()
+    assert stat.S_IMODE((tmp_path / "ckpt").stat().st_mode) == 0o700
+    for path in [directory, *directory.rglob("*")]:
+        assert stat.S_IMODE(path.stat().st_mode) == (0o700 if path.is_dir() else 0o600), path
+    assert load_checkpoint(directory, {"model": model, "optimizer": optimizer}).step == 1
+
+
+def _written(tmp_path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Path:
+    finished: list[Path] = []
+    writer = Checkpointer(Checkpointing(tmp_path / "ckpt", every_steps=1), on_finished=lambda d, m: finished.append(d))
+    ledger = DataLedger(EpochPlan(8, 4)).state_dict()
+    writer.start({"model": model, "optimizer": optimizer}, CheckpointMeta(1, ledger, ledger_digest(ledger)))
+    assert writer.wait(120) and finished
+    return finished[0]
+
+
+def test_a_corrupt_checkpoint_is_one_checkpoint_error_not_a_raw_dcp_exception(tmp_path: Path) -> None:
+    """DCP's CheckpointException derives from BaseException: it must still become a CheckpointError."""
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    directory = _written(tmp_path, model, optimizer)
+    for data in directory.glob("*.distcp"):
+        data.write_bytes(b"not a tensor file")
+    with pytest.raises(CheckpointError, match="cannot load the checkpoint"):
+        load_checkpoint(directory, {"model": model, "optimizer": optimizer})
+
+
+def test_a_checkpoint_announced_outside_the_workers_directory_is_refused(tmp_path: Path) -> None:
+    """The lighthouse's announcement names a path: a worker loads only from inside its own checkpoint_dir."""
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    elsewhere = _written(tmp_path / "elsewhere", model, optimizer)
+    config = Checkpointing(tmp_path / "mine", every_steps=1)
+    policy = CheckpointPolicy(config, SimpleNamespace(member="w0", client=None), Replica(model, optimizer), None)  # type: ignore[arg-type]
+    meta = CheckpointMeta.read(elsewhere)
+    for path in (str(elsewhere), str(config.path / ".." / "elsewhere" / "ckpt" / elsewhere.name)):
+        with pytest.raises(StateLostError, match="outside this worker's checkpoint directory"):
+            policy.load(CheckpointAnnouncement(1, path, meta.digest))

@@ -288,7 +288,7 @@ def test_token_help_says_how_to_make_one_and_where_it_comes_from() -> None:
     ("arguments", "expected"),
     [
         (["--min-replicas", "3", "--start-replicas", "2"], ("--start-replicas", "3", "2")),
-        (["--min-replicas", "1", "--port", "47001", "--store-port", "47001"], ("--store-port", "47001")),
+        (["--min-replicas", "1", "--host", "0.0.0.0"], ("0.0.0.0", "no token is set", "--insecure")),
     ],
 )
 def test_contradicting_replicas_and_ports_are_bad_parameters(
@@ -297,7 +297,7 @@ def test_contradicting_replicas_and_ports_are_bad_parameters(
     refused(CliRunner().invoke(lighthouse_command, [*arguments, *PLAN]), *expected)
 
 
-@pytest.mark.parametrize("flag", ["--port", "--store-port"])
+@pytest.mark.parametrize("flag", ["--port"])
 def test_port_in_use_is_one_sentence_naming_the_address(flag: str) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -29,7 +29,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from support import prefix_store
 
+from stalwart.coord.protocol import StoreAddress
 from stalwart.runtime.comm import (
     NCCL_ENVIRONMENT,
     CollectiveError,
@@ -51,7 +53,7 @@ CONTEXT = multiprocessing.get_context("spawn")
 def peer(rank: int, port: int, prefix: str, scenario: str, reports: Any, abandon: Any) -> None:
     """One member of the group; reports ``(rank, what, detail)`` tuples."""
     torch.set_num_threads(1)
-    store = quorum_store(HOST, port, prefix, GROUP_TIMEOUT)
+    store = prefix_store(HOST, port, prefix, GROUP_TIMEOUT)
     comm = Communicator(store, rank, WORLD, timeout=GROUP_TIMEOUT, device=torch.device("cpu"), abandon=abandon.is_set)
     reports.put((rank, "ready", None))
     try:
@@ -155,17 +157,20 @@ def test_abandon_ends_a_collective_blocked_on_a_stopped_peer(store: dist.TCPStor
 
 
 def test_a_rendezvous_whose_peers_never_come_raises(store: dist.TCPStore) -> None:
-    lonely = quorum_store(HOST, store.port, f"lonely-{uuid.uuid4().hex}/", 1.0)
+    lonely = prefix_store(HOST, store.port, f"lonely-{uuid.uuid4().hex}/", 1.0)
     with pytest.raises(CollectiveError, match="rendezvous of rank 0/2"):
         Communicator(lonely, 0, 2, timeout=1.0, device=torch.device("cpu"))
 
 
-def test_an_unreachable_store_raises() -> None:
+def test_an_unreachable_quorum_store_fails_the_rendezvous() -> None:
     with socket.socket() as probe:
         probe.bind((HOST, 0))
         port = probe.getsockname()[1]
+    store = quorum_store(StoreAddress(f"http://{HOST}:{port}", 1, "k"), 1.0, token=None)
     with pytest.raises(CollectiveError, match="cannot reach"):
-        quorum_store(HOST, port, "nobody/", 1.0)
+        Communicator(store, 0, 2, timeout=1.0, device=torch.device("cpu"))
+    with pytest.raises(CollectiveError, match="cannot use"):
+        quorum_store(StoreAddress("tcp://nowhere", 1, "k"), 1.0, token=None)
 
 
 def test_default_device_is_the_cpu_without_cuda_whatever_local_rank_says() -> None:
@@ -272,7 +277,7 @@ def test_a_connect_is_given_up_when_the_quorum_breaks_and_its_error_is_raised() 
 
 def test_a_key_a_dead_peer_never_wrote_is_a_failed_collective(store: dist.TCPStore) -> None:
     """A heal's or reshard's metadata from a peer that died first: CollectiveError (the quorum is asked again)."""
-    alone = quorum_store(HOST, store.port, f"alone-{uuid.uuid4().hex}/", 1.0)
+    alone = prefix_store(HOST, store.port, f"alone-{uuid.uuid4().hex}/", 1.0)
     comm = Communicator(alone, 0, 1, timeout=1.0, device=torch.device("cpu"))
     comm.publish("written", "yes")
     assert comm.read("written") == b"yes"

@@ -97,7 +97,8 @@ def test_a_checksum_sees_layers_swapped() -> None:
 
 def test_checks_run_every_step_for_small_models_and_less_often_for_large_ones() -> None:
     assert default_check_every(4810) == 1
-    assert default_check_every(10_004_500) == 10
+    assert default_check_every(10_004_500) == 77
+    assert default_check_every(808_704) == 7  # the GPT example: the checksum costs under 1% of a step
     assert default_check_every(10**12) == 100
 
 

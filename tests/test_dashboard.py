@@ -117,24 +117,32 @@ def lighthouse(tmp_path: Path) -> Iterator[Lighthouse]:
     server.stop()
 
 
+def cookie(lighthouse: Lighthouse, token: str = TOKEN) -> dict[str, str]:
+    """The dashboard's token cookie for this lighthouse (its name carries the port)."""
+    return {"Cookie": f"stalwart_token_{lighthouse.port}={token}"}
+
+
 def test_every_new_route_refuses_a_missing_or_wrong_token(lighthouse: Lighthouse) -> None:
     url = lighthouse.url
+    another_port = {"Cookie": f"stalwart_token_{lighthouse.port + 1}={TOKEN}"}
     for path in ("/", "/v1/events", "/metrics"):
-        for headers in ({}, bearer("wrong"), {"Cookie": "stalwart_token=wrong"}):
+        for headers in ({}, bearer("wrong"), cookie(lighthouse, "wrong"), another_port):
             status, body, _ = http(url + path, headers)
             assert status == 401, (path, headers)
             assert "token" in json.loads(body)["error"]
         assert http(url + path + "?token=wrong")[0] == 401
     # /metrics takes the header only (a scraper sets it); the browser's query parameter and cookie are refused there
     assert http(url + "/metrics?token=" + TOKEN)[0] == 401
-    assert http(url + "/metrics", {"Cookie": "stalwart_token=" + TOKEN})[0] == 401
+    assert http(url + "/metrics", cookie(lighthouse))[0] == 401
     status, body, headers = http(url + "/?token=" + TOKEN)
     assert status == 200 and b"<title>stalwart lighthouse</title>" in body
-    assert "stalwart_token=" + TOKEN in headers["Set-Cookie"] and "HttpOnly" in headers["Set-Cookie"]
+    set_cookie = headers["Set-Cookie"]
+    assert f"stalwart_token_{lighthouse.port}={TOKEN}" in set_cookie and "HttpOnly" in set_cookie
+    assert "Secure" not in set_cookie, "plain HTTP: a Secure cookie would never be sent back"
     outside = body.replace(b"http://www.w3.org/2000/svg", b"")  # a namespace name, never fetched
     assert b"http://" not in outside and b"https://" not in outside, "the page must load nothing from outside"
     assert headers["Content-Security-Policy"].startswith("default-src 'none'")
-    assert http(url + "/", {"Cookie": "stalwart_token=" + TOKEN})[0] == 200
+    assert http(url + "/", cookie(lighthouse))[0] == 200
     assert http(url + "/", bearer())[0] == 200
     assert http(url + "/metrics", bearer())[0] == 200
 
@@ -163,7 +171,7 @@ def test_malformed_queries_get_400_naming_the_parameter_and_the_lighthouse_serve
 
 
 def test_event_stream_carries_the_status_and_its_figures(lighthouse: Lighthouse) -> None:
-    event = first_event(lighthouse.url + "/v1/events?interval=0.5", {"Cookie": "stalwart_token=" + TOKEN})
+    event = first_event(lighthouse.url + "/v1/events?interval=0.5", cookie(lighthouse))
     status = lighthouse.status()
     assert event["summary"] == summary(status)
     assert event["status"]["plan"] == status["plan"] == PLAN.to_dict()

@@ -93,10 +93,7 @@ def test_the_lighthouse_runs_alone_on_its_state_volume_behind_a_service() -> Non
     (container,) = pod.spec.containers
     assert container.command == ["stalwart", "lighthouse"]
     ports = {port.name: port.container_port for port in container.ports}
-    assert ports == {
-        "http": int(option(container.args, "--port")),
-        "store": int(option(container.args, "--store-port")),
-    }
+    assert ports == {"http": int(option(container.args, "--port"))}, "one port: the quorum store is served there"
     assert {port.name: (port.port, port.target_port) for port in service.spec.ports} == {
         name: (number, name) for name, number in ports.items()
     }

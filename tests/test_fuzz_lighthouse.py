@@ -50,6 +50,8 @@ GET_ROUTES = ("/healthz", "/status", "/v1/status", "/v1/heartbeat")
 POST_ROUTES = ("/v1/register", "/v1/quorum", "/v1/leave", "/v1/checkpoint")
 DASHBOARD_ROUTES = ("/", "/v1/events", "/metrics")
 """The dashboard's routes (HTML, an endless event stream, Prometheus text): fuzzed on their own."""
+STORE_ROUTE = "/v1/store/{quorum_id}"
+"""The quorum store: fuzzed on its own (its credential is the store key)."""
 
 
 @dataclass
@@ -60,6 +62,8 @@ class World:
     """Identity headers of m-alpha, m-beta and probe."""
     retired: dict[str, str]
     """Identity headers of the replaced incarnation of ``m-retired`` (its old secret)."""
+    store_key: str
+    """Quorum 1's store key (told to m-alpha and m-beta)."""
 
     @property
     def port(self) -> int:
@@ -79,10 +83,12 @@ def raw_request(
         connection.close()
 
 
-def register(port: int, member: str, incarnation: str | None = None) -> dict[str, str]:
-    incarnation = incarnation or uuid.uuid4().hex
+def register(port: int, member: str, replacing: dict[str, str] | None = None) -> dict[str, str]:
+    """A new incarnation of ``member`` (``replacing``: the live one's identity headers); its identity headers."""
+    incarnation = uuid.uuid4().hex
     body = json.dumps({"member": member, "incarnation": incarnation}).encode()
-    status, answer = raw_request(port, "POST", "/v1/register", body, {"Authorization": f"Bearer {TOKEN}"})
+    headers = {"Authorization": f"Bearer {TOKEN}", **(replacing or {})}
+    status, answer = raw_request(port, "POST", "/v1/register", body, headers)
     assert status == 200, answer
     return {INCARNATION: incarnation, SECRET: json.loads(answer)["secret"]}
 
@@ -140,9 +146,9 @@ def world() -> Iterator[World]:
         headers = {m: {k: c.identity_headers()[k] for k in (INCARNATION, SECRET)} for m, c in clients.items()}
         headers["probe"] = register(lighthouse.port, "probe")
         retired = register(lighthouse.port, "m-retired")
-        register(lighthouse.port, "m-retired")
+        register(lighthouse.port, "m-retired", retired)
         settle(lighthouse)
-        yield World(lighthouse, clients, headers, retired)
+        yield World(lighthouse, clients, headers, retired, answers[0].store.key)
     finally:
         for client in clients.values():
             client.close()
@@ -322,7 +328,7 @@ def test_the_fuzzed_routes_are_all_the_routes(world: World) -> None:
     runner = world.lighthouse._runner
     assert runner is not None
     served = {(r.method, r.resource.canonical) for r in runner.app.router.routes() if r.method != "HEAD"}
-    fuzzed = {("GET", p) for p in (*GET_ROUTES, *DASHBOARD_ROUTES)} | {("POST", p) for p in POST_ROUTES}
+    fuzzed = {("GET", p) for p in (*GET_ROUTES, *DASHBOARD_ROUTES)} | {("POST", p) for p in (*POST_ROUTES, STORE_ROUTE)}
     assert served == fuzzed, "a route was added or removed: list it in GET_ROUTES/POST_ROUTES and fuzz it"
     assert set(TEMPLATES) == set(POST_ROUTES) == set(BAD_FIELDS)
 
@@ -377,6 +383,59 @@ def test_well_formed_bodies_with_a_wrong_token_or_identity_are_refused(
     check_refused(status, answer, (path, body, token, identity))
     assert status in (401, 403), answer
     assert read_state(world.lighthouse) == before
+
+
+def store_keys(lighthouse: Lighthouse) -> int:
+    return int(lighthouse.status()["store"]["keys"])
+
+
+@st.composite
+def store_requests(draw: st.DrawFn, world: World) -> tuple[str, dict[str, str], bytes]:
+    """A store request that must be refused: a bad quorum, a missing or wrong key or token, or a bad body."""
+    key = {"X-Stalwart-Store-Key": world.store_key}
+    valid = json.dumps({"op": "set", "key": "fuzz", "value": "AA=="}).encode()
+    kind = draw(st.sampled_from(["quorum", "key", "token", "body", "body", "body"]))
+    if kind == "quorum":
+        quorum = draw(st.sampled_from(["0", "2", "99", "-1", "x", "1" * 30, "%EF%BC%91", "1%20"]))
+        return f"/v1/store/{quorum}", {"Authorization": f"Bearer {TOKEN}", **key}, valid
+    if kind == "key":
+        wrong = draw(st.just({}) | header_text.filter(lambda s: s != world.store_key).map(
+            lambda s: {"X-Stalwart-Store-Key": s}
+        ))  # fmt: skip
+        return "/v1/store/1", {"Authorization": f"Bearer {TOKEN}", **wrong}, valid
+    if kind == "token":
+        token = draw(tokens().filter(lambda t: t != {"Authorization": f"Bearer {TOKEN}"}))
+        return "/v1/store/1", {**token, **key}, valid
+    op = draw(st.sampled_from(["set", "get", "add", "compare_set", "check", "wait", "delete", "num_keys", "nope"]))
+    body: Any = {"op": op, "key": "fuzz", "value": "AA==", "wait": 0}
+    change = draw(st.sampled_from(["op", "key", "value", "wait", "extra", "shape", "bytes"]))
+    if change == "op":
+        body["op"] = draw(json_values.filter(lambda v: v not in ("set", "get")))
+    elif change == "key":
+        body["key"] = draw(not_an_int.filter(lambda v: not isinstance(v, str)) | st.just("") | st.just("k" * 1025))
+    elif change == "value":
+        body["value"] = draw(st.sampled_from(["***", "A", "Zm9v=", None, 7, ["AA=="]]))
+    elif change == "wait":
+        body["wait"] = draw(st.sampled_from([-1, 6, 1e9, "1", None, True]))
+    elif change == "extra":
+        body[draw(unknown_key)] = 1
+    elif change == "shape":
+        body = draw(json_values.filter(lambda v: not isinstance(v, dict)))
+    else:
+        return "/v1/store/1", {"Authorization": f"Bearer {TOKEN}", **key}, draw(st.binary(max_size=100))
+    return "/v1/store/1", {"Authorization": f"Bearer {TOKEN}", **key}, json.dumps(body).encode()
+
+
+@FUZZ
+@given(data=st.data())
+def test_store_requests_without_the_credentials_or_well_formed_bodies_are_refused(
+    world: World, data: st.DataObject
+) -> None:
+    path, headers, body = data.draw(store_requests(world), label="request")
+    before, keys = read_state(world.lighthouse), store_keys(world.lighthouse)
+    status, answer = raw_request(world.port, "POST", path, body, headers)
+    check_refused(status, answer, (path, headers, body[:200]))
+    assert read_state(world.lighthouse) == before and store_keys(world.lighthouse) == keys
 
 
 @FUZZ

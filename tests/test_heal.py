@@ -25,9 +25,10 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from support import prefix_store
 
 from stalwart.runtime import heal
-from stalwart.runtime.comm import Communicator, quorum_store
+from stalwart.runtime.comm import CollectiveError, Communicator
 from stalwart.runtime.heal import HealError, flatten_states, transfer_state
 from stalwart.runtime.state import host_rng_states
 
@@ -122,7 +123,7 @@ def heal_peer(rank: int, port: int, prefix: str, out: str) -> None:
     torch.manual_seed(10 + rank)
     np.random.seed(20 + rank)
     random.seed(30 + rank)
-    store = quorum_store(HOST, port, prefix, TIMEOUT)
+    store = prefix_store(HOST, port, prefix, TIMEOUT)
     comm = Communicator(store, rank, len(ROLES), timeout=TIMEOUT, device=torch.device("cpu"))
     try:
         before = snapshot(states)
@@ -215,7 +216,7 @@ def test_optimizer_state_that_is_not_json_raises_a_clear_type_error(store: dist.
     states = make_states(seed=0)
     train(states, 1, seed=0)
     states["optimizer"].param_groups[0]["schedule"] = {0.1, 0.01}
-    alone = quorum_store(HOST, store.port, f"json-{uuid.uuid4().hex}/", TIMEOUT)
+    alone = prefix_store(HOST, store.port, f"json-{uuid.uuid4().hex}/", TIMEOUT)
     comm = Communicator(alone, 0, 1, timeout=TIMEOUT, device=torch.device("cpu"))
     try:
         with pytest.raises(TypeError, match=r"optimizer/param_groups/0/schedule.*set.*cannot be sent as JSON"):
@@ -335,3 +336,58 @@ def test_states_registered_differently_are_refused() -> None:
     target["scheduler"] = torch.optim.lr_scheduler.StepLR(target["optimizer"], step_size=1)
     with pytest.raises(HealError, match=r"the source's states \['model', 'optimizer'\] differ"):
         heal.check_heal_meta(meta, target)
+
+
+def _optimizer_groups(meta: dict[str, Any]) -> list[Any]:
+    """The encoded ``param_groups`` of the optimizer in ``meta`` (a list of encoded dicts)."""
+    optimizer = dict(meta["states"][1]["__dict__"])
+    return optimizer["param_groups"]
+
+
+def _set_group_value(meta: dict[str, Any], key: str, value: Any) -> None:
+    for pair in _optimizer_groups(meta)[0]["__dict__"]:
+        if pair[0] == key:
+            pair[1] = value
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (lambda meta: _set_group_value(meta, "lr", "0.01; import os"), r"group 0 'lr' is '0.01; import os'"),
+        (lambda meta: _set_group_value(meta, "lr", float("nan")), r"group 0 'lr' is nan"),
+        (lambda meta: _set_group_value(meta, "amsgrad", 1), r"group 0 'amsgrad' is 1; this member's is a bool"),
+        (lambda meta: _set_group_value(meta, "betas", {"__tuple__": [0.9]}), r"'betas' must be a sequence of 2"),
+        (lambda meta: _set_group_value(meta, "params", [0, 1, 2, 7]), r"'params' names other parameters"),
+        (lambda meta: _optimizer_groups(meta).append(_optimizer_groups(meta)[0]), r"another number of parameter"),
+        (lambda meta: _optimizer_groups(meta)[0]["__dict__"].pop(), r"group 0 has keys"),
+        (lambda meta: meta["states"][1]["__dict__"].append(["extra", 1]), r"is not an optimizer state"),
+        (lambda meta: meta["states"][0]["__dict__"].append([["a"], 1]), r"malformed key-value pair"),
+        (lambda meta: meta["states"][0].update(oops=1), r"unexpected keys"),
+    ],
+)
+def test_malformed_non_tensor_values_are_refused_before_anything_is_loaded(
+    change: Any, expected: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The source's hyper-parameters and structure are checked against the receiver's own (a failed collective)."""
+    monkeypatch.setattr(heal, "_allocate", lambda specs, device: [])
+    meta = source_meta()
+    change(meta)
+    target = twin_layers(seed=1)
+    before = json.dumps(target["optimizer"].state_dict()["param_groups"])
+    with pytest.raises(HealError, match=expected) as refused:
+        transfer_state(Receiver(meta), 0, target, 0, is_target=True)  # type: ignore[arg-type]
+    assert isinstance(refused.value, CollectiveError), "a failed collective: the quorum is asked again"
+    assert json.dumps(target["optimizer"].state_dict()["param_groups"]) == before
+
+
+def test_a_state_that_refuses_its_values_is_a_heal_error_not_a_crash() -> None:
+    class Picky:
+        def state_dict(self) -> dict[str, Any]:
+            return {"epoch": 3}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            raise ValueError(f"epoch must be an int, got {state['epoch']!r}")
+
+    meta = {"applied_step": 1, "names": ["picky"], "states": [{"__dict__": [["epoch", "x"]]}], "tensors": []}
+    with pytest.raises(HealError, match="state 'picky' refused the values the heal brought: epoch must be an int"):
+        heal._load({"picky": Picky()}, meta, [])

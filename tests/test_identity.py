@@ -1,4 +1,4 @@
-"""Incarnations and secrets over real HTTP: a restarted worker evicts its old process, caps, re-registration."""
+"""Incarnations and secrets over real HTTP: replacing a live member needs its secret, caps, re-registration."""
 
 from __future__ import annotations
 
@@ -29,10 +29,9 @@ def post(url: str, body: Any, headers: dict[str, str] | None = None) -> tuple[in
         return error.code, json.loads(error.read())
 
 
-def test_a_new_incarnation_evicts_the_old_process_at_once() -> None:
+def test_a_new_incarnation_of_a_live_member_needs_its_secret_or_waits_until_it_is_dead() -> None:
     with Lighthouse(PLAN, heartbeat_timeout=5.0, join_timeout=1.0) as server:
         clients = {m: LighthouseClient(server.url, m, heartbeat_interval=0.05) for m in ("a", "b")}
-        replacement = LighthouseClient(server.url, "b", heartbeat_interval=0.05)
         try:
             for client in clients.values():
                 client.start_heartbeat(lambda: 0)
@@ -41,23 +40,47 @@ def test_a_new_incarnation_evicts_the_old_process_at_once() -> None:
             assert answers[0].members == answers[1].members
             old = clients["b"]
             assert old.heartbeat_connected.is_set()
-            replacement.start_heartbeat(lambda: 0)
+            status, body = post(server.url + "/v1/register", {"member": "b", "incarnation": uuid.uuid4().hex})
+            assert status == 409 and body["code"] == "member_alive" and 0 <= body["retry_after"] <= 5, body
+            assert server.status()["failures"] == [] and not clients["a"].quorum_broken, "the live member stays"
+            forged = {"X-Stalwart-Incarnation": old.incarnation, "X-Stalwart-Secret": "x" * 43}
+            status, body = post(server.url + "/v1/register", {"member": "b", "incarnation": uuid.uuid4().hex}, forged)
+            assert status == 403 and server.status()["failures"] == []
+            incarnation = uuid.uuid4().hex
+            status, body = post(
+                server.url + "/v1/register", {"member": "b", "incarnation": incarnation}, old.identity_headers()
+            )
+            assert status == 200, "the live incarnation's own headers replace it at once"
             wait_until(lambda: clients["a"].quorum_broken, what="the broken-quorum push to the survivor")
-            status = server.status()
-            assert [(f["member"], f["reason"]) for f in status["failures"]] == [("b", "restarted")]
+            status_now = server.status()
+            assert [(f["member"], f["reason"]) for f in status_now["failures"]] == [("b", "restarted")]
             with pytest.raises(LighthouseError) as refused:
                 old.quorum(0, 1, "failure", 5)
             assert refused.value.status in (403, 409) and refused.value.body["code"] == "superseded"
-            wait_until(lambda: replacement.heartbeat_connected.is_set(), what="the new incarnation's heartbeat")
             assert clients["a"].quorum(0, 1, "failure", 20).members == ("a",)
-            with ThreadPoolExecutor(2) as pool:
-                joined = pool.submit(replacement.quorum, 0, None, "join", 20)
-                wait_until(lambda: clients["a"].reconfigure_requested, what="the joiner's reconfigure push")
-                assert clients["a"].quorum(0, 2, "reconfigure", 20).members == ("a", "b")
-                assert joined.result(timeout=30).member == "b"
         finally:
-            for client in (*clients.values(), replacement):
+            for client in clients.values():
                 client.close()
+
+
+def test_a_restarted_process_registers_once_its_old_one_is_dead_by_heartbeat() -> None:
+    with Lighthouse(PLAN, heartbeat_timeout=1.0, join_timeout=1.0) as server:
+        old = LighthouseClient(server.url, "b", heartbeat_interval=0.05)
+        replacement = LighthouseClient(server.url, "b", heartbeat_interval=0.05, register_timeout=60)
+        try:
+            old.start_heartbeat(lambda: 0)
+            wait_until(old.heartbeat_connected.is_set, what="the old process's heartbeat")
+            with ThreadPoolExecutor(1) as pool:
+                registering = pool.submit(replacement.identity_headers)
+                wait_until(lambda: server.status()["members"][0]["connected"], what="the old member alive")
+                assert not registering.done(), "the replacement waits while the old process heartbeats"
+                old.close()  # the old process dies: its socket closes
+                headers = registering.result(timeout=60)
+            assert headers["X-Stalwart-Incarnation"] == replacement.incarnation
+            assert [f["reason"] for f in server.status()["failures"]] == ["socket closed"]
+        finally:
+            old.close()
+            replacement.close()
 
 
 def test_the_client_registers_again_with_a_lighthouse_restarted_without_state() -> None:

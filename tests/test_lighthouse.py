@@ -117,12 +117,15 @@ def test_start_up_sigkill_failure_and_join(lighthouse: Lighthouse) -> None:
         for member, answer in answers.items():
             assert (answer.quorum_id, answer.members, answer.rank) == (1, order, order.index(member))
             start_up_heal = HealPlan(source_rank=0, targets=tuple(order[1:]))
-            assert (answer.store.port, answer.store.prefix, answer.heal) == (
-                lighthouse.store_port,
-                answers["a"].store.prefix,
+            assert (answer.store.url, answer.store.quorum_id, answer.store.key, answer.heal) == (
+                lighthouse.url,
+                1,
+                answers["a"].store.key,
                 start_up_heal,
             )
-            assert re.fullmatch(r"q1-[0-9a-f]{32}/", answer.store.prefix), "128 random bits in the prefix"
+            assert re.fullmatch(r"[A-Za-z0-9_-]{43}", answer.store.key), "256 random bits in the store's key"
+            assert answer.store.key not in repr(answer), "the key stays out of log lines"
+        first_key = answers["a"].store.key
 
         for member in steps:
             steps[member] = 2
@@ -157,7 +160,8 @@ def test_start_up_sigkill_failure_and_join(lighthouse: Lighthouse) -> None:
         for answer in answers.values():
             assert (answer.quorum_id, answer.members, answer.applied_step) == (3, (*survivors, "late"), 3)
             assert answer.heal is not None and (answer.heal.source_rank, answer.heal.targets) == (0, ("late",))
-        assert answers["late"].rank == 3 and answers["late"].store.prefix.startswith("q3-")
+        assert answers["late"].rank == 3 and answers["late"].store.quorum_id == 3
+        assert answers["late"].store.key != first_key, "each quorum's store has its own key"
         ledger = answers["late"].data_ledger()
         assert ledger.step == 3 and ledger.members == [*survivors, "late"]
 
@@ -168,7 +172,7 @@ def test_start_up_sigkill_failure_and_join(lighthouse: Lighthouse) -> None:
         assert status["counts"]["failures"] == 1 and status["counts"]["recoveries"] == 1
         assert [q["reason"] for q in status["quorums"]] == ["start-up", "failure", "boundary"]
         assert status["ledger"]["step"] == 3 and 0 < status["ledger"]["epoch_progress"] < 1
-        assert status["store"]["port"] == lighthouse.store_port
+        assert status["store"] == {"keys": 0}, "the store holds the current quorum's keys only"
     finally:
         worker.kill()
         worker.wait(10)
@@ -289,9 +293,9 @@ async def _bad_heartbeats(url: str, headers: dict[str, str]) -> list[str]:
 class CliLighthouse:
     """``python -m stalwart.cli.lighthouse`` in a subprocess, its output read by a thread."""
 
-    def __init__(self, state: Path, port: int, store_port: int, *extra: str) -> None:
+    def __init__(self, state: Path, port: int, *extra: str) -> None:
         command = [sys.executable, "-m", "stalwart.cli.lighthouse", "--min-replicas", "2", "--state", str(state)]
-        command += ["--port", str(port), "--store-port", str(store_port), "--heartbeat-timeout", "3"]
+        command += ["--port", str(port), "--heartbeat-timeout", "3"]
         command += ["--join-timeout", "2", *extra]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: queue.Queue[str] = queue.Queue()
@@ -330,24 +334,24 @@ class CliLighthouse:
 
 def test_cli_lighthouse_killed_and_restarted_resumes_the_ledger(tmp_path: Path) -> None:
     state = tmp_path / "lighthouse.db"
-    port, store_port = free_port(), free_port()
+    port = free_port()
     plan_flags = ("--dataset-size", "200", "--global-batch", "16", "--seed", "7")
-    lighthouse = CliLighthouse(state, port, store_port, *plan_flags)
+    lighthouse = CliLighthouse(state, port, *plan_flags)
     url = f"http://127.0.0.1:{port}"
-    assert lighthouse.banner == f"lighthouse listening on {url} store 127.0.0.1:{store_port}"
+    assert lighthouse.banner == f"lighthouse listening on {url}"
     steps = {"a": 0, "b": 0}
     clients = {m: LighthouseClient(url, m, heartbeat_interval=0.05) for m in steps}
     try:
         for member, client in clients.items():
             client.start_heartbeat(lambda member=member: report(member, steps[member]))
         answers = ask_all(clients, {m: (0, None, "join", 30) for m in steps})
-        assert answers["a"].quorum_id == 1 and answers["a"].store.port == store_port
+        assert answers["a"].quorum_id == 1 and answers["a"].store.url == url
         steps.update(a=3, b=3)
         wait_until(lambda: http(url + "/v1/status")[1]["ledger"]["step"] == 3, what="step 3")
 
         lighthouse.stop(signal.SIGKILL)
         wait_until(lambda: not any(c.heartbeat_connected.is_set() for c in clients.values()), what="lost sockets")
-        lighthouse = CliLighthouse(state, port, store_port)
+        lighthouse = CliLighthouse(state, port)
         wait_until(lambda: all(c.heartbeat_connected.is_set() for c in clients.values()), what="reconnects")
         status = http(url + "/v1/status")[1]
         assert status["quorum"] == {"quorum_id": 1, "members": list(answers["a"].members)}

@@ -221,7 +221,7 @@ def test_malformed_answers_are_refused() -> None:
         "members": ["a"],
         "rank": 3,
         "world_size": 1,
-        "store": {"host": "h", "port": 1, "prefix": "q1/"},
+        "store": {"url": "http://h:1", "quorum_id": 1, "key": "k"},
         "applied_step": 0,
         "heal": None,
         "ledger": {},

@@ -32,7 +32,7 @@ from stalwart.coord.server import Lighthouse, recommended_heartbeat_interval
 from stalwart.data.ledger import DataLedger
 from stalwart.data.plan import EpochPlan
 
-STORE = {"store": {"host": "127.0.0.1", "port": 1, "prefix": "p/"}}
+STORE = {"store": {"url": "http://127.0.0.1:1", "key": "k"}}
 
 
 def fleet(members: int, *, register: bool = False) -> tuple[LighthouseState, list[str], str]:
@@ -57,10 +57,10 @@ def fleet(members: int, *, register: bool = False) -> tuple[LighthouseState, lis
 
 def held(formation: Formation) -> QuorumAnswer:
     """The answer a member of ``formation`` holds (for decoding the next one's delta)."""
+    store = StoreAddress("http://h:1", formation.quorum_id, "k")
     return QuorumAnswer(
-        formation.quorum_id, formation.members, 0, len(formation.members), StoreAddress("h", 1, "p/"), 0, None,
-        formation.ledger,
-    )  # fmt: skip
+        formation.quorum_id, formation.members, 0, len(formation.members), store, 0, None, formation.ledger
+    )
 
 
 def fail(state: LighthouseState, names: list[str], dead: list[str], digest: str) -> Formation:
@@ -133,8 +133,8 @@ def test_heartbeats_requests_and_deaths_walk_no_member_list() -> None:
     state, names, digest = fleet(256)
     quorum = state.quorum
     assert quorum is not None
-    state._members.records = CountingDict(state._members.records)
-    state._roster.quorum = Quorum(quorum.quorum_id, CountingTuple(quorum.members))
+    state.membership.records = CountingDict(state.membership.records)
+    state.roster.quorum = Quorum(quorum.quorum_id, CountingTuple(quorum.members))
     CountingDict.walks = CountingTuple.walks = 0
     for name in names:
         state.heartbeat(name, 1, 0.2, digest)
@@ -338,10 +338,10 @@ def test_wire_2_over_http_deltas_a_stale_member_and_bad_input(tmp_path: Path, ca
 def test_a_delta_from_a_quorum_the_member_does_not_hold_is_stale() -> None:
     state, names, digest = fleet(16)
     formation = fail(state, names, names[:1], digest)
-    data = json.loads(formation.render(names[2], {"store": {"host": "h", "port": 1, "prefix": "p"}}, wire=2, known=1))
+    data = json.loads(formation.render(names[2], {"store": {"url": "http://h:1", "key": "k"}}, wire=2, known=1))
     with pytest.raises(StaleAnswer):
         QuorumAnswer.from_json(data, None)
-    whole = json.loads(formation.render(names[2], {"store": {"host": "h", "port": 1, "prefix": "p"}}, wire=2))
+    whole = json.loads(formation.render(names[2], {"store": {"url": "http://h:1", "key": "k"}}, wire=2))
     assert QuorumAnswer.from_json(whole).ledger == formation.ledger
     with pytest.raises(ValueError, match="malformed"):
         QuorumAnswer.from_json({**whole, "ledger": {**whole["ledger"], "base": {"version": 99}}})

@@ -507,7 +507,6 @@ def test_state_dict_round_trip_resumes_identically() -> None:
     ours, theirs = cluster.state.tick(cluster.now + 0.3), restored.tick(cluster.now + 0.3)
     assert ours is not None and theirs is not None
     ours_answer, theirs_answer = ours.answer("w0"), theirs.answer("w0")
-    assert ours_answer.pop("store")["prefix"] != theirs_answer.pop("store")["prefix"], "128 random bits per quorum"
     assert ours_answer == theirs_answer
     assert restored.state_dict()["ledger"] == cluster.state.state_dict()["ledger"]
 
@@ -630,7 +629,14 @@ def test_a_new_incarnation_marks_the_old_one_dead_and_only_the_current_secret_wo
     with pytest.raises(RequestError) as other:
         state.authenticate(cluster.members[0], INCARNATIONS[0], old_secret)
     assert other.value.status == 403 and other.value.details["code"] == "unregistered", "no speaking for others"
-    new_secret = state.register(member, INCARNATIONS[1], cluster.now + 1)
+    with pytest.raises(RequestError) as alive:
+        state.register(member, INCARNATIONS[1], cluster.now + 1)
+    assert alive.value.status == 409 and alive.value.details["code"] == "member_alive", "a live member is not evicted"
+    assert state.member_state(member) == "alive" and not state.quorum_broken
+    with pytest.raises(RequestError) as forged:
+        state.register(member, INCARNATIONS[1], cluster.now + 1, current=(INCARNATIONS[0], old_secret + "x"))
+    assert forged.value.status == 403 and state.member_state(member) == "alive"
+    new_secret = state.register(member, INCARNATIONS[1], cluster.now + 1, current=(INCARNATIONS[0], old_secret))
     assert state.member_state(member) == "dead" and state.quorum_broken
     assert state.failures[-1] == {"member": member, "time": cluster.now + 1, "reason": "restarted", "in_quorum": True}
     with pytest.raises(RequestError) as superseded:
@@ -652,7 +658,11 @@ def test_max_members_caps_registrations_naming_the_cap() -> None:
     with pytest.raises(RequestError) as refused:
         state.register("c", INCARNATIONS[2], 0.0)
     assert refused.value.status == 429 and "max_members=2" in refused.value.message
-    state.register("a", INCARNATIONS[3], 0.0)
+    with pytest.raises(RequestError) as alive:
+        state.register("a", INCARNATIONS[3], 0.0)
+    assert alive.value.details["code"] == "member_alive"
+    state.tick(10.0)  # "a" is dead by heartbeat now: a new process may take its name
+    state.register("a", INCARNATIONS[3], 10.0)
     with pytest.raises(RequestError, match="incarnation must be 32 lowercase hex"):
         state.register("d", "nope", 0.0)
 

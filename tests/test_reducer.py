@@ -25,8 +25,9 @@ import torch
 import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
+from support import prefix_store
 
-from stalwart.runtime.comm import CollectiveError, Communicator, quorum_store
+from stalwart.runtime.comm import CollectiveError, Communicator
 from stalwart.runtime.reducer import GradientReducer, plan_buckets
 
 HOST = "127.0.0.1"
@@ -111,7 +112,7 @@ def peer(rank: int, port: int, prefix: str, scenario: str, reports: Any) -> None
             list(model.parameters()), device=torch.device("cpu"), bucket_cap_mb=0.1, reduce_dtype=dtype
         )
         comm = Communicator(
-            quorum_store(HOST, port, prefix, GROUP_TIMEOUT),
+            prefix_store(HOST, port, prefix, GROUP_TIMEOUT),
             rank,
             WORLD,
             timeout=GROUP_TIMEOUT,
@@ -130,7 +131,7 @@ def peer(rank: int, port: int, prefix: str, scenario: str, reports: Any) -> None
         except CollectiveError as error:
             # The survivor: its gradients are intact; it reduces them again alone, in a new group.
             alone = Communicator(
-                quorum_store(HOST, port, prefix + "alone/", GROUP_TIMEOUT),
+                prefix_store(HOST, port, prefix + "alone/", GROUP_TIMEOUT),
                 0,
                 1,
                 timeout=GROUP_TIMEOUT,

@@ -264,19 +264,14 @@ def test_lighthouse_killed_and_restarted_mid_run(tmp_path: Path, long_reference:
         "--dataset-size", str(PLAN.dataset_size), "--global-batch", str(GLOBAL_BATCH), "--seed", "0",
     ]  # fmt: skip
 
-    def start_lighthouse(port: int = 0, store_port: int = 0) -> tuple[subprocess.Popen[str], str, int]:
-        process = subprocess.Popen(
-            [*command, "--port", str(port), "--store-port", str(store_port)],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+    def start_lighthouse(port: int = 0) -> tuple[subprocess.Popen[str], str]:
+        process = subprocess.Popen([*command, "--port", str(port)], stdout=subprocess.PIPE, text=True)
         assert process.stdout is not None
         line = process.stdout.readline()
         assert line.startswith("lighthouse listening on "), line
-        url, _, store = line.removeprefix("lighthouse listening on ").strip().partition(" store ")
-        return process, url, int(store.rpartition(":")[2])
+        return process, line.removeprefix("lighthouse listening on ").strip()
 
-    server, url, store_port = start_lighthouse()
+    server, url = start_lighthouse()
     port = int(url.rpartition(":")[2])
     cluster = LocalCluster(url, tmp_path / "run", worker_args(LONG_STEPS))
     cluster.hold(from_step=8)  # the job cannot end before the lighthouse is back
@@ -286,7 +281,7 @@ def test_lighthouse_killed_and_restarted_mid_run(tmp_path: Path, long_reference:
         wait_for(cluster, until_step=3)
         server.send_signal(signal.SIGKILL)
         server.wait(timeout=10)
-        server, _, _ = start_lighthouse(port, store_port)
+        server, _ = start_lighthouse(port)
         lighthouse_restarted_before_the_end = latest_step(cluster.run_dir)[0] < LONG_STEPS
         cluster.release()
         wait_for(cluster)

@@ -108,11 +108,11 @@ def test_a_killed_group_is_restarted_in_its_role_rejoins_and_is_healed(
     run_dir = tmp_path / "run"
     hold = tmp_path / "hold"
     hold.write_text(str(HOLD_AT))
-    port, store_port = free_port(), free_port()
+    port = free_port()
     app = job(
         *WORKER_ARGS, "--hold-file", str(hold),
         groups=2, nproc_per_group=2, max_steps=STEPS, dataset_size=PLAN.dataset_size,
-        global_batch=PLAN.global_batch_size, join_timeout=TIMEOUT, host="127.0.0.1", port=port, store_port=store_port,
+        global_batch=PLAN.global_batch_size, join_timeout=TIMEOUT, host="127.0.0.1", port=port,
         state=str(tmp_path / "lighthouse.sqlite"), run_dir=str(run_dir), python=sys.executable,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -222,7 +222,7 @@ def test_the_kubernetes_rendering_has_the_roles_retries_service_and_secret(token
     assert command[command.index("--start-replicas") + 1] == "3"
     assert command[command.index("--join-timeout") + 1] == "30.0"
     ports = {port.name: port.container_port for port in lighthouse.containers[0].ports}
-    assert ports == {"http": 29510, "store": 29511}
+    assert ports == {"http": 29510}, "the quorum store is served on the HTTP port"
     claims = [
         volume.persistent_volume_claim.claim_name for volume in lighthouse.volumes if volume.persistent_volume_claim
     ]
@@ -265,7 +265,6 @@ def test_an_external_lighthouse_leaves_only_the_groups(token: str) -> None:
     [
         ({"groups": 0}, "groups must be in [1, inf], got 0"),
         ({"groups": 2, "min_replicas": 3}, "min_replicas must be in [1, 2], got 3"),
-        ({"port": 29510, "store_port": 29510}, "store_port must differ from port, both are 29510"),
         ({"lighthouse_url": "stalwart-lighthouse:29510"}, "lighthouse_url must be an http:// or https:// URL"),
         ({"run_dir": " "}, "run_dir must not be empty"),
         ({"join_timeout": 0}, "join_timeout must be a number of seconds in (0, inf), got 0"),
@@ -287,9 +286,9 @@ def test_a_wrong_type_is_refused_by_name(token: str, options: dict[str, Any], me
 
 
 def test_the_app_stops_when_cancelled(tmp_path: Path, token: str, runner: Runner) -> None:
-    port, store_port = free_port(), free_port()
+    port = free_port()
     app = job(
-        groups=1, max_steps=1, host="127.0.0.1", port=port, store_port=store_port,
+        groups=1, max_steps=1, host="127.0.0.1", port=port,
         state=str(tmp_path / "lighthouse.sqlite"), run_dir=str(tmp_path / "run"), python=sys.executable,
     )  # fmt: skip
     app.roles = app.roles[:1]  # the lighthouse alone

@@ -59,7 +59,6 @@ def job(
     join_timeout: float = 30.0,
     host: str = "",
     port: int = 29510,
-    store_port: int = 29511,
     lighthouse_url: str = "",
     state: str = "lighthouse.sqlite",
     state_claim: str = "",
@@ -86,8 +85,7 @@ def job(
         start_replicas: groups the first quorum waits for (0: all of them)
         join_timeout: seconds a quorum waits for groups that have not asked (the first one: for start_replicas)
         host: the address every role binds and is reached on (127.0.0.1 on one machine); empty: the pods' own
-        port: the lighthouse's HTTP port
-        store_port: the lighthouse's TCPStore port (quorum rendezvous)
+        port: the lighthouse's HTTP port (the quorum store is served there too)
         lighthouse_url: join this lighthouse instead of running one (e.g. http://stalwart-lighthouse:29510)
         state: the lighthouse's SQLite state file (under the mount of state_claim when given)
         state_claim: a PersistentVolumeClaim to mount for the state (Kubernetes)
@@ -109,7 +107,6 @@ def job(
     check_int("min_replicas", min_replicas, minimum=1, maximum=groups)
     check_int("start_replicas", start_replicas, minimum=0, maximum=groups)
     check_int("port", port, minimum=1, maximum=65535)
-    check_int("store_port", store_port, minimum=1, maximum=65535)
     check_int("max_retries", max_retries, minimum=0)
     check_int("max_restarts", max_restarts, minimum=0)
     check_int("cpu", cpu, minimum=1)
@@ -121,8 +118,6 @@ def job(
     for name, value in {**texts, **{f"worker_args[{i}]": arg for i, arg in enumerate(worker_args)}}.items():
         if not isinstance(value, str):
             raise TypeError(f"{name} must be a str, got {value!r} ({type(value).__name__})")
-    if port == store_port:
-        raise ValueError(f"store_port must differ from port, both are {port}")
     if lighthouse_url and not lighthouse_url.startswith(("http://", "https://")):
         raise ValueError(f"lighthouse_url must be an http:// or https:// URL, got {lighthouse_url!r}")
     for name, value in {"state": state, "run_dir": run_dir, "module": module, "python": python}.items():
@@ -146,7 +141,6 @@ def job(
                 python=python,
                 host=host,
                 port=port,
-                store_port=store_port,
                 state=state,
                 state_claim=state_claim,
                 plan=["--dataset-size", str(dataset_size), "--global-batch", str(global_batch)],
@@ -195,7 +189,6 @@ def _lighthouse_role(
     python: str,
     host: str,
     port: int,
-    store_port: int,
     state: str,
     state_claim: str,
     plan: list[str],
@@ -210,14 +203,14 @@ def _lighthouse_role(
     if state_claim:
         mounts.append(specs.VolumeMount(src=state_claim, dst_path=STATE_MOUNT))
         state_path = str(PurePosixPath(STATE_MOUNT) / state)
-    options = ["--host", host or "0.0.0.0", "--port", str(port), "--store-port", str(store_port)]
+    options = ["--host", host or "0.0.0.0", "--port", str(port)]
     return specs.Role(
         name=LIGHTHOUSE_ROLE,
         image=image,
         entrypoint=python,
         args=["-m", "stalwart.cli.lighthouse", *options, "--state", state_path, *replicas, *plan],
         env=dict(env),
-        port_map={"http": port, "store": store_port},
+        port_map={"http": port},
         resource=resource,
         mounts=mounts,
         max_retries=max_retries,

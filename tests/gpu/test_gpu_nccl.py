@@ -46,7 +46,8 @@ from stalwart.data.plan import EpochPlan
 from stalwart.launch.cluster import LocalCluster
 from stalwart.launch.report import audit_steps, committed_steps, planned_total
 from stalwart.launch.tasks import reference_run
-from stalwart.runtime.comm import NCCL_ENVIRONMENT, CollectiveError, Communicator, nccl_environment, quorum_store
+from stalwart.runtime.comm import NCCL_ENVIRONMENT, CollectiveError, Communicator, nccl_environment
+from tests.support import prefix_store
 from tests.test_hsdp import PLAN as HSDP_PLAN
 from tests.test_hsdp import kill_restart_and_heal
 
@@ -74,7 +75,7 @@ def peer(rank: int, world: int, port: int, prefix: str, scenario: str, reports: 
     device = torch.device("cuda", rank)
 
     def group(prefix: str, world: int, timeout: float = 10.0, rendezvous_timeout: float | None = None) -> Communicator:
-        store = quorum_store(HOST, port, prefix, RENDEZVOUS)
+        store = prefix_store(HOST, port, prefix, RENDEZVOUS)
         in_group = rank if world > 1 else 0
         return Communicator(
             store, in_group, world, timeout=timeout, rendezvous_timeout=rendezvous_timeout, device=device

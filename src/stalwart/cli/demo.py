@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from stalwart.coord.protocol import TOKEN_ENVIRONMENT
 from stalwart.coord.server import Lighthouse
 from stalwart.data.plan import EpochPlan
 from stalwart.launch.cluster import (
@@ -169,8 +170,6 @@ def demo_command(
     worker_args = ["--max-steps", str(steps), "--max-microbatch", str(max_microbatch), "--seed", str(seed)]
     worker_args += ["--step-seconds", str(step_seconds), "--collective-timeout", str(heartbeat_timeout)]
     worker_args += ["--optimizer", optimizer, "--model", model, *redundancy_args]
-    if token:
-        worker_args += ["--token", token]
     previous_handlers = _raise_on_termination()
     cluster: LocalCluster | None = None
     try:
@@ -185,7 +184,9 @@ def demo_command(
             )
             lighthouse.start()
             lighthouse_url = lighthouse.url
-        cluster = LocalCluster(lighthouse_url, run_dir, worker_args)
+        # the token goes to the workers in their environment: a command line is visible to every user (ps)
+        token_env = {} if not token else {TOKEN_ENVIRONMENT: token}
+        cluster = LocalCluster(lighthouse_url, run_dir, worker_args, worker_env=lambda _: token_env)
         console.print(f"lighthouse {lighthouse_url}, {workers} workers, run directory {run_dir}")
         rng = random.Random(seed)
         driver = ChaosDriver(

@@ -13,8 +13,8 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from stalwart.coord.persist import read_ledger, read_plan
-from stalwart.coord.server import Lighthouse
+from stalwart.coord.persist import StateLockedError, read_ledger, read_plan
+from stalwart.coord.server import InsecureLighthouseError, Lighthouse
 from stalwart.data.plan import EpochPlan
 
 _PLAN_OPTIONS = {
@@ -66,10 +66,15 @@ def _non_empty(context: click.Context, parameter: click.Parameter, value: str | 
     default="127.0.0.1",
     show_default=True,
     callback=_non_empty,
-    help="Address to bind (HTTP and TCPStore).",
+    help="Address to bind. Any other than loopback needs a token, or --insecure.",
 )
-@click.option("--port", type=click.IntRange(0, 65535), default=0, show_default=True, help="HTTP port (0: a free one).")
-@click.option("--store-port", type=click.IntRange(0, 65535), default=0, show_default=True, help="TCPStore port.")
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=0,
+    show_default=True,
+    help="HTTP(S) port (0: a free one); the quorum's store is served there too.",
+)
 @click.option(
     "--state",
     "state_path",
@@ -81,8 +86,27 @@ def _non_empty(context: click.Context, parameter: click.Parameter, value: str | 
     "--token",
     envvar="STALWART_LIGHTHOUSE_TOKEN",
     callback=_non_empty,
-    help="Bearer token every request must carry, else taken from the STALWART_LIGHTHOUSE_TOKEN environment variable; "
-    f"with neither, requests are not checked. Generate one with: {_TOKEN_HINT}",
+    help="Bearer token every request must carry. Prefer the STALWART_LIGHTHOUSE_TOKEN environment variable or "
+    "--token-file: a command line is visible to every user of the machine (ps). Without a token, requests are not "
+    f"checked (loopback only, unless --insecure). Generate one with: {_TOKEN_HINT}",
+)
+@click.option(
+    "--token-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="A file holding the bearer token (its first line), instead of --token.",
+)
+@click.option(
+    "--insecure",
+    is_flag=True,
+    help="Serve a --host other than loopback without a token: anyone who reaches the port drives the job.",
+)
+@click.option(
+    "--tls-cert", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="PEM certificate (chain)."
+)
+@click.option(
+    "--tls-key",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="PEM private key of --tls-cert: the lighthouse serves HTTPS (workers verify it with STALWART_LIGHTHOUSE_CA).",
 )
 @click.option(
     "--heartbeat-timeout",
@@ -145,9 +169,12 @@ def lighthouse_command(
     start_replicas: int | None,
     host: str,
     port: int,
-    store_port: int,
     state_path: Path | None,
     token: str | None,
+    token_file: Path | None,
+    insecure: bool,
+    tls_cert: Path | None,
+    tls_key: Path | None,
     heartbeat_timeout: float,
     join_timeout: float,
     balance_every: int,
@@ -171,8 +198,11 @@ def lighthouse_command(
         raise click.BadParameter(
             f"must be at least --min-replicas ({min_replicas}), got {start_replicas}", param_hint="'--start-replicas'"
         )
-    if port and port == store_port:
-        raise click.BadParameter(f"must differ from --port, both are {port}", param_hint="'--store-port'")
+    context = click.get_current_context()
+    token = _token(context, token, token_file)
+    if (tls_cert is None) != (tls_key is None):
+        missing = "--tls-key" if tls_key is None else "--tls-cert"
+        raise click.UsageError(f"--tls-cert and --tls-key go together: {missing} is missing")
     plan = _plan(click.get_current_context(), state_path, plan_options)
     balance = _balance(click.get_current_context(), state_path, balance_every)
     try:
@@ -186,9 +216,13 @@ def lighthouse_command(
             token=token,
             heartbeat_timeout=heartbeat_timeout,
             join_timeout=join_timeout,
-            store_port=store_port,
             balance_every=balance,
+            insecure=insecure,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
         )
+    except (InsecureLighthouseError, StateLockedError) as error:
+        raise click.ClickException(str(error)) from error
     except _MALFORMED_STATE as error:
         # The arguments are checked above: what is left to fail is reading the persisted state.
         if state_path is None:
@@ -197,13 +231,34 @@ def lighthouse_command(
     try:
         lighthouse.start()
     except OSError as error:
-        raise _listen_error(error, host, {"--port": port, "--store-port": store_port}) from error
+        raise _listen_error(error, host, {"--port": port}) from error
     except RuntimeError as error:
         raise click.ClickException(str(error)) from error
-    click.echo(f"lighthouse listening on {lighthouse.url} store {host}:{lighthouse.store_port}")
+    click.echo(f"lighthouse listening on {lighthouse.url}")
     if plan is None:
         click.echo("no plan given: the first worker's plan (dataset size, global batch, ...) is adopted")
     lighthouse.serve_forever()
+
+
+def _token(context: click.Context, token: str | None, token_file: Path | None) -> str | None:
+    """The token from --token (or its environment variable) or --token-file; a warning when it is on the command
+    line, where every user of the machine can read it."""
+    if token_file is not None:
+        if token is not None:
+            raise click.UsageError("--token-file and --token (or STALWART_LIGHTHOUSE_TOKEN) are exclusive: give one")
+        lines = token_file.read_text(encoding="utf-8").splitlines()
+        token = lines[0].strip() if lines else ""
+        if not token:
+            raise click.BadParameter(
+                f"{token_file} holds no token; generate one with {_TOKEN_HINT}", param_hint="'--token-file'"
+            )
+    elif token is not None and context.get_parameter_source("token") == ParameterSource.COMMANDLINE:
+        click.echo(
+            "warning: --token on the command line is visible to every user of this machine (ps); use the "
+            "STALWART_LIGHTHOUSE_TOKEN environment variable or --token-file",
+            err=True,
+        )
+    return token
 
 
 def _plan(context: click.Context, state_path: Path | None, options: dict[str, Any]) -> EpochPlan | None:
@@ -252,6 +307,8 @@ def _balance(context: click.Context, state_path: Path | None, balance_every: int
         return balance_every
     try:
         ledger = read_ledger(state_path)
+    except StateLockedError as error:
+        raise click.ClickException(str(error)) from error
     except _MALFORMED_STATE as error:
         raise _unusable_state(state_path, error) from error
     if ledger is None:
@@ -269,6 +326,8 @@ def _persisted_plan(path: Path) -> EpochPlan | None:
     """The plan persisted in ``path`` (None when it holds no state); a file that is no lighthouse state is refused."""
     try:
         return read_plan(path)
+    except StateLockedError as error:
+        raise click.ClickException(str(error)) from error
     except _MALFORMED_STATE as error:
         raise _unusable_state(path, error) from error
 

@@ -1,8 +1,10 @@
 """The lighthouse: membership, heartbeats, quorums and the ledger of record, persisted so a restart loses nothing.
 
-``quorum`` is the pure state machine, ``persist`` its SQLite file, ``server``
-the aiohttp server (:class:`Lighthouse`) and ``client`` what each worker runs
-(:class:`LighthouseClient`). The wire protocol is ``docs/protocol.md``.
+``quorum`` is the pure state machine (its parts in modules of their own),
+``persist`` its SQLite file, ``server`` the aiohttp server (:class:`Lighthouse`),
+``store`` the quorum store it serves, and ``client`` what each worker runs
+(:class:`LighthouseClient`). ``protocol`` types the wire, which
+``docs/protocol.md`` describes.
 """
 
 from stalwart.coord.client import (

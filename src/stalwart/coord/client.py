@@ -16,6 +16,13 @@ worker folds into its next all-reduce. The worker's main thread calls the
 synchronous methods (``quorum``, ``status``, ``leave``), which run on the
 client's loop.
 
+A registration of a member whose old process is still alive (409
+``member_alive``) or that comes too fast (429 ``rate_limited``) is asked again
+for up to ``register_timeout``. An ``https://`` lighthouse is verified with
+``ca_file`` (else ``STALWART_LIGHTHOUSE_CA``, else the system's trust store);
+a token sent in cleartext to another machine is warned about. Every message
+is built and read with :mod:`stalwart.coord.protocol`.
+
 A client given the job's ``plan`` sends it with its registration: a
 lighthouse started without one adopts it, one with a plan refuses a different
 one (:class:`LighthouseError`, status 409, ``body["code"] == "plan_mismatch"``
@@ -34,24 +41,54 @@ import concurrent.futures
 import json
 import logging
 import math
+import os
 import threading
 import time
 import uuid
 from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp
 
 from stalwart._validate import check_int
-from stalwart.coord.formation import MemberDelta, step_ledger
-from stalwart.coord.heal_report import HEAL_FIELD, HealTotals
-from stalwart.coord.hosted_ledger import ledger_digest
-from stalwart.coord.rounds import ROUNDS_FIELD
-from stalwart.coord.wire import QuorumRequest, RequestError, check_seconds, parse_member
-from stalwart.data.ledger import DataLedger
+from stalwart.coord.heal_report import HealTotals
+from stalwart.coord.protocol import (
+    CHECKPOINT_PATH,
+    HEARTBEAT_PATH,
+    LEAVE_PATH,
+    QUORUM_PATH,
+    REGISTER_PATH,
+    SECRET_HEADER,
+    CheckpointAnnouncement,
+    HealPlan,
+    QuorumAnswer,
+    QuorumRequest,
+    StaleAnswer,
+    StoreAddress,
+    bearer_headers,
+    checkpoint_body,
+    heartbeat_message,
+    identity_headers,
+    leave_body,
+    register_body,
+)
+from stalwart.coord.tls import client_context, warn_cleartext
+from stalwart.coord.wire import RequestError, check_seconds, parse_member
 from stalwart.data.plan import EpochPlan
 from stalwart.errors import StalwartError
+
+__all__ = [
+    "CONNECT_TIMEOUT_SETTING",
+    "QUORUM_TIMEOUT_SETTING",
+    "CheckpointAnnouncement",
+    "HealPlan",
+    "LighthouseClient",
+    "LighthouseError",
+    "LighthouseUnreachable",
+    "QuorumAnswer",
+    "StaleAnswer",
+    "StoreAddress",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +104,9 @@ QUORUM_TIMEOUT_SETTING = "the Manager's quorum_timeout, or the STALWART_QUORUM_T
 CONNECT_TIMEOUT_SETTING = "the Manager's connect_timeout, or the STALWART_CONNECT_TIMEOUT environment variable"
 KEEPALIVE_S = 60.0
 """How long an idle connection to the lighthouse is kept for the next request (aiohttp's server keeps it 75 s)."""
-INCARNATION_HEADER = "X-Stalwart-Incarnation"
-SECRET_HEADER = "X-Stalwart-Secret"
+_REGISTER_RETRIED = frozenset({"member_alive", "rate_limited"})
+"""Registration refusals asked again until ``register_timeout``: the member's old process is alive (it will be dead
+by heartbeat soon, or it really is alive), or registrations come too fast."""
 
 T = TypeVar("T")
 Report = int | tuple[int, str | None] | tuple[int, str | None, dict[str, Any] | None]
@@ -89,145 +127,6 @@ class LighthouseUnreachable(StalwartError, ConnectionError):
     """Nothing answered at the lighthouse's address within the time allowed (the message names both)."""
 
 
-class StaleAnswer(StalwartError, ValueError):
-    """A wire-2 answer's delta does not apply to the answer the member holds: ask again for the whole answer."""
-
-
-@dataclass(frozen=True)
-class StoreAddress:
-    """Where the quorum's process group rendezvouses: a TCPStore and the quorum's key prefix."""
-
-    host: str
-    port: int
-    prefix: str
-
-
-@dataclass(frozen=True)
-class CheckpointAnnouncement:
-    """A durable checkpoint the quorum resumes from: its step, where it lies and its ledger's digest."""
-
-    step: int
-    path: str
-    digest: str
-
-
-@dataclass(frozen=True)
-class HealPlan:
-    """Who is behind and where their state comes from.
-
-    ``source_rank``: the member that broadcasts it; ``checkpoint``: load it
-    from that checkpoint instead (no live member held the job's state); both
-    None: the state is lost.
-    """
-
-    source_rank: int | None
-    targets: tuple[str, ...]
-    checkpoint: CheckpointAnnouncement | None = None
-
-
-@dataclass(frozen=True)
-class QuorumAnswer:
-    """The lighthouse's answer to ``POST /v1/quorum`` (see ``docs/protocol.md``)."""
-
-    quorum_id: int
-    members: tuple[str, ...]
-    rank: int
-    world_size: int
-    store: StoreAddress
-    applied_step: int
-    heal: HealPlan | None
-    ledger: dict[str, Any]
-
-    @classmethod
-    def from_json(cls, data: Any, previous: QuorumAnswer | None = None) -> QuorumAnswer:
-        """Build from the decoded JSON answer, of either wire (``docs/protocol.md``); ``ValueError`` when it is not
-        well formed.
-
-        A wire-2 answer carries the ledger as the committed ledger plus the
-        step's events, rebuilt here and checked against its digest; its members
-        may come as a delta from ``previous`` (the answer the member holds):
-        :class:`StaleAnswer` when that delta or digest does not fit it.
-        """
-        try:
-            store = data["store"]
-            heal = data["heal"]
-            members = cls._members(data, previous)
-            answer = cls(
-                quorum_id=int(data["quorum_id"]),
-                members=members,
-                rank=int(data["rank"]),
-                world_size=int(data["world_size"]),
-                store=StoreAddress(str(store["host"]), int(store["port"]), str(store["prefix"])),
-                applied_step=int(data["applied_step"]),
-                heal=None
-                if heal is None
-                else HealPlan(
-                    None if heal["source_rank"] is None else int(heal["source_rank"]),
-                    tuple(str(member) for member in heal["targets"]),
-                    None
-                    if heal.get("checkpoint") is None
-                    else CheckpointAnnouncement(
-                        int(heal["checkpoint"]["step"]),
-                        str(heal["checkpoint"]["path"]),
-                        str(heal["checkpoint"]["digest"]),
-                    ),
-                ),
-                ledger=cls._ledger(data, members, previous),
-            )
-        except StaleAnswer:
-            raise
-        except (KeyError, TypeError, ValueError) as error:
-            raise ValueError(f"malformed quorum answer {data!r:.2000}: {error}") from error
-        if answer.world_size != len(answer.members) or not 0 <= answer.rank < answer.world_size:
-            raise ValueError(f"malformed quorum answer: rank {answer.rank} of members {list(answer.members)}")
-        return answer
-
-    @staticmethod
-    def _members(data: Any, previous: QuorumAnswer | None) -> tuple[str, ...]:
-        if "delta" not in data:
-            return tuple(str(member) for member in data["members"])
-        delta = data["delta"]
-        if previous is None or previous.quorum_id != int(delta["from"]):
-            held = None if previous is None else previous.quorum_id
-            raise StaleAnswer(f"the answer is a delta from quorum {delta['from']}, but this member holds {held}")
-        change = MemberDelta(int(delta["from"]), tuple(delta["removed"]), tuple(delta["added"]), False)
-        return change.apply(previous.members)
-
-    @staticmethod
-    def _ledger(data: Any, members: tuple[str, ...], previous: QuorumAnswer | None) -> dict[str, Any]:
-        """The ledger in the answer's step: as sent (wire 1), or rebuilt and checked against its digest (wire 2)."""
-        ledger = data["ledger"]
-        if "base" not in ledger:
-            return dict(ledger)
-        begun_by = ledger["begun_by"]
-        if begun_by == "members":
-            begun_by = members
-        elif begun_by == "from":
-            if previous is None:
-                raise StaleAnswer("the answer's step began with the members of a quorum this member does not hold")
-            begun_by = previous.members
-        state = step_ledger(ledger["base"], begun_by, ledger["failed"]).state_dict()
-        if ledger_digest(state) != ledger["digest"]:
-            error = StaleAnswer if "delta" in data else ValueError
-            raise error(f"the ledger rebuilt from the answer does not match its digest {ledger['digest']}")
-        return state
-
-    @property
-    def member(self) -> str:
-        """The member this answer was for."""
-        return self.members[self.rank]
-
-    def data_ledger(self) -> DataLedger:
-        """The ledger in step ``applied_step``, as the lighthouse holds it."""
-        return DataLedger.from_state_dict(self.ledger)
-
-
-def _checkpoint_announcement(data: Any) -> CheckpointAnnouncement | None:
-    if data is None:
-        return None
-    return CheckpointAnnouncement(int(data["step"]), str(data["path"]), str(data["digest"]))
-
-
 class LighthouseClient:
     """One worker's connection to the lighthouse at ``url``, as member ``member``."""
 
@@ -240,6 +139,8 @@ class LighthouseClient:
         heartbeat_interval: float = 0.1,
         request_timeout: float = 10.0,
         plan: EpochPlan | None = None,
+        ca_file: str | os.PathLike[str] | None = None,
+        register_timeout: float = 60.0,
     ) -> None:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"url must start with http:// or https://, got {url!r}")
@@ -256,11 +157,18 @@ class LighthouseClient:
         self.url = url.rstrip("/")
         self.heartbeat_interval = check_seconds("heartbeat_interval", heartbeat_interval)
         self.request_timeout = check_seconds("request_timeout", request_timeout)
+        self.register_timeout = check_seconds("register_timeout", register_timeout)
+        """How long a registration is asked again while the member's old process lives or registrations are
+        rate limited."""
+        self.token = token
+        self.ssl_context = client_context(self.url, ca_file)
+        """What verifies the lighthouse's certificate (None over plain HTTP); the quorum's store uses it too."""
+        warn_cleartext(self.url, token)
         self._reconfigure = threading.Event()
         self._broken = threading.Event()
         self.heartbeat_connected = threading.Event()
         """Set while the heartbeat websocket is open."""
-        self._headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+        self._headers = bearer_headers(token)
         self.incarnation = uuid.uuid4().hex
         """This process's incarnation of the member (registered with the lighthouse on first use)."""
         self._secret: str | None = None
@@ -356,7 +264,7 @@ class LighthouseClient:
         body = {"member": self.member, "applied_step": applied_step, "quorum_id": quorum_id, "reason": reason}
         body.update(self._reported_at(applied_step))
         try:
-            QuorumRequest.from_json(body)
+            body = QuorumRequest.from_json(body).to_body()
         except RequestError as error:
             raise ValueError(error.message) from None
         timeout = check_seconds("timeout", timeout)
@@ -384,12 +292,10 @@ class LighthouseClient:
         The heartbeat sends nothing after this is called (the lighthouse closes
         its socket, and refuses this incarnation from then on: 410 ``left``).
         """
-        body: dict[str, Any] = {"member": self.member}
-        if applied_step is not None:
-            body["applied_step"] = applied_step
-            body.update(self._reported_at(applied_step))
+        reported = {} if applied_step is None else self._reported_at(applied_step)
+        body = leave_body(self.member, applied_step, reported.get("digest"), reported.get("weights"))
         self._leaving = True
-        self._run(self._authenticated_request("POST", "/v1/leave", body))
+        self._run(self._authenticated_request("POST", LEAVE_PATH, body))
 
     def report_checkpoint(self, step: int, path: str, ledger: dict[str, Any], digest: str) -> dict[str, Any]:
         """Tell the lighthouse that a durable checkpoint of ``step`` (its ledger and digest) lies at ``path``.
@@ -397,20 +303,15 @@ class LighthouseClient:
         Raises :class:`LighthouseError` when it is refused (409: the step is
         not committed yet, report it again later).
         """
-        body = {"member": self.member, "step": step, "path": path, "ledger": ledger, "digest": digest}
-        return self._run(self._authenticated_request("POST", "/v1/checkpoint", body))
+        body = checkpoint_body(self.member, step, path, ledger, digest)
+        return self._run(self._authenticated_request("POST", CHECKPOINT_PATH, body))
 
     def _report(self) -> dict[str, Any]:
         """The heartbeat callable's report as a message: ``applied_step``, and ``digest`` and ``weights`` if set."""
         assert self._get_applied_step is not None
         report = self._get_applied_step()
         step, digest, weights = (*report, None, None)[:3] if isinstance(report, tuple) else (report, None, None)
-        message: dict[str, Any] = {"applied_step": int(step)}
-        if digest is not None:
-            message["digest"] = digest
-        if weights is not None:
-            message["weights"] = weights
-        return message
+        return heartbeat_message(step, digest, weights)
 
     def _reported_at(self, applied_step: int) -> dict[str, Any]:
         """The reported ``digest`` and ``weights`` when the heartbeat reports ``applied_step`` too, else nothing."""
@@ -464,7 +365,7 @@ class LighthouseClient:
     async def _open_session(self) -> aiohttp.ClientSession:
         self._register_lock = asyncio.Lock()
         # a quorum request after a failure reuses the connection of the last one (the lighthouse keeps it 75 s)
-        connector = aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S)
+        connector = aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S, ssl=self.ssl_context or True)
         return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=self.request_timeout))
 
     async def _shutdown(self) -> None:
@@ -519,18 +420,35 @@ class LighthouseClient:
             if self._refused is not None:
                 raise self._refused
             if self._secret is None:
-                body: dict[str, Any] = {"member": self.member, "incarnation": self.incarnation}
-                if self.plan is not None:
-                    body["plan"] = self.plan.to_dict()
-                try:
-                    registered = await self._request("POST", "/v1/register", body)
-                    self._secret = str(registered["secret"])
-                    self._adopt_interval(registered)
-                except LighthouseError as error:
-                    if error.body.get("code") in _STICKY_CODES:
-                        self._refused = error
+                await self._register()
+        assert self._secret is not None
+        return {**self._headers, **identity_headers(self.incarnation, self._secret)}
+
+    async def _register(self) -> None:
+        """Register this incarnation; asked again while the member's old process lives (409 ``member_alive``, it
+        may be dead by heartbeat soon) or registrations are rate limited, up to ``register_timeout``."""
+        body = register_body(self.member, self.incarnation, self.plan)
+        deadline = time.monotonic() + self.register_timeout
+        warned = False
+        while True:
+            try:
+                registered = await self._request("POST", REGISTER_PATH, body)
+            except LighthouseError as error:
+                code = error.body.get("code")
+                if code in _STICKY_CODES:
+                    self._refused = error
+                retry_after = error.body.get("retry_after")
+                if code not in _REGISTER_RETRIED or time.monotonic() >= deadline:
                     raise
-        return {**self._headers, INCARNATION_HEADER: self.incarnation, SECRET_HEADER: self._secret}
+                if not warned:
+                    logger.warning("%s: %s; registering again", self.member, error.body.get("error"))
+                    warned = True
+                pause = retry_after if isinstance(retry_after, int | float) and not isinstance(retry_after, bool) else 0
+                await asyncio.sleep(min(max(MIN_BACKOFF, float(pause)), MAX_BACKOFF * 4))
+                continue
+            self._secret = str(registered["secret"])
+            self._adopt_interval(registered)
+            return
 
     def _adopt_interval(self, answer: Mapping[str, Any]) -> None:
         """Heartbeat no faster than the lighthouse asks (``heartbeat_interval`` in its answers, when it says)."""
@@ -583,7 +501,7 @@ class LighthouseClient:
             try:
                 headers = await self._identity_headers()
                 async with self._session.post(
-                    self.url + "/v1/quorum",
+                    self.url + QUORUM_PATH,
                     json=body,
                     headers=headers,
                     timeout=aiohttp.ClientTimeout(total=remaining),
@@ -593,7 +511,7 @@ class LighthouseClient:
                     if response.status == 200:
                         self._adopt_interval(data)
                         try:
-                            return QuorumAnswer.from_json(data, previous)
+                            return QuorumAnswer.from_json(data, previous, url=self.url)
                         except StaleAnswer as error:
                             logger.warning("%s: %s; asking for the whole answer", self.member, error)
                             body["known"] = previous = None
@@ -621,7 +539,7 @@ class LighthouseClient:
             try:
                 headers = await self._identity_headers()
                 async with self._session.ws_connect(
-                    self.url + "/v1/heartbeat",
+                    self.url + HEARTBEAT_PATH,
                     params={"member": self.member},
                     headers=headers,
                     heartbeat=None,
@@ -663,10 +581,15 @@ class LighthouseClient:
                     return
                 message = self._report()
                 heal = self._heal_totals
-                if heal.heals:
-                    message[HEAL_FIELD] = heal.to_json()
-                if self._rounds is not None:
-                    message[ROUNDS_FIELD] = self._rounds()
+                rounds = None if self._rounds is None else self._rounds()
+                if heal.heals or rounds is not None:
+                    message = heartbeat_message(
+                        message["applied_step"],
+                        message.get("digest"),
+                        message.get("weights"),
+                        heal.to_json() if heal.heals else None,
+                        rounds,
+                    )
                 await socket.send_json(message)
                 await asyncio.wait({receiver}, timeout=self.effective_heartbeat_interval)
         finally:

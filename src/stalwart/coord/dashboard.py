@@ -9,8 +9,10 @@ least every ``interval`` seconds (default 1) so heartbeat ages stay current.
 
 A browser cannot set the ``Authorization`` header on a navigation or an
 ``EventSource``, so these two routes also take the token as ``?token=TOKEN``
-or as the ``stalwart_token`` cookie, which ``GET /?token=TOKEN`` sets
-(HttpOnly, SameSite=Strict); the page then drops the token from its address.
+or as the ``stalwart_token_PORT`` cookie, which ``GET /?token=TOKEN`` sets
+(HttpOnly, SameSite=Strict, ``Secure`` under TLS; named after the
+lighthouse's port, since browsers send a host's cookies to all its ports);
+the page then drops the token from its address.
 ``/metrics`` takes the header only (Prometheus's ``authorization`` setting).
 """
 
@@ -32,6 +34,7 @@ from stalwart.coord.metrics import LighthouseMetrics
 from stalwart.coord.wire import RequestError
 
 TOKEN_COOKIE = "stalwart_token"
+"""The cookie's name, followed by ``_PORT`` (:func:`cookie_name`)."""
 TOKEN_PARAMETER = "token"
 BROWSER_PATHS = frozenset({"/", "/v1/events"})
 """Routes that also accept the token as a query parameter or cookie."""
@@ -46,11 +49,16 @@ _POLL_SECONDS = 0.1
 """How often a stream looks for a change of the state."""
 
 
-def browser_credential(request: web.Request) -> str:
+def cookie_name(port: int) -> str:
+    """The token cookie of the lighthouse on ``port`` (another service on the same host does not get it)."""
+    return f"{TOKEN_COOKIE}_{port}"
+
+
+def browser_credential(request: web.Request, port: int) -> str:
     """``Bearer TOKEN`` from the query parameter or cookie on the dashboard's routes, else ``""``."""
     if request.path not in BROWSER_PATHS:
         return ""
-    token = request.query.get(TOKEN_PARAMETER) or request.cookies.get(TOKEN_COOKIE)
+    token = request.query.get(TOKEN_PARAMETER) or request.cookies.get(cookie_name(port))
     return f"Bearer {token}" if token else ""
 
 
@@ -112,8 +120,12 @@ class Dashboard:
         incarnation: Callable[[str], str | None],
         metrics: LighthouseMetrics,
         *,
+        port: Callable[[], int],
+        secure: bool,
         max_streams: int = MAX_STREAMS,
     ) -> None:
+        self._port = port
+        self._secure = secure
         self._status = status
         self._revision = revision
         self._incarnation = incarnation
@@ -134,7 +146,7 @@ class Dashboard:
         self._closing = True
 
     async def page(self, request: web.Request) -> web.Response:
-        """The HTML page; a valid ``?token=`` becomes the ``stalwart_token`` cookie (the middleware checked it)."""
+        """The HTML page; a valid ``?token=`` becomes the token cookie (the middleware checked it)."""
         check_query(request, {TOKEN_PARAMETER})
         response = web.Response(
             body=self._page,
@@ -144,7 +156,14 @@ class Dashboard:
         )
         token = request.query.get(TOKEN_PARAMETER)
         if token:
-            response.set_cookie(TOKEN_COOKIE, token, httponly=True, samesite="Strict", path="/")
+            response.set_cookie(
+                cookie_name(self._port()),
+                token,
+                httponly=True,
+                samesite="Strict",
+                path="/",
+                secure=self._secure or None,
+            )
         return response
 
     async def events(self, request: web.Request) -> web.StreamResponse:

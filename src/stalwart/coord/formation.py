@@ -15,7 +15,7 @@ of the lighthouse's own replay. The answer comes in two wires
   a :class:`MemberDelta` from it. Its size grows with what changed, not with
   the members.
 
-Everything but ``rank`` and what the server adds (the store's address) is the
+Everything but ``rank`` and what the server adds (the quorum store's key) is the
 same for every member, so each wire's shared part is serialised once per
 formation and every answer is that byte string behind a small prefix.
 """
@@ -112,8 +112,6 @@ class Formation:
     time: float
     timed_out: bool
     rolled_back: bool
-    store_prefix: str
-    """The quorum's TCPStore key prefix, ``q{quorum_id}-{128 random bits}/``: told only to its members."""
     delta: MemberDelta | None = None
     """The members as a change from the quorum this one formed from (None for the first)."""
 
@@ -142,17 +140,17 @@ class Formation:
             "time": self.time,
             "timed_out": self.timed_out,
             "rolled_back": self.rolled_back,
-            "store_prefix": self.store_prefix,
             "delta": None if self.delta is None else self.delta.to_json(),
         }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Formation:
-        """Inverse of ``to_json``."""
+        """Inverse of ``to_json`` (a formation persisted with a TCPStore prefix, before the quorum store, drops it)."""
         delta = data["delta"]
+        fields = {key: value for key, value in data.items() if key != "store_prefix"}
         return cls(
             **{
-                **data,
+                **fields,
                 "members": tuple(data["members"]),
                 "begun_by": tuple(data["begun_by"]),
                 "failed": tuple(tuple(event) for event in data["failed"]),
@@ -170,7 +168,6 @@ class Formation:
             "applied_step": self.applied_step,
             "heal": self.heal,
             "ledger": self.ledger,
-            "store": {"prefix": self.store_prefix},
         }
 
     def render(self, member: str, extra: Mapping[str, Any], *, wire: int, known: int | None = None) -> bytes:

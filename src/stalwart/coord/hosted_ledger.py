@@ -22,27 +22,16 @@ such a step is not vouched for.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from stalwart.coord.protocol import ledger_digest
 from stalwart.data.ledger import DataLedger, Positions
 from stalwart.data.plan import EpochPlan
 
 DIGEST_HISTORY = 4096
 """How many recent commits' digests are kept (to vouch for checkpoint reports)."""
-
-
-def ledger_digest(state: Mapping[str, Any]) -> str:
-    """The digest of a ledger ``state_dict()``: SHA-256 of its canonical JSON, first 16 bytes in hex.
-
-    A member reports it with its ``applied_step`` (its ledger after the
-    commit); the lighthouse commits the step only if its own replay agrees.
-    """
-    text = json.dumps(state, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def adopt_weights(ledger: DataLedger, weights: Mapping[str, Any] | None) -> bool:
@@ -105,6 +94,8 @@ class HostedLedger:
         self.snapshot: dict[str, Any] | None = None
         self.digests: dict[int, str] = {0: ledger_digest(self.ledger.state_dict())}
         """Digest of the ledger after each recent commit, by step (bounded; rebuilt from the members' reports)."""
+        self.generation = 0
+        """Grows with every change of the ledger or of the record (a catch-up's trial is valid for one generation)."""
 
     @property
     def record(self) -> StepRecord | None:
@@ -115,6 +106,7 @@ class HostedLedger:
     def record(self, record: StepRecord | None) -> None:
         self._record = record
         self._in_step = None
+        self.generation += 1
 
     def begin(self, members: list[str]) -> None:
         """A quorum of ``members`` forms at a step boundary: they begin the step in progress."""
@@ -190,6 +182,7 @@ class HostedLedger:
         if self._record is not None or not adopt_weights(self.ledger, weights):
             return
         self._in_step = None
+        self.generation += 1
         for unknown in range(start + 1, self.ledger.step):
             self.digests.pop(unknown, None)
         self._remember_digest()
@@ -207,16 +200,19 @@ class HostedLedger:
         self.digests = {step: digest for step, digest in self.digests.items() if step < self.ledger.step}
         self._remember_digest()
 
-    def digest_after(self, members: list[str], step: int, weights: Mapping[str, Any] | None = None) -> str:
-        """The digest of the ledger committed through ``step`` (a replay on a copy; nothing changes)."""
-        trial = self.in_step().copy()
-        while trial.step < step:
-            if not trial.in_step:
-                adopt_weights(trial, weights)
-                trial.begin_step(members)
-            trial.commit()
-        adopt_weights(trial, weights)
-        return ledger_digest(trial.state_dict())
+    def adopt(
+        self, ledger: DataLedger, snapshot: dict[str, Any], digests: Mapping[int, str], forgotten: set[int]
+    ) -> None:
+        """Take a verified catch-up's result (:mod:`~stalwart.coord.catch_up`): its ledger, committed between steps,
+        the snapshot before its last commit and the digests of the steps it committed (less those it forgot)."""
+        self.ledger = ledger
+        self.record = None
+        self.snapshot = snapshot
+        for step in forgotten:
+            self.digests.pop(step, None)
+        self.digests.update(digests)
+        for old in [step for step in self.digests if step <= self.ledger.step - DIGEST_HISTORY]:
+            del self.digests[old]
 
     def rollback(self) -> None:
         """Return to the state before the last commit (its step is in progress again)."""

@@ -4,9 +4,12 @@ A worker registers ``(member, incarnation)`` and gets a secret (kept by the
 lighthouse only as a SHA-256 hash); every later heartbeat, quorum request and
 leave carries both. A new incarnation replaces the old one, whose secret stops
 working; a replaced incarnation cannot register again (it would evict the
-process that replaced it). An incarnation that left cleanly has no more say:
-its secret is refused with 410 ``left`` (a heartbeat sent just before the
-leave, or a socket opened just after it, must not make it alive again).
+process that replaced it). While the old one lives, replacing it needs its
+secret (the state refuses otherwise, see ``LighthouseState.register``). An
+incarnation that left cleanly has no more say: its secret is refused with 410
+``left`` (a heartbeat sent just before the leave, or a socket opened just
+after it, must not make it alive again). Registrations are rate limited
+(:class:`RegistrationRate`), so that churn cannot keep the lighthouse busy.
 """
 
 from __future__ import annotations
@@ -154,6 +157,32 @@ class Identities:
             )
         identities.retired = {member: [str(i) for i in retired] for member, retired in data["retired"].items()}
         return identities
+
+
+class RegistrationRate:
+    """A token bucket: ``burst`` registrations at once, then ``per_second`` (time is passed as ``now``)."""
+
+    def __init__(self, burst: int, per_second: float) -> None:
+        self.burst = burst
+        self.per_second = per_second
+        self._tokens = float(burst)
+        self._at: float | None = None
+
+    def take(self, now: float) -> None:
+        """Spend one registration; ``RequestError`` 429 (asked again later) when none is left."""
+        if self._at is not None:
+            self._tokens = min(float(self.burst), self._tokens + max(0.0, now - self._at) * self.per_second)
+        self._at = now
+        if self._tokens < 1:
+            wait = (1 - self._tokens) / self.per_second
+            raise RequestError(
+                429,
+                f"too many registrations: at most {self.burst} at once and {self.per_second:g} a second; "
+                f"register again in {wait:.2f} s",
+                code="rate_limited",
+                retry_after=max(0.001, round(wait, 3)),
+            )
+        self._tokens -= 1
 
 
 def _identity_json(identity: Identity) -> dict[str, Any]:

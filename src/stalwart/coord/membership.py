@@ -5,13 +5,14 @@ A member is alive while it sent something (a heartbeat or a request) within
 it. Every sighting costs O(log M) (a deadline heap) and finding the expired
 members costs what expired, so heartbeats stay cheap with thousands of
 members. Dead members outside the quorum are forgotten beyond
-``HISTORY_LIMIT``, those that died longest ago first.
+``HISTORY_LIMIT``, those that died longest ago first. A live member whose
+peers wait on it without progress is found hung (:meth:`Membership.hung`).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Container, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass
 
 from stalwart.coord.history import HISTORY_LIMIT
@@ -125,6 +126,37 @@ class Membership:
             record.alive = False
             self.live -= 1
             self._dead[member] = None
+
+    def hung(
+        self,
+        members: Iterable[str],
+        compared: Callable[[str], bool],
+        at_boundary: Callable[[str], bool],
+        now: float,
+        patience: float,
+    ) -> list[str]:
+        """Members whose peers have waited on them for more than ``patience`` seconds at ``now``.
+
+        Among ``members`` (a quorum's) that are ``compared`` and reported a
+        step, those behind the furthest one are waited on since the first time
+        seen behind (unless ``at_boundary``: they are not known to be behind);
+        progress ends a wait. Linear in the members.
+        """
+        records = self.records
+        steps = {m: records[m].applied_step for m in members if records[m].applied_step is not None and compared(m)}
+        if not steps:
+            return []
+        ahead = max(step for step in steps.values() if step is not None)
+        found = []
+        for member, step in steps.items():
+            record = records[member]
+            if step is None or step >= ahead or at_boundary(member):
+                record.waited_since = None
+            elif record.waited_since is None:
+                record.waited_since = now
+            elif now - record.waited_since > patience:
+                found.append(member)
+        return found
 
     def alive(self, member: str) -> bool:
         """Whether ``member`` is known and alive."""

@@ -29,6 +29,8 @@ FAILURE_KINDS = ("socket_closed", "heartbeat_timeout", "hung", "excluded", "rest
 QUORUM_REASONS = ("start-up", "boundary", "failure")
 _SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _SAVE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+MAX_HEALS_PER_REPORT = 64
+"""Most heals one heartbeat's totals may add (each is one histogram observation: the work per message is bounded)."""
 _REASSIGN_MEMORY = 4
 """How many steps back the record of counted reassigns reaches (a rollback goes back one)."""
 
@@ -132,6 +134,14 @@ class LighthouseMetrics:
         if growth is None:
             return None
         self._heal_totals[member] = (incarnation, totals)
+        if growth.heals > MAX_HEALS_PER_REPORT:
+            # not believable (a member loads one heal per quorum it joins): the totals become the new baseline
+            message = (
+                f"heal['heals'] grew by {growth.heals} since the last heartbeat; at most {MAX_HEALS_PER_REPORT} "
+                "are counted between two heartbeats: this report is not"
+            )
+            logger.warning("member %s: %s", member, message)
+            return message
         self.heals.inc(growth.heals)
         self.heal_bytes.inc(growth.bytes)
         for _ in range(growth.heals):

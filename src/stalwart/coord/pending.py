@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, ItemsView
 from dataclasses import dataclass
 
-from stalwart.coord.wire import QuorumRequest
+from stalwart.coord.protocol import QuorumRequest
 
 
 @dataclass(frozen=True)

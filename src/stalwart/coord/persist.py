@@ -10,24 +10,38 @@ one row per member (its registered incarnation and the hashes of its secrets),
 written when it appears, registers or is forgotten; ``history`` holds one
 append-only row per failure, departure, quorum and recovery, trimmed to
 ``HISTORY_LIMIT`` rows per kind. A save is one transaction. The database runs
-in WAL mode with ``synchronous=NORMAL``: a committed write survives the process
-being killed (SIGKILL) at any instant; only an operating-system crash can lose
-the last writes, and even then the ledger catches up again from the members'
-heartbeats. A file written before the parts existed (one row holding the whole
-state) loads as before.
+in WAL mode with ``synchronous=FULL``: every commit is synced to the disk
+before it returns, so a quorum answer, registration or checkpoint (each
+awaits its save) survives an operating-system crash as well as the process
+being killed; ``benchmarks/persist_save.py`` measures what the sync costs.
+A file written before the parts existed (one row holding the whole state)
+loads as before.
+
+One lighthouse at a time: the file ``PATH.lock`` is locked exclusively
+(``flock``) while a :class:`StateStore` is open, and names its holder, so a
+second lighthouse on the same state refuses to start (:class:`StateLockedError`)
+instead of serving a split brain. The database, its ``-wal`` and ``-shm``
+files and the lock are created readable by their owner only (0600): they hold
+the quorum's members, incarnations and the hashes of their secrets.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import socket
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 
 from stalwart.coord.history import HISTORY_LIMIT, KINDS
-from stalwart.coord.quorum import Changes
+from stalwart.coord.snapshot import Changes
 from stalwart.data.plan import EpochPlan
+from stalwart.errors import StalwartError
+
+FILE_MODE = 0o600
 
 _SCHEMA = (
     """
@@ -55,21 +69,38 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), allow_nan=False)
 
 
-class StateStore:
-    """Reads and saves the persisted lighthouse state in the SQLite file ``path``.
+class StateLockedError(StalwartError, RuntimeError):
+    """Another lighthouse holds the state file (the message names it): two would split the job's brain."""
 
-    Used from one thread at a time (the lighthouse's single save thread once it runs).
+
+class StateStore:
+    """Reads and saves the persisted lighthouse state in the SQLite file ``path``, which it locks while open.
+
+    Used from one thread at a time (the lighthouse's single save thread once
+    it runs). ``synchronous``: SQLite's setting, ``FULL`` (every commit synced)
+    unless a benchmark compares.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, synchronous: str = "FULL") -> None:
         if not isinstance(path, str | os.PathLike):
             raise TypeError(f"path must be a str or os.PathLike, got {path!r}")
+        if synchronous not in ("FULL", "NORMAL"):
+            raise ValueError(f"synchronous must be 'FULL' or 'NORMAL', got {synchronous!r}")
         self.path = Path(path)
-        self._connection = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self._connection.execute("PRAGMA journal_mode=WAL")
-        self._connection.execute("PRAGMA synchronous=NORMAL")
-        for statement in _SCHEMA:
-            self._connection.execute(statement)
+        self._lock = _lock(self.path)
+        try:
+            descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+            os.close(descriptor)
+            for suffix in ("", "-wal", "-shm"):
+                _owner_only(Path(f"{self.path}{suffix}"))
+            self._connection = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            self._connection.execute("PRAGMA journal_mode=WAL")
+            self._connection.execute(f"PRAGMA synchronous={synchronous}")
+            for statement in _SCHEMA:
+                self._connection.execute(statement)
+        except BaseException:
+            os.close(self._lock)
+            raise
 
     def load(self) -> dict[str, Any] | None:
         """The persisted state (a full ``state_dict``, history included), or None when nothing was saved yet."""
@@ -150,8 +181,43 @@ class StateStore:
             raise
 
     def close(self) -> None:
-        """Close the database."""
+        """Close the database and release the lock."""
         self._connection.close()
+        if self._lock >= 0:
+            os.close(self._lock)
+            self._lock = -1
+
+
+def _lock(path: Path) -> int:
+    """Lock ``PATH.lock`` exclusively and write who holds it; :class:`StateLockedError` naming the holder if taken."""
+    lock_path = Path(f"{path}.lock")
+    descriptor = os.open(lock_path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(descriptor, 512, 0).decode(errors="replace").strip() or "an unknown process"
+        os.close(descriptor)
+        raise StateLockedError(
+            f"the lighthouse state {path} is in use by another lighthouse ({holder}); stop it first, or give this "
+            "one another --state file"
+        ) from None
+    except BaseException:
+        os.close(descriptor)
+        raise
+    os.ftruncate(descriptor, 0)
+    holder = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+    os.pwrite(descriptor, holder.encode(), 0)
+    _owner_only(lock_path)
+    return descriptor
+
+
+def _owner_only(path: Path) -> None:
+    """Make an existing file readable and writable by its owner only (an older lighthouse created 0644 files)."""
+    try:
+        if path.stat().st_mode & 0o777 != FILE_MODE:
+            path.chmod(FILE_MODE)
+    except FileNotFoundError:
+        pass
 
 
 def read_ledger(path: str | os.PathLike[str]) -> dict[str, Any] | None:

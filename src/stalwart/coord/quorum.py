@@ -1,12 +1,27 @@
-"""The lighthouse's state machine: the quorum formation policy, composing one-job parts.
+"""The lighthouse's state machine: the quorum formation policy, composing parts with one job each.
 
-The parts: :mod:`~stalwart.coord.wire` (request parsing), :mod:`~stalwart.coord.membership`
-(liveness), :mod:`~stalwart.coord.roster` (the current quorum and who still
-counts for it), :mod:`~stalwart.coord.pending` (the waiting requests),
-:mod:`~stalwart.coord.formation` (a formed quorum and its answers),
-:mod:`~stalwart.coord.hosted_ledger` (the ledger of record) and
-:mod:`~stalwart.coord.history` (failures, departures, quorums, recoveries);
-:class:`LighthouseState` ties them together and their public names stay
+:class:`LighthouseState` holds the policy (when a quorum forms, whom it keeps,
+which step it starts at, who is healed) and the events that drive it; its
+parts are public attributes:
+
+- ``registry`` (:mod:`~stalwart.coord.registry`): identities and the rules a
+  registration must pass (the plan, ``max_members``, a live member's secret,
+  the rate);
+- ``membership`` (:mod:`~stalwart.coord.membership`): liveness, and hung
+  members;
+- ``commits`` (:mod:`~stalwart.coord.commits`, :mod:`~stalwart.coord.catch_up`):
+  the ledger of record and what commits it, reports verified by replay in
+  slices of bounded work, healing;
+- ``roster`` (:mod:`~stalwart.coord.roster`): the current quorum and who still
+  counts for it; ``asks`` (:mod:`~stalwart.coord.pending`): the waiting
+  requests; ``formation`` (:mod:`~stalwart.coord.formation`): the last quorum
+  formed and its answers; ``history`` (:mod:`~stalwart.coord.history`);
+- status (:mod:`~stalwart.coord.status`) and persistence
+  (:mod:`~stalwart.coord.snapshot`, ``dirty``: what changed since the last
+  save) read and write those parts.
+
+The wire formats are :mod:`~stalwart.coord.protocol`'s (and the field
+parsers :mod:`~stalwart.coord.wire`'s); the public names of the parts stay
 importable from here.
 
 Pure: no I/O and no clock. Every event carries the time ``now`` (seconds, any
@@ -72,31 +87,32 @@ Refusals (``RequestError``, nothing changes)
     names the current quorum: ask again with ``join``). A ``join`` more than
     one step past anything known (the ledger or a live quorum member's
     report) is impossible (422). A quorum member's step may run ahead of the
-    ledger (heartbeats lag fast steps) but not by more than ``MAX_CATCH_UP``.
+    ledger (heartbeats lag fast steps) but not by more than ``MAX_CATCH_UP``;
+    its digest is verified by a replay in slices (a request waiting on one is
+    503 ``catching_up``, asked again).
 """
 
 from __future__ import annotations
 
-import hmac
-import json
-import secrets
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 from stalwart._validate import check_bool, check_int
+from stalwart.coord import snapshot, status
 from stalwart.coord.checkpoints import CheckpointRecord, parse_checkpoint_report, vouch
+from stalwart.coord.commits import MAX_CATCH_UP, CommitListener, Commits
 from stalwart.coord.formation import Formation, MemberDelta
 from stalwart.coord.history import HISTORY_LIMIT, History
-from stalwart.coord.history import KINDS as HISTORY_KINDS
-from stalwart.coord.hosted_ledger import HostedLedger, StepRecord, ledger_digest
-from stalwart.coord.identity import Identities, parse_incarnation
+from stalwart.coord.hosted_ledger import HostedLedger, StepRecord
+from stalwart.coord.identity import parse_incarnation
 from stalwart.coord.membership import MemberRecord, Membership
 from stalwart.coord.pending import Pending
+from stalwart.coord.protocol import QuorumRequest, ledger_digest
+from stalwart.coord.registry import NO_PLAN, Registry
 from stalwart.coord.roster import Quorum, Roster
+from stalwart.coord.snapshot import STATE_VERSION, Changes, Dirty
 from stalwart.coord.wire import (
     REASONS,
-    QuorumRequest,
     RequestError,
     check_seconds,
     parse_digest,
@@ -105,9 +121,7 @@ from stalwart.coord.wire import (
     parse_report,
     parse_step,
     parse_weights,
-    plan_differences,
 )
-from stalwart.data.ledger import Positions
 from stalwart.data.plan import EpochPlan
 
 __all__ = [
@@ -131,37 +145,11 @@ __all__ = [
     "parse_weights",
 ]
 
-STATE_VERSION = 2
-"""Version 2 persists each formation's ledger in its compact form; a version 1 state resumes without its formation."""
 MAX_MEMBERS = 4096
 """Default cap on live members (``max_members``)."""
 HUNG_CHECK_S = 0.5
 """How often, at most, :meth:`LighthouseState.tick` looks for hung members (a walk of the quorum); at least ten
 times per ``join_timeout``, so a hang is found within 110% of it."""
-MAX_CATCH_UP = 100_000
-"""How far a quorum member's ``applied_step`` may run ahead of the ledger (a bound on catch-up work)."""
-
-NO_PLAN = (
-    "the lighthouse has no plan and the member offered none: start the lighthouse with --dataset-size and "
-    "--global-batch, or give the Manager the plan (LighthouseClient(plan=...))"
-)
-
-CommitListener = Callable[[int, int, Positions], None]
-
-
-@dataclass(frozen=True)
-class Changes:
-    """What changed since the last save, each part only if it changed (see :mod:`stalwart.coord.persist`)."""
-
-    revision: int
-    core: dict[str, Any]
-    """The small part rewritten on every change: the ledger, healing, history counts, the checkpoint."""
-    formation: dict[str, Any] | None
-    """The quorum, its formation and the requests it answered; None when unchanged."""
-    members: dict[str, dict[str, Any] | None]
-    """One row per member whose identity changed or that appeared (None: forgotten)."""
-    events: list[tuple[str, dict[str, Any]]]
-    """New history events."""
 
 
 class LighthouseState:
@@ -192,46 +180,64 @@ class LighthouseState:
         )
         self.heartbeat_timeout = check_seconds("heartbeat_timeout", heartbeat_timeout)
         self.join_timeout = check_seconds("join_timeout", join_timeout)
-        self.on_commit = on_commit
         self.max_members = check_int("max_members", max_members, minimum=1)
-        self.require_digest = check_bool("require_digest", require_digest)
-        """Refuse reports that would commit steps without a ledger digest (the server sets it)."""
-        self._identities = Identities()
-        self.revision = 0
-        """Grows with every change that must be persisted (commits, quorums, history)."""
+        self.registry = Registry(self.max_members, self.heartbeat_timeout)
+        """The identities of every member and the rules new registrations must pass."""
+        self.dirty = Dirty()
+        """What changed since the last save (and the revision)."""
         self._balance_every = check_int("balance_every", balance_every, minimum=0)
-        self._ledger_of_record = None if plan is None else HostedLedger(plan, self._balance_every)
-        self._checkpoint: CheckpointRecord | None = None
-        self._roster = Roster()
-        self._members = Membership(self.heartbeat_timeout)
-        self._pending = Pending()
-        self._healing: dict[str, bool] = {}
-        self._heal_step = 0
-        self._formation: Formation | None = None
-        self._answered: dict[str, QuorumRequest] = {}
+        self.commits = Commits(
+            None if plan is None else HostedLedger(plan, self._balance_every),
+            require_digest=check_bool("require_digest", require_digest),
+        )
+        """The ledger of record and what commits it (reports verified by replay in bounded slices, healing)."""
+        self.commits.on_commit = on_commit
+        self.checkpoint: CheckpointRecord | None = None
+        self.roster = Roster()
+        self.membership = Membership(self.heartbeat_timeout)
+        self.asks = Pending()
+        self.formation: Formation | None = None
+        self.answered: dict[str, QuorumRequest] = {}
         self.history = History()
-        self._formation_changed = False
-        self._members_changed: set[str] = set()
         self._hung_checked = float("-inf")
 
     # --- read-only views -------------------------------------------------------------------------
 
     @property
+    def revision(self) -> int:
+        """Grows with every change that must be persisted (commits, quorums, history)."""
+        return self.dirty.revision + self.commits.revision
+
+    @property
+    def require_digest(self) -> bool:
+        """Refuse reports that would commit steps without a ledger digest (the server sets it)."""
+        return self.commits.require_digest
+
+    @property
+    def on_commit(self) -> CommitListener | None:
+        """Called with ``(epoch, step, positions)`` for every step the hosted ledger commits."""
+        return self.commits.on_commit
+
+    @on_commit.setter
+    def on_commit(self, listener: CommitListener | None) -> None:
+        self.commits.on_commit = listener
+
+    @property
     def plan(self) -> EpochPlan | None:
         """The job's plan: as configured, or adopted from the first member that offered one (None until then)."""
-        return None if self._ledger_of_record is None else self._ledger_of_record.ledger.plan
+        return None if self.commits.hosted is None else self.commits.hosted.ledger.plan
 
     @property
     def _hosted(self) -> HostedLedger:
         """The ledger of record; every request that needs it comes after a registration, which needs a plan."""
-        if self._ledger_of_record is None:
+        if self.commits.hosted is None:
             raise RequestError(409, NO_PLAN, code="no_plan")
-        return self._ledger_of_record
+        return self.commits.hosted
 
     @property
     def quorum(self) -> Quorum | None:
         """The current quorum (None before the first one)."""
-        return self._roster.quorum
+        return self.roster.quorum
 
     @property
     def step(self) -> int:
@@ -266,42 +272,42 @@ class LighthouseState:
     @property
     def members(self) -> dict[str, MemberRecord]:
         """Every member seen, by id (read-only use)."""
-        return self._members.records
+        return self.membership.records
 
     @property
     def live_members(self) -> int:
         """How many members are alive."""
-        return self._members.live
+        return self.membership.live
 
     @property
     def asking(self) -> int:
         """How many quorum requests wait for the next quorum."""
-        return len(self._pending)
+        return len(self.asks)
 
     @property
     def pending(self) -> dict[str, QuorumRequest]:
         """The quorum requests waiting for the next quorum, by member."""
-        return {member: ask.request for member, ask in self._pending.items()}
+        return {member: ask.request for member, ask in self.asks.items()}
 
     @property
     def reconfigure_pending(self) -> bool:
         """True while a joiner waits or a member of the quorum is dead: its members should come to a boundary."""
-        if self._roster.quorum is None:
+        if self.roster.quorum is None:
             return False
         # every waiting request but the survivors' (failure or reconfigure from the quorum) is a joiner's
-        return self._roster.broken or len(self._pending) > self._pending.survivors
+        return self.roster.broken or len(self.asks) > self.asks.survivors
 
     @property
     def quorum_broken(self) -> bool:
         """True while a member of the current quorum is dead: its collectives cannot complete."""
-        return self._roster.broken
+        return self.roster.broken
 
     def should_reconfigure(self, member: str) -> bool:
         """Whether ``member``'s heartbeat should be answered with ``{"type": "reconfigure"}``.
 
         Not once it asks for the next quorum: it is at the boundary already.
         """
-        return member in self._roster and member not in self._pending and self.reconfigure_pending
+        return member in self.roster and member not in self.asks and self.reconfigure_pending
 
     def left_out(self, member: str) -> bool:
         """Whether ``member`` is alive but neither in the current quorum nor asking to join it.
@@ -310,10 +316,10 @@ class LighthouseState:
         quorum went on without (excluded while it trained alone, say) stops and joins again.
         """
         return (
-            self._roster.quorum is not None
-            and member not in self._roster
-            and member not in self._pending
-            and self._members.alive(member)
+            self.roster.quorum is not None
+            and member not in self.roster
+            and member not in self.asks
+            and self.membership.alive(member)
         )
 
     def ledger_state(self) -> dict[str, Any]:
@@ -322,9 +328,9 @@ class LighthouseState:
 
     def formation_for(self, request: QuorumRequest) -> Formation | None:
         """The current quorum if it was formed for exactly this request (a retried long poll)."""
-        if self._formation is None or self._answered.get(request.member) != request:
+        if self.formation is None or self.answered.get(request.member) != request:
             return None
-        return self._formation
+        return self.formation
 
     def answer_for(self, request: QuorumRequest) -> dict[str, Any] | None:
         """The current quorum's (wire 1) answer if it was formed for exactly this request."""
@@ -334,87 +340,69 @@ class LighthouseState:
     def expect_quorum(self, now: float) -> None:
         """Count the quorum's members as alive and seen at ``now``: after a restart they get
         ``heartbeat_timeout`` to reconnect their heartbeat sockets."""
-        quorum = self._roster.quorum
+        quorum = self.roster.quorum
         for member in quorum.members if quorum else ():
-            self._members.expect(member, now)
-            self._roster.revived(member)
+            self.membership.expect(member, now)
+            self.roster.revived(member)
 
     # --- identity --------------------------------------------------------------------------------
 
-    def register(self, member: str, incarnation: str, now: float, plan: EpochPlan | None = None) -> str:
+    def register(
+        self,
+        member: str,
+        incarnation: str,
+        now: float,
+        plan: EpochPlan | None = None,
+        current: tuple[object, object] | None = None,
+    ) -> str:
         """Register ``incarnation`` of ``member`` and return its new secret.
 
         A first registration counts as a sign of life (the process heartbeats
-        next). A new incarnation of a member still recorded alive marks the old
-        one dead at once (failure reason ``restarted``); the old secret stops
-        working. ``plan`` is the plan the member trains with: a lighthouse
-        without one adopts it; one with a plan refuses a different one.
-        ``RequestError`` (nothing changes) 429 when ``max_members`` live
-        members are already registered, 409 for a replaced or already
-        registered incarnation, 409 ``plan_mismatch`` (``differences`` names
-        each differing field with both values) or ``no_plan`` (neither side has one).
+        next). A new incarnation of a member still alive needs ``current``,
+        the live incarnation and its secret: it then marks the old one dead at
+        once (failure reason ``restarted``) and the old secret stops working;
+        without them the answer is 409 ``member_alive`` (``retry_after``: when
+        the old one is dead by heartbeat, if it stays silent), so that nobody
+        holding only the token can evict a live member. ``plan`` is the plan
+        the member trains with: a lighthouse without one adopts it; one with a
+        plan refuses a different one. ``RequestError`` (nothing changes) 429
+        when ``max_members`` live members are already registered or
+        registrations come faster than their rate limit, 409 for a replaced or
+        already registered incarnation, 409 ``plan_mismatch`` (``differences``
+        names each differing field with both values) or ``no_plan`` (neither
+        side has one).
         """
         member = parse_member(member)
         incarnation = parse_incarnation(incarnation)
-        self._check_plan(member, plan)
-        live = self._members.live
-        if member not in self._identities and not self._members.alive(member) and live >= self.max_members:
-            raise RequestError(
-                429,
-                f"max_members={self.max_members} live members are registered: member {member!r} is refused",
-                field="member",
-                cap="max_members",
-            )
-        secret, replaced = self._identities.register(member, incarnation)
-        if self._ledger_of_record is None:
-            assert plan is not None  # _check_plan refused a registration without one
-            self._ledger_of_record = HostedLedger(plan, self._balance_every)
-        self.revision += 1
-        self._members_changed.add(member)
-        if replaced is not None and self._members.alive(member):
+        self.registry.admit(member, incarnation, now, self.membership, (self.plan, plan), current)
+        secret, replaced = self.registry.identities.register(member, incarnation)
+        if self.commits.hosted is None:
+            assert plan is not None  # the registry refused a registration without one
+            self.commits.hosted = HostedLedger(plan, self._balance_every)
+        self.dirty.revision += 1
+        self.dirty.members.add(member)
+        if replaced is not None and self.membership.alive(member):
             self._mark_dead(member, now, "restarted")
-        if replaced is not None and member in self._roster:
-            self._roster.evict(member)
+        if replaced is not None and member in self.roster:
+            self.roster.evict(member)
         elif replaced is None:
             self._touch(member, now)
         return secret
 
-    def _check_plan(self, member: str, plan: EpochPlan | None) -> None:
-        """Refuse (409) a plan that differs from the lighthouse's, or a registration when neither side has one."""
-        ours = self.plan
-        if ours is None and plan is None:
-            raise RequestError(409, NO_PLAN, code="no_plan", member=member)
-        if ours is None or plan is None or plan == ours:
-            return
-        differences = plan_differences(ours, plan)
-        listed = "; ".join(
-            f"{name}: lighthouse {values['lighthouse']!r}, member {values['member']!r}"
-            for name, values in differences.items()
-        )
-        raise RequestError(
-            409,
-            f"member {member!r} trains with another plan than the lighthouse's ({listed}): every member and "
-            "the lighthouse must use the same plan",
-            code="plan_mismatch",
-            member=member,
-            differences=differences,
-        )
-
     def authenticate(self, member: str, incarnation: object, secret: object) -> None:
         """``RequestError`` 403 unless ``incarnation`` and ``secret`` are ``member``'s current ones; 410 ``left``
         once that incarnation left."""
-        self._identities.check(member, incarnation, secret)
+        self.registry.identities.check(member, incarnation, secret)
 
     @property
     def balance_every(self) -> int:
         """Every how many steps the members rebalance their shares (0: shares are equal)."""
-        hosted = self._ledger_of_record
+        hosted = self.commits.hosted
         return self._balance_every if hosted is None else hosted.ledger.balance_every
 
     def incarnation(self, member: str) -> str | None:
         """The registered incarnation of ``member`` (None if none)."""
-        identity = self._identities.current.get(member)
-        return None if identity is None else identity.incarnation
+        return self.registry.incarnation(member)
 
     # --- events ----------------------------------------------------------------------------------
 
@@ -424,7 +412,7 @@ class LighthouseState:
 
     def disconnected(self, member: str, now: float) -> None:
         """``member``'s heartbeat socket closed: it is dead at once (a killed process closes its sockets)."""
-        record = self._members.get(member)
+        record = self.membership.get(member)
         if record is None:
             return
         record.connected = False
@@ -452,11 +440,12 @@ class LighthouseState:
         applied_step = parse_step(applied_step)
         digest = parse_digest(digest)
         weights = parse_weights(weights)
-        self._check_catch_up(member, applied_step)
-        self._check_digest(member, applied_step, digest, weights)
+        counts = self.commits.verify(self.roster, member, applied_step, digest, weights)
         record = self._touch(member, now)
-        record.report(applied_step)
-        self._progress(member, applied_step, weights)
+        if counts:  # else its replay goes on: the step is recorded once verified
+            record.report(applied_step)
+            self.commits.progress(self.roster, member, applied_step, weights)
+        self._take_verdicts()
 
     def leave(
         self,
@@ -468,7 +457,7 @@ class LighthouseState:
     ) -> None:
         """A clean exit: ``member`` is dead at once, after its last ``applied_step`` (with ``digest`` and
         ``weights``) counts as a heartbeat."""
-        record = self._members.get(parse_member(member))
+        record = self.membership.get(parse_member(member))
         if record is None:
             raise RequestError(404, f"member {member!r} is not known to the lighthouse", field="member")
         if applied_step is not None and record.alive:
@@ -477,29 +466,38 @@ class LighthouseState:
         if record.alive:
             self._mark_dead(member, now, "left")
             record.left = True
-        if self._identities.leave(member):  # this incarnation has no more say (its late heartbeats are refused)
-            self._members_changed.add(member)
-            self.revision += 1
-
-    @property
-    def checkpoint(self) -> CheckpointRecord | None:
-        """The newest checkpoint the lighthouse vouches for (None before the first report)."""
-        return self._checkpoint
+        if self.registry.identities.leave(member):  # this incarnation has no more say (its late heartbeats are refused)
+            self.dirty.members.add(member)
+            self.dirty.revision += 1
 
     def record_checkpoint(self, body: Any, now: float) -> CheckpointRecord:
         """A member wrote a durable checkpoint: keep it if it is newer and its ledger is the one committed.
 
-        Raises ``RequestError`` (nothing changes) for a malformed report, a
-        ledger that differs from the one committed at that step (422) or a step
-        not committed yet (409: report again later).
+        Only the current quorum's checkpoint writer (its rank 0, while it
+        counts for the quorum) may report: a worker loads what the lighthouse
+        announces, and DCP's metadata is pickled. Raises ``RequestError``
+        (nothing changes) for a malformed report, a reporter that is not the
+        writer (403 ``not_writer``), a ledger that differs from the one
+        committed at that step (422) or a step not committed yet (409: report
+        again later).
         """
         record = parse_checkpoint_report(body, self._hosted.ledger.plan, now)
+        quorum = self.roster.quorum
+        writer = None if quorum is None else quorum.members[0]
+        if record.member != writer or not self.roster.counts(record.member):
+            raise RequestError(
+                403,
+                f"member {record.member!r} is not the checkpoint writer of the current quorum (its rank 0, "
+                f"{writer!r}): only the writer reports checkpoints",
+                field="member",
+                code="not_writer",
+            )
         vouch(record, self._hosted.step, self._hosted.digests)
-        if self._checkpoint is None or record.step > self._checkpoint.step:
-            self._checkpoint = record
+        if self.checkpoint is None or record.step > self.checkpoint.step:
+            self.checkpoint = record
             self.history.checkpoint()
-            self.revision += 1
-        return self._checkpoint
+            self.dirty.revision += 1
+        return self.checkpoint
 
     def request(self, request: QuorumRequest, now: float) -> dict[str, Any] | None:
         """:meth:`ask`, with the (wire 1) answer as a dict."""
@@ -520,22 +518,48 @@ class LighthouseState:
         record = self._touch(request.member, now)
         if request.reason != "join":
             record.report(request.applied_step)
-            self._progress(request.member, request.applied_step, request.weights)
-        self._pending.add(request, now, self._roster.counts(request.member))
+            self.commits.progress(self.roster, request.member, request.applied_step, request.weights)
+        self.asks.add(request, now, self.roster.counts(request.member))
+        self._take_verdicts()
         return None
 
     def excuse_silence(self, seconds: float, now: float) -> None:
         """The lighthouse could not listen for ``seconds`` before ``now``: no member expires for that silence."""
-        self._members.excuse(seconds, now)
+        self.membership.excuse(seconds, now)
+
+    def take_refusals(self) -> list[tuple[str, str]]:
+        """``(member, message)`` for each report refused after the event that made it (its replay took slices)."""
+        return self.commits.take_refusals()
+
+    @property
+    def catching_up(self) -> bool:
+        """Whether a report's replay is in progress (:meth:`work_catch_up` advances it)."""
+        return self.commits.catch_up.trial is not None
+
+    def work_catch_up(self) -> None:
+        """One more slice of the replay in progress (a few milliseconds; the server interleaves them)."""
+        self.commits.work(self.roster)
+        self._take_verdicts()
+
+    def _take_verdicts(self) -> None:
+        """Record the steps of reports verified after the events that made them (their replay took slices)."""
+        for report in self.commits.take_counted():
+            record = self.membership.get(report.member)
+            if record is not None and (record.applied_step is None or record.applied_step < report.step):
+                record.report(report.step)
+            self.commits.progress(self.roster, report.member, report.step, report.weights)
 
     def tick(self, now: float) -> Formation | None:
-        """Expire heartbeats and join timeouts, forget long-dead members; form the next quorum when the rules allow."""
-        for name in self._members.expired(now):
+        """Expire heartbeats and join timeouts, forget long-dead members, verify a slice of a report's replay; form
+        the next quorum when the rules allow."""
+        self.commits.work(self.roster)
+        self._take_verdicts()
+        for name in self.membership.expired(now):
             self._mark_dead(name, now, "heartbeat timeout")
-        for forgotten in self._members.forget_dead(self._roster):
-            self._identities.forget(forgotten)
-            self._members_changed.add(forgotten)
-            self.revision += 1
+        for forgotten in self.membership.forget_dead(self.roster):
+            self.registry.identities.forget(forgotten)
+            self.dirty.members.add(forgotten)
+            self.dirty.revision += 1
         if now - self._hung_checked >= min(HUNG_CHECK_S, self.join_timeout / 10) or now < self._hung_checked:
             self._hung_checked = now
             self._detect_hung(now)
@@ -547,34 +571,27 @@ class LighthouseState:
         The member's heartbeat lives but its main loop does not: its peers are
         blocked in a collective on it. Evicting it breaks the quorum, so the
         peers are told at once and re-form without it (failure reason ``hung``).
+        A member being healed is not compared; one at a boundary (asking) or
+        whose report is being verified is not known to be behind.
         """
-        quorum = self._roster.quorum
+        quorum = self.roster.quorum
         if quorum is None:
             return
-        records = self._members.records
-        steps: dict[str, int] = {}
-        for member in quorum.members:
-            step = records[member].applied_step
-            if step is not None and self._roster.counts(member) and member not in self._healing:
-                steps[member] = step
-        if not steps:
-            return
-        ahead = max(steps.values())
-        for member, step in steps.items():
-            record = records[member]
-            if step >= ahead or member in self._pending:
-                record.waited_since = None
-            elif record.waited_since is None:
-                record.waited_since = now
-            elif now - record.waited_since > self.join_timeout:
-                self._roster.evict(member)
-                self._record_failure(member, now, "hung", in_quorum=True)
+        for member in self.membership.hung(
+            quorum.members,
+            lambda m: self.roster.counts(m) and m not in self.commits.healing,
+            lambda m: m in self.asks or self.commits.pending(m),
+            now,
+            self.join_timeout,
+        ):
+            self.roster.evict(member)
+            self._record_failure(member, now, "hung", in_quorum=True)
 
     # --- quorum formation ------------------------------------------------------------------------
 
     def try_form(self, now: float) -> Formation | None:
         """Form the next quorum if the rules allow at ``now``; constant time unless it forms (or a failure waits)."""
-        pending, roster = self._pending, self._roster
+        pending, roster = self.asks, self.roster
         if not len(pending):
             return None
         unaccounted = roster.counting - pending.ours
@@ -603,18 +620,18 @@ class LighthouseState:
         """
         if not size or (size < self.min_replicas and not carries_on):
             return False
-        if self._roster.quorum is None and size < self.start_replicas and not timed_out:
+        if self.roster.quorum is None and size < self.start_replicas and not timed_out:
             return False
         return failure or timed_out or not self._yet_to_ask()
 
     def _yet_to_ask(self) -> bool:
         """Whether a live member that counts (not evicted) has not asked: a boundary quorum waits for it."""
-        pending, alive = self._pending, self._members.alive
-        evicted_silent = sum(1 for m in self._roster.evicted if alive(m) and m not in pending)
-        return self._members.live - len(pending) - evicted_silent > 0  # every waiting member is alive
+        pending, alive = self.asks, self.membership.alive
+        evicted_silent = sum(1 for m in self.roster.evicted if alive(m) and m not in pending)
+        return self.membership.live - len(pending) - evicted_silent > 0  # every waiting member is alive
 
     def _form_from_pending(self, now: float, timed_out: bool, since: float) -> Formation | None:
-        pending, roster = self._pending, self._roster
+        pending, roster = self.asks, self.roster
         quorum_members = roster.quorum.members if roster.quorum else ()
         asked = [m for m in quorum_members if roster.counts(m) and m in pending]
         unaccounted = [m for m in quorum_members if roster.counts(m) and m not in pending]
@@ -622,7 +639,7 @@ class LighthouseState:
         chosen = set(survivors)
         joiners = [m for m, _ in pending.items() if m not in chosen]
         # a restarted or hung member of the quorum may come back only as a joiner
-        trusted = [m for m in survivors if m not in self._healing]
+        trusted = [m for m in survivors if m not in self.commits.healing]
         target, mode = self._target_step(trusted)
         failure = any(
             pending[m].request.reason == "failure" and pending[m].request.applied_step == target for m in trusted
@@ -632,7 +649,7 @@ class LighthouseState:
         if not self._may_form(len(members), failure, timed_out, carries_on):
             return None
         stateless = roster.quorum is not None and not any(pending[m].request.applied_step == target for m in members)
-        if stateless and any(m not in self._healing for m in unaccounted):
+        if stateless and any(m not in self.commits.healing for m in unaccounted):
             # no member of this quorum holds the job's state at the target step: never form it (and exclude the
             # members that do) while one of them lives; the joiners wait for it (a survivor alone in a slow step)
             return None
@@ -642,7 +659,7 @@ class LighthouseState:
         """``A`` and how the ledger reaches it: ``catch-up``, ``rollback`` or ``keep`` (no survivor holds more)."""
         committed = self._hosted.step
         if trusted:
-            target = max(self._pending[m].request.applied_step for m in trusted)
+            target = max(self.asks[m].request.applied_step for m in trusted)
             if target >= committed:
                 return target, "catch-up"
             if target == committed - 1 and self._hosted.snapshot is not None:
@@ -661,11 +678,11 @@ class LighthouseState:
         since: float,
     ) -> Formation:
         """Form the quorum; members of the old one that did not ask by the timeout are excluded as of ``since``."""
-        previous = self._roster.quorum
+        previous = self.roster.quorum
         if mode == "catch-up":
-            asked = [self._pending[m].request for m in members if m not in self._healing]
+            asked = [self.asks[m].request for m in members if m not in self.commits.healing]
             reports = [r.weights for r in asked if r.reason != "join" and r.applied_step == target]
-            self._catch_up(target, reports[0] if reports else None)
+            self.commits.catch_up_to(self.roster, target, reports[0] if reports else None)
         elif mode == "rollback":
             self._hosted.rollback()
             self.history.rollback()
@@ -680,7 +697,7 @@ class LighthouseState:
             self._hosted.begin(members)
         requests = {}
         for m in members:
-            ask = self._pending.pop(m)
+            ask = self.asks.pop(m)
             assert ask is not None
             requests[m] = ask.request
         applied = {m: requests[m].applied_step for m in members}
@@ -693,14 +710,14 @@ class LighthouseState:
             heal = {"source_rank": None, "targets": targets, "checkpoint": checkpoint.announcement()}
         elif targets:
             heal = {"source_rank": at_target[0] if at_target else None, "targets": targets, "checkpoint": None}
-        self._healing = {m: applied[m] > target for m in targets}
-        self._heal_step = target
+        self.commits.healing = {m: applied[m] > target for m in targets}
+        self.commits.heal_step = target
         self._hosted.snapshot = None
         quorum_id = previous.quorum_id + 1 if previous else 1
         for member in previous.members if previous else ():
-            self._members[member].waited_since = None
-        self._roster = Roster(Quorum(quorum_id, tuple(members)))
-        self._pending.regroup(self._roster.counts)
+            self.membership[member].waited_since = None
+        self.roster = Roster(Quorum(quorum_id, tuple(members)))
+        self.asks.regroup(self.roster.counts)
         for member in excluded:
             self._record_failure(member, since, "excluded", in_quorum=True)
         record = self._hosted.record
@@ -722,22 +739,21 @@ class LighthouseState:
             now,
             timed_out,
             mode == "rollback",
-            f"q{quorum_id}-{secrets.token_hex(16)}/",
             delta,
         )
-        self._formation = formation
-        self._answered = requests
-        self._formation_changed = True
+        self.formation = formation
+        self.answered = requests
+        self.dirty.formation = True
         self.history.quorum(quorum_id, list(members), reason, now, target, timed_out=timed_out)
-        self.revision += 1
+        self.dirty.revision += 1
         return formation
 
     def _resume_point(self, members: list[str], target: int, failure: bool) -> CheckpointRecord | None:
         """The checkpoint to resume from when no member of the new quorum holds the job's state at ``target``."""
-        checkpoint = self._checkpoint
+        checkpoint = self.checkpoint
         if failure or checkpoint is None or checkpoint.step > self._hosted.step:
             return None
-        if any(self._pending[m].request.applied_step == target for m in members):
+        if any(self.asks[m].request.applied_step == target for m in members):
             return None
         if checkpoint.step < self._hosted.step and self._finished_cleanly():
             return None  # the job ended: its members left with the state; nothing to roll back for
@@ -745,10 +761,10 @@ class LighthouseState:
 
     def _finished_cleanly(self) -> bool:
         """Whether every member of the last quorum left cleanly (``/v1/leave``) rather than failing."""
-        quorum = self._roster.quorum
+        quorum = self.roster.quorum
         if quorum is None:
             return False
-        records = [self._members.get(member) for member in quorum.members]
+        records = [self.membership.get(member) for member in quorum.members]
         return all(record is not None and record.left for record in records)
 
     def _resume(self, checkpoint: CheckpointRecord, now: float, quorum_id: int) -> None:
@@ -756,81 +772,10 @@ class LighthouseState:
         self.history.checkpoint_resume(quorum_id, self._hosted.step, checkpoint.step, checkpoint.path, now)
         self._hosted.restore(checkpoint.ledger)
 
-    # --- the ledger ------------------------------------------------------------------------------
-
-    def _catch_up(self, step: int, weights: Mapping[str, Any] | None) -> None:
-        """Commit the hosted ledger through ``step`` with the quorum's members (``weights``: the report's)."""
-        if step <= self._hosted.step:
-            return
-        quorum = self._roster.quorum
-        assert quorum is not None
-        for epoch, committed, positions in self._hosted.catch_up(list(quorum.members), step, weights):
-            self.revision += 1
-            if self.on_commit is not None:
-                self.on_commit(epoch, committed, positions)
-
-    def _reports_count(self, member: str, applied_step: int) -> bool:
-        """Whether ``member``'s report of ``applied_step`` counts towards commits (see ``_progress``)."""
-        if member not in self._roster or member in self._roster.evicted:
-            return False
-        if member in self._healing:
-            ahead = self._healing[member]
-            return applied_step == self._heal_step if ahead else applied_step >= self._heal_step
-        return True
-
-    def _would_commit(self, member: str, applied_step: int) -> bool:
-        """Whether ``member``'s report of ``applied_step`` would commit steps (see ``_progress``)."""
-        return applied_step > self._hosted.step and self._reports_count(member, applied_step)
-
-    def _check_digest(
-        self, member: str, applied_step: int, digest: str | None, weights: Mapping[str, Any] | None
-    ) -> None:
-        """Refuse (422) a report that would commit steps the lighthouse's own replay does not reach."""
-        if not self._would_commit(member, applied_step):
-            return
-        committed = self._hosted.step
-        if digest is None:
-            if self.require_digest:
-                raise RequestError(
-                    422,
-                    f"applied_step {applied_step} is ahead of the ledger's step {committed}: a digest of the "
-                    "member's ledger is required to commit it",
-                    field="digest",
-                )
-            return
-        quorum = self._roster.quorum
-        assert quorum is not None
-        ours = self._hosted.digest_after(list(quorum.members), applied_step, weights)
-        if not hmac.compare_digest(ours, digest):
-            raise RequestError(
-                422,
-                f"digest {digest} of member {member!r} at applied_step {applied_step} does not match the "
-                f"lighthouse's replay ({ours}): the steps are not committed; the ledger stays at step {committed}",
-                field="digest",
-            )
-
-    def _progress(self, member: str, applied_step: int, weights: Mapping[str, Any] | None) -> None:
-        """Commit through ``applied_step`` if ``member`` is a quorum member whose reports count."""
-        if not self._reports_count(member, applied_step):
-            return
-        if member in self._healing:
-            del self._healing[member]
-            self.revision += 1
-        self._catch_up(applied_step, weights)
-
     # --- checks ----------------------------------------------------------------------------------
 
-    def _check_catch_up(self, member: str, applied_step: int) -> None:
-        if member in self._roster and applied_step > self._hosted.step + MAX_CATCH_UP:
-            raise RequestError(
-                422,
-                f"applied_step {applied_step} is impossible: more than {MAX_CATCH_UP} steps ahead of "
-                f"the ledger's step {self._hosted.step}",
-                field="applied_step",
-            )
-
     def _check_request(self, request: QuorumRequest) -> None:
-        quorum = self._roster.quorum
+        quorum = self.roster.quorum
         if request.reason == "join":
             # every report a quorum member makes commits at once, so nothing known is past the ledger's step
             limit = self._hosted.step + (1 if quorum is not None else 0)
@@ -847,7 +792,7 @@ class LighthouseState:
             raise RequestError(
                 409, f"no quorum has formed yet: ask with reason 'join', not {request.reason!r}", field="reason"
             )
-        if request.member not in self._roster or request.member in self._roster.evicted:
+        if request.member not in self.roster or request.member in self.roster.evicted:
             raise RequestError(
                 409,
                 f"member {request.member!r} is not (or no longer) in quorum {quorum.quorum_id}: "
@@ -864,160 +809,63 @@ class LighthouseState:
                 quorum_id=quorum.quorum_id,
                 members=list(quorum.members),
             )
-        self._check_catch_up(request.member, request.applied_step)
-        self._check_digest(request.member, request.applied_step, request.digest, request.weights)
+        if not self.commits.verify(self.roster, request.member, request.applied_step, request.digest, request.weights):
+            raise RequestError(
+                503,
+                f"the lighthouse is verifying the ledger up to applied_step {request.applied_step} (its replay "
+                "goes on in slices); ask again",
+                code="catching_up",
+                retry=True,
+            )
 
     # --- liveness and history --------------------------------------------------------------------
 
     def _touch(self, member: str, now: float) -> MemberRecord:
-        if member not in self._members:
-            self._members_changed.add(member)
-            self.revision += 1
-        record = self._members.touch(member, now)
-        self._roster.revived(member)
+        if member not in self.membership:
+            self.dirty.members.add(member)
+            self.dirty.revision += 1
+        record = self.membership.touch(member, now)
+        self.roster.revived(member)
         return record
 
     def _mark_dead(self, member: str, now: float, reason: str) -> None:
-        self._members.mark_dead(member)
-        self._roster.died(member)
-        self._pending.pop(member)
-        if self._answered.pop(member, None) is not None:
-            self._formation_changed = True
-        in_quorum = member in self._roster
+        self.membership.mark_dead(member)
+        self.roster.died(member)
+        self.asks.pop(member)
+        if self.answered.pop(member, None) is not None:
+            self.dirty.formation = True
+        in_quorum = member in self.roster
         if reason == "left":
             self.history.departure(member, now, in_quorum=in_quorum)
-            self.revision += 1
+            self.dirty.revision += 1
         else:
             self._record_failure(member, now, reason, in_quorum=in_quorum)
 
     def _record_failure(self, member: str, now: float, reason: str, *, in_quorum: bool) -> None:
         self.history.failure(member, now, reason, in_quorum=in_quorum)
-        self.revision += 1
+        self.dirty.revision += 1
 
-    # --- status and persistence ------------------------------------------------------------------
+    # --- status and persistence (stalwart.coord.status, stalwart.coord.snapshot) ------------------
 
     def member_state(self, member: str) -> str:
         """``alive`` (in the quorum), ``joining`` (alive, not in it), ``left`` (it finished cleanly) or ``dead``."""
-        record = self._members[member]
-        if not record.alive:
-            return "left" if record.left else "dead"
-        return "alive" if member in self._roster else "joining"
+        return status.member_state(self, member)
 
     def to_status(self, now: float | None = None) -> dict[str, Any]:
         """One JSON-able dict of everything a dashboard shows (``plan`` null, the ledger at zero: none adopted yet)."""
-        members = []
-        for name, record in self._members.records.items():
-            ask = self._pending.get(name)
-            members.append(
-                {
-                    "member": name,
-                    "state": self.member_state(name),
-                    "applied_step": record.applied_step,
-                    "connected": record.connected,
-                    "last_seen": record.last_seen,
-                    "seconds_since_seen": None if now is None else max(0.0, now - record.last_seen),
-                    "asking": None if ask is None else ask.request.reason,
-                    "healing": name in self._healing,
-                }
-            )
-        quorum = self._roster.quorum
-        plan = self.plan
-        return {
-            "members": members,
-            "quorum": None if quorum is None else {"quorum_id": quorum.quorum_id, "members": list(quorum.members)},
-            "checkpoint": None
-            if self._checkpoint is None
-            else {**self._checkpoint.announcement(), "time": self._checkpoint.time, "member": self._checkpoint.member},
-            "resumed_from_checkpoint": list(self.history.checkpoint_resumes),
-            "min_replicas": self.min_replicas,
-            "reconfigure_pending": self.reconfigure_pending,
-            "ledger": self._ledger_status(),
-            "plan": None if plan is None else plan.to_dict(),
-            "counts": dict(self.counts),
-            "failures": list(self.failures),
-            "recoveries": list(self.recoveries),
-            "departures": list(self.departures),
-            "quorums": list(self.quorums),
-        }
-
-    def _ledger_status(self) -> dict[str, Any]:
-        hosted = self._ledger_of_record
-        if hosted is None:
-            zero = {"step": 0, "epoch": 0, "epoch_step": 0, "base_index": 0, "missing": 0, "epoch_length": 0}
-            return {**zero, "epoch_progress": 0.0, "step_in_progress": False, "balance": None}
-        ledger = hosted.ledger
-        missing = int(ledger.missing_indices.size)
-        length = ledger.plan.epoch_length
-        return {
-            "step": ledger.step,
-            "epoch": ledger.epoch,
-            "epoch_step": ledger.epoch_step,
-            "base_index": ledger.base_index,
-            "missing": missing,
-            "epoch_length": length,
-            "epoch_progress": 1.0 if ledger.epoch_complete else (ledger.base_index - missing) / length,
-            "step_in_progress": hosted.record is not None,
-            "balance": None
-            if not ledger.balanced
-            else {"every": ledger.balance_every, "step": ledger.weights_step, "weights": ledger.weights},
-        }
+        return status.status(self, now)
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable state; ``from_state_dict`` resumes it in a restarted lighthouse."""
-        return {
-            **self._core_state(),
-            **self._formation_state(),
-            "history": self.history.to_json(),
-            "members": {name: record.applied_step for name, record in self._members.records.items()},
-            "identities": self._identities.to_json(),
-        }
-
-    def _core_state(self) -> dict[str, Any]:
-        history = self.history.to_json()
-        kept = {key: value for key, value in history.items() if key not in HISTORY_KINDS}
-        return {
-            "version": STATE_VERSION,
-            **self._hosted.to_json(),
-            "healing": dict(self._healing),
-            "heal_step": self._heal_step,
-            "history": json.loads(json.dumps(kept)),  # a copy: the save thread reads it while the loop goes on
-            "checkpoint": None if self._checkpoint is None else self._checkpoint.to_json(),
-        }
-
-    def _formation_state(self) -> dict[str, Any]:
-        quorum = self._roster.quorum
-        return {
-            "quorum": None if quorum is None else {"quorum_id": quorum.quorum_id, "members": list(quorum.members)},
-            "formation": None if self._formation is None else self._formation.to_json(),
-            "answered": {member: request.to_json() for member, request in self._answered.items()},
-        }
+        return snapshot.state_dict(self)
 
     def changes(self) -> Changes:
-        """What changed since the last call, for the store; hand it back to :meth:`requeue` if it was not saved.
-
-        Costs what changed: the core is small, the formation part is built
-        once per quorum, and a member's row only when it appears, registers or
-        is forgotten (its applied step is not persisted: members report it again).
-        """
-        rows: dict[str, dict[str, Any] | None] = {}
-        for name in self._members_changed:
-            rows[name] = self._identities.member_json(name) if name in self._members else None
-        changes = Changes(
-            self.revision,
-            self._core_state(),
-            self._formation_state() if self._formation_changed else None,
-            rows,
-            self.history.drain(),
-        )
-        self._formation_changed = False
-        self._members_changed = set()
-        return changes
+        """What changed since the last call, for the store; hand it back to :meth:`requeue` if it was not saved."""
+        return snapshot.changes(self)
 
     def requeue(self, changes: Changes) -> None:
         """``changes`` could not be saved: the next :meth:`changes` includes them again."""
-        self._formation_changed = self._formation_changed or changes.formation is not None
-        self._members_changed.update(changes.members)
-        self.history.journal[:0] = changes.events
+        snapshot.requeue(self, changes)
 
     @classmethod
     def from_state_dict(
@@ -1040,9 +888,8 @@ class LighthouseState:
         """
         if not isinstance(state, Mapping) or state.get("version") not in (1, STATE_VERSION):
             raise ValueError(f"state must be a lighthouse state_dict of version {STATE_VERSION}")
-        hosted = HostedLedger.from_json(state)
         restored = cls(
-            hosted.ledger.plan,
+            HostedLedger.from_json(state).ledger.plan,
             min_replicas,
             heartbeat_timeout,
             join_timeout,
@@ -1051,26 +898,5 @@ class LighthouseState:
             max_members=max_members,
             require_digest=require_digest,
         )
-        restored._ledger_of_record = hosted
-        for name, applied_step in state["members"].items():
-            step = None if applied_step is None else parse_step(applied_step, f"state['members'][{name!r}]")
-            restored._members.restore(parse_member(name, "state['members']"), step, now)
-        if state["quorum"] is not None:
-            members = tuple(parse_member(m, "state['quorum']['members']") for m in state["quorum"]["members"])
-            quorum_id = check_int("state['quorum']['quorum_id']", state["quorum"]["quorum_id"])
-            restored._roster = Roster(Quorum(quorum_id, members), dead=members)
-        restored.expect_quorum(now)
-        if state["formation"] is not None and state["version"] == STATE_VERSION:
-            restored._formation = Formation.from_json(state["formation"])
-            restored._answered = {member: QuorumRequest(**request) for member, request in state["answered"].items()}
-
-        restored._healing = {name: bool(ahead) for name, ahead in state["healing"].items()}
-        restored._heal_step = check_int("state['heal_step']", state["heal_step"], minimum=0)
-        restored.history = History.from_json(state["history"])
-        if state.get("identities") is not None:
-            restored._identities = Identities.from_json(state["identities"])
-        if state.get("checkpoint") is not None:
-            restored._checkpoint = CheckpointRecord.from_json(state["checkpoint"])
-        restored._formation_changed = True  # the first save writes every part (a version 1 state had one row)
-        restored._members_changed = set(restored._members.records)
+        snapshot.restore(restored, state, now)
         return restored

@@ -3,10 +3,12 @@
 Endpoints (``docs/protocol.md``): ``GET /healthz``, ``GET /v1/status``,
 ``POST /v1/register``, ``GET /v1/heartbeat?member=ID`` (websocket),
 ``POST /v1/quorum`` (long poll), ``POST /v1/leave`` and ``POST /v1/checkpoint``
-(a member wrote a durable checkpoint), and the dashboard's ``GET /``,
-``GET /v1/events`` and ``GET /metrics`` (:mod:`stalwart.coord.dashboard`); all but the first two
-and register carry the member's incarnation and secret in the
-``X-Stalwart-Incarnation`` and ``X-Stalwart-Secret`` headers. Every event is handed to the pure state with the
+(a member wrote a durable checkpoint), ``POST /v1/store/{quorum_id}`` (the
+quorum store, :mod:`stalwart.coord.store`), and the dashboard's ``GET /``,
+``GET /v1/events`` and ``GET /metrics`` (:mod:`stalwart.coord.dashboard`);
+heartbeats, quorum requests, leaves and checkpoint reports carry the member's
+incarnation and secret (:mod:`stalwart.coord.protocol`), store requests the
+quorum's store key. Every event is handed to the pure state with the
 wall-clock time; a periodic task (every ``tick_interval``) expires heartbeats
 and join timeouts and forms quorums. The state is persisted
 (:mod:`stalwart.coord.persist`) on a single save thread, off the event loop,
@@ -17,9 +19,14 @@ until a save succeeds. Ledger commits reported by heartbeats are saved within
 one tick (coalesced: a commit lost with the process is replayed identically
 from the members' next heartbeats).
 
-The lighthouse also hosts the ``torch.distributed.TCPStore`` on which each
-quorum's process group rendezvouses, under the prefix
-``q{quorum_id}-{128 random bits}/`` told only to the quorum's members.
+Safe on a shared network (``docs/design.md``, "Security model"): bound to an
+address other than loopback it refuses to start without a token unless told
+``insecure``; it serves TLS with ``tls_cert``/``tls_key``; every connection
+must send its headers within a timeout and the open and unauthenticated
+connections are capped (:mod:`stalwart.coord.connections`); a quorum long poll
+per incarnation; client errors are logged once per kind per interval
+(:mod:`stalwart.coord.quiet_log`); no request or message does more than a few
+milliseconds of work on the event loop.
 
 :class:`Lighthouse` runs the server in a background thread with its own event
 loop (``start``/``stop``), so tests and launchers can embed it, or in the
@@ -29,6 +36,7 @@ foreground for the CLI (``serve_forever``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -43,16 +51,32 @@ from typing import Any
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from stalwart._validate import check_int
+from stalwart._validate import check_bool, check_int
+from stalwart.coord import quiet_log
 from stalwart.coord.collector import QuietCollector
+from stalwart.coord.connections import RESERVED_FDS, ConnectionGuard, descriptor_limit
 from stalwart.coord.dashboard import Dashboard, browser_credential
 from stalwart.coord.metrics import LighthouseMetrics
 from stalwart.coord.persist import StateStore
+from stalwart.coord.protocol import (
+    AUTHORIZATION_HEADER,
+    CHECKPOINT_PATH,
+    HEARTBEAT_PATH,
+    INCARNATION_HEADER,
+    LEAVE_PATH,
+    QUORUM_PATH,
+    REGISTER_PATH,
+    SECRET_HEADER,
+    STORE_KEY_HEADER,
+    STORE_PATH,
+    QuorumRequest,
+    StoreRequest,
+    parse_header,
+)
 from stalwart.coord.quorum import (
     MAX_MEMBERS,
     Formation,
     LighthouseState,
-    QuorumRequest,
     RequestError,
     check_seconds,
     parse_digest,
@@ -62,8 +86,11 @@ from stalwart.coord.quorum import (
     parse_weights,
 )
 from stalwart.coord.rounds import RoundsBoard
+from stalwart.coord.store import QuorumStores, StoreLimits
+from stalwart.coord.tls import is_loopback, server_context
 from stalwart.coord.wire import parse_plan
 from stalwart.data.plan import EpochPlan
+from stalwart.errors import StalwartError
 
 logger = logging.getLogger(__name__)
 
@@ -75,11 +102,24 @@ MAX_WAITERS = 4096
 HEARTBEATS_PER_SECOND = 8192
 """The heartbeat rate the lighthouse plans for: with M members it recommends an interval of at least
 ``M / HEARTBEATS_PER_SECOND`` seconds (see :func:`recommended_heartbeat_interval`)."""
-INCARNATION_HEADER = "X-Stalwart-Incarnation"
-SECRET_HEADER = "X-Stalwart-Secret"
+CATCH_UP_SLICES = 8
+"""Extra slices of a report's replay per tick (each a few milliseconds, with the loop serving between them)."""
+BODY_TIMEOUT = 10.0
+"""Seconds a request's body may take to arrive (a body sent byte by byte is cut off: 408)."""
+MAX_STORE_BODY_BYTES = 4 * (StoreLimits().value_bytes // 3 + 1) + 4096
+"""Largest store request: the largest value in base64, and its JSON."""
+MAX_UNAUTHENTICATED = 1024
+"""Default cap on connections that have not yet passed the credential check (``max_unauthenticated``)."""
 _PUBLIC_PATHS = frozenset({"/healthz"})
 _REGISTER_FIELDS = frozenset({"member", "incarnation", "plan"})
+_SOCKET_ERRORS = (ConnectionError, RuntimeError)
+"""What writing to a websocket that is closing raises (aiohttp: ``ClientConnectionResetError``, a ``RuntimeError``
+after close); the member is gone, or going, and nothing else happens."""
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class InsecureLighthouseError(StalwartError, ValueError):
+    """A lighthouse on a non-loopback address without a token: anyone on the network could drive the job."""
 
 
 class Lighthouse:
@@ -90,10 +130,18 @@ class Lighthouse:
     a member offering another plan is refused, naming each differing field.
     With ``state_path`` the state lives in that SQLite file; when it already
     holds a state, that state (and its plan) is resumed and ``plan``, if
-    given, must equal it. ``port=0`` and ``store_port=0`` pick free ports (see ``port`` and
-    ``store_port`` once started). ``balance_every=K > 0`` balances the ledger:
-    members' shares follow their measured throughput, decided every ``K``
-    steps (None: as persisted, else 0, off; a persisted state must agree).
+    given, must equal it; the file is locked while the lighthouse runs.
+    ``port=0`` picks a free port (see ``port`` once started).
+    ``balance_every=K > 0`` balances the ledger: members' shares follow their
+    measured throughput, decided every ``K`` steps (None: as persisted, else
+    0, off; a persisted state must agree).
+
+    On a ``host`` other than loopback a ``token`` is required unless
+    ``insecure=True`` (:class:`InsecureLighthouseError`); ``tls_cert`` and
+    ``tls_key`` (PEM files) serve HTTPS, and without them a token on such a
+    host travels in cleartext (a warning says so).
+    ``max_connections`` (default: the process's file-descriptor limit less
+    ``RESERVED_FDS``) and ``max_unauthenticated`` cap open connections.
     """
 
     def __init__(
@@ -108,22 +156,46 @@ class Lighthouse:
         token: str | None = None,
         heartbeat_timeout: float = 2.0,
         join_timeout: float = 5.0,
-        store_port: int = 0,
         tick_interval: float = 0.05,
         max_members: int = MAX_MEMBERS,
         max_waiters: int = MAX_WAITERS,
         balance_every: int | None = None,
+        insecure: bool = False,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
+        max_connections: int | None = None,
+        max_unauthenticated: int = MAX_UNAUTHENTICATED,
+        store_limits: StoreLimits | None = None,
     ) -> None:
         if plan is not None and not isinstance(plan, EpochPlan):
             raise TypeError(f"plan must be an EpochPlan or None, got {type(plan).__name__}")
         if not isinstance(host, str) or not host:
             raise ValueError(f"host must be a non-empty string, got {host!r}")
-        if token is not None and (not isinstance(token, str) or not token):
-            raise ValueError("token must be a non-empty string or None")
+        if token is not None and (not isinstance(token, str) or not token or parse_header(token, "token") is None):
+            raise ValueError("token must be a non-empty string of printable ASCII or None")
+        check_bool("insecure", insecure)
+        if token is None and not insecure and not is_loopback(host):
+            raise InsecureLighthouseError(
+                f"host={host!r} is reachable from other machines and no token is set: anyone there could register, "
+                "report checkpoints and read the quorum's keys. Give a token (STALWART_LIGHTHOUSE_TOKEN, or "
+                "--token-file), or say insecure=True (--insecure) on a network you trust"
+            )
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both PEM files, or neither")
+        self._ssl = None if tls_cert is None or tls_key is None else server_context(tls_cert, tls_key)
+        if token is not None and self._ssl is None and not is_loopback(host):
+            logger.warning(
+                "the lighthouse on %s takes its token over plain HTTP: anyone on the network can read it; give "
+                "--tls-cert and --tls-key",
+                host,
+            )
         self.host = host
         self._requested_port = check_int("port", port, minimum=0, maximum=65535)
-        self._requested_store_port = check_int("store_port", store_port, minimum=0, maximum=65535)
         self._token = token
+        self.max_connections = (
+            None if max_connections is None else check_int("max_connections", max_connections, minimum=2)
+        )
+        self.max_unauthenticated = check_int("max_unauthenticated", max_unauthenticated, minimum=1)
         self.join_timeout = check_seconds("join_timeout", join_timeout)
         self.tick_interval = check_seconds("tick_interval", tick_interval)
         self.max_waiters = check_int("max_waiters", max_waiters, minimum=1)
@@ -151,18 +223,28 @@ class Lighthouse:
         self.state.history.listener = self.metrics.on_history_event
         self.rounds = RoundsBoard(self.metrics.registry)
         """DiLoCo members' round figures, from their heartbeats (:mod:`stalwart.coord.rounds`)."""
-        self._dashboard = Dashboard(self._status, lambda: self.state.revision, self.state.incarnation, self.metrics)
+        self._dashboard = Dashboard(
+            self._status,
+            lambda: self.state.revision,
+            self.state.incarnation,
+            self.metrics,
+            port=lambda: self.port,
+            secure=self._ssl is not None,
+        )
         self._saved_revision = -1
         self._save_failing = False
         self._save_lock: asyncio.Lock | None = None
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="stalwart-lighthouse-save")
         self._port: int | None = None
-        self._store_port: int | None = None
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.Server | None = None
+        self.guard: ConnectionGuard | None = None
+        """The connection caps and header timeout (once started)."""
         self._ticker: asyncio.Task[None] | None = None
-        self._tcp_store: Any = None
+        self.stores = QuorumStores(store_limits)
+        """The current quorum's store."""
         self._sockets: dict[str, web.WebSocketResponse] = {}
         self._waiters: dict[str, list[asyncio.Future[Formation | RequestError]]] = {}
         self._waiting = 0
@@ -170,6 +252,8 @@ class Lighthouse:
         self._broken_pushed: set[int] = set()
         self._collector: QuietCollector | None = None
         """Set by ``serve_forever`` (the process is the lighthouse's): full collections at quiet times only."""
+        self._own_process = False
+        """Set by ``serve_forever``: the process's file-descriptor limit is raised to its hard limit."""
         self._stopping = False
 
     def _load_state(
@@ -225,17 +309,10 @@ class Lighthouse:
         return self._port
 
     @property
-    def store_port(self) -> int:
-        """The TCPStore's port (once started)."""
-        if self._store_port is None:
-            raise RuntimeError("the lighthouse is not started; call start() first")
-        return self._store_port
-
-    @property
     def url(self) -> str:
-        """``http://host:port`` of the server (once started)."""
+        """``http(s)://host:port`` of the server (once started)."""
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{'https' if self._ssl is not None else 'http'}://{host}:{self.port}"
 
     # --- life cycle ------------------------------------------------------------------------------
 
@@ -291,6 +368,7 @@ class Lighthouse:
         (:mod:`stalwart.coord.collector`).
         """
         if self._thread is None:
+            self._own_process = True
             self.start()
         collector = QuietCollector()
         collector.start()
@@ -323,25 +401,40 @@ class Lighthouse:
         self.stop()
 
     async def _start(self) -> None:
-        self._tcp_store, self._store_port = _start_tcp_store(self.host, self._requested_store_port)
+        quiet_log.install()
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(quiet_log.loop_exception_handler)
         app = web.Application(middlewares=[self._middleware], client_max_size=MAX_BODY_BYTES)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/v1/status", self._get_status)
         app.router.add_get("/status", self._get_status)  # the short name people and scripts type
-        app.router.add_post("/v1/register", self._register)
-        app.router.add_get("/v1/heartbeat", self._heartbeat)
-        app.router.add_post("/v1/quorum", self._quorum)
-        app.router.add_post("/v1/leave", self._leave)
-        app.router.add_post("/v1/checkpoint", self._checkpoint)
+        app.router.add_post(REGISTER_PATH, self._register)
+        app.router.add_get(HEARTBEAT_PATH, self._heartbeat)
+        app.router.add_post(QUORUM_PATH, self._quorum)
+        app.router.add_post(LEAVE_PATH, self._leave)
+        app.router.add_post(CHECKPOINT_PATH, self._checkpoint)
+        app.router.add_post(STORE_PATH + "/{quorum_id}", self._store)
         self._dashboard.add_routes(app)
         self._runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=2.0)
         await self._runner.setup()
+        assert self._runner.server is not None
+        limit = descriptor_limit(raise_soft=self._own_process) - RESERVED_FDS
+        cap = max(2, limit if self.max_connections is None else min(self.max_connections, limit))
+        self.guard = ConnectionGuard(
+            self._runner.server, max_connections=cap, max_unauthenticated=min(self.max_unauthenticated, cap)
+        )
         # every member may connect at once (a quorum request after a failure): a short accept queue drops their
         # connections, which the kernel retries after 1, 3, 7... s
         backlog = max(128, self.state.max_members)
-        site = web.TCPSite(self._runner, self.host, self._requested_port, backlog=backlog)
-        await site.start()
-        self._port = int(self._runner.addresses[0][1])
+        listener = socket.create_server(
+            (self.host, self._requested_port), family=socket.AF_INET6 if ":" in self.host else socket.AF_INET,
+            backlog=backlog,
+        )  # fmt: skip
+        self._listener = await loop.create_server(
+            self.guard, sock=listener, ssl=self._ssl, backlog=backlog,
+            ssl_handshake_timeout=self.guard.header_timeout if self._ssl is not None else None,
+        )  # fmt: skip
+        self._port = int(listener.getsockname()[1])
         self.state.expect_quorum(time.time())
         self._save_lock = asyncio.Lock()
         await self._durable()
@@ -356,15 +449,17 @@ class Lighthouse:
             for waiter in waiters:
                 if not waiter.done():
                     waiter.set_result(RequestError(503, "the lighthouse is shutting down; ask again"))
+        self.stores.close()
         closing = [ws.close(code=WSCloseCode.GOING_AWAY, message=b"shutting down") for ws in self._sockets.values()]
         await asyncio.gather(*closing, return_exceptions=True)
+        if self._listener is not None:
+            self._listener.close()
         if self._runner is not None:
             await self._runner.cleanup()
         await self._durable()
         self._saver.shutdown(wait=True)
         if self._database is not None:
             self._database.close()
-        self._tcp_store = None
 
     # --- the state -------------------------------------------------------------------------------
 
@@ -378,6 +473,13 @@ class Lighthouse:
                 if lag > self.tick_interval:  # the loop was blocked: heartbeats waited unread in the sockets
                     self.state.excuse_silence(lag, time.time())
                 self._advance(tick=True)
+                for _ in range(CATCH_UP_SLICES):  # a report far ahead: more slices, the loop serving between them
+                    if not self.state.catching_up:
+                        break
+                    await asyncio.sleep(0)
+                    self.state.work_catch_up()
+                    self._advance()
+                self._deliver_refusals()
                 await self._durable()
             except Exception:
                 logger.exception("lighthouse tick failed")
@@ -475,37 +577,45 @@ class Lighthouse:
 
     def _status(self) -> dict[str, Any]:
         status = self.state.to_status(time.time())
-        return {
-            **status,
-            "url": self.url,
-            "store": {"host": self.host, "port": self.store_port},
-            "rounds": self.rounds.to_status(status),
-        }
+        return {**status, "url": self.url, "store": {"keys": self.stores.keys}, "rounds": self.rounds.to_status(status)}
 
     # --- HTTP ------------------------------------------------------------------------------------
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """Bearer-token check (all but ``/healthz``) and JSON errors for refused requests."""
-        if self._token is not None and request.path not in _PUBLIC_PATHS:
-            given = (request.headers.get("Authorization") or browser_credential(request)).encode()
-            if not hmac.compare_digest(given, f"Bearer {self._token}".encode()):
-                return web.json_response(
-                    {
-                        "error": "missing or wrong bearer token in the Authorization header "
-                        "(the dashboard's / and /v1/events also take ?token= or the stalwart_token cookie)"
-                    },
-                    status=401,
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
+        """Bearer-token check (all but ``/healthz``), JSON errors for refused requests, the connection guard's marks."""
+        guard = self.guard
+        if guard is not None:
+            guard.request_started(request)
         try:
+            if request.path not in _PUBLIC_PATHS:
+                self._check_token(request)
+                if guard is not None:
+                    guard.authenticated(request)
             return await handler(request)
         except RequestError as error:
-            return web.json_response(error.to_json(), status=error.status)
+            return web.json_response(error.to_json(), status=error.status, headers=error.headers)
         except web.HTTPException as error:
             if error.status < 400:
                 raise
             return web.json_response({"error": f"{error.reason}: {request.method} {request.path}"}, status=error.status)
+        finally:
+            if guard is not None:
+                guard.request_ended(request)
+
+    def _check_token(self, request: web.Request) -> None:
+        """401 unless the request carries the bearer token (the dashboard's routes also take ?token= or the cookie)."""
+        if self._token is None:
+            return
+        given = parse_header(request.headers.get(AUTHORIZATION_HEADER), AUTHORIZATION_HEADER)
+        given = given or parse_header(browser_credential(request, self.port) or None, "token")
+        if given is None or not hmac.compare_digest(given.encode(), f"Bearer {self._token}".encode()):
+            raise RequestError(
+                401,
+                "missing or wrong bearer token in the Authorization header "
+                "(the dashboard's / and /v1/events also take ?token= or the stalwart_token cookie)",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
 
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
@@ -540,7 +650,7 @@ class Lighthouse:
                 if self._stopping or self._sockets.get(member) is not ws:
                     break
                 if message.type != WSMsgType.TEXT:
-                    await ws.send_json({"type": "error", "error": "heartbeats must be JSON text messages"})
+                    await _send(ws, {"type": "error", "error": "heartbeats must be JSON text messages"})
                     continue
                 heal_error: str | None = None
                 rounds_error: str | None = None
@@ -553,18 +663,19 @@ class Lighthouse:
                     self.state.heartbeat(member, applied_step, time.time(), digest, weights)
                 except (ValueError, RecursionError, RequestError) as error:
                     refused = error.message if isinstance(error, RequestError) else f"not JSON: {error}"
+                self._deliver_refusals()
                 for text in (heal_error, rounds_error, refused):
                     if text is not None:
-                        await ws.send_json({"type": "error", "error": text})
+                        await _send(ws, {"type": "error", "error": text})
                 if refused is not None:
                     continue
                 quorum = self.state.quorum
                 if quorum is not None and self.state.should_reconfigure(member):
-                    await ws.send_json(
-                        {"type": "reconfigure", "quorum_id": quorum.quorum_id, "broken": self.state.quorum_broken}
+                    await _send(
+                        ws, {"type": "reconfigure", "quorum_id": quorum.quorum_id, "broken": self.state.quorum_broken}
                     )
                 elif quorum is not None and self.state.left_out(member):
-                    await ws.send_json({"type": "reconfigure", "quorum_id": quorum.quorum_id, "left_out": True})
+                    await _send(ws, {"type": "reconfigure", "quorum_id": quorum.quorum_id, "left_out": True})
         finally:
             if self._sockets.get(member) is ws:
                 del self._sockets[member]
@@ -588,6 +699,14 @@ class Lighthouse:
             self._advance()
             formation = self.state.formation_for(quorum_request)
         if formation is None:
+            # one long poll per incarnation: a newer request of the same member replaces an older one (its client
+            # gave up on it), so one identity cannot fill max_waiters
+            replaced = RequestError(
+                409, f"replaced by a newer quorum request of member {member!r}", member=member, code="replaced"
+            )
+            for older in self._waiters.get(member, ()):
+                if not older.done():
+                    older.set_result(replaced)
             waiter: asyncio.Future[Formation | RequestError] = asyncio.get_running_loop().create_future()
             self._waiters.setdefault(member, []).append(waiter)
             self._waiting += 1
@@ -607,8 +726,13 @@ class Lighthouse:
                 )
             formation = result
         await self._require_durable(f"quorum {formation.quorum_id}")
+        if self.state.quorum is None or self.state.quorum.quorum_id != formation.quorum_id:
+            raise RequestError(  # another quorum formed while this answer was saved: ask again
+                503, f"quorum {formation.quorum_id} was superseded meanwhile; ask again", member=member, retry=True
+            )
+        store = self.stores.open(formation.quorum_id)
         extra = {
-            "store": {"host": self._store_host(request), "port": self.store_port, "prefix": formation.store_prefix},
+            "store": {"quorum_id": formation.quorum_id, "key": store.key},
             "heartbeat_interval": self.heartbeat_interval(),
         }
         body = formation.render(member, extra, wire=quorum_request.wire, known=quorum_request.known)
@@ -664,7 +788,9 @@ class Lighthouse:
         member = parse_member(body["member"])
         plan = parse_plan(body.get("plan"))
         previous = self.state.incarnation(member)
-        secret = self.state.register(member, body["incarnation"], time.time(), plan)
+        current = self._identity(request)
+        given = None if current[0] is None and current[1] is None else current
+        secret = self.state.register(member, body["incarnation"], time.time(), plan, given)
         if previous is not None:
             self._retire(member, previous)
         self._advance()
@@ -685,7 +811,45 @@ class Lighthouse:
 
     def _authenticate(self, request: web.Request, member: str) -> None:
         """403 unless the request carries ``member``'s current incarnation and secret (410 once it left)."""
-        self.state.authenticate(member, request.headers.get(INCARNATION_HEADER), request.headers.get(SECRET_HEADER))
+        self.state.authenticate(member, *self._identity(request))
+
+    def _identity(self, request: web.Request) -> tuple[str | None, str | None]:
+        """The identity headers (400 when they are not printable ASCII)."""
+        return (
+            parse_header(request.headers.get(INCARNATION_HEADER), INCARNATION_HEADER),
+            parse_header(request.headers.get(SECRET_HEADER), SECRET_HEADER),
+        )
+
+    async def _store(self, request: web.Request) -> web.Response:
+        """One operation on a quorum's store: its key is checked before the body is read.
+
+        A large body is decoded, and a large answer encoded, on a worker thread: a value of megabytes (heal
+        metadata) must not hold the event loop.
+        """
+        quorum_id = _path_int(request.match_info["quorum_id"], "quorum_id")
+        store = self.stores.get(quorum_id)
+        store.check_key(parse_header(request.headers.get(STORE_KEY_HEADER), STORE_KEY_HEADER))
+        raw = await _read_body(request.clone(client_max_size=MAX_STORE_BODY_BYTES))
+        loop = asyncio.get_running_loop()
+        limit = store.limits.value_bytes
+        if len(raw) > MAX_BODY_BYTES:
+            operation = await loop.run_in_executor(None, _parse_store_request, raw, limit)
+        else:
+            operation = _parse_store_request(raw, limit)
+        answer = await store.apply(operation)
+        if _large(answer):
+            body = await loop.run_in_executor(None, _encode_json, answer)
+        else:
+            body = _encode_json(answer)
+        return web.Response(body=body, content_type="application/json")
+
+    def _deliver_refusals(self) -> None:
+        """Tell members whose reports were refused after the event that made them (their replay took slices)."""
+        for member, text in self.state.take_refusals():
+            socket = self._sockets.get(member)
+            if socket is not None and not socket.closed:
+                task = asyncio.get_running_loop().create_task(_send(socket, {"type": "error", "error": text}))
+                task.add_done_callback(_consume)
 
     def _speaks(self, request: web.Request, member: str) -> bool:
         """Whether the request's incarnation still speaks for ``member`` (not replaced, not left)."""
@@ -694,12 +858,6 @@ class Lighthouse:
         except RequestError:
             return False
         return True
-
-    def _store_host(self, request: web.Request) -> str:
-        """The store's address as the caller can reach it: the bound host, or the one it called when wildcard."""
-        if self.host in ("0.0.0.0", "::", ""):
-            return request.url.host or "127.0.0.1"
-        return self.host
 
 
 def recommended_heartbeat_interval(members: int, heartbeat_timeout: float) -> float:
@@ -720,27 +878,53 @@ def _consume(task: asyncio.Task[Any]) -> None:
         task.exception()
 
 
-def _start_tcp_store(host: str, port: int) -> tuple[Any, int]:
-    """The rendezvous ``TCPStore``, listening on ``host`` only (on its own it would listen on every interface)."""
-    from torch.distributed import TCPStore
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.create_server((host, port), family=family, backlog=1024)
+async def _read_body(request: web.BaseRequest) -> bytes:
+    """The request's body, read within ``BODY_TIMEOUT`` (408 after) and its size limit (413 above)."""
+    if request.content.is_eof():  # the whole body came with the headers (most requests): no timer to arm
+        return await request.read()
     try:
-        actual_port = int(listener.getsockname()[1])
-        store = TCPStore(host, actual_port, is_master=True, wait_for_workers=False, master_listen_fd=listener.fileno())
-    except BaseException:
-        listener.close()
-        raise
-    listener.detach()
-    return store, actual_port
+        return await asyncio.wait_for(request.read(), BODY_TIMEOUT)
+    except asyncio.TimeoutError:
+        raise RequestError(408, f"the body did not arrive within {BODY_TIMEOUT:g} s") from None
 
 
-async def _json_body(request: web.Request) -> Any:
+def _decode_json(raw: bytes) -> Any:
     try:
-        return json.loads(await request.read())
+        return json.loads(raw)
     except (ValueError, RecursionError) as error:
         raise RequestError(400, f"the body must be JSON: {error}") from error
+
+
+async def _json_body(request: web.BaseRequest) -> Any:
+    """The request's JSON body (see :func:`_read_body`); 400 when it is not JSON."""
+    return _decode_json(await _read_body(request))
+
+
+def _parse_store_request(raw: bytes, max_value_bytes: int) -> StoreRequest:
+    return StoreRequest.from_json(_decode_json(raw), max_value_bytes)
+
+
+def _encode_json(answer: dict[str, Any]) -> bytes:
+    return json.dumps(answer, separators=(",", ":")).encode()
+
+
+def _large(answer: dict[str, Any]) -> bool:
+    """Whether a store answer carries more than ``MAX_BODY_BYTES`` of values."""
+    values = answer.get("values") or [answer.get("value")]
+    return sum(len(value) for value in values if isinstance(value, str)) > MAX_BODY_BYTES
+
+
+async def _send(socket: web.WebSocketResponse, message: dict[str, Any]) -> None:
+    """Send a message on a member's socket; a socket closing meanwhile misses it (the member is gone)."""
+    with contextlib.suppress(*_SOCKET_ERRORS):
+        await socket.send_json(message)
+
+
+def _path_int(value: str, name: str) -> int:
+    """A non-negative integer from the URL path; 400 naming it otherwise."""
+    if not (value.isascii() and value.isdigit()) or len(value) > 18:
+        raise RequestError(400, f"{name} must be a non-negative integer, got {value[:40]!r}", field=name)
+    return int(value)
 
 
 def _check_same_plan(given: EpochPlan, persisted: EpochPlan, path: object) -> None:

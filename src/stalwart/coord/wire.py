@@ -1,4 +1,6 @@
-"""What the lighthouse accepts on the wire: ids, steps, heartbeats and quorum requests, checked.
+"""What the lighthouse accepts on the wire, field by field: ids, steps, digests, weights, plans, heartbeats, checked.
+
+The messages these make up are typed in :mod:`~stalwart.coord.protocol`.
 
 Every parser raises :class:`RequestError` naming the field, the value and what
 is allowed; the server turns it into a 4xx JSON answer and changes nothing.
@@ -10,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from typing import Any
 
 from stalwart.data.plan import EpochPlan
@@ -26,12 +28,14 @@ _DIGEST_PATTERN = re.compile(r"[0-9a-f]{32}")
 
 
 class RequestError(StalwartError, ValueError):
-    """A request the lighthouse refuses: ``status`` is the HTTP status, ``details`` go into the JSON body."""
+    """A request the lighthouse refuses: ``status`` is the HTTP status, ``details`` go into the JSON body
+    (``headers`` into the answer's headers)."""
 
-    def __init__(self, status: int, message: str, **details: Any) -> None:
+    def __init__(self, status: int, message: str, *, headers: dict[str, str] | None = None, **details: Any) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.headers = headers
         self.details = details
 
     def to_json(self) -> dict[str, Any]:
@@ -138,72 +142,6 @@ def parse_report(body: Any) -> tuple[int, str | None, dict[str, Any] | None]:
 def parse_heartbeat(body: Any) -> int:
     """Return ``applied_step`` from a heartbeat message (see :func:`parse_report`)."""
     return parse_report(body)[0]
-
-
-@dataclass(frozen=True)
-class QuorumRequest:
-    """A member's ``POST /v1/quorum`` body."""
-
-    member: str
-    applied_step: int
-    quorum_id: int | None
-    reason: str
-    digest: str | None = None
-    """The member's ledger digest at ``applied_step`` (see ``ledger_digest``); needed to commit steps."""
-    weights: dict[str, Any] | None = None
-    """A balanced ledger's weights record at ``applied_step`` (see :func:`parse_weights`)."""
-    wire: int = field(default=1, compare=False)
-    """The answer's wire: 2 when the request carried ``known`` (see ``Formation.render``); not part of the request's
-    identity, so a retried long poll matches whatever it asks the answer in."""
-    known: int | None = field(default=None, compare=False)
-    """The quorum whose answer the member holds (wire 2): the members then come as a delta from it."""
-
-    def to_json(self) -> dict[str, Any]:
-        """Every field, as ``QuorumRequest(**...)`` takes them back (for persistence)."""
-        return {
-            "member": self.member,
-            "applied_step": self.applied_step,
-            "quorum_id": self.quorum_id,
-            "reason": self.reason,
-            "digest": self.digest,
-            "weights": self.weights,
-            "wire": self.wire,
-            "known": self.known,
-        }
-
-    @classmethod
-    def from_json(cls, body: Any) -> QuorumRequest:
-        """Validate a decoded JSON body; ``RequestError`` 400 names the bad field and value."""
-        if not isinstance(body, Mapping):
-            raise RequestError(400, f"the body must be a JSON object, got {type(body).__name__}")
-        unknown = sorted(set(body) - {"member", "applied_step", "quorum_id", "reason", "digest", "weights", "known"})
-        if unknown:
-            raise RequestError(400, f"unknown fields {unknown}", field=unknown[0])
-        for name in ("member", "applied_step", "reason"):
-            if name not in body:
-                raise RequestError(400, f"{name} is required", field=name)
-        member = parse_member(body["member"])
-        applied_step = parse_step(body["applied_step"])
-        reason = body["reason"]
-        if reason not in REASONS:
-            raise RequestError(400, f"reason must be one of {list(REASONS)}, got {reason!r}", field="reason")
-        quorum_id = body.get("quorum_id")
-        if quorum_id is not None:
-            quorum_id = parse_step(quorum_id, "quorum_id")
-        elif reason != "join":
-            raise RequestError(400, f"quorum_id must be an int for reason {reason!r}, got None", field="quorum_id")
-        known = body.get("known")
-        known = None if known is None else parse_step(known, "known")
-        return cls(
-            member,
-            applied_step,
-            quorum_id,
-            reason,
-            parse_digest(body.get("digest")),
-            parse_weights(body.get("weights")),
-            wire=2 if "known" in body else 1,
-            known=known,
-        )
 
 
 def check_seconds(name: str, value: Any) -> float:

@@ -14,7 +14,9 @@ a checkpoint, older ones are deleted but for the ``keep - 1`` newest.
 
 Every member holds the whole state (replicated training), so a checkpoint
 loads at any world size. DCP's metadata file is pickled: checkpoints are
-trusted files on the job's own storage, never data received over the network.
+trusted files on the job's own storage, never data received over the network;
+a worker loads only from inside its own checkpoint directory, and a finished
+checkpoint's files are readable by their owner only (0600, directories 0700).
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ log = logging.getLogger(__name__)
 
 META_FILE = "stalwart.json"
 FORMAT_VERSION = 1
+FILE_MODE = 0o600
+DIRECTORY_MODE = 0o700
 
 
 DCP_ERRORS = (Exception, CheckpointException)
@@ -82,7 +86,7 @@ class CheckpointMeta:
 def write_meta(directory: Path, meta: CheckpointMeta) -> None:
     """Write ``stalwart.json`` atomically and durably: the file's bytes, then the rename, then the directory."""
     staging = directory / f".{META_FILE}.tmp"
-    with open(staging, "w", encoding="utf-8") as file:
+    with open(os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE), "w", encoding="utf-8") as file:
         file.write(json.dumps(meta.to_json()))
         file.flush()
         os.fsync(file.fileno())
@@ -92,6 +96,13 @@ def write_meta(directory: Path, meta: CheckpointMeta) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
+
+
+def owner_only(directory: Path) -> None:
+    """Make a checkpoint's files (DCP's pickled metadata among them) readable by their owner only."""
+    directory.chmod(DIRECTORY_MODE)
+    for path in directory.rglob("*"):
+        path.chmod(DIRECTORY_MODE if path.is_dir() else FILE_MODE)
 
 
 def checkpoint_directory(root: Path, step: int) -> Path:
@@ -155,7 +166,8 @@ class Checkpointer:
         """Start writing ``states`` at ``meta.step`` (the tensors are staged before this returns)."""
         directory = checkpoint_directory(self.root, meta.step)
         shutil.rmtree(directory, ignore_errors=True)
-        directory.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(mode=DIRECTORY_MODE, parents=True, exist_ok=True)
+        directory.mkdir(mode=DIRECTORY_MODE, exist_ok=True)
         self._last_step, self._last_time = meta.step, time.monotonic()
         self._idle.clear()
         try:
@@ -185,6 +197,7 @@ class Checkpointer:
         """Mark a written checkpoint finished (``stalwart.json``, atomically) and hand it to ``on_finished``."""
         try:
             future.result()
+            owner_only(directory)
             write_meta(directory, meta)
             if self.on_finished is not None:
                 self.on_finished(directory, meta)

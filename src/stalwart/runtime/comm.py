@@ -1,8 +1,11 @@
 """The one device-specific piece: process groups per quorum, Gloo on CPU and NCCL on GPU.
 
-A quorum's process group is created from the lighthouse's TCPStore under the
-quorum's prefix, so that every quorum rendezvouses afresh and a dead quorum's
-group is simply abandoned (and aborted). Collectives have a timeout: a peer
+A quorum's process group is created from the quorum's store on the
+lighthouse (:func:`quorum_store`, authenticated: :mod:`stalwart.runtime.store`),
+so that every quorum rendezvouses afresh and a dead quorum's group is simply
+abandoned (and aborted). The collectives themselves (Gloo's and NCCL's
+sockets) are not authenticated: like torch.distributed, they assume a trusted
+training network. Collectives have a timeout: a peer
 that was SIGKILLed makes Gloo raise at once (its sockets close), a hung
 (SIGSTOPped) peer makes it raise after the collective's timeout (the
 communicator's ``timeout``, or a heal's own deadline); both surface as
@@ -55,6 +58,7 @@ import contextlib
 import datetime
 import logging
 import os
+import ssl
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -64,7 +68,9 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import WorkResult  # type: ignore[attr-defined]
 
+from stalwart.coord.protocol import StoreAddress
 from stalwart.errors import StalwartError
+from stalwart.runtime.store import LighthouseStore
 
 _FIRST_POLL = 20e-6
 _LAST_POLL = 1e-3
@@ -263,13 +269,15 @@ class Communicator:
             raise CollectiveError(f"{name} failed on rank {self.rank}/{self.world_size}: NCCL reported {failure}")
 
 
-def quorum_store(host: str, port: int, prefix: str, timeout: float) -> dist.Store:
-    """The quorum's view of the lighthouse's TCPStore: every key under ``prefix``."""
+def quorum_store(
+    address: StoreAddress, timeout: float, *, token: str | None, ssl_context: ssl.SSLContext | None = None
+) -> dist.Store:
+    """The quorum's store on the lighthouse (:class:`~stalwart.runtime.store.LighthouseStore`): every request
+    authenticated with ``token`` and the quorum's store key; blocking calls wait up to ``timeout`` seconds."""
     try:
-        store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
-    except (RuntimeError, dist.DistError) as error:
-        raise CollectiveError(f"cannot reach the quorum's store at {host}:{port}: {error}") from error
-    return dist.PrefixStore(prefix, store)
+        return LighthouseStore(address, timeout, token=token, ssl_context=ssl_context)
+    except ValueError as error:
+        raise CollectiveError(f"cannot use the quorum's store: {error}") from error
 
 
 def default_device(environ: Mapping[str, str] | None = None) -> torch.device:

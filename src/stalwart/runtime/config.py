@@ -85,7 +85,7 @@ class Checks:
     """Replica consistency and heal bounds.
 
     ``every``: the replicas' parameter checksum rides in the all-reduce every
-    this many steps (default: every step up to 2**20 parameters, less often
+    this many steps (default: every step up to 2**17 parameters, less often
     for larger models); drifted replicas are healed from the majority.
     ``max_heal_bytes`` bounds what a heal may allocate (default: a few times
     this member's own state).

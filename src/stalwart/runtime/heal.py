@@ -21,7 +21,14 @@ the same state names, the same tensor names in the same order with the same
 shapes, dtypes and sharding (optimizer state this member has not created yet
 is allowed when it has its parameter's shape and sharding), and a total within
 a byte budget. A mismatch raises :class:`HealError` naming the first offending
-tensor.
+tensor. The non-tensor values are checked too before anything is loaded
+(:func:`check_heal_values`): an optimizer's parameter groups must be this
+member's (the same groups, keys and parameters; each hyper-parameter of the
+same kind, numbers finite where this member's are), and every value must
+decode to what a ``state_dict`` holds; a ``load_state_dict`` that still
+refuses what it is given is a :class:`HealError` too. A :class:`HealError` is
+a failed collective: the quorum is asked again (never a crash), and a member
+whose peer trains another model ends with ``JoinError`` after its attempts.
 
 Every member of the quorum takes part (a broadcast is collective); only the
 targets load what they received.
@@ -39,8 +46,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from stalwart.errors import StalwartError
-from stalwart.runtime.comm import Communicator
+from stalwart.runtime.comm import CollectiveError, Communicator
 from stalwart.runtime.sharding import local_tensor
 from stalwart.runtime.state import Stateful
 
@@ -57,13 +63,15 @@ DEFAULT_HEAL_TIMEOUT = 30.0
 DEFAULT_MIN_BANDWIDTH = 50e6
 """Bytes per second a heal is assumed to move at least (a slow shared network)."""
 _MAX_DIMS = 64
+_MAX_DEPTH = 64
 _MAX_PLACEMENT_CHARS = 200
 _SCALAR_DTYPES = frozenset({torch.float32, torch.float64, torch.int64})
 _OPTIMIZER_STATE = re.compile(r"^(?P<state>.+)/state/(?P<index>\d+)/[^/]+$")
 
 
-class HealError(StalwartError, RuntimeError):
-    """The heal metadata does not fit this member's state (or its byte budget): nothing was allocated."""
+class HealError(CollectiveError):
+    """The heal metadata does not fit this member's state (or its byte budget), or its values do not load: a failed
+    collective (the quorum is asked again)."""
 
 
 @dataclass(frozen=True)
@@ -169,6 +177,7 @@ def transfer_state(
     else:
         meta = _decode_json(comm.read(key))
         specs = check_heal_meta(meta, states, max_bytes=max_bytes)
+        check_heal_values(meta, states)
         total = sum(spec.nbytes for spec in specs)
         tensors = _allocate(specs, comm.device)
     comm.broadcast(tensors, source_rank, timeout=heal_deadline(total, timeout, min_bandwidth))
@@ -269,6 +278,112 @@ def check_heal_meta(meta: Any, states: Mapping[str, Stateful], *, max_bytes: int
         if spec.name not in seen and _optional_spec(spec, optional) is None:
             raise HealError(f"heal metadata lacks tensor {spec.name!r} of this member's state")
     return specs
+
+
+def check_heal_values(meta: dict[str, Any], states: Mapping[str, Stateful]) -> None:
+    """The non-tensor values of checked ``meta`` against this member's ``states``; :class:`HealError` if not.
+
+    Every state's values must be well formed (what :func:`_encode` writes);
+    an optimizer's ``param_groups`` must have this member's groups, keys and
+    parameters, each hyper-parameter of the same kind as this member's (a
+    number, finite where this member's is; a bool; a string; None; a tuple or
+    list of as many of them), and its per-parameter state only this member's
+    parameters and numbers.
+    """
+    encoded = meta["states"]
+    if not isinstance(encoded, list) or len(encoded) != len(states):
+        raise HealError(f"heal metadata's states must be a list of {len(states)} encoded states")
+    for (name, obj), theirs in zip(states.items(), encoded, strict=True):
+        _check_encoded(theirs, f"{name}", depth=0)
+        if isinstance(obj, torch.optim.Optimizer):
+            _check_optimizer(name, theirs, obj)
+
+
+def _check_encoded(value: Any, path: str, depth: int) -> None:
+    """Well formed as :func:`_encode` writes: tensor references, dicts as key-value pairs, tuples, lists, scalars."""
+    if depth > _MAX_DEPTH:
+        raise HealError(f"heal metadata's {path} nests deeper than {_MAX_DEPTH}")
+    if isinstance(value, list):
+        for number, item in enumerate(value):
+            _check_encoded(item, f"{path}/{number}", depth + 1)
+    elif isinstance(value, dict):
+        if set(value) == {"__tensor__"}:
+            return  # checked against the tensors when decoded
+        if set(value) == {"__tuple__"} and isinstance(value["__tuple__"], list):
+            _check_encoded(value["__tuple__"], path, depth + 1)
+            return
+        if set(value) != {"__dict__"} or not isinstance(value["__dict__"], list):
+            raise HealError(f"heal metadata's {path} is an object with unexpected keys {sorted(value)[:5]}")
+        for pair in value["__dict__"]:
+            if not isinstance(pair, list) or len(pair) != 2 or isinstance(pair[0], list | dict):
+                raise HealError(f"heal metadata's {path} holds a malformed key-value pair {str(pair)[:100]}")
+            _check_encoded(pair[1], f"{path}/{pair[0]}", depth + 1)
+
+
+def _pairs(value: Any) -> dict[Any, Any]:
+    """An encoded dict's items (checked well formed already)."""
+    return {key: item for key, item in value["__dict__"]} if isinstance(value, dict) and "__dict__" in value else {}
+
+
+def _check_optimizer(name: str, theirs: Any, optimizer: torch.optim.Optimizer) -> None:
+    """An optimizer's groups and per-parameter state against this member's (see :func:`check_heal_values`)."""
+    own = optimizer.state_dict()
+    values = _pairs(theirs)
+    if set(values) != {"state", "param_groups"}:
+        raise HealError(f"heal metadata's {name} is not an optimizer state (state and param_groups)")
+    groups = values["param_groups"]
+    own_groups = own["param_groups"]
+    if not isinstance(groups, list) or len(groups) != len(own_groups):
+        raise HealError(f"heal metadata's {name} has another number of parameter groups than this member's")
+    for number, (group, mine) in enumerate(zip(groups, own_groups, strict=True)):
+        items = _pairs(group)
+        if set(items) != set(mine):
+            raise HealError(
+                f"heal metadata's {name} group {number} has keys {sorted(map(str, items))}, this member's "
+                f"{sorted(mine)}"
+            )
+        for key, value in items.items():
+            where = f"{name} group {number} {key!r}"
+            if key == "params":
+                if value != list(mine["params"]):
+                    raise HealError(f"heal metadata's {where} names other parameters than this member's")
+            else:
+                _check_same_kind(value, mine[key], where)
+    parameters = {index for group in own_groups for index in group["params"]}
+    for index, state in _pairs(values["state"]).items():
+        if index not in parameters:
+            raise HealError(f"heal metadata's {name} holds state for parameter {index!r}, which this member lacks")
+        for key, value in _pairs(state).items():
+            if not (isinstance(value, dict) and set(value) == {"__tensor__"}) and not _is_number(value):
+                raise HealError(f"heal metadata's {name} state {index} {key!r} must be a tensor or a number")
+
+
+def _check_same_kind(theirs: Any, mine: Any, where: str) -> None:
+    """A hyper-parameter of the same kind as this member's (see :func:`check_heal_values`)."""
+    if isinstance(mine, torch.Tensor):
+        if not (isinstance(theirs, dict) and set(theirs) == {"__tensor__"}):
+            raise HealError(f"heal metadata's {where} must be a tensor, as this member's is")
+        return
+    if isinstance(mine, tuple | list):
+        items = theirs.get("__tuple__") if isinstance(theirs, dict) and isinstance(mine, tuple) else theirs
+        if not isinstance(items, list) or len(items) != len(mine):
+            raise HealError(f"heal metadata's {where} must be a sequence of {len(mine)}, as this member's is")
+        for number, (item, own_item) in enumerate(zip(items, mine, strict=True)):
+            _check_same_kind(item, own_item, f"{where}[{number}]")
+        return
+    if isinstance(mine, bool) or mine is None or isinstance(mine, str):
+        if type(theirs) is not type(mine):
+            raise HealError(f"heal metadata's {where} is {theirs!r:.60}; this member's is a {type(mine).__name__}")
+        return
+    if isinstance(mine, int | float):
+        if not _is_number(theirs) or (math.isfinite(mine) and not math.isfinite(theirs)):
+            raise HealError(f"heal metadata's {where} is {theirs!r:.60}; this member's is the number {mine!r}")
+        return
+    raise HealError(f"this member's {where} is a {type(mine).__name__}, which a heal cannot check")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _optimizer_parameters(states: Mapping[str, Stateful]) -> dict[str, list[torch.Tensor]]:
@@ -428,8 +543,12 @@ def _as_own_dtensors(
 
 
 def _load(states: Mapping[str, Stateful], meta: dict[str, Any], tensors: list[torch.Tensor]) -> None:
-    for name, encoded in zip(meta["names"], meta["states"], strict=True):
-        states[name].load_state_dict(_decode(encoded, tensors))
+    decoded = [_decode(encoded, tensors) for encoded in meta["states"]]  # every value decoded before any is loaded
+    for name, value in zip(meta["names"], decoded, strict=True):
+        try:
+            states[name].load_state_dict(value)
+        except (TypeError, ValueError, KeyError, IndexError, RuntimeError, AttributeError) as error:
+            raise HealError(f"state {name!r} refused the values the heal brought: {error}") from None
 
 
 def heal_deadline(total_bytes: int, timeout: float, min_bandwidth: float) -> float:

@@ -417,7 +417,7 @@ class Manager:
                 )
                 yield step
                 self._commit(step)
-                if isinstance(source, ElasticLoader):
+                if isinstance(source, ElasticLoader) and source.prefetching:
                     foreseen = self._planner.foresee_next(max_steps)
                     if foreseen is not None:
                         source.prefetch(*foreseen)

@@ -32,6 +32,7 @@ from stalwart.coord.client import (
     LighthouseUnreachable,
     QuorumAnswer,
 )
+from stalwart.coord.tls import client_context
 from stalwart.data.plan import EpochPlan
 from stalwart.data.shards import ShardIdentity, shard_difference
 from stalwart.errors import JoinError, PlanMismatchError, ShardingMismatchError, StateLostError
@@ -47,6 +48,10 @@ REPLICATED = "replicated"
 """The layout a process of an unsharded model publishes (any group size is fine then)."""
 _LEADER_POLL = 0.05
 """Seconds between two looks at the store while the leader runs its own work."""
+MAX_GROUP_SIZE = 1 << 16
+"""Largest replica group a peer may announce (``group_size/MEMBER``)."""
+MAX_PEER_TEXT = 4096
+"""Longest layout or data fingerprint a peer may publish."""
 
 PLAN_REFUSALS = ("plan_mismatch", "no_plan")
 """The ``code`` of a lighthouse's answer refusing a member's plan (docs/protocol.md)."""
@@ -88,6 +93,9 @@ class QuorumSession:
         layout: str,
     ) -> None:
         self.member = member
+        self._token = token
+        self._ssl = client_context(lighthouse, None)
+        """What verifies the lighthouse's certificate for the quorum's store (None over plain HTTP)."""
         self.timeouts = timeouts
         self.transport = transport
         self.device = device
@@ -210,9 +218,7 @@ class QuorumSession:
 
     def connect(self, answer: QuorumAnswer) -> None:
         """Build the quorum's process group over every process of every member group (and, for FSDP2, per shard)."""
-        store = quorum_store(
-            answer.store.host, answer.store.port, answer.store.prefix, self.timeouts.rendezvous_timeout
-        )
+        store = quorum_store(answer.store, self.timeouts.rendezvous_timeout, token=self._token, ssl_context=self._ssl)
         try:
             if self.group.is_leader:
                 store.set(f"group_size/{self.member}", str(self.group.size))
@@ -220,7 +226,7 @@ class QuorumSession:
             store.set(f"data/{self.member}/{self.group.rank}", self.data_fingerprint)
             shards = json.dumps([identity.to_list() for identity in self.data_identities])
             store.set(f"data-shards/{self.member}/{self.group.rank}", shards)
-            self.group_sizes = [int(store.get(f"group_size/{member}")) for member in answer.members]
+            self.group_sizes = [_group_size(store, member) for member in answer.members]
             self._check_layout(answer, store)
             self._check_data(answer, store)
         except (RuntimeError, dist.DistError) as error:  # a member that never wrote its keys: it died
@@ -386,7 +392,7 @@ class QuorumSession:
             return
         name = answer.members[reference]
         size = self.group_sizes[reference]
-        theirs = store.get(f"layout/{name}/{min(self.group.rank, size - 1)}").decode()
+        theirs = _peer_text(store, f"layout/{name}/{min(self.group.rank, size - 1)}")
         if (theirs == REPLICATED) != (self.layout == REPLICATED):
             raise ShardingMismatchError(
                 f"replica group {self.member!r} {'does not shard' if self.layout == REPLICATED else 'shards'} its "
@@ -414,7 +420,7 @@ class QuorumSession:
         if reference == answer.rank:
             return
         name = answer.members[reference]
-        theirs = store.get(f"data/{name}/0").decode()
+        theirs = _peer_text(store, f"data/{name}/0")
         if theirs and self.data_fingerprint and theirs != self.data_fingerprint:
             difference = None
             try:
@@ -428,6 +434,28 @@ class QuorumSession:
                 f"{name!r} one with {theirs}" + (f" ({difference})" if difference else "") + ": every member must "
                 "read the same shards in the same order (the same row counts and contents; sort the file list)"
             )
+
+
+def _peer_text(store: dist.Store, key: str) -> str:
+    """A peer's text value (a layout, a fingerprint); malformed (not UTF-8, too long) is a failed collective."""
+    raw = bytes(store.get(key))
+    try:
+        if len(raw) > MAX_PEER_TEXT:
+            raise ValueError(f"{len(raw)} bytes, over {MAX_PEER_TEXT}")
+        return raw.decode("utf-8")
+    except ValueError as error:
+        raise CollectiveError(f"a peer's {key!r} in the quorum's store is malformed ({error})") from None
+
+
+def _group_size(store: dist.Store, member: str) -> int:
+    """Member ``member``'s group size from the store: an int in [1, MAX_GROUP_SIZE], else a failed collective."""
+    text = _peer_text(store, f"group_size/{member}")
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_GROUP_SIZE:
+        raise CollectiveError(
+            f"member {member!r} announced group size {text[:40]!r} in the quorum's store: not an int in "
+            f"[1, {MAX_GROUP_SIZE}]"
+        )
+    return int(text)
 
 
 def _connect_client(

@@ -10,12 +10,19 @@ rebuilt as it was before the update and updated again with the kept
 gradients (a replay), so a failure anywhere in the step ends with the
 failure-free run's state. A joining process gets its shards the same way,
 with no disk round-trip.
+
+What a peer publishes is checked before use (:func:`peer_info`): the fields
+and their types, its layout against this job's element count, its rank
+against that layout, its optimizer keys against this process's own. A
+malformed value is a failed collective (the quorum is asked again), never a
+crash.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from typing import Any
 
@@ -33,10 +40,18 @@ from stalwart.redundancy.layout import (
     plan_repair,
 )
 from stalwart.redundancy.parity import ParityCode, byte_view
-from stalwart.runtime.comm import Communicator
+from stalwart.runtime.comm import CollectiveError, Communicator
 from stalwart.runtime.zero.state import ShardState, clone
 
 log = logging.getLogger(__name__)
+
+PEER_FIELDS = frozenset(
+    {"node", "layout", "rank", "updates", "committed", "parity_valid", "keys", "scalars", "rows_before", "loaded"}
+)
+"""What each process publishes of its sharded state (``zero/RANK`` in the quorum's store)."""
+MAX_PEER_BYTES = 1 << 20
+_MAX_NAME = 256
+_SCALAR_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "int32", "int64", "bool"})
 
 
 def reshard(state: ShardState, comm: Communicator, applied_step: int) -> bool:
@@ -62,7 +77,7 @@ def reshard(state: ShardState, comm: Communicator, applied_step: int) -> bool:
         "loaded": bool(state.template.state),
     }
     comm.publish(f"zero/{comm.rank}", json.dumps(info))
-    infos = [json.loads(comm.read(f"zero/{rank}")) for rank in range(comm.world_size)]
+    infos = [peer_info(comm.read(f"zero/{rank}"), rank, state) for rank in range(comm.world_size)]
     nodes = [str(peer["node"]) for peer in infos]
     holding = [peer for peer in infos if peer["layout"] is not None]
     # The job's first layout must fit as configured (a bad choice is an error before training); later ones adapt.
@@ -114,6 +129,59 @@ def reshard(state: ShardState, comm: Communicator, applied_step: int) -> bool:
         state.stats.repairs += 1
         state.stats.seconds += time.perf_counter() - started
     return replayed
+
+
+def peer_info(raw: bytes, rank: int, state: ShardState) -> dict[str, Any]:
+    """Process ``rank``'s published state, checked; :class:`CollectiveError` (a failed collective) if malformed."""
+
+    def refuse(why: str) -> CollectiveError:
+        return CollectiveError(f"process {rank}'s sharded-state record in the quorum's store is malformed: {why}")
+
+    if len(raw) > MAX_PEER_BYTES:
+        raise refuse(f"{len(raw)} bytes, over {MAX_PEER_BYTES}")
+    try:
+        info = json.loads(raw)
+    except (ValueError, RecursionError) as error:
+        raise refuse(f"not JSON ({error})") from None
+    if not isinstance(info, dict) or set(info) != PEER_FIELDS:
+        raise refuse(f"it must be an object with exactly the fields {sorted(PEER_FIELDS)}")
+    if not isinstance(info["node"], str) or not 0 < len(info["node"]) <= _MAX_NAME:
+        raise refuse(f"node must be a name of 1-{_MAX_NAME} characters")
+    for name in ("committed", "parity_valid", "loaded"):
+        if not isinstance(info[name], bool):
+            raise refuse(f"{name} must be a bool")
+    for name, least in (("rank", 0), ("updates", 0), ("rows_before", 1)):
+        value = info[name]
+        if isinstance(value, bool) or not isinstance(value, int) or not least <= value < 1 << 62:
+            raise refuse(f"{name} must be an int >= {least}")
+    keys = info["keys"]
+    if not isinstance(keys, list) or not all(isinstance(k, str) and 0 < len(k) <= _MAX_NAME for k in keys):
+        raise refuse("keys must be a list of state names")
+    own = state.keys()
+    if own and keys and keys != own:
+        raise refuse(f"its optimizer's keys {keys} are not this process's {own}")
+    if info["rows_before"] > 1 + len(keys):
+        raise refuse(f"rows_before {info['rows_before']} is more than 1 + its {len(keys)} keys")
+    scalars = info["scalars"]
+    if not isinstance(scalars, dict) or not all(_is_scalar(value) for value in scalars.values()):
+        raise refuse("scalars must map names to finite numbers or [number, dtype]")
+    if info["layout"] is not None:
+        try:
+            layout = layout_from(info["layout"]) if isinstance(info["layout"], dict) else None
+        except ValueError as error:
+            raise refuse(str(error)) from None
+        if layout is None or layout.parameters != state.elements or not info["rank"] < layout.processes:
+            raise refuse("its layout is not one of this job's state (another element count, or its rank outside it)")
+    return info
+
+
+def _is_scalar(value: Any) -> bool:
+    """A finite number, or ``[finite number, dtype name]`` (a 0-d tensor's value and dtype)."""
+    if isinstance(value, list) and len(value) == 2 and value[1] in _SCALAR_DTYPES:
+        value = value[0]
+    if isinstance(value, bool):
+        return True
+    return isinstance(value, int | float) and math.isfinite(value)
 
 
 def _new_layout(state: ShardState, nodes: list[str]) -> ShardLayout:
