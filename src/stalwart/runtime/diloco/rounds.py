@@ -658,7 +658,7 @@ class RoundLoop:
             self._future = self._future_fragment = None
         for comm in (self._inner_comm, self._outer_comm):
             if comm is not None:
-                comm.abort()
+                comm.retire()  # not destroyed here: an exchange abandoned on a live peer would hold this thread
         self._inner_comm = self._outer_comm = None
         self._abandon.clear()
 
