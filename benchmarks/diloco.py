@@ -1,6 +1,6 @@
 """Training across regions: the GPT example, DDP against DiLoCo and Streaming DiLoCo, on a modelled WAN link.
 
-``python -m benchmarks.diloco`` trains the GPT example's model, data,
+``python -m benchmarks.diloco [--model gpt-tiny]`` trains the GPT example's model, data,
 optimizer (AdamW over weight-decay groups, warm-up and cosine, clipping at
 1.0) with four replica groups (four worker processes of
 :mod:`stalwart.launch.worker`, one per group) on the same samples and seed:
@@ -10,7 +10,7 @@ optimizer (AdamW over weight-decay groups, warm-up and cosine, clipping at
   order), one process per group, ``DistributedDataParallel`` all-reducing
   the gradients every step;
 - stalwart's every-step mode (the same gradient all-reduce, plus its step
-  tail), fault-tolerant;
+  tail), fault-tolerant, with ``--systems every``;
 - DiLoCo with H = 16 and H = 64 inner steps a round (outer Nesterov SGD at
   0.7, momentum 0.9);
 - Streaming DiLoCo, H = 64 in 4 fragments, each exchange overlapped with 8
@@ -27,8 +27,9 @@ time. Then each system again under a seeded failure trace (group 2
 SIGKILLed at a seeded inner step and started again after ``--replace-delay``
 seconds; it joins at the next boundary and is healed, its heal's bytes timed
 on the link too; not DDP, whose job a lost process ends): samples lost and
-trained twice (from the committed records, audited), samples retrained (the dead group's share handed to the survivors:
-the work the failure cost), and goodput (samples per modelled second against
+trained twice (from the committed records, audited), samples retrained (the
+dead group's share handed to the survivors: the work the failure cost), and
+goodput (samples per modelled second against
 the same system's failure-free run). Rounds interleave the systems; each
 figure is a median ±half its range over rounds.
 """
