@@ -26,6 +26,7 @@ _LOCATIONS: dict[str, str] = {
     "ReplicaGroup": "stalwart.runtime.config",
     "Transport": "stalwart.runtime.config",
     "Timeouts": "stalwart.runtime.timeouts",
+    "DiLoCo": "stalwart.runtime.diloco.config",
     "ElasticLoader": "stalwart.runtime.loader",
     "sample_generator": "stalwart.runtime.loader",
     "DataLoadingInfo": "stalwart.data",

@@ -19,8 +19,6 @@ import json
 import os
 import shutil
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +26,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from stalwart.coord.client import LighthouseClient
 from stalwart.coord.figures import summary
@@ -37,10 +34,10 @@ from stalwart.data.plan import EpochPlan
 from stalwart.launch.cluster import LocalCluster, latest_step, read_status, worker_events
 from stalwart.launch.report import planned_total
 from stalwart.testing.waiting import wait_until
+from tests.integration.dashboard_client import CHROMIUM_FLAGS, TOKEN, bearer, first_event, http, metric_values
 
 pytestmark = pytest.mark.timeout(900)
 
-TOKEN = "dashboard-test-token"
 PLAN = EpochPlan(1797, 48, seed=0)
 WORKERS = 3
 KILLED = 1
@@ -48,10 +45,6 @@ KILL_FROM_STEP = 3
 HOLD_STEP = 9
 STEPS = 12
 ARTIFACTS = Path(__file__).resolve().parents[2] / "out" / "test-artifacts"
-CHROMIUM_FLAGS = (
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync", "--window-size=1400,1200",
-)  # fmt: skip
 PAGE_FIGURES = """
 const value = (id) => Number(document.getElementById(id).dataset.value);
 const rows = (selector) => [...document.querySelectorAll(selector)];
@@ -66,47 +59,6 @@ return {
   failure_marks: rows("#timeline .mark-failure").length,
 };
 """
-
-
-def http(url: str, headers: dict[str, str] | None = None) -> tuple[int, bytes, Any]:
-    """One GET: (status, body, headers)."""
-    request = urllib.request.Request(url, headers=headers or {})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, response.read(), response.headers
-    except urllib.error.HTTPError as error:
-        return error.code, error.read(), error.headers
-
-
-def bearer(token: str = TOKEN) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
-
-
-def metric_values(url: str) -> dict[str, float]:
-    """``/metrics`` parsed with prometheus_client's parser: ``name{label=value,...}`` -> value."""
-    status, body, headers = http(url + "/metrics", bearer())
-    assert status == 200 and headers["Content-Type"].startswith("text/plain")
-    values = {}
-    for family in text_string_to_metric_families(body.decode()):
-        for sample in family.samples:
-            labels = ",".join(f"{key}={value}" for key, value in sorted(sample.labels.items()))
-            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-    return values
-
-
-def first_event(url: str, headers: dict[str, str]) -> dict[str, Any]:
-    """The data of the first ``status`` event of ``/v1/events``."""
-    request = urllib.request.Request(url, headers=headers)
-    with urllib.request.urlopen(request, timeout=30) as response:
-        assert response.headers["Content-Type"] == "text/event-stream"
-        event = None
-        for _ in range(100):
-            line = response.readline().decode().rstrip("\n")
-            if line.startswith("event: "):
-                event = line[len("event: ") :]
-            elif line.startswith("data: ") and event == "status":
-                return json.loads(line[len("data: ") :])
-    raise AssertionError("no status event in the first 100 lines")
 
 
 @pytest.fixture

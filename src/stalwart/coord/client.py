@@ -185,6 +185,8 @@ class LighthouseClient:
         self._get_applied_step: Callable[[], Report] | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._heal_totals = HealTotals()
+        self._rounds: Callable[[], dict[str, Any]] | None = None
+        """What ``report_rounds`` gave: each heartbeat's ``rounds`` field (DiLoCo members)."""
         self._closed = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"lighthouse-client-{member}", daemon=True)
@@ -240,6 +242,13 @@ class LighthouseClient:
         if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 <= seconds < math.inf:
             raise ValueError(f"seconds must be a finite number >= 0, got {seconds!r}")
         self._heal_totals = self._heal_totals.add(nbytes, float(seconds))
+
+    def report_rounds(self, rounds: Callable[[], dict[str, Any]]) -> None:
+        """Send ``rounds()`` (called on the client's thread) as every heartbeat's ``rounds`` field (DiLoCo's figures,
+        see :mod:`stalwart.coord.rounds`)."""
+        if not callable(rounds):
+            raise TypeError(f"rounds must be callable, got {rounds!r}")
+        self._rounds = rounds
 
     def quorum(self, applied_step: int, quorum_id: int | None, reason: str, timeout: float = 60.0) -> QuorumAnswer:
         """Ask for the next quorum (long poll); asks again after 408s, 502-504s and connection errors until
@@ -572,9 +581,14 @@ class LighthouseClient:
                     return
                 message = self._report()
                 heal = self._heal_totals
-                if heal.heals:
+                rounds = None if self._rounds is None else self._rounds()
+                if heal.heals or rounds is not None:
                     message = heartbeat_message(
-                        message["applied_step"], message.get("digest"), message.get("weights"), heal.to_json()
+                        message["applied_step"],
+                        message.get("digest"),
+                        message.get("weights"),
+                        heal.to_json() if heal.heals else None,
+                        rounds,
                     )
                 await socket.send_json(message)
                 await asyncio.wait({receiver}, timeout=self.effective_heartbeat_interval)

@@ -111,11 +111,15 @@ def heartbeat_message(
     digest: str | None = None,
     weights: Mapping[str, Any] | None = None,
     heal: Mapping[str, Any] | None = None,
+    rounds: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A heartbeat: ``{"applied_step", "digest"?, "weights"?, "heal"?}`` (heal: :class:`HealTotals`' JSON)."""
+    """A heartbeat: ``{"applied_step", "digest"?, "weights"?, "heal"?, "rounds"?}`` (heal: :class:`HealTotals`'
+    JSON; rounds: a DiLoCo member's figures, :mod:`stalwart.coord.rounds`)."""
     message: dict[str, Any] = {"applied_step": int(applied_step), **report_fields(digest, weights)}
     if heal is not None:
         message["heal"] = dict(heal)
+    if rounds is not None:
+        message["rounds"] = dict(rounds)
     return message
 
 

@@ -85,6 +85,7 @@ from stalwart.coord.quorum import (
     parse_step,
     parse_weights,
 )
+from stalwart.coord.rounds import RoundsBoard
 from stalwart.coord.store import QuorumStores, StoreLimits
 from stalwart.coord.tls import is_loopback, server_context
 from stalwart.coord.wire import parse_plan
@@ -220,6 +221,8 @@ class Lighthouse:
             raise
         self.metrics = LighthouseMetrics()
         self.state.history.listener = self.metrics.on_history_event
+        self.rounds = RoundsBoard(self.metrics.registry)
+        """DiLoCo members' round figures, from their heartbeats (:mod:`stalwart.coord.rounds`)."""
         self._dashboard = Dashboard(
             self._status,
             lambda: self.state.revision,
@@ -573,7 +576,8 @@ class Lighthouse:
                     waiter.set_result(formation)
 
     def _status(self) -> dict[str, Any]:
-        return {**self.state.to_status(time.time()), "url": self.url, "store": {"keys": self.stores.keys}}
+        status = self.state.to_status(time.time())
+        return {**status, "url": self.url, "store": {"keys": self.stores.keys}, "rounds": self.rounds.to_status(status)}
 
     # --- HTTP ------------------------------------------------------------------------------------
 
@@ -649,16 +653,18 @@ class Lighthouse:
                     await _send(ws, {"type": "error", "error": "heartbeats must be JSON text messages"})
                     continue
                 heal_error: str | None = None
+                rounds_error: str | None = None
                 refused: str | None = None
                 try:
                     report = json.loads(message.data)
                     heal_error = self.metrics.take_heal_report(member, self.state.incarnation(member), report)
+                    rounds_error = self.rounds.take(member, self.state.incarnation(member), report)
                     applied_step, digest, weights = parse_report(report)
                     self.state.heartbeat(member, applied_step, time.time(), digest, weights)
                 except (ValueError, RecursionError, RequestError) as error:
                     refused = error.message if isinstance(error, RequestError) else f"not JSON: {error}"
                 self._deliver_refusals()
-                for text in (heal_error, refused):
+                for text in (heal_error, rounds_error, refused):
                     if text is not None:
                         await _send(ws, {"type": "error", "error": text})
                 if refused is not None:

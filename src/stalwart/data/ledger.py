@@ -88,6 +88,11 @@ class DataLedger:
         return [member for member in self._members or [] if member in self._in_flight]
 
     @property
+    def began_with(self) -> list[str]:
+        """The members the current step began with, in rank order, dead ones included (empty between steps)."""
+        return list(self._members or [])
+
+    @property
     def in_flight(self) -> dict[str, Positions]:
         """Each live member's positions in the current step (copies)."""
         return {member: positions.copy() for member, positions in self._in_flight.items()}

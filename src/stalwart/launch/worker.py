@@ -51,6 +51,17 @@ ends the process with one line and exit status 2, like the errors above.
 step STEP, for tests of the replica-consistency check (the Manager must heal
 it from the others before the step is applied).
 
+``--diloco H`` trains semi-synchronously (DiLoCo: ``H`` inner steps a round;
+``--fragments F`` for Streaming DiLoCo, ``--exchange-overlap``, ``--pseudo-gradient-dtype``,
+``--outer-lr``, ``--outer-momentum``). ``--max-steps`` then counts inner steps;
+``steps-NAME.jsonl`` gets one line per committed round (the round's number as
+``step``, its samples and every position the round committed: the audit's
+input), ``inner-NAME.jsonl`` one per inner step, and the ``finished`` event
+holds the digest of the outer state and the bytes this process sent to other
+groups. Kill points count inner steps (``STEP`` is ``step.number``), except
+``during_exchange`` (a fragment's exchange of round ``STEP`` started) and
+``during_outer`` (round ``STEP``'s end started).
+
 ``--loader dataloader`` loads through a plain ``DataLoader`` with
 ``ManagedDistributedSampler(manager, dataset)`` as its batch sampler and
 ``--loader-workers`` worker processes, instead of the ``ElasticLoader``. Each
@@ -63,6 +74,7 @@ superseded share and dropped so far.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -90,6 +102,7 @@ from stalwart.redundancy.config import Overlap, parse_parity
 from stalwart.redundancy.layout import ShardsLostError
 from stalwart.runtime.comm import default_device
 from stalwart.runtime.config import Checkpointing, ReplicaGroup, Transport
+from stalwart.runtime.diloco.config import DiLoCo
 from stalwart.runtime.loader import ElasticLoader
 from stalwart.runtime.manager import Manager
 from stalwart.runtime.sharding import is_dtensor
@@ -103,6 +116,8 @@ KILL_POINTS = (
     "during_update",
     "during_gather",
     "during_parity",
+    "during_exchange",
+    "during_outer",
 )
 _MANAGER_EVENTS = {
     "reduce_started": "during_reduce",
@@ -110,7 +125,10 @@ _MANAGER_EVENTS = {
     "update_started": "during_update",
     "gather_started": "during_gather",
     "parity_started": "during_parity",
+    "exchange_started": "during_exchange",
+    "outer_started": "during_outer",
 }
+CODECS = {"float32": None, "bfloat16": torch.bfloat16, "int8": "int8"}
 HOLD_LIMIT = 600.0
 """Seconds a worker waits at most on a hold file (a bound, should the holder die)."""
 EXIT_USER_ERROR = 2
@@ -232,6 +250,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--loader-workers", type=int, default=0, help="The DataLoader's num_workers (with --loader dataloader)."
     )
+    parser.add_argument("--diloco", type=int, default=None, help="DiLoCo: inner steps per round (H).")
+    parser.add_argument("--fragments", type=int, default=1, help="DiLoCo: fragments (Streaming DiLoCo when > 1).")
+    parser.add_argument(
+        "--exchange-overlap", type=int, default=None, help="DiLoCo: inner steps an exchange runs behind."
+    )
+    parser.add_argument("--pseudo-gradient-dtype", choices=sorted(CODECS), default="float32", help="DiLoCo.")
+    parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo: the outer SGD's learning rate.")
+    parser.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo: its Nesterov momentum (0: none).")
     parser.add_argument(
         "--sample-seconds",
         type=_sample_seconds,
@@ -317,6 +343,7 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
         checkpoint=checkpoint,
         redundancy=redundancy,
         node=args.node,
+        sync=_diloco(args),
     )
     manager.register_state("lr_scheduler", scheduler)
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10) if args.scaler else None
@@ -348,7 +375,7 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
             for key, value in model.state_dict().items()
         }
         torch.save(whole, args.run_dir / f"final-{name}.pt")
-        events.write("finished", step=manager.ledger.step, **_redundancy_report(manager))
+        events.write("finished", step=manager.ledger.step, **_redundancy_report(manager), **_diloco_report(manager))
     finally:
         manager.close()
         if elastic is not None:
@@ -370,13 +397,20 @@ def _steps(
     kill_if: Callable[[str, int], None],
     events: EventLog,
 ) -> None:
-    """The training loop: one JSON line per step to ``RUN_DIR/steps-NAME.jsonl``."""
+    """The training loop: one JSON line per step to ``RUN_DIR/steps-NAME.jsonl`` (DiLoCo: per round; see above)."""
     device, model = manager.device, manager.model
     clip = task.clip if args.clip is None else args.clip
-    with open(args.run_dir / f"steps-{name}.jsonl", "a", encoding="utf-8") as steps_file:
+    diloco = manager.diloco is not None
+    rounds = RoundRecords(args.member)
+    with (
+        open(args.run_dir / f"steps-{name}.jsonl", "a", encoding="utf-8") as steps_file,
+        open(args.run_dir / f"inner-{name}.jsonl", "a", encoding="utf-8")
+        if diloco
+        else contextlib.nullcontext() as inner_file,
+    ):
         for step in manager.steps(loader, max_steps=args.max_steps):
-            number = manager.ledger.step
-            held_until(args.hold_file, number, lambda: manager.boundary_wanted)
+            number = step.number if diloco else manager.ledger.step
+            held_until(args.hold_file, manager.ledger.step, lambda: manager.boundary_wanted)
             time.sleep(args.step_seconds)
             if args.corrupt_at == number:
                 args.corrupt_at = None
@@ -428,8 +462,39 @@ def _steps(
             }
             if elastic is None:
                 record.update(base_index=base_index, dropped=manager.dropped_microbatches)
-            steps_file.write(json.dumps(record) + "\n")
-            steps_file.flush()
+            out = inner_file if inner_file is not None else steps_file
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+            rounds.write(manager, steps_file)
+        rounds.write(manager, steps_file)
+
+
+class RoundRecords:
+    """DiLoCo: one line per committed round, written once the round's outer step is applied."""
+
+    def __init__(self, member: str) -> None:
+        self.member = member
+        self.written = -1
+
+    def write(self, manager: Manager, out: TextIO) -> None:
+        report = manager.last_round
+        if report is None or report.step <= self.written:
+            return
+        self.written = report.step
+        record = {
+            "member": self.member,
+            "pid": os.getpid(),
+            "step": report.step,
+            "epoch": report.epoch,
+            "quorum_id": report.quorum_id,
+            "world_size": report.world_size,
+            "samples": report.samples,
+            "loss": report.loss,
+            "time": time.time(),
+            "positions": sorted(report.positions.tolist()),
+        }
+        out.write(json.dumps(record) + "\n")
+        out.flush()
 
 
 def _evaluate(task: Task, model: torch.nn.Module, seconds: float, step: int, events: EventLog) -> None:
@@ -449,6 +514,41 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> None:
     if is_dtensor(total):
         total = total.full_tensor()
     torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, total)
+
+
+def _diloco(args: argparse.Namespace) -> DiLoCo | None:
+    """The DiLoCo configuration of ``--diloco`` and its companions (None without it)."""
+    if args.diloco is None:
+        return None
+    lr, momentum = args.outer_lr, args.outer_momentum
+
+    def outer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
+
+    return DiLoCo(
+        args.diloco,
+        outer_optimizer=outer,
+        fragments=args.fragments,
+        overlap=args.exchange_overlap,
+        pseudo_gradient_dtype=CODECS[args.pseudo_gradient_dtype],
+    )
+
+
+def _diloco_report(manager: Manager) -> dict[str, Any]:
+    """DiLoCo: the outer state's digest (equal on every member) and what this process sent to other groups."""
+    rounds = manager.diloco
+    if rounds is None:
+        return {}
+    traffic = rounds.traffic
+    return {
+        "outer_digest": rounds.outer.digest(),
+        "bytes_sent": traffic.bytes,
+        "exchanges": traffic.exchanges,
+        "collectives": traffic.collectives,
+        "largest_exchange": traffic.largest,
+        "exchange_log": traffic.log,
+        "inner_steps": rounds.inner.steps,
+    }
 
 
 def _redundancy_report(manager: Manager) -> dict[str, Any]:

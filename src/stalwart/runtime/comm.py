@@ -224,9 +224,26 @@ class Communicator:
         self._wait(work, name, time.monotonic() + self.timeout + _GRACE, COLLECTIVE_SETTING)
 
     def abort(self) -> None:
-        """Abandon the group: pending collectives end, sockets close (NCCL: ``ncclCommAbort`` ends its kernels)."""
+        """Abandon the group (NCCL: ``ncclCommAbort`` ends its kernels; Gloo: a collective already waiting on a live
+        peer runs on to its timeout, see :meth:`retire`)."""
         with contextlib.suppress(RuntimeError):
             self._group.abort()
+
+    def retire(self) -> None:
+        """Abort the group and destroy it on a daemon thread; the communicator is not used after.
+
+        Gloo's abort does not end a collective still waiting on a live peer,
+        and the group's destructor joins the thread running it: destroyed on
+        the caller's thread (or wherever the garbage collector frees it, in
+        the middle of a later step), it would stall that thread until the
+        peer's group goes or the collective's timeout passes. A process that
+        retires its groups closes their sockets at once, which ends its
+        peers' waits.
+        """
+        self.abort()
+        holder = [self._group]
+        self._group = None
+        threading.Thread(target=holder.clear, name="stalwart-retired-group", daemon=True).start()
 
     def _cover(self, seconds: float) -> None:
         """Let NCCL's watchdog wait at least ``seconds`` on a collective (it times out at the group's timeout)."""

@@ -39,6 +39,7 @@ and :mod:`~stalwart.runtime.zero` (sharded state and its repair).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -62,6 +63,8 @@ from stalwart.runtime.checkpointing import CheckpointPolicy
 from stalwart.runtime.comm import CollectiveError, default_device
 from stalwart.runtime.config import Checkpointing, Checks, Reduction, ReplicaGroup, Transport
 from stalwart.runtime.consistency import AuditError, index_checksum
+from stalwart.runtime.diloco.config import DiLoCo, check_against
+from stalwart.runtime.diloco.rounds import RoundLoop
 from stalwart.runtime.drift import DriftCheck
 from stalwart.runtime.feed import SamplerFeed
 from stalwart.runtime.loader import ElasticLoader
@@ -120,8 +123,19 @@ class Manager:
     store), ``device`` (default: the GPU of ``LOCAL_RANK`` when CUDA is
     available, else the CPU). ``on_event(event, step)`` is told ``joined``,
     ``healed``, ``reduce_started``, ``reduce_finished``, ``update_started``,
-    ``gather_started`` and ``parity_started``, for tracing and for tests that
-    kill a worker at those points.
+    ``gather_started`` and ``parity_started`` (with ``sync``: also
+    ``exchange_started`` and ``outer_started`` with the round, and
+    ``quorum_broken`` when an inner step saw a group die), for tracing and for
+    tests that kill a worker at those points.
+
+    ``sync``: :class:`~stalwart.runtime.diloco.config.DiLoCo` trains
+    semi-synchronously across replica groups (DiLoCo, Streaming DiLoCo): the
+    loop is the same, each step it yields is an *inner* step whose gradients
+    reduce within the replica group only, and every ``inner_steps`` of them the
+    groups average their pseudo-gradients and take the outer optimizer's step
+    (:mod:`stalwart.runtime.diloco`). The plan's global batch is then the inner
+    steps' (over every group), a step of the ledger is a round of
+    ``inner_steps`` of them, and ``steps(max_steps=...)`` counts inner steps.
 
     A member's state, healed as one, is the model, the optimizer, what
     :meth:`register_state` added (an LR scheduler, a GradScaler) and the
@@ -149,10 +163,14 @@ class Manager:
         group: ReplicaGroup | None = None,
         device: torch.device | None = None,
         on_event: Callable[[str, int], None] | None = None,
+        sync: DiLoCo | None = None,
     ) -> None:
         lighthouse = _from_environment("lighthouse", lighthouse, "STALWART_LIGHTHOUSE")
         member = _from_environment("member", member, "STALWART_MEMBER")
         _check_arguments(model, optimizer, member, plan, checkpoint, reduction, checks, transport, timeouts, group)
+        _check_sync(sync, model, redundancy, checkpoint)
+        if sync is not None and plan is not None:  # the ledger's step is a round of inner steps
+            plan = dataclasses.replace(plan, global_batch_size=plan.global_batch_size * sync.inner_steps)
         apply_thread_default()
         self.timeouts = timeouts or Timeouts.resolve()
         self.max_microbatch = check_int("max_microbatch", max_microbatch, minimum=1)
@@ -207,7 +225,7 @@ class Manager:
             lockstep=fsdp,
         )
         self._window = UpdateWindow(optimizer, sharded=self._zero, notify=self._notify, sync=self._sync_shards)
-        self._drift = DriftCheck(params, self.checks.every, enabled=not fsdp)
+        self._drift = DriftCheck(params, self.checks.every, enabled=not fsdp and sync is None)
         self._balance = BalanceWindow()
         self._checkpoints = (
             None if checkpoint is None else CheckpointPolicy(checkpoint, self._session, self._replica, self._zero)
@@ -222,6 +240,7 @@ class Manager:
         self._finished = False
         """The job's end was reached here (its last step, or a late join): ``close()`` then leaves cleanly."""
         self._untrained_late_join = False
+        self._rounds = None if sync is None else RoundLoop(self, sync, params)
 
     # --- what the training loop reads ---------------------------------------------------------------
 
@@ -286,6 +305,16 @@ class Manager:
         return 0 if self._feed is None else self._feed.dropped
 
     @property
+    def last_round(self) -> StepReport | None:
+        """DiLoCo: what the last committed round did (``step``: the round, ``positions``: all its samples)."""
+        return None if self._rounds is None else self._rounds.last_round
+
+    @property
+    def diloco(self) -> RoundLoop | None:
+        """DiLoCo's round loop (its outer state and its traffic), or None in the every-step mode."""
+        return self._rounds
+
+    @property
     def states(self) -> dict[str, Stateful]:
         """Everything a heal copies, in order: model, optimizer, registered states, random generators."""
         return self._replica.states
@@ -326,6 +355,8 @@ class Manager:
         """
         if self._session.answer is None or self._session.comm is None:
             raise RuntimeError("on_leader() needs a quorum: call it inside the manager.steps() loop")
+        if self._rounds is not None:  # groups are not in lockstep within a round: the others go on
+            return fn(*args, **kwargs) if self._session.answer.rank == 0 else None
         finished, result = self._session.wait_for_leader(self._session.answer.rank == 0, lambda: fn(*args, **kwargs))
         if not finished:
             self._reconfigure = True
@@ -343,13 +374,23 @@ class Manager:
         does not fit the loader's dataset or this worker's plan, and
         :class:`~stalwart.errors.JobFinishedError` when this worker joined
         after the job ended with no checkpoint to load the trained state from.
+
+        With ``sync=DiLoCo(...)`` each step is an inner step and ``max_steps``
+        counts them: a multiple of ``inner_steps`` (the job commits
+        ``max_steps // inner_steps`` rounds); a survivor of a failure takes
+        extra inner steps in that round.
         """
         self._max_steps = check_int("max_steps", max_steps, minimum=0)
+        if self._rounds is not None:
+            self._max_steps = self._rounds.rounds_for(self._max_steps)
         source = self._source(loader)
         self._session.data_fingerprint = str(getattr(loader.dataset, "fingerprint", ""))
         self._session.data_identities = list(getattr(loader.dataset, "identities", []))
         self._started = True
         try:
+            if self._rounds is not None:
+                yield from self._rounds.steps(source, loader, self._max_steps)
+                return
             while True:
                 if self._reconfigure or not self._planner.joined:
                     first = not self._planner.joined
@@ -640,6 +681,8 @@ class Manager:
         if outcome.loaded or outcome.checkpoint is not None:
             self.optimizer.zero_grad(set_to_none=True)
             self._reset_step()
+            if self._rounds is not None:
+                self._rounds.healed()
             self._notify("healed")
 
     def _check_plan(self, loader: ElasticLoader | DataLoader[Any]) -> None:
@@ -699,7 +742,13 @@ class Manager:
             return loader
         assert self._max_steps is not None
         max_steps = self._max_steps
-        self._feed = SamplerFeed.of(loader, self, self.max_microbatch, lambda: self._planner.foreseen_parts(max_steps))
+        rounds = self._rounds
+        self._feed = SamplerFeed.of(
+            loader,
+            self,
+            self.max_microbatch,
+            lambda: (rounds or self._planner).foreseen_parts(max_steps),  # DiLoCo: inner steps of rounds
+        )
         return self._feed
 
     def sampler_pass(self) -> Iterator[list[int]]:
@@ -745,6 +794,8 @@ class Manager:
         """
         if self._checkpoints is not None and not self._checkpoints.wait(_CLOSE_WAIT):
             log.warning("%s: a checkpoint was still being written after %g s; leaving anyway", self.member, _CLOSE_WAIT)
+        if self._rounds is not None:
+            self._rounds.close()
         self._accumulation.close()
         self._window.remove()
         self._session.close(self.applied_step, leave=self._finished)
@@ -758,6 +809,27 @@ def _from_environment(name: str, value: str | None, variable: str) -> str:
     if not found:
         raise ValueError(f"{name} must be given, or the environment variable {variable} set (neither is)")
     return found
+
+
+def _check_sync(sync: Any, model: torch.nn.Module, redundancy: Any, checkpoint: Any) -> None:
+    """Refuse a ``sync`` that is not a DiLoCo, or that does not fit the model or the other options, before training."""
+    if sync is None:
+        return
+    if not isinstance(sync, DiLoCo):
+        raise TypeError(f"sync must be a DiLoCo(...) or None, got {type(sync).__name__}")
+    if redundancy is not None:
+        raise ValueError(
+            f"sync=DiLoCo(...) with redundancy={redundancy}: each replica group keeps its own inner optimizer state, "
+            "which is not sharded across groups; leave redundancy unset"
+        )
+    if checkpoint is not None:
+        raise ValueError(
+            f"sync=DiLoCo(...) with checkpoint={checkpoint}: durable checkpoints of the outer state are not supported "
+            "yet; leave checkpoint unset (a joining group is healed with the global parameters and outer state)"
+        )
+    if is_sharded(model):
+        raise ValueError("sync=DiLoCo(...) with an FSDP2-sharded model is not supported yet: use replicated groups")
+    check_against(sync, [param for param in model.parameters() if param.requires_grad])
 
 
 def _check_arguments(

@@ -125,6 +125,15 @@ class StepPlanner:
             sizes += [0] * (max(counts) - len(sizes))
         return Part(positions, self._indices(positions), tuple(sizes))
 
+    def mark_done(self, positions: np.ndarray) -> None:
+        """Record ``positions`` of the step in progress as trained by this group (DiLoCo's inner steps)."""
+        self._done = np.concatenate([self._done, positions])
+
+    @property
+    def done(self) -> np.ndarray:
+        """The group's positions of the step in progress trained so far (in the order they were trained)."""
+        return self._done
+
     @property
     def covered(self) -> bool:
         """Whether this process took part of the step in progress already (a retry asks as a failure)."""

@@ -19,7 +19,7 @@ import torch
 from stalwart.runtime.comm import Communicator, device_rng_states
 from stalwart.runtime.consistency import RowDigest
 from stalwart.runtime.heal import state_specs, transfer_state
-from stalwart.runtime.state import Stateful, check_state_name, host_rng_states
+from stalwart.runtime.state import INTERNAL_PREFIX, Stateful, check_state_name, host_rng_states
 from stalwart.runtime.timeouts import Timeouts
 
 
@@ -32,6 +32,7 @@ class Replica:
         self.applied_step = 0
         self.trained_step = -1
         self._registered: dict[str, Stateful] = {}
+        self._internal: dict[str, Stateful] = {}
         self._rng_states: dict[str, Stateful] = {**host_rng_states(), **device_rng_states()}
         self.row_digest = RowDigest()
         """The quorum's row checksums by epoch (the same on every member: healed and checkpointed with the rest)."""
@@ -43,13 +44,20 @@ class Replica:
             raise TypeError(f"obj must have state_dict() and load_state_dict(), got {type(obj).__name__}")
         self._registered[name] = obj
 
+    def add_internal(self, name: str, obj: Stateful) -> None:
+        """Make ``obj`` part of the state under ``name``, a name of the Manager's own (``sync/...``: DiLoCo's)."""
+        if not name.startswith(INTERNAL_PREFIX) or name in self._internal:
+            raise ValueError(f"internal state names start with {INTERNAL_PREFIX!r} and are unique, got {name!r}")
+        self._internal[name] = obj
+
     @property
     def states(self) -> dict[str, Stateful]:
-        """Everything a heal copies, in order: model, optimizer, registered states, random generators."""
+        """Everything a heal copies, in order: model, optimizer, registered, the Manager's own, random generators."""
         return {
             "model": self.model,
             "optimizer": self.optimizer,
             **self._registered,
+            **self._internal,
             **self._rng_states,
             "audit/rows": self.row_digest,
         }

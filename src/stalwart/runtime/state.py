@@ -22,9 +22,12 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-RESERVED_PREFIXES = ("rng/", "audit/")
+INTERNAL_PREFIX = "sync/"
+"""The Manager's own states besides the random generators and the audit (DiLoCo's outer state)."""
+RESERVED_PREFIXES = ("rng/", "audit/", INTERNAL_PREFIX)
 RESERVED_NAMES = frozenset({"model", "optimizer"})
-"""State names the Manager registers itself; user names may not be these nor start with ``rng/`` or ``audit/``."""
+"""State names the Manager registers itself; user names may not be these nor start with ``rng/``, ``audit/``
+or ``sync/``."""
 
 
 @runtime_checkable
@@ -101,8 +104,8 @@ def check_state_name(name: Any, taken: set[str] | frozenset[str]) -> str:
         raise ValueError(f"name must be a non-empty str, got {name!r}")
     if name in RESERVED_NAMES or name.startswith(RESERVED_PREFIXES):
         raise ValueError(
-            f"name {name!r} is reserved (the Manager registers {sorted(RESERVED_NAMES)}, 'rng/...' and 'audit/...' "
-            "itself)"
+            f"name {name!r} is reserved (the Manager registers {sorted(RESERVED_NAMES)}, 'rng/...', 'audit/...' and "
+            "'sync/...' itself)"
         )
     if name in taken:
         raise ValueError(f"name {name!r} is already registered; registered names: {sorted(taken)}")
