@@ -58,7 +58,8 @@ def largest_difference(left: dict[str, torch.Tensor], right: dict[str, torch.Ten
 
 @pytest.fixture
 def solo() -> Any:
-    with Lighthouse(None, min_replicas=1, start_replicas=1, heartbeat_timeout=2.0, join_timeout=10.0) as server:
+    # one member and no failure to detect: a heartbeat timeout a busy machine's scheduler cannot reach
+    with Lighthouse(None, min_replicas=1, start_replicas=1, heartbeat_timeout=15.0, join_timeout=10.0) as server:
         yield server
 
 
