@@ -1,8 +1,8 @@
 """The README's recipe as written: a Hugging Face streaming dataset under torchrun with DataLoader workers.
 
-Three torchrun launches over one epoch (2 ranks x 2 workers, then 3 ranks x 1
-worker, then 1 rank without workers), each resuming from the last one's
-checkpoint: every row is trained on exactly once by the ids the ranks read out
+Two torchrun launches over one epoch (2 ranks x 2 workers, then 1 rank
+without workers), the second resuming from the first one's checkpoint (other
+changes of ranks and workers: ``test_dataloader_workers``): every row is trained on exactly once by the ids the ranks read out
 of their rows, and the audit agrees, labelling each rank with its world size.
 """
 
@@ -21,7 +21,7 @@ from stalwart.cli.audit import audit_command
 from stalwart.data.audit import audit_directory
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_streaming_torchrun.py"
-RUNS = [(2, 2, 6), (3, 1, 5), (1, 0, None)]
+RUNS = [(2, 2, 6), (1, 0, None)]
 """(ranks, DataLoader workers, steps before stopping; None: to the end of the epoch)."""
 
 
@@ -49,11 +49,11 @@ def test_the_recipe_trains_each_row_once_across_world_size_changes(tmp_path: Pat
         torchrun(ranks, *common, "--workers", str(workers), *(["--max-steps", str(steps)] if steps else []))
     trained = Counter(i for path in (tmp_path / "ids").glob("*.json") for i in json.loads(path.read_text()))
     assert sorted(trained) == list(range(300)) and set(trained.values()) == {1}
-    assert len(list((tmp_path / "ids").glob("*.json"))) == 6
+    assert len(list((tmp_path / "ids").glob("*.json"))) == 3
     report = audit_directory(tmp_path / "audit")
     assert report.ok and [epoch.complete for epoch in report.epochs] == [True]
     (epoch,) = report.epochs
-    assert set(epoch.rank_samples) == {(0, 2), (1, 2), (0, 3), (1, 3), (2, 3), (0, 1)}
+    assert set(epoch.rank_samples) == {(0, 2), (1, 2), (0, 1)}
     assert epoch.keys is not None and epoch.keys.distinct == 300
     assert sum(epoch.rank_batches[(rank, 2)] for rank in range(2)) == 2 * 6
     from click.testing import CliRunner
