@@ -14,7 +14,7 @@ Four measurements, each printed as a table, then a summary of the goals:
    runs ``torch.randperm(N).tolist()`` before yielding anything). Every case
    runs in a fresh process; its peak RSS minus that of a process that only
    imports torch and stalwart is the memory it needed. Times and memory are
-   medians over repeats. torch is measured up to ``N = 10^8``; at ``10^9`` and
+   medians over repeats, torch's and stalwart's interleaved. torch is measured up to ``N = 10^8``; at ``10^9`` and
    ``10^10`` stalwart runs alone and torch's needs are extrapolated linearly
    from its largest measured ``N`` (an estimate, marked as such).
    Goal: at ``N = 10^8`` at least 100x faster and 100x less memory.
@@ -68,6 +68,7 @@ from torch.utils.data import DistributedSampler
 
 from benchmarks._measure import (
     Goal,
+    IsolatedRun,
     machine_line,
     make_console,
     median_of_repeats,
@@ -261,48 +262,51 @@ class ThroughputRow:
     cores: int | None
 
 
-def _isolated_medians(
-    label: str, target: str, kwargs: dict[str, Any], repeats: int, progress: Progress, task: TaskID
-) -> tuple[float, float, list[int]]:
-    """Median seconds, median peak RSS (bytes) and every peak RSS of ``repeats`` fresh processes running ``target``."""
-    seconds, peaks = [], []
-    for repeat in range(repeats):
-        progress.update(task, description=f"{label} (run {repeat + 1}/{repeats})")
+def _isolated_rounds(
+    label: str, targets: Sequence[str], kwargs: dict[str, Any], repeats: int, progress: Progress, task: TaskID
+) -> dict[str, tuple[float, list[int]]]:
+    """Per target, the median seconds and every peak RSS (bytes) of ``repeats`` fresh processes, targets interleaved."""
+
+    def measure(target: str, repeat: int) -> IsolatedRun:
+        progress.update(task, description=f"{label}: {target} (run {repeat + 1}/{repeats})")
         run = run_isolated(f"{_MODULE}:{target}", kwargs)
         if "distinct" in run.result and run.result["distinct"] != kwargs["batch_size"]:
             raise RuntimeError(f"{target}(**{kwargs}) returned a batch with repeated indices: {run.result}")
-        seconds.append(run.result.get("seconds", 0.0))
-        peaks.append(run.peak_rss_bytes)
         progress.advance(task)
-    return statistics.median(seconds), statistics.median(peaks), peaks
+        return run
+
+    results = interleaved_rounds(targets, repeats, measure)
+    seconds = {
+        target: statistics.median(run.result.get("seconds", 0.0) for run in runs) for target, runs in results.items()
+    }
+    return {target: (seconds[target], [run.peak_rss_bytes for run in runs]) for target, runs in results.items()}
 
 
 def measure_first_batch(settings: Settings, progress: Progress, task: TaskID) -> FirstBatchResult:
-    """Time and memory to the first batch: torch and stalwart side by side, then stalwart alone."""
+    """Time and memory to the first batch: torch and stalwart side by side (interleaved), then stalwart alone."""
     repeats = settings.process_repeats
-    _, baseline, baseline_peaks = _isolated_medians("first batch: baseline", "idle", {}, repeats, progress, task)
+    _, baseline_peaks = _isolated_rounds("first batch", ["idle"], {}, repeats, progress, task)["idle"]
+    baseline = statistics.median(baseline_peaks)
     resolution = max(MIN_MEMORY_RESOLUTION_MIB, (max(baseline_peaks) - min(baseline_peaks)) / MIB)
 
-    def extra_mib(peak: float) -> float:
-        return max(0.0, (peak - baseline) / MIB)
+    def extra_mib(peaks: list[int]) -> float:
+        return max(0.0, (statistics.median(peaks) - baseline) / MIB)
 
     rows: list[FirstBatchRow] = []
     for size in (*settings.compared_sizes, *settings.stalwart_only_sizes):
         kwargs = {"dataset_size": size, "batch_size": FIRST_BATCH_SIZE}
-        label = f"first batch at N={_size_label(size)}"
-        stalwart_s, stalwart_peak, _ = _isolated_medians(
-            f"{label}: stalwart", "stalwart_first_batch", kwargs, repeats, progress, task
-        )
-        if size in settings.compared_sizes:
-            torch_s, torch_peak, _ = _isolated_medians(
-                f"{label}: torch", "torch_first_batch", kwargs, repeats, progress, task
-            )
-            torch_ms, torch_mib, estimated = torch_s * 1e3, extra_mib(torch_peak), False
+        compared = size in settings.compared_sizes
+        targets = ["stalwart_first_batch", "torch_first_batch"] if compared else ["stalwart_first_batch"]
+        runs = _isolated_rounds(f"first batch at N={_size_label(size)}", targets, kwargs, repeats, progress, task)
+        stalwart_s, stalwart_peaks = runs["stalwart_first_batch"]
+        if compared:
+            torch_s, torch_peaks = runs["torch_first_batch"]
+            torch_ms, torch_mib, estimated = torch_s * 1e3, extra_mib(torch_peaks), False
         else:
             largest = max((row for row in rows if not row.torch_estimated), key=lambda row: row.dataset_size)
             scale = size / largest.dataset_size
             torch_ms, torch_mib, estimated = largest.torch_ms * scale, largest.torch_mib * scale, True
-        rows.append(FirstBatchRow(size, torch_ms, torch_mib, estimated, stalwart_s * 1e3, extra_mib(stalwart_peak)))
+        rows.append(FirstBatchRow(size, torch_ms, torch_mib, estimated, stalwart_s * 1e3, extra_mib(stalwart_peaks)))
     return FirstBatchResult(rows, resolution)
 
 
