@@ -21,15 +21,16 @@ tensors), for a global batch of ``GLOBAL_BATCH`` rows per step:
 * the same with ``interleave=4`` (each worker mixes four runs of the data);
 * the same keyed by a content hash of each row (``key=None``), to show its cost.
 
-Each case runs in a fresh process (``--quick``: all in the driver's) that builds the dataset, then reads one
-epoch rank by rank (each rank's loader as it would run in its own process)
-and reports the rows, the seconds spent in the loaders, the CPU seconds of
-the process and its DataLoader workers (less disturbed by other load on the
-machine than the seconds), the rows decoded
+Each case runs in a fresh process (``--quick``: all in the driver's) that
+builds the dataset, then reads one epoch rank by rank (each rank's loader as
+it would run in its own process) and reports the rows, the seconds spent in
+the loaders, the CPU seconds of the process and its DataLoader workers (less
+disturbed by other load on the machine than the seconds), the rows decoded
 (``StreamBatch.rows_decoded``; for Hugging Face, counted in a second,
 untimed pass through a ``map``) and every batch's row ids. Rounds run the
-cases in turn, in an order that rotates each round, so that all meet the same load; rates are medians over the
-rounds with their range, and each ratio is the median of the rounds' ratios.
+cases in turn, in an order that rotates each round, so that all meet the
+same load; rates are medians over the rounds with their range, and each
+ratio is the median of the rounds' ratios.
 Mixing: for every step, the number of shards and the span of ids (largest
 minus smallest) in the global batch (all ranks' parts), median and 90th
 percentile. Goals at 2 ranks x 2 workers: at most 1.05 rows decoded per row
