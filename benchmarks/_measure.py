@@ -11,13 +11,16 @@ imports to get what the measured code itself needed.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import os
 import resource
 import statistics
 import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
+import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import import_module
 from pathlib import Path
@@ -167,3 +170,41 @@ def progress_display(console: Console) -> Progress:
         console=console,
         transient=True,
     )
+
+
+def machine_line(console: Console, quick: bool, *versions: str) -> None:
+    """The line above a benchmark's tables: the versions that matter, the CPUs and their load, a quick run's caveat."""
+    load = f", load average {os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else ""
+    caveat = " (quick run: indicative only)" if quick else ""
+    console.print(", ".join([*versions, f"{os.cpu_count()} CPUs"]) + load + caveat, highlight=False)
+
+
+@contextlib.contextmanager
+def run_directory(kept: Path | None, prefix: str) -> Iterator[Path]:
+    """Where a run's workers write: ``kept`` (``--run-dir``: created, left there) or a scratch folder, removed after."""
+    if kept is not None:
+        kept.mkdir(parents=True, exist_ok=True)
+        yield kept
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix) as scratch:
+        yield Path(scratch)
+
+
+def positive(kind: type[float] | type[int]) -> Callable[[str], float | int]:
+    """An argparse type: a number of ``kind`` above 0, or an error naming the value."""
+
+    def parse(text: str) -> float | int:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = 0
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__} > 0, got {text!r}")
+        return value
+
+    return parse
+
+
+def add_rounds(parser: argparse.ArgumentParser, what: str = "rounds") -> None:
+    """``--rounds N`` (1 to 20, None when not given): how many interleaved rounds."""
+    parser.add_argument("--rounds", type=int, choices=range(1, 21), metavar="N", help=f"{what} (1-20)")

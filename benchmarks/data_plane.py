@@ -3,7 +3,7 @@
 Run from the repository root, with the virtual environment active::
 
     python -m benchmarks.data_plane           # full run, a few minutes
-    python -m benchmarks.data_plane --quick   # small sizes, a few seconds (numbers indicative only)
+    python -m benchmarks.data_plane --quick   # small sizes, table 4 in this process (numbers indicative only)
 
 Four measurements, each printed as a table, then a summary of the goals:
 
@@ -14,7 +14,7 @@ Four measurements, each printed as a table, then a summary of the goals:
    runs ``torch.randperm(N).tolist()`` before yielding anything). Every case
    runs in a fresh process; its peak RSS minus that of a process that only
    imports torch and stalwart is the memory it needed. Times and memory are
-   medians over repeats. torch is measured up to ``N = 10^8``; at ``10^9`` and
+   medians over repeats, torch's and stalwart's interleaved. torch is measured up to ``N = 10^8``; at ``10^9`` and
    ``10^10`` stalwart runs alone and torch's needs are extrapolated linearly
    from its largest measured ``N`` (an estimate, marked as such).
    Goal: at ``N = 10^8`` at least 100x faster and 100x less memory.
@@ -29,7 +29,8 @@ Four measurements, each printed as a table, then a summary of the goals:
    ``world``-member job delivers over an epoch of the windowed block order
    (``EpochPlan(block_size=row group, window=...)``), through ``ElasticLoader``
    in micro-batches, next to a sequential read of the same shards into the
-   same Python rows, each in a fresh process pinned to one core: Parquet files
+   same Python rows, each in a fresh process pinned to one core (``--quick``:
+   in this process, one case per source): Parquet files
    (``ShardedDataset``), a Hugging Face ``Dataset`` (memory-mapped Arrow) and
    a Hugging Face ``IterableDataset`` over the same files
    (``ShardedDataset.from_hf_iterable``), and the global shuffle for contrast;
@@ -50,7 +51,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,8 @@ from torch.utils.data import DistributedSampler
 
 from benchmarks._measure import (
     Goal,
+    IsolatedRun,
+    machine_line,
     make_console,
     median_of_repeats,
     print_goals,
@@ -74,6 +77,7 @@ from benchmarks._measure import (
     progress_display,
     run_isolated,
 )
+from benchmarks._rounds import interleaved_rounds
 from stalwart.data import DataLedger, EpochPlan, FeistelPermutation, ShardedDataset, split_sizes
 
 FIRST_BATCH_SIZE = 1024
@@ -113,6 +117,10 @@ class Settings:
     read_global_batch: int
     read_window: int
     read_repeats: int
+    read_cases: tuple[tuple[str, str, int], ...]
+    """(source, order, members) of table 4's rows; the global order reads so slowly that it runs two steps only."""
+    read_isolated: bool = True
+    """Table 4's reads each in a fresh single-core process; ``--quick`` reads in this process."""
 
 
 FULL = Settings(
@@ -132,6 +140,13 @@ FULL = Settings(
     read_global_batch=4096,
     read_window=8,
     read_repeats=4,
+    read_cases=(
+        ("parquet", "block", 1),
+        ("parquet", "block", READ_GOAL_WORLD),
+        ("parquet", "global", READ_GOAL_WORLD),
+        ("hf", "block", READ_GOAL_WORLD),
+        ("hf-iterable", "block", READ_GOAL_WORLD),
+    ),
 )
 QUICK = Settings(
     compared_sizes=(10**5,),
@@ -150,6 +165,8 @@ QUICK = Settings(
     read_global_batch=2048,
     read_window=4,
     read_repeats=1,
+    read_cases=tuple((source, "block", READ_GOAL_WORLD) for source in ("parquet", "hf", "hf-iterable")),
+    read_isolated=False,
 )
 
 
@@ -245,48 +262,51 @@ class ThroughputRow:
     cores: int | None
 
 
-def _isolated_medians(
-    label: str, target: str, kwargs: dict[str, Any], repeats: int, progress: Progress, task: TaskID
-) -> tuple[float, float, list[int]]:
-    """Median seconds, median peak RSS (bytes) and every peak RSS of ``repeats`` fresh processes running ``target``."""
-    seconds, peaks = [], []
-    for repeat in range(repeats):
-        progress.update(task, description=f"{label} (run {repeat + 1}/{repeats})")
+def _isolated_rounds(
+    label: str, targets: Sequence[str], kwargs: dict[str, Any], repeats: int, progress: Progress, task: TaskID
+) -> dict[str, tuple[float, list[int]]]:
+    """Per target, the median seconds and every peak RSS (bytes) of ``repeats`` fresh processes, targets interleaved."""
+
+    def measure(target: str, repeat: int) -> IsolatedRun:
+        progress.update(task, description=f"{label}: {target} (run {repeat + 1}/{repeats})")
         run = run_isolated(f"{_MODULE}:{target}", kwargs)
         if "distinct" in run.result and run.result["distinct"] != kwargs["batch_size"]:
             raise RuntimeError(f"{target}(**{kwargs}) returned a batch with repeated indices: {run.result}")
-        seconds.append(run.result.get("seconds", 0.0))
-        peaks.append(run.peak_rss_bytes)
         progress.advance(task)
-    return statistics.median(seconds), statistics.median(peaks), peaks
+        return run
+
+    results = interleaved_rounds(targets, repeats, measure)
+    seconds = {
+        target: statistics.median(run.result.get("seconds", 0.0) for run in runs) for target, runs in results.items()
+    }
+    return {target: (seconds[target], [run.peak_rss_bytes for run in runs]) for target, runs in results.items()}
 
 
 def measure_first_batch(settings: Settings, progress: Progress, task: TaskID) -> FirstBatchResult:
-    """Time and memory to the first batch: torch and stalwart side by side, then stalwart alone."""
+    """Time and memory to the first batch: torch and stalwart side by side (interleaved), then stalwart alone."""
     repeats = settings.process_repeats
-    _, baseline, baseline_peaks = _isolated_medians("first batch: baseline", "idle", {}, repeats, progress, task)
+    _, baseline_peaks = _isolated_rounds("first batch", ["idle"], {}, repeats, progress, task)["idle"]
+    baseline = statistics.median(baseline_peaks)
     resolution = max(MIN_MEMORY_RESOLUTION_MIB, (max(baseline_peaks) - min(baseline_peaks)) / MIB)
 
-    def extra_mib(peak: float) -> float:
-        return max(0.0, (peak - baseline) / MIB)
+    def extra_mib(peaks: list[int]) -> float:
+        return max(0.0, (statistics.median(peaks) - baseline) / MIB)
 
     rows: list[FirstBatchRow] = []
     for size in (*settings.compared_sizes, *settings.stalwart_only_sizes):
         kwargs = {"dataset_size": size, "batch_size": FIRST_BATCH_SIZE}
-        label = f"first batch at N={_size_label(size)}"
-        stalwart_s, stalwart_peak, _ = _isolated_medians(
-            f"{label}: stalwart", "stalwart_first_batch", kwargs, repeats, progress, task
-        )
-        if size in settings.compared_sizes:
-            torch_s, torch_peak, _ = _isolated_medians(
-                f"{label}: torch", "torch_first_batch", kwargs, repeats, progress, task
-            )
-            torch_ms, torch_mib, estimated = torch_s * 1e3, extra_mib(torch_peak), False
+        compared = size in settings.compared_sizes
+        targets = ["stalwart_first_batch", "torch_first_batch"] if compared else ["stalwart_first_batch"]
+        runs = _isolated_rounds(f"first batch at N={_size_label(size)}", targets, kwargs, repeats, progress, task)
+        stalwart_s, stalwart_peaks = runs["stalwart_first_batch"]
+        if compared:
+            torch_s, torch_peaks = runs["torch_first_batch"]
+            torch_ms, torch_mib, estimated = torch_s * 1e3, extra_mib(torch_peaks), False
         else:
             largest = max((row for row in rows if not row.torch_estimated), key=lambda row: row.dataset_size)
             scale = size / largest.dataset_size
             torch_ms, torch_mib, estimated = largest.torch_ms * scale, largest.torch_mib * scale, True
-        rows.append(FirstBatchRow(size, torch_ms, torch_mib, estimated, stalwart_s * 1e3, extra_mib(stalwart_peak)))
+        rows.append(FirstBatchRow(size, torch_ms, torch_mib, estimated, stalwart_s * 1e3, extra_mib(stalwart_peaks)))
     return FirstBatchResult(rows, resolution)
 
 
@@ -420,14 +440,6 @@ class ReadRow:
         return self.member_rows_per_second / self.sequential_rows_per_second
 
 
-READ_CASES = (
-    ("parquet", "block", 1),
-    ("parquet", "block", READ_GOAL_WORLD),
-    ("parquet", "global", READ_GOAL_WORLD),
-    ("hf", "block", READ_GOAL_WORLD),
-    ("hf-iterable", "block", READ_GOAL_WORLD),
-)
-"""(source, order, members) of table 4's rows; the global order reads so slowly that it runs two steps only."""
 _SOURCE_LABELS = {"parquet": "Parquet files", "hf": "HF Dataset", "hf-iterable": "HF IterableDataset"}
 
 
@@ -472,7 +484,7 @@ def measure_reads(settings: Settings, progress: Progress, task: TaskID) -> list[
         has_hf = (directory / "hf").exists()
         offsets = np.arange(settings.read_files + 1) * settings.read_rows_per_file
         sequential: dict[str, float] = {}
-        for source, order, world in READ_CASES:
+        for source, order, world in settings.read_cases:
             progress.update(task, description=f"member reads: {source}, {order} order, {world} members")
             if source != "parquet" and not has_hf:
                 progress.advance(task)
@@ -481,7 +493,7 @@ def measure_reads(settings: Settings, progress: Progress, task: TaskID) -> list[
             steps = plan.steps_per_epoch if order == "block" else 2
             member = {"kind": source, "directory": temporary, "plan": plan.to_dict(), "world": world, "steps": steps}
             reading = {"kind": source, "directory": temporary}
-            rate, baseline = _best_rates(member, reading, settings.read_repeats)
+            rate, baseline = _best_rates(member, reading, settings.read_repeats, settings.read_isolated)
             sequential[source] = max(baseline, sequential.get(source, 0.0))
             touched = [
                 np.unique(np.searchsorted(offsets, share, side="right")).size
@@ -495,16 +507,21 @@ def measure_reads(settings: Settings, progress: Progress, task: TaskID) -> list[
     return rows
 
 
-def _best_rates(member: dict[str, Any], reading: dict[str, Any], repeats: int) -> tuple[float, float]:
-    """Best rows per second of the member and of the sequential read, each in ``repeats`` fresh single-core
-    processes, run in turns so that both meet the same load (the best run is the least disturbed one)."""
-    member_rates, sequential_rates = [], []
-    for _ in range(repeats):
-        result = run_isolated(f"{_MODULE}:member_read", member, single_core=True).result
-        member_rates.append(result["rows"] / result["seconds"])
-        result = run_isolated(f"{_MODULE}:sequential_read", reading, single_core=True).result
-        sequential_rates.append(result["rows"] / result["seconds"])
-    return max(member_rates), max(sequential_rates)
+def _best_rates(member: dict[str, Any], reading: dict[str, Any], repeats: int, isolated: bool) -> tuple[float, float]:
+    """Best rows per second of the member and of the sequential read, each ``repeats`` times (``isolated``: in
+    fresh single-core processes), in interleaved rounds so that both meet the same load (the best run is the least
+    disturbed one)."""
+    reads = {member_read: member, sequential_read: reading}
+
+    def rate(read: Callable[..., dict[str, Any]], _: int) -> float:
+        if isolated:
+            result = run_isolated(f"{_MODULE}:{read.__name__}", reads[read], single_core=True).result
+        else:
+            result = read(**reads[read])
+        return float(result["rows"] / result["seconds"])
+
+    rates = interleaved_rounds(tuple(reads), repeats, rate)
+    return max(rates[member_read]), max(rates[sequential_read])
 
 
 # Goals and tables.
@@ -587,7 +604,8 @@ def print_reads(console: Console, rows: Sequence[ReadRow], settings: Settings) -
             f"{settings.read_global_batch:,}; block order: block_size={settings.read_row_group}, "
             f"window={settings.read_window}; member 0's shares of an epoch (global order: 2 steps) in micro-batches "
             f"of {READ_MICROBATCH}; sequential: pyarrow row groups in file order (Parquet), __getitems__ over "
-            f"consecutive indices (HF Dataset), iteration (HF IterableDataset); one core per process, best of "
+            f"consecutive indices (HF Dataset), iteration (HF IterableDataset); "
+            f"{'one core per process' if settings.read_isolated else 'in this process'}, best of "
             f"{settings.read_repeats} runs taken in turns (the sequential rate: best over the source's rows)."
         ),
     )
@@ -707,15 +725,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = QUICK if args.quick else FULL
     console = make_console()
-    load = f", load average {os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else ""
-    quick = " (quick run: indicative only)" if args.quick else ""
-    console.print(f"torch {torch.__version__}, numpy {np.__version__}, {os.cpu_count()} CPUs{load}{quick}")
+    machine_line(console, args.quick, f"torch {torch.__version__}", f"numpy {np.__version__}")
 
     repeats = settings.process_repeats
     first_batch_units = repeats * (1 + 2 * len(settings.compared_sizes) + len(settings.stalwart_only_sizes))
     ledger_units = len(settings.ledger_members) * len(settings.ledger_batches)
     throughput_units = len(settings.throughput_sizes) * len(settings.throughput_chunks)
-    total = first_batch_units + ledger_units + throughput_units + len(READ_CASES)
+    total = first_batch_units + ledger_units + throughput_units + len(settings.read_cases)
     with progress_display(console) as progress:
         task = progress.add_task("starting", total=total)
         first_batch = measure_first_batch(settings, progress, task)

@@ -3,7 +3,7 @@
 Run from the repository root, with the virtual environment active::
 
     python -m benchmarks.data_streams           # 8 JSON-lines shards of 5000 rows, 5 rounds: a few minutes
-    python -m benchmarks.data_streams --quick   # small shards, one round (numbers indicative only)
+    python -m benchmarks.data_streams --quick   # small shards, one round, in one process (indicative only)
 
 The data is ``SHARDS`` JSON-lines files of rows ``{"id", "text"}`` written to
 a temporary directory and read as one Hugging Face ``IterableDataset``
@@ -21,15 +21,16 @@ tensors), for a global batch of ``GLOBAL_BATCH`` rows per step:
 * the same with ``interleave=4`` (each worker mixes four runs of the data);
 * the same keyed by a content hash of each row (``key=None``), to show its cost.
 
-Each case runs in a fresh process that builds the dataset, then reads one
-epoch rank by rank (each rank's loader as it would run in its own process)
-and reports the rows, the seconds spent in the loaders, the CPU seconds of
-the process and its DataLoader workers (less disturbed by other load on the
-machine than the seconds), the rows decoded
+Each case runs in a fresh process (``--quick``: all in the driver's) that
+builds the dataset, then reads one epoch rank by rank (each rank's loader as
+it would run in its own process) and reports the rows, the seconds spent in
+the loaders, the CPU seconds of the process and its DataLoader workers (less
+disturbed by other load on the machine than the seconds), the rows decoded
 (``StreamBatch.rows_decoded``; for Hugging Face, counted in a second,
 untimed pass through a ``map``) and every batch's row ids. Rounds run the
-cases in turn, so that all meet the same load; rates are medians over the
-rounds with their range, and each ratio is the median of the rounds' ratios.
+cases in turn, in an order that rotates each round, so that all meet the
+same load; rates are medians over the rounds with their range, and each
+ratio is the median of the rounds' ratios.
 Mixing: for every step, the number of shards and the span of ids (largest
 minus smallest) in the global batch (all ranks' parts), median and 90th
 percentile. Goals at 2 ranks x 2 workers: at most 1.05 rows decoded per row
@@ -56,6 +57,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from benchmarks._measure import Goal, make_console, print_goals, print_table, progress_display, run_isolated
+from benchmarks._rounds import fixed, interleaved_rounds, median_span, round_ratios
 
 GLOBAL_BATCH = 64
 TEXT_BYTES = 32
@@ -76,10 +78,12 @@ class Settings:
     rows_per_shard: int
     worlds: tuple[tuple[int, int], ...]
     rounds: int
+    isolated: bool = True
+    """Each case in a fresh process (the CPU seconds are its own); ``--quick`` runs them all in this one."""
 
 
 FULL = Settings(shards=8, rows_per_shard=5000, worlds=((2, 2), (3, 2)), rounds=5)
-QUICK = Settings(shards=8, rows_per_shard=400, worlds=((2, 2), (3, 2)), rounds=1)
+QUICK = Settings(shards=8, rows_per_shard=400, worlds=((2, 2), (3, 2)), rounds=1, isolated=False)
 
 
 def write_shards(directory: Path, settings: Settings) -> list[str]:
@@ -223,28 +227,32 @@ class Row:
 
 
 def measure(settings: Settings, console: Any) -> list[Row]:
-    """Every case at every world size, ``settings.rounds`` rounds in turn, each run in a fresh process."""
-    results: dict[tuple[str, tuple[int, int]], list[dict[str, Any]]] = {}
+    """Every case at every world size in ``settings.rounds`` interleaved rounds, each run in a fresh process."""
+    variants = [(case, world) for world in settings.worlds for case in CASES]
     with tempfile.TemporaryDirectory(prefix="stalwart-streams-") as temporary:
         files = write_shards(Path(temporary), settings)
         total = settings.shards * settings.rows_per_shard
         with progress_display(console) as progress:
-            task = progress.add_task("streams", total=settings.rounds * len(settings.worlds) * len(CASES))
-            for round_number in range(settings.rounds):
-                for world, workers in settings.worlds:
-                    for case in CASES:
-                        progress.update(task, description=f"round {round_number + 1}: {case}, {world}x{workers}")
-                        kwargs = {"case": case, "files": files, "world": world, "workers": workers}
-                        run = run_isolated(
-                            f"{_MODULE}:loader_epoch", {**kwargs, "rows_per_shard": settings.rows_per_shard}
-                        )
-                        results.setdefault((case, (world, workers)), []).append(run.result)
-                        progress.advance(task)
+            task = progress.add_task("streams", total=settings.rounds * len(variants))
+
+            def epoch(variant: tuple[str, tuple[int, int]], round_number: int) -> dict[str, Any]:
+                case, (world, workers) = variant
+                progress.update(task, description=f"round {round_number + 1}: {case}, {world}x{workers}")
+                if not settings.isolated:
+                    result = loader_epoch(case, files, world, workers, settings.rows_per_shard)
+                else:
+                    kwargs = {"case": case, "files": files, "world": world, "workers": workers}
+                    target = f"{_MODULE}:loader_epoch"
+                    result = run_isolated(target, {**kwargs, "rows_per_shard": settings.rows_per_shard}).result
+                progress.advance(task)
+                return result
+
+            results = interleaved_rounds(variants, settings.rounds, epoch)
     rows = []
     for (case, world), runs in results.items():
         baseline = results[(CASES[0], world)]
         rates = [run["rows"] / run["seconds"] for run in runs]
-        ratios = [rate / (base["rows"] / base["seconds"]) for rate, base in zip(rates, baseline, strict=True)]
+        ratios = round_ratios(rates, [base["rows"] / base["seconds"] for base in baseline])
         ids = runs[0]["ids"]
         flat = sorted(i for rank in ids for batch in rank for i in batch)
         rows.append(
@@ -262,13 +270,6 @@ def measure(settings: Settings, console: Any) -> list[Row]:
     return rows
 
 
-def _spread(values: Sequence[float], digits: int = 0) -> str:
-    middle = statistics.median(values)
-    if len(values) == 1:
-        return f"{middle:,.{digits}f}"
-    return f"{middle:,.{digits}f} ({min(values):,.{digits}f}-{max(values):,.{digits}f})"
-
-
 def print_rows(console: Any, rows: Sequence[Row], settings: Settings) -> None:
     columns = ["world x workers", "rows/s", "vs split_dataset_by_node", "CPU ms per 1k rows", "decoded per delivered"]
     columns += ["exactly once"]
@@ -277,9 +278,9 @@ def print_rows(console: Any, rows: Sequence[Row], settings: Settings) -> None:
         [
             row.case,
             f"{row.world[0]} x {row.world[1]}",
-            _spread(row.rates),
-            _spread(row.ratios, 2) + "x",
-            _spread(row.cpu_per_thousand),
+            median_span(row.rates, fixed(0)),
+            median_span(row.ratios, fixed(2)) + "x",
+            median_span(row.cpu_per_thousand, fixed(0)),
             f"{row.decoded_per_row:.3f}",
             "yes" if row.exactly_once else "NO",
             f"{row.mix.shards_median:.0f}, {row.mix.shards_p90:.0f}",
@@ -319,7 +320,7 @@ def goals(rows: Sequence[Row]) -> list[Goal]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small shards, one round (a smoke run)")
+    parser.add_argument("--quick", action="store_true", help="small shards, one round, in this process")
     args = parser.parse_args(argv)
     settings = QUICK if args.quick else FULL
     console = make_console()

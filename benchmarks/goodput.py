@@ -3,7 +3,7 @@
 Run from the repository root, with the virtual environment active::
 
     python -m benchmarks.goodput                  # 3 workers, 90 steps, 1 failure per 30 steps: a few minutes
-    python -m benchmarks.goodput --quick          # 2 workers, 16 steps, 1 failure per 8 steps
+    python -m benchmarks.goodput --quick          # 2 workers, 8 steps, one failure (at step 6)
     python -m benchmarks.goodput --rounds 3 --step-seconds 1.0 --rate 0.02
 
 torchft 0.2.0 is optional (``pip install -e .[bench]``); without it its row
@@ -46,10 +46,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import signal
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -61,9 +58,20 @@ from rich.console import Console
 from rich.table import Column
 
 from benchmarks._goodput_audit import Audit, Failure, audit_samples, failure_trace
-from benchmarks._measure import Goal, make_console, print_goals, print_table, progress_display
+from benchmarks._measure import (
+    Goal,
+    add_rounds,
+    machine_line,
+    make_console,
+    positive,
+    print_goals,
+    print_table,
+    progress_display,
+    run_directory,
+)
+from benchmarks._rounds import fixed, interleaved_rounds, span
 from benchmarks._runtime_workers import MODELS
-from benchmarks.runtime import TorchftLighthouse, WorkerGroup, read_records, torchft_missing
+from benchmarks._workers import TorchftLighthouse, WorkerGroup, read_records, torchft_missing
 from stalwart.coord.server import Lighthouse
 
 MODEL = MODELS["tiny"]
@@ -74,6 +82,7 @@ RUN_TIMEOUT_S = 600.0
 """A run's bound: a run still short of its target then is ended and reported as not finished."""
 GOODPUT_GOAL = 0.97
 SYSTEMS = ("stalwart", "torchft", "checkpoint-restart")
+_PERCENT = fixed(1, 100, "%")
 
 
 @dataclass(frozen=True)
@@ -209,17 +218,6 @@ class Job:
         prefix = f"{self.group.name}-{self.incarnation}/"
         self.group.start(self.loop, MODEL.name, self.steps, rank, [*self.extra, "--prefix", prefix])
 
-    def alive(self, rank: int) -> bool:
-        """Whether worker ``rank``'s process is running."""
-        return rank < len(self.group.processes) and self.group.processes[rank].poll() is None
-
-    def kill(self, rank: int) -> None:
-        """SIGKILL worker ``rank`` and reap it."""
-        process = self.group.processes[rank]
-        if process.poll() is None:
-            process.send_signal(signal.SIGKILL)
-            process.wait(timeout=60)
-
     def audit(self) -> Audit:
         """What the workers recorded so far, counted against the target."""
         records = [
@@ -253,7 +251,7 @@ def replay(job: Job, trace: Sequence[Failure], tick: Callable[[], None]) -> RunR
         for rank in range(workers):
             job.launch(rank)
         while True:
-            exited = not any(job.alive(rank) for rank in range(workers))
+            exited = not any(job.group.alive(rank) for rank in range(workers))
             audit = job.audit()
             if audit.finished_at is not None:
                 break
@@ -267,12 +265,12 @@ def replay(job: Job, trace: Sequence[Failure], tick: Callable[[], None]) -> RunR
             if upcoming and audit.progress >= upcoming[0].at:
                 victim = _victim(job, upcoming.pop(0).victim, relaunch_at)
                 if victim is not None:
-                    job.kill(victim)
+                    job.group.kill_one(victim)
                     vacant_since[victim] = time.time()
                     injected += 1
                     doomed = range(workers) if job.restarts_all else [victim]
                     for rank in doomed:
-                        job.kill(rank)
+                        job.group.kill_one(rank)
                         relaunch_at[rank] = now + job.settings.replace_delay
             due = [rank for rank, moment in relaunch_at.items() if moment <= now]
             if due and job.restarts_all:
@@ -301,7 +299,7 @@ def _victim(job: Job, chosen: int, relaunching: dict[int, float]) -> int | None:
     them survives without a checkpoint of its own (stalwart and torchft here
     have none).
     """
-    running = [rank for rank in range(job.settings.workers) if job.alive(rank) and rank not in relaunching]
+    running = [rank for rank in range(job.settings.workers) if job.group.alive(rank) and rank not in relaunching]
     return chosen if chosen in running and len(running) > 1 else None
 
 
@@ -318,17 +316,19 @@ def measure(
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     with progress_display(console) as progress:
         task = progress.add_task("starting", total=2 * settings.rounds * len(runnable))
-        for round_number in range(settings.rounds):
-            shift = round_number % max(1, len(runnable))
-            for system in runnable[shift:] + runnable[:shift]:
-                results = []
-                for label, failures in (("failure-free", []), ("with failures", trace)):
-                    progress.update(task, description=f"round {round_number + 1}: {system}, {label}")
-                    name = f"{system}-{round_number}-{'free' if not failures else 'faulty'}"
-                    job = Job(system, settings, run_dir, name, store)
-                    results.append(replay(job, failures, progress.refresh))
-                    progress.advance(task)
-                rows[system].rounds.append((results[0], results[1]))
+
+        def measure(system: str, round_number: int) -> tuple[RunResult, RunResult]:
+            results = []
+            for label, failures in (("failure-free", []), ("with failures", trace)):
+                progress.update(task, description=f"round {round_number + 1}: {system}, {label}")
+                name = f"{system}-{round_number}-{'free' if not failures else 'faulty'}"
+                results.append(replay(Job(system, settings, run_dir, name, store), failures, progress.refresh))
+                progress.advance(task)
+            return results[0], results[1]
+
+        if runnable:
+            for system, pairs in interleaved_rounds(runnable, settings.rounds, measure).items():
+                rows[system].rounds = pairs
     return list(rows.values()), trace
 
 
@@ -355,8 +355,8 @@ def print_results(console: Console, rows: Sequence[Row], trace: Sequence[Failure
                 _median_s(free),
                 _median_s(faulty),
                 versus,
-                f"{statistics.median(fractions):.1%}" if fractions else "-",
-                f"{min(fractions):.1%}-{max(fractions):.1%}" if fractions else "-",
+                _percent(fractions),
+                span(fractions, _PERCENT),
                 _percent(row.worker_fractions(settings.workers)),
                 ", ".join(str(faulty_run.audit.lost) for _, faulty_run in row.rounds),
                 ", ".join(str(faulty_run.audit.twice) for _, faulty_run in row.rounds),
@@ -399,12 +399,11 @@ def print_results(console: Console, rows: Sequence[Row], trace: Sequence[Failure
 
 
 def _percent(values: Sequence[float]) -> str:
-    return f"{statistics.median(values):.1%}" if values else "-"
+    return _PERCENT(statistics.median(values)) if values else "-"
 
 
-def _median_s(values: Sequence[float | None]) -> str:
-    present = [value for value in values if value is not None]
-    return f"{statistics.median(present):.1f}" if present else "-"
+def _median_s(values: Sequence[float]) -> str:
+    return f"{statistics.median(values):.1f}" if values else "-"
 
 
 def _free_note(row: Row) -> str:
@@ -454,34 +453,22 @@ FULL = Settings(
     workers=3, steps=90, rate=1 / 30, replace_delay=3.0, step_seconds=0.4, checkpoint_every=10, rounds=1, seed=0
 )
 QUICK = Settings(
-    workers=2, steps=16, rate=1 / 8, replace_delay=0.5, step_seconds=0.1, checkpoint_every=4, rounds=1, seed=0
+    workers=2, steps=8, rate=1 / 6, replace_delay=0.5, step_seconds=0.05, checkpoint_every=4, rounds=1, seed=5
 )
-
-
-def _positive(kind: type[float] | type[int]) -> Callable[[str], float | int]:
-    def parse(text: str) -> float | int:
-        try:
-            value = kind(text)
-        except ValueError:
-            value = 0
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__} > 0, got {text!r}")
-        return value
-
-    return parse
+"""The smallest run that fails every system once: seed 5's trace fails worker 1 at step 6, next at step 16."""
 
 
 def parse_settings(argv: Sequence[str] | None) -> tuple[Settings, argparse.Namespace]:
     """The run's settings: full or ``--quick``, with the command line's changes."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.goodput", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 workers, 16 steps, 1 failure per 8 steps")
-    parser.add_argument("--workers", type=_positive(int), help=f"worker processes (default {FULL.workers})")
-    parser.add_argument("--steps", type=_positive(int), help=f"steps of the target (default {FULL.steps})")
-    parser.add_argument("--rate", type=_positive(float), help="failures per step (default 1/30)")
-    parser.add_argument("--replace-delay", type=_positive(float), help="seconds until a replacement starts")
-    parser.add_argument("--step-seconds", type=_positive(float), help="simulated compute of a step (s)")
-    parser.add_argument("--checkpoint-every", type=_positive(int), help="checkpoint-restart's K (steps)")
-    parser.add_argument("--rounds", type=int, choices=range(1, 21), metavar="N", help="rounds (1-20)")
+    parser.add_argument("--quick", action="store_true", help="2 workers, 8 steps, one failure (at step 6)")
+    parser.add_argument("--workers", type=positive(int), help=f"worker processes (default {FULL.workers})")
+    parser.add_argument("--steps", type=positive(int), help=f"steps of the target (default {FULL.steps})")
+    parser.add_argument("--rate", type=positive(float), help="failures per step (default 1/30)")
+    parser.add_argument("--replace-delay", type=positive(float), help="seconds until a replacement starts")
+    parser.add_argument("--step-seconds", type=positive(float), help="simulated compute of a step (s)")
+    parser.add_argument("--checkpoint-every", type=positive(int), help="checkpoint-restart's K (steps)")
+    add_rounds(parser)
     parser.add_argument("--seed", type=int, help="seed of the failure trace")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
     parser.add_argument("--run-dir", type=Path, default=None, help="keep worker logs and sample records here")
@@ -505,15 +492,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark and print its table and goals; return 0 unless it crashed."""
     settings, args = parse_settings(argv)
     console = make_console()
-    load = f", load average {os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else ""
-    quick = " (quick run: indicative only)" if args.quick else ""
-    console.print(f"{os.cpu_count()} CPUs{load}{quick}", highlight=False)
-    if args.run_dir is not None:
-        args.run_dir.mkdir(parents=True, exist_ok=True)
-        rows, trace = measure(settings, args.run_dir, args.systems, console)
-    else:
-        with tempfile.TemporaryDirectory(prefix="stalwart-bench-goodput-") as scratch:
-            rows, trace = measure(settings, Path(scratch), args.systems, console)
+    machine_line(console, args.quick)
+    with run_directory(args.run_dir, "stalwart-bench-goodput-") as run_dir:
+        rows, trace = measure(settings, run_dir, args.systems, console)
     print_results(console, rows, trace, settings)
     print_goals(console, goals(rows, settings))
     return 0

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,10 +27,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmarks._measure import REPO_ROOT, make_console, print_table
+from benchmarks._rounds import fixed, interleaved_rounds, median_span, round_ratios
 from stalwart.coord.server import Lighthouse
 
 EXAMPLES = REPO_ROOT / "examples"
 _TIMEOUT = 900.0
+_MS = fixed(1, 1000)
 
 
 def step_seconds(lines: list[tuple[float, str]], eval_every: int) -> float:
@@ -97,25 +98,17 @@ def main(argv: list[str] | None = None) -> None:
             "PYTHONUNBUFFERED": "1",
         }
         environment.pop("OMP_NUM_THREADS", None)  # torchrun and the Manager both give each worker one thread
-        times: dict[str, list[float]] = {"ddp": [], "stalwart": []}
-        for number in range(rounds):
-            order = ("ddp", "stalwart") if number % 2 == 0 else ("stalwart", "ddp")
-            for system in order:
-                console.print(f"round {number + 1}/{rounds}: {system}", highlight=False)
-                run = run_ddp if system == "ddp" else run_stalwart
-                times[system].append(run(args.processes, environment))
-    ratios = [s / d for s, d in zip(times["stalwart"], times["ddp"], strict=True)]
+        runs = {"ddp": run_ddp, "stalwart": run_stalwart}
+
+        def measure(system: str, number: int) -> float:
+            console.print(f"round {number + 1}/{rounds}: {system}", highlight=False)
+            return runs[system](args.processes, environment)
+
+        times = interleaved_rounds(tuple(runs), rounds, measure)
+    ratios = round_ratios(times["stalwart"], times["ddp"])
     rows = [
-        [
-            "torchrun + DDP (examples/gpt_ddp.py)",
-            _ms(times["ddp"]),
-            "1.000",
-        ],
-        [
-            "stalwart (examples/gpt.py)",
-            _ms(times["stalwart"]),
-            f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})",
-        ],
+        ["torchrun + DDP (examples/gpt_ddp.py)", median_span(times["ddp"], _MS), "1.000"],
+        ["stalwart (examples/gpt.py)", median_span(times["stalwart"], _MS), median_span(ratios, fixed(3))],
     ]
     print_table(
         console,
@@ -124,10 +117,6 @@ def main(argv: list[str] | None = None) -> None:
         rows,
         caption="Step time between the second and the last validation line of each run; no failures.",
     )
-
-
-def _ms(values: list[float]) -> str:
-    return f"{1000 * statistics.median(values):.1f} ({1000 * min(values):.1f}-{1000 * max(values):.1f})"
 
 
 if __name__ == "__main__":

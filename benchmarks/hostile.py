@@ -44,6 +44,7 @@ import aiohttp
 from benchmarks._measure import make_console, print_table
 from stalwart.coord.client import LighthouseClient
 from stalwart.coord.protocol import heartbeat_message, ledger_digest
+from stalwart.testing.loopback import free_port
 
 HOST = "127.0.0.1"
 TOKEN = "hostile-benchmark-token"
@@ -55,9 +56,7 @@ class Target:
     """A lighthouse process, three honest members committing steps, and what an attacker can see of them."""
 
     def __init__(self, folder: Path) -> None:
-        with socket.socket() as probe:
-            probe.bind((HOST, 0))
-            self.port = int(probe.getsockname()[1])
+        self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
         command = [sys.executable, "-m", "stalwart.cli.lighthouse", "--min-replicas", "3", "--port", str(self.port)]
         command += ["--state", str(folder / "state.db"), "--heartbeat-timeout", "5", "--join-timeout", "2", *PLAN_FLAGS]

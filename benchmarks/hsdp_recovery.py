@@ -27,22 +27,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from benchmarks._measure import Goal, make_console, print_goals, print_table, progress_display
+from benchmarks._measure import Goal, make_console, print_goals, print_table, progress_display, run_directory
+from benchmarks._workers import read_records
 from stalwart.coord.server import Lighthouse
 from stalwart.data.plan import EpochPlan
+from stalwart.testing.waiting import wait_until
 
 PLAN = EpochPlan(1797, 48, seed=0, local_batch_multiple=4)
 STEPS_PER_FAILURE = 12
@@ -89,16 +89,9 @@ def end_group(agent: subprocess.Popen[bytes]) -> None:
     agent.wait(timeout=10)
 
 
-def records(path: Path) -> list[dict[str, Any]]:
-    """The JSON lines of ``path`` (none when it does not exist yet)."""
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
 def first_record(path: Path, matches: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
     """The first step record of ``path`` that ``matches``, if any yet."""
-    return next((record for record in records(path) if matches(record)), None)
+    return next((record for record in read_records(path) if matches(record)), None)
 
 
 def at_least(step: int, record: dict[str, Any]) -> bool:
@@ -116,17 +109,6 @@ def committed_after(moment: float, record: dict[str, Any]) -> bool:
     return bool(record["time"] > moment)
 
 
-def wait_for(condition: Callable[[], Any], what: str) -> Any:
-    """Poll ``condition`` every 20 ms until it returns something truthy, at most ``WAIT_LIMIT`` seconds."""
-    deadline = time.monotonic() + WAIT_LIMIT
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise TimeoutError(f"waited {WAIT_LIMIT:.0f} s for {what}")
-
-
 def measure(failures: int, run_dir: Path, tick: Callable[[], None]) -> list[dict[str, float]]:
     """Run the job through ``failures`` SIGKILL-and-relaunch cycles; the timings of each."""
     steps = STEPS_PER_FAILURE * (failures + 1)
@@ -139,25 +121,29 @@ def measure(failures: int, run_dir: Path, tick: Callable[[], None]) -> list[dict
         try:
             for failure in range(failures):
                 start = STEPS_PER_FAILURE * failure + STEPS_PER_FAILURE // 2
-                wait_for(partial(first_record, steps_a, partial(at_least, start)), f"group A to commit step {start}")
-                before = records(steps_a)[-1]
-                victim = wait_for(lambda: child_pids(agents["group-b"]), "group B's worker processes")[-1]
+                reached = partial(first_record, steps_a, partial(at_least, start))
+                wait_until(reached, WAIT_LIMIT, f"group A to commit step {start}")
+                before = read_records(steps_a)[-1]
+                victim = wait_until(lambda: child_pids(agents["group-b"]), WAIT_LIMIT, "group B's worker processes")[-1]
                 killed_at = time.time()
                 os.kill(victim, signal.SIGKILL)
                 agents["group-b"].wait(timeout=WAIT_LIMIT)
-                recovered = wait_for(
+                recovered = wait_until(
                     partial(first_record, steps_a, partial(in_new_quorum, before)),
+                    WAIT_LIMIT,
                     "group A to commit a step in a new quorum",
                 )
                 relaunched_at = time.time()
                 agents["group-b"] = launch_group(lighthouse.url, "group-b", run_dir, steps, hold)
-                wait_for(
+                wait_until(
                     lambda: any(m["member"] == "group-b" and m["asking"] for m in lighthouse.status()["members"]),
+                    WAIT_LIMIT,
                     "the relaunched group B to ask to join",
                 )
                 hold.write_text(str(STEPS_PER_FAILURE * (failure + 2)))
-                first = wait_for(
+                first = wait_until(
                     partial(first_record, run_dir / "steps-group-b.0.jsonl", partial(committed_after, relaunched_at)),
+                    WAIT_LIMIT,
                     "the relaunched group B to commit a step",
                 )
                 results.append({"recovery_s": recovered["time"] - killed_at, "rejoin_s": first["time"] - relaunched_at})
@@ -178,12 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", type=Path, default=None, help="keep worker logs and step records here")
     args = parser.parse_args(argv)
     console = make_console()
-    with tempfile.TemporaryDirectory(prefix="stalwart-hsdp-") as scratch:
-        run_dir = args.run_dir or Path(scratch)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with progress_display(console) as progress:
-            task = progress.add_task("SIGKILL and relaunch", total=args.failures)
-            results = measure(args.failures, run_dir, lambda: progress.advance(task))
+    with run_directory(args.run_dir, "stalwart-hsdp-") as run_dir, progress_display(console) as progress:
+        task = progress.add_task("SIGKILL and relaunch", total=args.failures)
+        results = measure(args.failures, run_dir, lambda: progress.advance(task))
     rows = [
         [str(number), f"{r['recovery_s']:.3f}", f"{r['rejoin_s']:.2f}"] for number, r in enumerate(results, start=1)
     ]

@@ -73,6 +73,7 @@ from stalwart.coord.protocol import (
 )
 from stalwart.data.ledger import DataLedger
 from stalwart.data.plan import EpochPlan
+from stalwart.testing.loopback import free_port
 
 SIZES = (256, 512, 1024, 2048, 4096)
 LOCAL_BATCH = 32
@@ -432,7 +433,7 @@ class Driver:
         self.members = members
         self.args = args
         context = multiprocessing.get_context("spawn")
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = folder / f"lighthouse-{members}.log"
         state = str(folder / f"state-{members}.db")
@@ -722,14 +723,6 @@ def _ms_after(times: Sequence[float | None], origin: float, quantile: float) -> 
         return None
     ordered = sorted(1000 * (t - origin) for t in times if t is not None)
     return ordered[min(len(ordered) - 1, int(quantile * len(ordered)))]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 # --- reporting ---------------------------------------------------------------------------------------------------

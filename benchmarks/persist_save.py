@@ -2,7 +2,7 @@
 and what makes a save durable on an operating-system crash costs (``synchronous=FULL``, the lighthouse's, against
 ``NORMAL``: a sync of the write-ahead log per commit).
 
-Run: ``python benchmarks/persist_save.py`` (prints milliseconds per save, median of ``--repeat`` saves, with the
+Run: ``python -m benchmarks.persist_save`` (prints milliseconds per save, median of ``--repeat`` saves, with the
 spread; the FULL and NORMAL saves alternate, so the disk's and the machine's load fall on both alike).
 """
 
@@ -16,6 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks._rounds import fixed, interleaved_rounds, span
 from stalwart.coord.history import HISTORY_LIMIT
 from stalwart.coord.persist import StateStore
 from stalwart.coord.quorum import LighthouseState, QuorumRequest
@@ -74,21 +75,21 @@ def main() -> None:
         old.close()
         durable = StateStore(Path(folder) / "full.db")
         loose = StateStore(Path(folder) / "normal.db", synchronous="NORMAL")
-        times: dict[str, list[float]] = {"FULL": [], "NORMAL": []}
-        for target in (durable, loose):
+        targets = {"FULL": durable, "NORMAL": loose}
+        for target in targets.values():
             target.save(state.changes(), 0.0)
-        for n in range(args.repeat):
-            for name, target in (
-                (("FULL", durable), ("NORMAL", loose)) if n % 2 else (("NORMAL", loose), ("FULL", durable))
-            ):
-                state.connected(f"durable-{name}-{n}", float(n))
-                changes = state.changes()
-                started = time.perf_counter()
-                target.save(changes, 0.0)
-                times[name].append(time.perf_counter() - started)
-        full, normal = (statistics.median(times[name]) * 1e3 for name in ("FULL", "NORMAL"))
-        for name in ("FULL", "NORMAL"):
-            spread = f"{min(times[name]) * 1e3:.2f}-{max(times[name]) * 1e3:.2f}"
+
+        def save(name: str, n: int) -> float:
+            state.connected(f"durable-{name}-{n}", float(n))
+            changes = state.changes()
+            started = time.perf_counter()
+            targets[name].save(changes, 0.0)
+            return time.perf_counter() - started
+
+        times = interleaved_rounds(tuple(targets), args.repeat, save)
+        full, normal = (statistics.median(times[name]) * 1e3 for name in targets)
+        for name in targets:
+            spread = span(times[name], fixed(2, 1e3))
             print(f"  synchronous={name}: {statistics.median(times[name]) * 1e3:.2f} ms/save (spread {spread})")
         print(f"  durable on an OS crash (FULL) / NORMAL: {full / normal:.1f}x")
         durable.close()

@@ -66,12 +66,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import signal
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -85,8 +80,19 @@ from rich.console import Console
 from rich.progress import Progress, TaskID
 from rich.table import Column
 
-from benchmarks._measure import REPO_ROOT, Goal, make_console, print_goals, print_table, progress_display
+from benchmarks._measure import (
+    Goal,
+    add_rounds,
+    machine_line,
+    make_console,
+    print_goals,
+    print_table,
+    progress_display,
+    run_directory,
+)
+from benchmarks._rounds import interleaved_rounds, round_ratios, span
 from benchmarks._runtime_workers import MODELS, ModelSpec, build_model
+from benchmarks._workers import POLL_S, TorchftLighthouse, WorkerGroup, torchft_missing
 from stalwart.coord.server import Lighthouse
 from stalwart.data.ledger import DataLedger
 from stalwart.data.plan import EpochPlan
@@ -113,9 +119,7 @@ SIGSTOP_GOAL_S = HEARTBEAT_TIMEOUT + 1.0
 RUN_TIMEOUT_S = 240.0
 STEP_RUN_TIMEOUT_S = 600.0
 """A per-step run's limit: FSDP2 and HSDP over Gloo take seconds a step on the 50M model with 4 workers on 2 cores."""
-POLL_S = 0.05
 PHASES = ("total", "cpu", "compute", "before", "reduce", "after")
-_WORKER_MODULE = "benchmarks._runtime_workers"
 
 
 @dataclass(frozen=True)
@@ -178,109 +182,12 @@ QUICK = dataclasses.replace(
     models=("tiny",),
     workers=(2,),
     variants=("ddp", "stalwart", "torchft", "fsdp2"),
-    steps={**FULL.steps, "tiny": 100},
-    warmup={**FULL.warmup, "tiny": 20},
+    steps={**FULL.steps, "tiny": 40},
+    warmup={**FULL.warmup, "tiny": 10},
     rounds=1,
     failures_per_signal=1,
     torchft_kill_trial=False,
 )
-
-
-# Launching worker processes and reading what they wrote.
-
-
-def worker_env(local_rank: int | None = None) -> dict[str, str]:
-    """A worker's environment: one-thread pools, Gloo and NCCL on the loopback interface, its GPU (``LOCAL_RANK``)."""
-    env = dict(os.environ)
-    env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
-    if local_rank is not None:
-        env["LOCAL_RANK"] = str(local_rank)
-    if sys.platform.startswith("linux"):
-        env.update({"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"})
-        # A fixed mmap threshold: glibc serves every block of 128 KiB or more by mmap and returns it when freed,
-        # so the peak RSS follows the tensors alive, not how the heap fragmented (its threshold otherwise grows
-        # to 32 MiB as blocks are freed, and freed tensors below it stay in the process).
-        env["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
-    return env
-
-
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """The JSON lines of ``path`` (a torn last line, from a killed writer, is skipped)."""
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
-
-
-class WorkerGroup:
-    """The worker processes of one run, logging to ``run_dir``; waits are bounded."""
-
-    def __init__(self, run_dir: Path, name: str, world: int, device: str = "cpu") -> None:
-        self.run_dir = run_dir
-        self.name = name
-        self.world = world
-        self.device = device
-        self.launched_at = time.time()
-        self.processes: list[subprocess.Popen[bytes]] = []
-
-    def start(self, loop: str, model: str, steps: int, rank: int, extra: Sequence[str]) -> None:
-        """Start rank ``rank`` of ``loop`` (in place of its earlier process, if any: a relaunch)."""
-        command = [
-            sys.executable, "-m", _WORKER_MODULE, loop,
-            "--model", model, "--steps", str(steps), "--rank", str(rank), "--world", str(self.world),
-            "--device", self.device, "--out", str(self.run_dir / self.name),
-            "--launched-at", repr(self.launched_at), *extra,
-        ]  # fmt: skip
-        env = worker_env(rank if self.device == "cuda" else None)
-        with open(self.run_dir / f"{self.name}-worker-{rank}.log", "ab") as log:
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
-        if rank < len(self.processes):
-            self.processes[rank] = process
-        else:
-            self.processes.append(process)
-
-    def records(self, rank: int) -> list[dict[str, Any]]:
-        """What rank ``rank`` wrote so far."""
-        return read_records(self.run_dir / f"{self.name}-worker-{rank}.jsonl")
-
-    def peak_memory_bytes(self) -> list[int]:
-        """Each finished worker's peak memory (from its summary)."""
-        return [summary["peak_memory_bytes"] for summary in self.summaries()]
-
-    def summaries(self) -> list[dict[str, Any]]:
-        """The summaries of the workers that finished (their peak memory and what their loop added)."""
-        paths = (self.run_dir / f"{self.name}-worker-{rank}.summary.json" for rank in range(self.world))
-        return [json.loads(path.read_text(encoding="utf-8")) for path in paths if path.exists()]
-
-    def wait(self, timeout: float, tick: Callable[[], None] = lambda: None) -> bool:
-        """Wait until every process exited (True) or ``timeout`` passed (False: they are killed)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if all(process.poll() is not None for process in self.processes):
-                return True
-            tick()
-            time.sleep(POLL_S)
-        self.kill()
-        return False
-
-    def kill(self) -> None:
-        """SIGKILL every process still running (stopped ones included) and reap it."""
-        for process in self.processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGCONT)
-                process.kill()
-                process.wait(timeout=10)
-
-    def log_tail(self, rank: int, lines: int = 4) -> str:
-        """The last lines of rank ``rank``'s log, for error notes."""
-        path = self.run_dir / f"{self.name}-worker-{rank}.log"
-        text = path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
-        return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
 
 
 # 1. Per-step time and memory without failures.
@@ -298,7 +205,8 @@ class OverheadRow:
     workers: int
     variant: str
     phases: dict[str, list[float]] = field(default_factory=lambda: {phase: [] for phase in PHASES})
-    round_medians: dict[int, float] = field(default_factory=dict)
+    round_medians: list[float | None] = field(default_factory=list)
+    """Each round's median step (ms); None for a round it did not run."""
     peak_mib: list[float] = field(default_factory=list)
     first_step_s: list[float] = field(default_factory=list)
     note: str = ""
@@ -311,35 +219,6 @@ class OverheadRow:
     def median(self, phase: str = "total") -> float:
         """Median milliseconds of ``phase`` (one of ``PHASES``)."""
         return statistics.median(self.phases[phase])
-
-
-def torchft_missing() -> str | None:
-    """Why torchft cannot run here (None when it can)."""
-    os.environ.setdefault("RUST_LOG", "warn")  # read as torchft loads; else its lighthouse logs each quorum to stderr
-    try:
-        import torchft  # noqa: F401
-    except ImportError as error:
-        return f"not run: torchft is not installed ({error.name}); pip install torchft==0.2.0"
-    return None
-
-
-class TorchftLighthouse:
-    """torchft's own lighthouse (its Rust server), bound to 127.0.0.1."""
-
-    def __init__(self, min_replicas: int, heartbeat_timeout_ms: int = 5000, join_timeout_ms: int = 5000) -> None:
-        from torchft.coordination import LighthouseServer
-
-        self._server = LighthouseServer(
-            bind="127.0.0.1:0",
-            min_replicas=min_replicas,
-            join_timeout_ms=join_timeout_ms,
-            heartbeat_timeout_ms=heartbeat_timeout_ms,
-        )
-        port = self._server.address().rsplit(":", 1)[1]
-        self.address = f"http://127.0.0.1:{port}"
-
-    def stop(self) -> None:
-        self._server.shutdown()
 
 
 @dataclass(frozen=True)
@@ -403,35 +282,63 @@ def overhead_runs(settings: Settings) -> int:
 def measure_overhead(
     settings: Settings, device: str, run_dir: Path, progress: Progress, task: TaskID
 ) -> list[OverheadRow]:
-    """Each variant, model and worker count, ``rounds`` times in a rotating order (rank 0's steps after warm-up)."""
-    rows: dict[tuple[str, int, str], OverheadRow] = {}
-    skip_torchft = torchft_missing()
+    """Each variant, model and worker count, ``rounds`` interleaved rounds (rank 0's steps after warm-up)."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    rows = []
     for model in settings.models:
-        spec = MODELS[model]
-        steps, warmup = settings.steps[model], settings.warmup[model]
         for workers in settings.workers:
             names = [variant for variant in settings.variants if VARIANTS[variant].runs_with(workers)]
-            for variant in names:
-                rows[model, workers, variant] = OverheadRow(model, workers, variant)
-            for round_number in range(settings.rounds):
-                shift = round_number % len(names)
-                for variant in names[shift:] + names[:shift]:
-                    row = rows[model, workers, variant]
-                    label = f"per-step time: {model}, {workers} workers, {variant} (round {round_number + 1})"
-                    progress.update(task, description=label)
-                    if VARIANTS[variant].coordinator == "torchft" and skip_torchft:
-                        row.note = skip_torchft
-                    elif not row.note:
-                        slug = variant.replace(", ", "-").replace(" ", "-")
-                        run = Run(variant, spec, workers, steps, device, f"{slug}-{model}-{workers}-{round_number}")
-                        _record_run(row, run, warmup, round_number, run_variant(run, run_dir, store, progress.refresh))
-                    progress.advance(task)
+            rows += _compare(
+                Run("", MODELS[model], workers, settings.steps[model], device, ""),
+                names,
+                settings,
+                run_dir,
+                store,
+                progress,
+                task,
+            )
+    return rows
+
+
+def _compare(
+    base: Run,
+    variants: Sequence[str],
+    settings: Settings,
+    run_dir: Path,
+    store: dist.TCPStore,
+    progress: Progress,
+    task: TaskID,
+) -> list[OverheadRow]:
+    """``variants`` on one model and worker count (``base``'s), in interleaved rounds: table 1's rows for them."""
+    model, workers = base.spec.name, base.workers
+    rows = {variant: OverheadRow(model, workers, variant) for variant in variants}
+    skip_torchft = torchft_missing()
+
+    def measure(variant: str, round_number: int) -> float | None:
+        row = rows[variant]
+        progress.update(
+            task, description=f"per-step time: {model}, {workers} workers, {variant} (round {round_number + 1})"
+        )
+        median = None
+        if VARIANTS[variant].coordinator == "torchft" and skip_torchft:
+            row.note = skip_torchft
+        elif not row.note:
+            slug = variant.replace(", ", "-").replace(" ", "-")
+            run = dataclasses.replace(base, variant=variant, name=f"{slug}-{model}-{workers}-{round_number}")
+            median = _record_run(row, run, settings.warmup[model], run_variant(run, run_dir, store, progress.refresh))
+        progress.advance(task)
+        return median
+
+    for variant, medians in interleaved_rounds(variants, settings.rounds, measure).items():
+        rows[variant].round_medians = medians
     return list(rows.values())
 
 
-def _record_run(row: OverheadRow, run: Run, warmup: int, round_number: int, outcome: tuple[WorkerGroup, str]) -> None:
-    """Add a run's steps after warm-up, its first step's time and its peak memory to ``row``, or note its failure."""
+def _record_run(row: OverheadRow, run: Run, warmup: int, outcome: tuple[WorkerGroup, str]) -> float | None:
+    """Add a run's steps after warm-up, its first step's time and its peak memory to ``row``, or note its failure.
+
+    Returns the run's median step (ms), None when it failed.
+    """
     group, error = outcome
     records = group.records(0)
     peaks = group.peak_memory_bytes()
@@ -439,13 +346,13 @@ def _record_run(row: OverheadRow, run: Run, warmup: int, round_number: int, outc
         missing = f"rank 0 wrote {len(records)} of {run.steps} steps, {len(peaks)} worker(s) their memory"
         row.note = f"not run: {error or missing}"
         row.phases = {phase: [] for phase in PHASES}
-        return
+        return None
     kept = records[warmup:-1]  # after warm-up; the last step also times the shutdown
     for phase, values in row.phases.items():
         values += [record[phase] * 1e3 for record in kept if record[phase] is not None]
-    row.round_medians[round_number] = statistics.median(record["total"] * 1e3 for record in kept)
     row.peak_mib.append(max(peaks) / 2**20)
     row.first_step_s.append(records[0]["since_launch"])
+    return statistics.median(record["total"] * 1e3 for record in kept)
 
 
 # 2. Recovery and 3. work lost, on the digits job.
@@ -674,7 +581,7 @@ def torchft_kill_trial(mode: str, run_dir: Path, tick: Callable[[], None]) -> To
         deadline = time.monotonic() + RUN_TIMEOUT_S / 2
         while time.monotonic() < deadline and killed_at is None:
             if len(group.records(victim)) >= kill_step:
-                group.processes[victim].kill()
+                group.kill_one(victim)
                 killed_at = time.time()
             elif any(process.poll() is not None for process in group.processes):
                 break
@@ -1034,10 +941,7 @@ def print_work_lost(
 
 def _ratio_range(row: OverheadRow, baseline: OverheadRow) -> str:
     """Lowest and highest ratio of ``row``'s median to the baseline's over the rounds both ran."""
-    ratios = [
-        row.round_medians[r] / baseline.round_medians[r] for r in row.round_medians if r in baseline.round_medians
-    ]
-    return f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-"
+    return span(round_ratios(row.round_medians, baseline.round_medians), lambda ratio: f"{ratio:.2f}")
 
 
 def _parameters(spec: ModelSpec) -> int:
@@ -1102,7 +1006,7 @@ def parse_settings(argv: Sequence[str] | None) -> tuple[Settings, argparse.Names
     parser.add_argument("--quick", action="store_true", help="the tiny model, 2 workers, one failure of each kind")
     parser.add_argument("--models", type=lambda text: _choices(text, tuple(MODELS)), help="e.g. 1m,10m,50m")
     parser.add_argument("--workers", type=_worker_counts, help="worker counts of table 1, e.g. 2,4")
-    parser.add_argument("--rounds", type=int, choices=range(1, 21), metavar="N", help="rounds of table 1")
+    add_rounds(parser, "rounds of table 1")
     parser.add_argument(
         "--variants", type=lambda text: _choices(text, tuple(VARIANTS)), help=f"rows of table 1, of {list(VARIANTS)}"
     )
@@ -1128,17 +1032,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark, print its tables and the goals; return the exit status (0 unless it crashed)."""
     settings, args = parse_settings(argv)
     console = make_console()
-    load = f", load average {os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else ""
-    quick = " (quick run: indicative only)" if args.quick else ""
     torchft_note = "torchft not installed" if torchft_missing() else f"torchft {_torchft_version()}"
-    console.print(f"torch {torch.__version__}, {torchft_note}, {os.cpu_count()} CPUs{load}{quick}")
+    machine_line(console, args.quick, f"torch {torch.__version__}", torchft_note)
+    with run_directory(args.run_dir, "stalwart-bench-runtime-") as run_dir:
+        overhead, recovery, torchft_runs = run_all(settings, args.device, run_dir, console)
     if args.run_dir is not None:
-        args.run_dir.mkdir(parents=True, exist_ok=True)
-        overhead, recovery, torchft_runs = run_all(settings, args.device, args.run_dir, console)
         console.print(f"worker logs and step records: {args.run_dir}", highlight=False)
-    else:
-        with tempfile.TemporaryDirectory(prefix="stalwart-bench-runtime-") as scratch:
-            overhead, recovery, torchft_runs = run_all(settings, args.device, Path(scratch), console)
     print_overhead(console, overhead, settings, args.device)
     if recovery is not None:
         print_recovery(console, recovery, torchft_runs)

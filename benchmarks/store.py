@@ -2,8 +2,8 @@
 
 Run from the repository root, with the virtual environment active::
 
-    python -m benchmarks.store                         # 2 and 4 workers, 8 rounds each, a 100 MB heal
-    python -m benchmarks.store --workers 2 --rounds 4  # a quick look
+    python -m benchmarks.store                         # 2 and 4 workers, 4 rounds each, a 100 MB heal
+    python -m benchmarks.store --workers 2 --rounds 2  # a quick look
 
 A lighthouse (with a token) runs in this process and ``--workers`` worker
 processes, each a real ``LighthouseClient`` holding a 100 MB model. Each round
@@ -17,8 +17,8 @@ other rank (``transfer_state``). The round's store is, in turn, the quorum's
 authenticated store on the lighthouse (``quorum_store``: every request a
 ``POST /v1/store/{quorum_id}`` with the bearer token and the quorum's key) and
 a ``TCPStore`` under a fresh prefix, what the lighthouse hosted before and
-what a user would pick instead. Rounds alternate the two (interleaved, so
-the machine's load falls on both alike); the table shows the median over the
+what a user would pick instead. Each round runs both, in an order that
+alternates (interleaved, so the machine's load falls on both alike); the table shows the median over the
 rounds of the slowest worker, the spread (min-max), and the ratio.
 """
 
@@ -33,6 +33,7 @@ from multiprocessing.queues import Queue
 from typing import Any
 
 from benchmarks._measure import make_console, print_table
+from benchmarks._rounds import fixed, interleaved_rounds, median_span
 
 HOST = "127.0.0.1"
 TOKEN = "store-benchmark-token"
@@ -105,15 +106,17 @@ def run(workers: int, rounds: int) -> dict[str, dict[str, list[float]]]:
         for process in processes:
             process.start()
         try:
-            for number in range(rounds + 1):  # round 0 warms up (the first join, imports, allocations)
-                kind = KINDS[number % 2]
+
+            def measure(kind: str, number: int) -> list[tuple[Any, ...]]:
                 for queue in commands:
                     queue.put((number, kind))
-                per_worker = [results.get(timeout=TIMEOUT * 4) for _ in range(workers)]
-                if number == 0:
-                    continue
-                for phase, column in (("ask", 3), ("rendezvous", 4), ("heal", 5)):
-                    times[kind][phase].append(max(result[column] for result in per_worker))
+                return [results.get(timeout=TIMEOUT * 4) for _ in range(workers)]
+
+            # the warm-up round: the first join, imports, allocations
+            for kind, rounds_of_kind in interleaved_rounds(KINDS, rounds, measure, warmup=1).items():
+                for per_worker in rounds_of_kind:
+                    for phase, column in (("ask", 3), ("rendezvous", 4), ("heal", 5)):
+                        times[kind][phase].append(max(result[column] for result in per_worker))
         finally:
             for queue in commands:
                 queue.put(None)
@@ -125,15 +128,13 @@ def run(workers: int, rounds: int) -> dict[str, dict[str, list[float]]]:
 
 
 def _cell(values: list[float]) -> str:
-    if not values:
-        return "-"
-    return f"{statistics.median(values) * 1e3:,.1f} ({min(values) * 1e3:,.1f}-{max(values) * 1e3:,.1f})"
+    return median_span(values, fixed(1, 1e3))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--rounds", type=int, default=8, help="rounds per worker count, alternating the stores")
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds of both stores per worker count")
     args = parser.parse_args()
     console = make_console()
     rows = []
@@ -157,7 +158,7 @@ def main() -> None:
         "The authenticated quorum store against an open TCPStore (ms: median of the slowest worker, min-max)",
         ["workers", "phase", "authenticated store", "TCPStore", "ratio"],
         rows,
-        caption=f"{args.rounds} rounds per worker count, the two stores interleaved; the quorum request itself "
+        caption=f"{args.rounds} rounds of both stores per worker count, interleaved; the quorum request itself "
         "does not touch the store (both columns measure the same thing there).",
     )
 

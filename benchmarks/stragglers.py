@@ -3,7 +3,7 @@
 Run from the repository root, with the virtual environment active::
 
     python -m benchmarks.stragglers            # 3 rounds of both runs, 3 workers, 80 steps each: ~3 min on 2 cores
-    python -m benchmarks.stragglers --quick    # 1 round, 40 steps: ~1 min
+    python -m benchmarks.stragglers --quick    # 1 round, 20 steps: under a minute
 
 Each run is the digits job (:mod:`stalwart.launch.worker`) on a
 :class:`~stalwart.launch.cluster.LocalCluster` of ``--workers`` processes
@@ -39,7 +39,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks._measure import make_console, print_table
+from benchmarks._measure import add_rounds, make_console, print_table
+from benchmarks._rounds import interleaved_rounds, rotated, round_ratios
 from stalwart.coord.server import Lighthouse
 from stalwart.data.plan import EpochPlan
 from stalwart.launch.cluster import LocalCluster
@@ -48,6 +49,10 @@ from stalwart.launch.report import audit_steps, committed_steps, planned_total
 PLAN = EpochPlan(1797, 48, seed=0, local_batch_multiple=4)
 BALANCE_EVERY = 5
 WARMUP_STEPS = 15
+"""Steps left out of the step time (start-up, the first re-weighing); a run of fewer than twice as many leaves
+out its first half."""
+QUICK_STEPS = 20
+MODES = ("equal", "balanced")
 RUN_TIMEOUT_S = 300.0
 
 
@@ -91,62 +96,52 @@ def run_job(mode: str, workers: int, steps: int, sample_seconds: float, run_dir:
         planned_total(PLAN, step) for step in range(steps)
     ]
     times = [json.loads(line)["time"] for line in (run_dir / "steps-worker-1.jsonl").read_text().splitlines()]
-    intervals = [later - earlier for earlier, later in itertools.pairwise(times[WARMUP_STEPS:])]
+    warmup = min(WARMUP_STEPS, steps // 2)
+    intervals = [later - earlier for earlier, later in itertools.pairwise(times[warmup:])]
     return Run(mode, 1000 * statistics.median(intervals), exact, {} if balance is None else balance["weights"])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the rounds and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="One round of 40 steps.")
-    parser.add_argument("--rounds", type=int, default=None, help="Rounds of both runs (default 3; --quick 1).")
+    parser.add_argument("--quick", action="store_true", help=f"One round of {QUICK_STEPS} steps.")
+    add_rounds(parser, "rounds of both runs (default 3; --quick 1)")
     parser.add_argument("--workers", type=int, default=3, help="Worker processes (2 to 6).")
     parser.add_argument(
         "--sample-seconds", type=float, default=0.002, help="Simulated compute per sample of a fast worker."
     )
     args = parser.parse_args(argv)
     rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
-    if rounds < 1:
-        parser.error(f"--rounds must be in [1, inf), got {rounds}")
     if not 2 <= args.workers <= 6:
         parser.error(f"--workers must be in [2, 6], got {args.workers}")
     if not 0 < args.sample_seconds <= 0.1:
         parser.error(f"--sample-seconds must be in (0, 0.1], got {args.sample_seconds}")
-    steps = 40 if args.quick else 80
+    steps = QUICK_STEPS if args.quick else 80
     console = make_console()
-    rows, ratios = [], []
-    measured: dict[str, list[Run]] = {"equal": [], "balanced": []}
     with tempfile.TemporaryDirectory(prefix="stalwart-stragglers-") as scratch:
-        for number in range(rounds):
-            order = ("equal", "balanced") if number % 2 == 0 else ("balanced", "equal")
-            for mode in order:
-                console.print(f"round {number + 1}/{rounds}: {mode} shares, {steps} steps", highlight=False)
-                run_dir = Path(scratch) / f"round-{number}-{mode}"
-                measured[mode].append(run_job(mode, args.workers, steps, args.sample_seconds, run_dir))
-            equal, balanced = measured["equal"][-1], measured["balanced"][-1]
-            ratios.append(balanced.step_ms / equal.step_ms)
-            rows.append(
-                [
-                    str(number + 1),
-                    " then ".join(order),
-                    f"{equal.step_ms:.1f}",
-                    f"{balanced.step_ms:.1f}",
-                    f"{ratios[-1]:.2f}",
-                    _weights(balanced.weights),
-                    "yes" if equal.exact and balanced.exact else "NO",
-                ]
-            )
-    rows.append(
+
+        def measure(mode: str, number: int) -> Run:
+            console.print(f"round {number + 1}/{rounds}: {mode} shares, {steps} steps", highlight=False)
+            return run_job(mode, args.workers, steps, args.sample_seconds, Path(scratch) / f"round-{number}-{mode}")
+
+        measured = interleaved_rounds(MODES, rounds, measure)
+    equal = [run.step_ms for run in measured["equal"]]
+    balanced = [run.step_ms for run in measured["balanced"]]
+    ratios = round_ratios(balanced, equal)
+    rows = [
         [
-            "median",
-            "",
-            f"{statistics.median(r.step_ms for r in measured['equal']):.1f}",
-            f"{statistics.median(r.step_ms for r in measured['balanced']):.1f}",
-            f"{statistics.median(ratios):.2f}",
-            "",
-            "",
+            str(number + 1),
+            " then ".join(rotated(MODES, number)),
+            f"{equal[number]:.1f}",
+            f"{balanced[number]:.1f}",
+            f"{ratios[number]:.2f}",
+            _weights(measured["balanced"][number].weights),
+            "yes" if measured["equal"][number].exact and measured["balanced"][number].exact else "NO",
         ]
-    )
+        for number in range(rounds)
+    ]
+    medians = (f"{statistics.median(values):.1f}" for values in (equal, balanced))
+    rows.append(["median", "", *medians, f"{statistics.median(ratios):.2f}", "", ""])
     print_table(
         console,
         f"Step time with worker 0 at half speed ({args.workers} workers, {args.sample_seconds * 1000:g} ms per "

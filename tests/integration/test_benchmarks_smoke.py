@@ -195,7 +195,7 @@ def test_stragglers_quick_run_measures_both_runs() -> None:
 
 def test_lighthouse_scale_runs_every_phase(tmp_path: Path) -> None:
     report = tmp_path / "scale.json"
-    arguments = ["--members", "48", "--processes", "1", "--seconds", "1", "--step-seconds", "0.2"]
+    arguments = ["--members", "48", "--processes", "1", "--seconds", "0.5", "--step-seconds", "0.1"]
     completed = _run_benchmark(
         *arguments, "--report", str(report), "--compare", str(report), module="benchmarks.lighthouse_scale"
     )
