@@ -44,7 +44,7 @@ HOST = "127.0.0.1"
 WORLD = 3
 VICTIM = 2
 GROUP_TIMEOUT = 30.0
-TEST_BOUND = 20.0
+TEST_BOUND = 120.0  # a bound on a busy machine (spawned peers import torch first), not an expectation
 CONTEXT = multiprocessing.get_context("spawn")
 
 

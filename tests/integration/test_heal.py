@@ -32,7 +32,7 @@ from stalwart.testing.compare import assert_same
 from stalwart.testing.loopback import prefix_store
 
 HOST = "127.0.0.1"
-TIMEOUT = 20.0
+TIMEOUT = 60.0  # collectives and rendezvous of spawned peers on a busy machine: a bound, not an expectation
 ROLES = ("source", "target", "bystander")
 SOURCE_STEPS = 3
 BYSTANDER_STEPS = 1

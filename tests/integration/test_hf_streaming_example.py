@@ -1,9 +1,10 @@
 """The README's recipe as written: a Hugging Face streaming dataset under torchrun with DataLoader workers.
 
 Two torchrun launches over one epoch (2 ranks x 2 workers, then 1 rank
-without workers), the second resuming from the first one's checkpoint (other
-changes of ranks and workers: ``test_dataloader_workers``): every row is trained on exactly once by the ids the ranks read out
-of their rows, and the audit agrees, labelling each rank with its world size.
+without workers), the second resuming from the first one's checkpoint: every
+row is trained on exactly once by the ids the ranks read out of their rows,
+and the audit agrees, labelling each rank with its world size (other changes
+of ranks and workers: ``test_dataloader_workers``).
 """
 
 from __future__ import annotations
