@@ -73,15 +73,25 @@ def scripts(draw: st.DrawFn) -> tuple[list[list[list[int]]], list[list[int]], in
     return steps, foreseen, draw(st.integers(1, 4))
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-@settings(max_examples=40, deadline=None)
-@given(script=scripts(), persistent=st.booleans())
-def test_every_step_gets_exactly_its_parts_whatever_was_foreseen(
-    workers: int, script: tuple[list[list[list[int]]], list[list[int]], int], persistent: bool
-) -> None:
+Script = tuple[list[list[list[int]]], list[list[int]], int]
+
+
+def check_script(script: Script, workers: int, persistent: bool) -> None:
     steps, foreseen, max_microbatch = script
     driver = ScriptedDriver(foreseen, workers, max_microbatch, persistent)
     assert driver.run(steps, max_microbatch) == keys(steps)
+
+
+@settings(max_examples=40, deadline=None)
+@given(script=scripts())
+def test_every_step_gets_exactly_its_parts_whatever_was_foreseen(script: Script) -> None:
+    check_script(script, workers=0, persistent=False)
+
+
+@settings(max_examples=10, deadline=None)  # each example forks two DataLoader workers: the logic is the test above's
+@given(script=scripts(), persistent=st.booleans())
+def test_every_step_gets_exactly_its_parts_from_dataloader_workers(script: Script, persistent: bool) -> None:
+    check_script(script, workers=2, persistent=persistent)
 
 
 def test_a_retry_drops_the_micro_batches_prefetched_for_the_superseded_plan() -> None:
