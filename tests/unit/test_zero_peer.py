@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from stalwart.redundancy.config import Overlap
@@ -76,6 +76,7 @@ def test_a_malformed_record_is_a_failed_collective(what: str, change: Any) -> No
     lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=4), children, max_size=3),
     max_leaves=6,
 ))  # fmt: skip
+@example(field="scalars", value={"": [None, []]})  # once a TypeError: a list where a dtype name stands
 def test_any_value_in_any_field_is_accepted_or_a_failed_collective(field: str, value: Any) -> None:
     """Whatever a peer writes into one field, the reshard either gets a checked record or a CollectiveError."""
     state = shard_state()

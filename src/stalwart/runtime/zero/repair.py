@@ -177,7 +177,7 @@ def peer_info(raw: bytes, rank: int, state: ShardState) -> dict[str, Any]:
 
 def _is_scalar(value: Any) -> bool:
     """A finite number, or ``[finite number, dtype name]`` (a 0-d tensor's value and dtype)."""
-    if isinstance(value, list) and len(value) == 2 and value[1] in _SCALAR_DTYPES:
+    if isinstance(value, list) and len(value) == 2 and isinstance(value[1], str) and value[1] in _SCALAR_DTYPES:
         value = value[0]
     if isinstance(value, bool):
         return True
