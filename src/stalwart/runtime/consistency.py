@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from stalwart._validate import check_int
+from stalwart.data.plan import EpochPlan
 from stalwart.data.rowkeys import mix64
 from stalwart.errors import StalwartError
 
@@ -161,6 +162,22 @@ def index_checksum(epochs: np.ndarray | int, indices: np.ndarray | Sequence[int]
     epoch_array = np.broadcast_to(np.asarray(epochs, dtype=np.uint64), index_array.shape)
     hashed = _mix(index_array ^ _mix(epoch_array))
     return int(hashed.sum(dtype=np.uint64))
+
+
+def check_loaded(
+    loaded_checksum: int, plan: EpochPlan, epoch: int, positions: np.ndarray, where: str, loader: str, share: str
+) -> None:
+    """Raise ``AuditError`` unless ``loaded_checksum`` is the checksum of the samples at ``positions`` of ``epoch``.
+
+    ``where`` names the step, ``loader`` who loaded (``the quorum``), ``share`` whose positions (``the ledger's``).
+    """
+    expected = index_checksum(epoch, plan.indices_at(epoch, positions))
+    if loaded_checksum != expected:
+        raise AuditError(
+            f"{where}: the samples {loader} loaded (checksum {loaded_checksum:#018x}) are not those of {share} "
+            f"{positions.size} positions (checksum {expected:#018x}): a member's loader produced other samples than "
+            "its share"
+        )
 
 
 def _mix(values: np.ndarray) -> np.ndarray:

@@ -62,7 +62,7 @@ from stalwart.runtime.accumulation import Source, StepAccumulation
 from stalwart.runtime.checkpointing import CheckpointPolicy
 from stalwart.runtime.comm import CollectiveError, default_device
 from stalwart.runtime.config import Checkpointing, Checks, Reduction, ReplicaGroup, Transport
-from stalwart.runtime.consistency import AuditError, index_checksum
+from stalwart.runtime.consistency import check_loaded
 from stalwart.runtime.diloco.config import DiLoCo, check_against
 from stalwart.runtime.diloco.rounds import RoundLoop
 from stalwart.runtime.drift import DriftCheck
@@ -465,13 +465,8 @@ class Manager:
             raise RuntimeError(
                 f"step {ledger.step}: the quorum reduced {reduced.samples} samples, the ledger holds {positions.size}"
             )
-        expected = index_checksum(ledger.epoch, ledger.plan.indices_at(ledger.epoch, positions))
-        if reduced.loaded_checksum != expected:
-            raise AuditError(
-                f"step {ledger.step}: the samples the quorum loaded (checksum {reduced.loaded_checksum:#018x}) are not "
-                f"those of the ledger's {positions.size} positions (checksum {expected:#018x}): a member's loader "
-                "produced other samples than its share"
-            )
+        where = f"step {ledger.step}"
+        check_loaded(reduced.loaded_checksum, ledger.plan, ledger.epoch, positions, where, "the quorum", "the ledger's")
         if reduced.samples:
             if not reduced.weight > 0 or not math.isfinite(reduced.weight):
                 raise ValueError(

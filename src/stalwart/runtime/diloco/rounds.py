@@ -61,11 +61,10 @@ from stalwart.runtime.accumulation import Source
 from stalwart.runtime.comm import CollectiveError, Communicator
 from stalwart.runtime.consistency import (
     DRIFT_SLOTS,
-    AuditError,
     ReplicaDriftError,
+    check_loaded,
     drift_plan,
     drift_slots,
-    index_checksum,
     parameter_checksum,
 )
 from stalwart.runtime.diloco import exchange
@@ -323,13 +322,8 @@ class RoundLoop:
                 f"round {ledger.step}: the group reduced {reduced.samples} samples in inner step {self.inner.steps}, "
                 f"its share holds {positions.size}"
             )
-        expected = index_checksum(ledger.epoch, ledger.plan.indices_at(ledger.epoch, positions))
-        if reduced.loaded_checksum != expected:
-            raise AuditError(
-                f"round {ledger.step}, inner step {self.inner.steps}: the samples the group loaded (checksum "
-                f"{reduced.loaded_checksum:#018x}) are not those of its {positions.size} positions (checksum "
-                f"{expected:#018x})"
-            )
+        where = f"round {ledger.step}, inner step {self.inner.steps}"
+        check_loaded(reduced.loaded_checksum, ledger.plan, ledger.epoch, positions, where, "the group", "its")
         if reduced.samples:
             accumulation.apply(reduced.weight)
         else:
@@ -557,12 +551,8 @@ class RoundLoop:
                 f"round {ledger.step}: the quorum trained {reduced.samples} samples, the ledger's round holds "
                 f"{positions.size}"
             )
-        expected = index_checksum(ledger.epoch, ledger.plan.indices_at(ledger.epoch, positions))
-        if reduced.loaded_checksum != expected:
-            raise AuditError(
-                f"round {ledger.step}: the samples the quorum loaded (checksum {reduced.loaded_checksum:#018x}) are "
-                f"not those of the ledger's {positions.size} positions (checksum {expected:#018x})"
-            )
+        where = f"round {ledger.step}"
+        check_loaded(reduced.loaded_checksum, ledger.plan, ledger.epoch, positions, where, "the quorum", "the ledger's")
         drifted = drift_plan(reduced.drift, comm.world_size)
         if drifted is not None:
             raise ReplicaDriftError(
