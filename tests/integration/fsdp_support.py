@@ -9,7 +9,6 @@ uses an explicit group (a :class:`~stalwart.runtime.comm.Communicator`).
 from __future__ import annotations
 
 import datetime
-import multiprocessing
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,10 +18,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from stalwart.launch.processes import preloaded_context
+
 HOST = "127.0.0.1"
 TIMEOUT = 60.0  # a bound on a busy machine, not an expectation
 """Seconds any rendezvous or collective in these tests may take."""
-CONTEXT = multiprocessing.get_context("spawn")
+CONTEXT = preloaded_context()  # forked from one interpreter that imported torch once
 
 
 def client(port: int, prefix: str) -> dist.Store:

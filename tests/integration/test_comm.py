@@ -13,7 +13,6 @@ within the test's bound comes from the failure, not from the timeout.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import queue
 import signal
@@ -29,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from stalwart.coord.protocol import StoreAddress
+from stalwart.launch.processes import preloaded_context
 from stalwart.runtime.comm import (
     NCCL_ENVIRONMENT,
     CollectiveError,
@@ -45,7 +45,7 @@ WORLD = 3
 VICTIM = 2
 GROUP_TIMEOUT = 30.0
 TEST_BOUND = 120.0  # a bound on a busy machine (spawned peers import torch first), not an expectation
-CONTEXT = multiprocessing.get_context("spawn")
+CONTEXT = preloaded_context()  # forked from one interpreter that imported torch once
 
 
 def peer(rank: int, port: int, prefix: str, scenario: str, reports: Any, abandon: Any) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import json
-import multiprocessing
 import random
 import uuid
 from pathlib import Path
@@ -24,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from stalwart.launch.processes import preloaded_context
 from stalwart.runtime import heal
 from stalwart.runtime.comm import CollectiveError, Communicator
 from stalwart.runtime.heal import HealError, flatten_states, transfer_state
@@ -152,7 +152,7 @@ def differs(left: Any, right: Any) -> bool:
 
 
 def test_the_target_gets_the_source_state_exactly_and_steps_the_same(store: dist.TCPStore, tmp_path: Path) -> None:
-    context = multiprocessing.get_context("spawn")
+    context = preloaded_context()
     prefix = f"heal-{uuid.uuid4().hex}/"
     peers = [context.Process(target=heal_peer, args=(rank, store.port, prefix, str(tmp_path))) for rank in range(3)]
     try:

@@ -12,7 +12,6 @@ survivor must still hold its own gradient sums and reduce them again in a new
 from __future__ import annotations
 
 import itertools
-import multiprocessing
 import queue
 import time
 import uuid
@@ -24,6 +23,7 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
+from stalwart.launch.processes import preloaded_context
 from stalwart.runtime.comm import CollectiveError, Communicator
 from stalwart.runtime.reducer import GradientReducer, plan_buckets
 from stalwart.testing.loopback import prefix_store
@@ -32,7 +32,7 @@ HOST = "127.0.0.1"
 WORLD = 2
 GROUP_TIMEOUT = 30.0
 TEST_BOUND = 90.0
-CONTEXT = multiprocessing.get_context("spawn")
+CONTEXT = preloaded_context()  # forked from one interpreter that imported torch once
 MICROBATCH = 4
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import multiprocessing
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from stalwart.launch.processes import preloaded_context
 from stalwart.redundancy.config import Parity
 from stalwart.redundancy.layout import layout_from, make_layout
 from stalwart.redundancy.memory import state_bytes
@@ -30,8 +30,8 @@ JOB_TIMEOUT = 300
 def run_job(tmp_path: Path, world: int, options: list[str], *, join_at: int | None = None) -> list[int]:
     """Run ``world`` processes (and a joiner at ``join_at``); their exit codes.
 
-    The processes are forked from a fork server that imported the job (and
-    torch) once, so a process starts in milliseconds instead of seconds; not
+    The processes are forked from the fork server that imported torch once
+    (``preloaded_context``), so a process starts in a fraction of a second; not
     from this process, whose other threads (an HTTP client's, a progress
     monitor's) could hold a lock at the fork and leave the child stuck on it.
     The store they meet on lives here.
@@ -42,8 +42,7 @@ def run_job(tmp_path: Path, world: int, options: list[str], *, join_at: int | No
     processes = world + (join_at is not None)
     common = ["--world", str(world), "--port", str(store.port), "--steps", str(STEPS), "--out", str(tmp_path)]
     joining = [] if join_at is None else ["--join-at", str(join_at)]
-    fork = multiprocessing.get_context("forkserver")
-    fork.set_forkserver_preload(["tests.integration.zero_job"])
+    fork = preloaded_context()
     launched = [
         fork.Process(target=zero_job.run, args=(["--rank", str(rank), *common, *options, *joining],))
         for rank in range(processes)

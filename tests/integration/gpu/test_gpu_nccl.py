@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import multiprocessing
 import os
 import queue
 import signal
@@ -44,6 +43,7 @@ if not torch.cuda.is_available():
 from stalwart.coord.server import Lighthouse
 from stalwart.data.plan import EpochPlan
 from stalwart.launch.cluster import LocalCluster
+from stalwart.launch.processes import preloaded_context
 from stalwart.launch.report import audit_steps, committed_steps, planned_total
 from stalwart.launch.tasks import reference_run
 from stalwart.runtime.comm import NCCL_ENVIRONMENT, CollectiveError, Communicator, nccl_environment
@@ -56,7 +56,7 @@ needs_two_gpus = pytest.mark.skipif(
     GPUS < 2, reason=f"NCCL cannot put two ranks of one communicator on one GPU: needs 2 GPUs, this machine has {GPUS}"
 )
 HOST = "127.0.0.1"
-CONTEXT = multiprocessing.get_context("spawn")
+CONTEXT = preloaded_context()  # forked from one interpreter that imported torch once
 REPORT_BOUND = 60.0
 RENDEZVOUS = 3.0
 COLLECTIVE = 1.0

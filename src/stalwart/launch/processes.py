@@ -1,0 +1,121 @@
+"""Worker processes forked from one interpreter that imported torch once (multiprocessing's forkserver).
+
+Why not ``python -m stalwart.launch.worker`` every time: a fresh interpreter
+spends about 1.3 s of CPU importing torch before it does anything, and the
+test suite and the demo start hundreds of workers. The forkserver imports
+:data:`PRELOAD` once, in a clean single-threaded process started for the
+purpose, and forks each worker from it (never from the caller, whose threads
+could hold a lock at the fork). Each worker is still a process of its own,
+with its own sockets, killed by real signals; :class:`ForkedWorker` answers
+what :class:`subprocess.Popen` does (``pid``, ``poll``, ``wait``,
+``send_signal``, ``kill``, ``returncode``).
+
+A benchmark that measures what a relaunch costs starts real interpreters
+instead (``LocalCluster(..., preloaded=False)``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import multiprocessing
+import multiprocessing.context
+import multiprocessing.process
+import multiprocessing.util  # its exit hook registers now, before this module's (which must run first)
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+PRELOAD = ["torch", "torch.distributed", "stalwart.launch.worker"]
+"""Modules the forkserver imports before it forks anything."""
+
+_STARTED: list[multiprocessing.process.BaseProcess] = []
+"""Forked workers that may still run (ended ones are dropped at each start)."""
+
+
+def preloaded_context() -> multiprocessing.context.ForkServerContext:
+    """multiprocessing's forkserver context, its server preloaded with :data:`PRELOAD` (started on first use)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    return context
+
+
+def _run_worker(argv: list[str], environ: dict[str, str], cwd: str, log_path: str) -> None:
+    """In the forked child: become ``python -m stalwart.launch.worker ARGV`` with this environment and log."""
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    sys.argv = ["stalwart.launch.worker", *argv]
+    from stalwart.launch import worker
+
+    worker.run()  # ends the process with os._exit
+
+
+class ForkedWorker:
+    """A ``stalwart.launch.worker`` process forked from the preloaded forkserver, used like ``subprocess.Popen``.
+
+    ``argv``: the worker's options; ``environ``: its whole environment;
+    ``log_path``: where its stdout and stderr go (appended).
+    """
+
+    def __init__(self, argv: Sequence[str], environ: Mapping[str, str], log_path: Path) -> None:
+        self.args = ["stalwart.launch.worker", *argv]
+        self._process = preloaded_context().Process(
+            target=_run_worker,
+            args=(list(argv), dict(environ), os.getcwd(), str(log_path)),
+            name=f"stalwart-worker-{os.path.basename(log_path)}",
+        )
+        self._process.start()
+        _STARTED[:] = [process for process in _STARTED if process.exitcode is None]
+        _STARTED.append(self._process)
+
+    @property
+    def pid(self) -> int:
+        pid = self._process.pid
+        assert pid is not None  # started in __init__
+        return pid
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status (negative: the signal that ended it), or None while it runs."""
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the process to end; ``subprocess.TimeoutExpired`` after ``timeout`` seconds."""
+        self._process.join(timeout)
+        code = self._process.exitcode
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return code
+
+    def send_signal(self, signal_number: int) -> None:
+        """Send a signal, unless the process has ended (as ``Popen.send_signal``)."""
+        if self.poll() is None:
+            os.kill(self.pid, signal_number)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+@atexit.register
+def _kill_live_workers() -> None:
+    """At exit, SIGKILL forked workers still running: multiprocessing would otherwise wait for them to end.
+
+    Registered after multiprocessing's own exit hook, so it runs first.
+    """
+    for process in _STARTED:
+        if process.exitcode is None and process.pid is not None:
+            with contextlib.suppress(ProcessLookupError):  # it ended since
+                os.kill(process.pid, signal.SIGCONT)
+                os.kill(process.pid, signal.SIGKILL)
+            process.join(10.0)
