@@ -57,11 +57,15 @@ def kill_restart_and_heal(tmp_path: Path, lighthouse: Lighthouse, envs: Mapping[
     try:
         assert agents["group-b"].wait(timeout=TIMEOUT) != 0
         wait_until(lambda: latest_step(tmp_path)[0] >= HOLD_AT, TIMEOUT, "group A to reach the hold alone")
+        since = lighthouse.status()["quorums"][-1]["quorum_id"]
         restarted = launch("group-b")
-        wait_until(
-            lambda: any(m["member"] == "group-b" and m["asking"] == "join" for m in lighthouse.status()["members"]),
+        wait_until(  # in one quorum, not only asking: released before A hears of B, A could finish alone
+            lambda: any(
+                q["quorum_id"] > since and {"group-a", "group-b"} <= set(q["members"])
+                for q in lighthouse.status()["quorums"]
+            ),
             TIMEOUT,
-            "the restarted group B to ask to join",
+            "the restarted group B to join group A's quorum",
         )
         hold.unlink()
         assert agents["group-a"].wait(timeout=TIMEOUT) == 0

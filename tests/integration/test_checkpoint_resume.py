@@ -18,7 +18,15 @@ import torch
 
 from stalwart.coord.server import Lighthouse
 from stalwart.launch.cluster import LocalCluster, latest_step
-from stalwart.testing.digits_job import LONG_STEPS, PLAN, check_job, wait_for, worker_args
+from stalwart.testing.digits_job import (
+    LONG_STEPS,
+    PLAN,
+    check_job,
+    latest_quorum,
+    wait_for,
+    wait_until_together,
+    worker_args,
+)
 from stalwart.testing.waiting import wait_until
 
 TIMEOUT = 240.0
@@ -58,16 +66,11 @@ def test_whole_fleet_killed_resumes_from_the_newest_checkpoint(
             what="the lighthouse to see every worker dead",
         )
         checkpoint = lighthouse.status()["checkpoint"]
-        cluster.hold(from_step=12)  # the resumed job waits at step 12 until every new process asked to join
+        cluster.hold(from_step=12)  # the resumed job waits at step 12 until every new process is in its quorum
+        since = latest_quorum(lighthouse)
         for worker in range(WORKERS):
             cluster.start(worker)
-        wait_until(
-            lambda: (
-                sum(m["state"] == "alive" or m["asking"] == "join" for m in lighthouse.status()["members"]) == WORKERS
-            ),
-            timeout=TIMEOUT,
-            what="every restarted worker to be in the quorum or asking to join it",
-        )
+        wait_until_together(lighthouse, [f"worker-{worker}" for worker in range(WORKERS)], cluster, since)
         cluster.release()
         wait_for(cluster, timeout=TIMEOUT)
         status = lighthouse.status()

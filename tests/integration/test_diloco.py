@@ -36,6 +36,7 @@ from stalwart.launch.report import audit_steps, committed_steps, planned_total, 
 from stalwart.launch.tasks import TASKS, gpt_datasets, reference_run
 from stalwart.runtime.config import Checkpointing
 from stalwart.runtime.diloco.config import DiLoCo
+from stalwart.testing.digits_job import wait_until_together
 
 TOLERANCE = 1e-4
 INNER = 4
@@ -162,20 +163,6 @@ def wait_for(cluster: LocalCluster, timeout: float = JOB_TIMEOUT) -> None:
         pytest.fail(f"the job did not end in {timeout} s; worker logs:\n{logs}")
 
 
-def wait_until_asking(lighthouse: Lighthouse, member: str, cluster: LocalCluster, since_quorum: int) -> None:
-    """Wait (bounded) until ``member`` asks to join, or is in a quorum after ``since_quorum``."""
-    deadline = time.monotonic() + JOB_TIMEOUT
-    while time.monotonic() < deadline:
-        status = lighthouse.status()
-        entry = next((m for m in status["members"] if m["member"] == member), None)
-        joined = any(q["quorum_id"] > since_quorum and member in q["members"] for q in status["quorums"])
-        if entry is not None and (entry["asking"] == "join" or joined):
-            return
-        time.sleep(0.05)
-    cluster.terminate()
-    pytest.fail(f"{member} did not ask to join within {JOB_TIMEOUT} s")
-
-
 def launch_group(url: str, name: str, run_dir: Path, args: list[str]) -> subprocess.Popen[bytes]:
     """One torchrun launch of two worker processes forming replica group ``name``."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
@@ -244,7 +231,7 @@ def test_diloco_survives_kills_at_an_inner_step_and_at_the_outer_reduction_and_h
         assert cluster.processes[1].returncode == -signal.SIGKILL
         since = server.status()["quorums"][-1]["quorum_id"]
         cluster.start(1)
-        wait_until_asking(server, "worker-1", cluster, since)
+        wait_until_together(server, [f"worker-{worker}" for worker in range(4)], cluster, since)
         cluster.release()
         wait_for(cluster, timeout=JOB_TIMEOUT)
         status = server.status()

@@ -44,7 +44,7 @@ from stalwart.testing.digits_job import (
     check_job,
     latest_quorum,
     wait_for,
-    wait_until_asking,
+    wait_until_together,
     worker_args,
 )
 
@@ -101,8 +101,8 @@ def test_two_of_three_killed_at_once_with_min_replicas_2_restart_and_the_job_end
     The lone survivor holds the job's state: it forms a failure quorum alone,
     finishes the step with the dead workers' samples and trains on below
     ``min_replicas``; the restarted workers join it at a step boundary and
-    are healed from it. The job is held before step 8 until both ask to
-    rejoin, so the test does not depend on how long they take to start.
+    are healed from it. The job is held before step 8 until both are back
+    in its quorum, so the test does not depend on how long they take to start.
     """
     with Lighthouse(PLAN, min_replicas=2, start_replicas=WORKERS, heartbeat_timeout=1.0, join_timeout=30.0) as server:
         cluster = LocalCluster(server.url, tmp_path, worker_args(LONG_STEPS))
@@ -116,8 +116,7 @@ def test_two_of_three_killed_at_once_with_min_replicas_2_restart_and_the_job_end
         since = latest_quorum(server)
         for worker in (1, 2):
             cluster.start(worker)
-        for worker in (1, 2):
-            wait_until_asking(server, f"worker-{worker}", cluster, since)
+        wait_until_together(server, [f"worker-{worker}" for worker in range(WORKERS)], cluster, since)
         cluster.release()
         wait_for(cluster)
         status = server.status()
@@ -131,7 +130,7 @@ def test_two_of_three_killed_at_once_with_min_replicas_2_restart_and_the_job_end
 def test_killed_worker_restarts_and_is_healed(
     tmp_path: Path, lighthouse: Lighthouse, long_reference: dict[str, torch.Tensor]
 ) -> None:
-    """Worker 2 dies at step 2; the others are held before step 6 until its new process asks to rejoin.
+    """Worker 2 dies at step 2; the others are held before step 6 until its new process has rejoined.
 
     The hold makes the test independent of how long the restarted process
     takes to start (seconds on a busy machine): the job cannot end first.
@@ -146,7 +145,7 @@ def test_killed_worker_restarts_and_is_healed(
     assert cluster.processes[2].returncode == -signal.SIGKILL
     since = latest_quorum(lighthouse)
     cluster.start(2)
-    wait_until_asking(lighthouse, "worker-2", cluster, since)
+    wait_until_together(lighthouse, [f"worker-{worker}" for worker in range(WORKERS)], cluster, since)
     cluster.release()
     wait_for(cluster)
     check_job(tmp_path, long_reference, finishers=WORKERS, steps_run=LONG_STEPS)
@@ -174,7 +173,7 @@ def test_hung_worker_is_excluded_then_rejoins(
     wait_for(cluster, until_step=5)
     since = latest_quorum(lighthouse)
     cluster.revive(1)
-    wait_until_asking(lighthouse, "worker-1", cluster, since)
+    wait_until_together(lighthouse, [f"worker-{worker}" for worker in range(WORKERS)], cluster, since)
     cluster.release()
     wait_for(cluster)
     check_job(tmp_path, long_reference, finishers=WORKERS, steps_run=LONG_STEPS)

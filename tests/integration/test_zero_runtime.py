@@ -21,7 +21,7 @@ import torch
 from stalwart.coord.server import Lighthouse
 from stalwart.launch.cluster import LocalCluster
 from stalwart.launch.report import committed_steps
-from stalwart.testing.digits_job import PLAN, check_job, latest_quorum, wait_for, wait_until_asking, worker_args
+from stalwart.testing.digits_job import PLAN, check_job, latest_quorum, wait_for, wait_until_together, worker_args
 
 WORKERS = 4
 
@@ -89,8 +89,7 @@ def test_more_failures_than_covered_stop_the_job_which_resumes_from_its_checkpoi
         since = latest_quorum(server)
         for worker in range(3):  # the whole fleet again, as a scheduler would: it resumes from a checkpoint
             cluster.start(worker)
-        for worker in range(3):
-            wait_until_asking(server, f"worker-{worker}", cluster, since)
+        wait_until_together(server, [f"worker-{worker}" for worker in range(3)], cluster, since)
         cluster.release()
         wait_for(cluster)
         assert [cluster.processes[worker].returncode for worker in range(3)] == [0, 0, 0]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -112,3 +113,21 @@ def wait_until_asking(lighthouse: Lighthouse, member: str, cluster: LocalCluster
         time.sleep(0.05)
     cluster.terminate()
     raise AssertionError(f"{member} did not ask to join within {JOB_TIMEOUT} s")
+
+
+def wait_until_together(lighthouse: Lighthouse, members: Sequence[str], cluster: LocalCluster, since: int) -> None:
+    """Wait (bounded) until one quorum after ``since`` holds every one of ``members``.
+
+    For a held job whose first restarted worker formed a quorum alone: the
+    others asking is not enough, since released before the lighthouse's call
+    to a boundary reaches it, it can finish the job alone within one
+    heartbeat. A hold never blocks a membership change, so this is reached.
+    """
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while time.monotonic() < deadline:
+        quorums = lighthouse.status()["quorums"]
+        if any(q["quorum_id"] > since and set(members) <= set(q["members"]) for q in quorums):
+            return
+        time.sleep(0.05)
+    cluster.terminate()
+    raise AssertionError(f"{list(members)} were not in one quorum within {JOB_TIMEOUT} s")
