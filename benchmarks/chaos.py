@@ -244,7 +244,7 @@ def soak(failures: int, workers: int, checkpoint_every: int, seed: int, timeout:
         "--max-steps", str(steps), "--max-microbatch", "16", "--collective-timeout", str(HEARTBEAT_TIMEOUT),
         "--checkpoint-dir", str(root / "checkpoints"), "--checkpoint-every", str(checkpoint_every),
     ]  # fmt: skip
-    cluster = LocalCluster(lighthouse.url, root / "run", args)
+    cluster = LocalCluster(lighthouse.url, root / "run", args, preloaded=False)  # relaunches pay a start
     chaos = Soak(lighthouse, cluster, workers, rng)
     schedule = list(KINDS) + [rng.choice(KINDS) for _ in range(max(0, failures - len(KINDS)))]
     rng.shuffle(schedule)

@@ -154,7 +154,7 @@ def run_system(
                    str(args.seed), *system.options]  # fmt: skip
     victim = 2
     with Lighthouse(plan, min_replicas=1, start_replicas=args.groups, heartbeat_timeout=2.0, join_timeout=60.0) as lh:
-        cluster = LocalCluster(lh.url, run_dir, worker_args)
+        cluster = LocalCluster(lh.url, run_dir, worker_args, preloaded=False)  # replacements pay a start
         for worker in range(args.groups):
             kill = worker == victim and kill_step is not None
             cluster.start(worker, ["--kill-at", f"{kill_step}:during_backward"] if kill else None)

@@ -430,7 +430,7 @@ def measure_recovery(settings: Settings, run_dir: Path, progress: Progress, task
         "--max-steps", "1000000", "--max-microbatch", "16", "--step-seconds", str(RECOVERY_STEP_SECONDS),
         "--collective-timeout", str(COLLECTIVE_TIMEOUT),
     ]  # fmt: skip
-    cluster = LocalCluster(lighthouse.url, run_dir / "digits", worker_args)
+    cluster = LocalCluster(lighthouse.url, run_dir / "digits", worker_args, preloaded=False)  # as DDP relaunches
     tail = StepTail(cluster.run_dir)
     schedule = failure_schedule(settings.failures_per_signal)
     recoveries: list[Recovery] = []
