@@ -18,8 +18,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -37,6 +35,7 @@ from stalwart.launch.tasks import TASKS, gpt_datasets, reference_run
 from stalwart.runtime.config import Checkpointing
 from stalwart.runtime.diloco.config import DiLoCo
 from stalwart.testing.digits_job import wait_until_together
+from stalwart.testing.groups import ForkedGroup, end_group
 
 TOLERANCE = 1e-4
 INNER = 4
@@ -163,25 +162,10 @@ def wait_for(cluster: LocalCluster, timeout: float = JOB_TIMEOUT) -> None:
         pytest.fail(f"the job did not end in {timeout} s; worker logs:\n{logs}")
 
 
-def launch_group(url: str, name: str, run_dir: Path, args: list[str]) -> subprocess.Popen[bytes]:
-    """One torchrun launch of two worker processes forming replica group ``name``."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-               "stalwart.launch.worker", "--lighthouse", url, "--member", name, "--run-dir", str(run_dir),
-               *args]  # fmt: skip
-    with open(run_dir / f"{name}.log", "ab") as log:
-        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def end_group(agent: subprocess.Popen[bytes]) -> None:
-    """Stop a launch still running: SIGTERM to torchrun (it ends its workers), then SIGKILL to its session."""
-    if agent.poll() is not None:
-        return
-    agent.terminate()
-    try:
-        agent.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(agent.pid, signal.SIGKILL)
-        agent.wait(timeout=10)
+def launch_group(url: str, name: str, run_dir: Path, args: list[str]) -> ForkedGroup:
+    """Two worker processes forming replica group ``name`` (started as torchrun would)."""
+    argv = ["--lighthouse", url, "--member", name, "--run-dir", str(run_dir), *args]
+    return ForkedGroup(argv, os.environ, run_dir / f"{name}.log")
 
 
 def finished(run_dir: Path) -> dict[str, dict[str, Any]]:
@@ -291,7 +275,7 @@ def test_streaming_diloco_in_8_bits_survives_a_kill_during_a_fragments_exchange(
 
 
 def test_groups_of_two_processes_exchange_slices_and_equal_data_parallel_sgd(tmp_path: Path) -> None:
-    """Two torchrun groups of two processes, H = 1, inner SGD, outer SGD at lr 1 without momentum: process r of
+    """Two groups of two processes, H = 1, inner SGD, outer SGD at lr 1 without momentum: process r of
     each group exchanges slice r of the pseudo-gradient and the group gathers the slices. A step's 15 samples
     split 8 and 7, so only the pseudo-gradients' average weighted by samples is the mean gradient: the run is the
     every-step reference on every process (a wrong weighting, a slice or a group counted twice or not at all, is

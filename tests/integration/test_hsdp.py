@@ -1,14 +1,15 @@
 """Fault-tolerant HSDP: two replica groups of two processes, each sharding the model with FSDP2.
 
-Each group is one ``torchrun --standalone --nproc-per-node 2`` launch of the
-digits worker with ``--fsdp``: the group's processes ``fully_shard`` the MLP
-over their own mesh, FSDP2 reduce-scatters gradients within the group and the
-Manager reduces each shard across the groups. One process of group B is
-SIGKILLed while the step's buckets are in flight (torchrun's agent ends its
-sibling); group A recomputes B's share of that step and carries it alone; B
-is launched again, asks to join while the job is held, and is healed shard by
-shard from A. The run must keep every step's global batch, train each sample
-exactly once, and end with the failure-free parameters on all four processes.
+Each group is two digits workers with ``--fsdp``, started as torchrun starts
+them (:class:`~stalwart.testing.groups.ForkedGroup`): the group's processes
+``fully_shard`` the MLP over their own mesh, FSDP2 reduce-scatters gradients
+within the group and the Manager reduces each shard across the groups. One
+process of group B is SIGKILLed while the step's buckets are in flight (the
+group's launcher ends its sibling, as torchrun's agent does); group A
+recomputes B's share of that step and carries it alone; B is launched again,
+asks to join while the job is held, and is healed shard by shard from A. The
+run must keep every step's global batch, train each sample exactly once, and
+end with the failure-free parameters on all four processes.
 """
 
 from __future__ import annotations

@@ -1,12 +1,14 @@
-"""Replica groups launched by torchrun against a separately started lighthouse.
+"""Replica groups, started as torchrun starts them, against a separately started lighthouse.
 
-Two groups of two processes each (one ``torchrun --standalone --nproc-per-node 2``
-launch per group) train the digits job; each group's share is split by
-intra-group rank. One process of a group is SIGKILLed mid-run: torchrun's
-agent ends its sibling, the lighthouse sees the group's leader go, and the
-other group finishes the steps alone, computing the lost share. The run must
-keep every step's global batch, train each sample exactly once, and end with
-the failure-free parameters on every surviving process.
+Two groups of two processes each (one
+:class:`~stalwart.testing.groups.ForkedGroup` per group: torchrun's
+environment, its agent's end-together rule) train the digits job; each group's
+share is split by intra-group rank. One process of a group is SIGKILLed
+mid-run: the group's launcher ends its sibling, the lighthouse sees the
+group's leader go, and the other group finishes the steps alone, computing the
+lost share. The run must keep every step's global batch, train each sample
+exactly once, and end with the failure-free parameters on every surviving
+process.
 """
 
 from __future__ import annotations

@@ -10,8 +10,11 @@ with its own sockets, killed by real signals; :class:`ForkedWorker` answers
 what :class:`subprocess.Popen` does (``pid``, ``poll``, ``wait``,
 ``send_signal``, ``kill``, ``returncode``).
 
-A benchmark that measures what a relaunch costs starts real interpreters
-instead (``LocalCluster(..., preloaded=False)``).
+A child gets the environment it is given, but what torch reads when it is
+imported (``OMP_NUM_THREADS`` for OpenMP's pool) has the forkserver's values;
+the Manager sets its thread count itself. A benchmark that measures what a
+relaunch costs starts real interpreters instead
+(``LocalCluster(..., preloaded=False)``).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-PRELOAD = ["torch", "torch.distributed", "stalwart.launch.worker"]
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "stalwart.launch.worker"]
 """Modules the forkserver imports before it forks anything."""
 
 _STARTED: list[multiprocessing.process.BaseProcess] = []

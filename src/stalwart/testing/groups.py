@@ -1,66 +1,121 @@
-"""Replica groups as torchrun launches: two worker processes per group against a separately started lighthouse."""
+"""Replica groups as torchrun would start them: two worker processes per group, against a lighthouse of their own."""
 
 from __future__ import annotations
 
-import contextlib
+import datetime
 import os
-import signal
 import subprocess
-import sys
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import torch.distributed as dist
+
 from stalwart.data.plan import EpochPlan
+from stalwart.launch.processes import ForkedWorker
 
 GROUP_STEPS = 24
 GROUP_PLAN = EpochPlan(1797, 48, seed=0, local_batch_multiple=4)
 """The digits job for groups of two: every group's share splits by intra-group rank into multiples of 4."""
+GROUP_TIMEOUT = 60.0
+"""Seconds the group's store waits for a key, and ``end_group`` for the processes to end (bounds, not expectations)."""
+_WATCH_SECONDS = 0.05
+
+
+class ForkedGroup:
+    """The processes of one replica group, started and ended as torchrun's agent does, without the agent.
+
+    Why not ``torchrun --standalone``: its agent and each worker are fresh
+    interpreters that import torch (seconds of CPU per launch). Here the
+    workers are forked from the preloaded forkserver
+    (:mod:`stalwart.launch.processes`) with the environment torchrun gives
+    them (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/
+    ``MASTER_PORT`` of a store in this process standing for the agent's), and
+    a watcher thread does the agent's job: when one process fails it SIGKILLs
+    the others, and the group's ``returncode`` is 0 only if every process
+    ended with 0 (1 otherwise, as torchrun's). torchrun itself is tested where
+    it is the subject (``test_torchx``, ``test_sampler_dropin``).
+    """
+
+    def __init__(self, argv: Sequence[str], environ: Mapping[str, str], log_path: Path, processes: int = 2) -> None:
+        self._store = dist.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=GROUP_TIMEOUT)
+        )
+        common = {
+            **environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(self._store.port),
+            "WORLD_SIZE": str(processes),
+            "LOCAL_WORLD_SIZE": str(processes),
+            "GROUP_RANK": "0",
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_USE_AGENT_STORE": "True",  # rank 0 joins this store instead of hosting its own
+        }
+        self._workers = [
+            ForkedWorker(argv, {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}, log_path)
+            for rank in range(processes)
+        ]
+        self.returncode: int | None = None
+        self._ended = threading.Event()
+        threading.Thread(target=self._watch, name=f"group-watcher-{log_path.stem}", daemon=True).start()
+
+    def _watch(self) -> None:
+        """The agent's loop: the only poller of the processes (their exit status is read once)."""
+        while True:
+            codes = [worker.poll() for worker in self._workers]
+            if any(code not in (None, 0) for code in codes):
+                for worker, code in zip(self._workers, codes, strict=True):
+                    if code is None:
+                        worker.kill()
+            if all(code is not None for code in codes):
+                self.returncode = 0 if all(code == 0 for code in codes) else 1
+                self._ended.set()
+                return
+            time.sleep(_WATCH_SECONDS)
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait until every process ended; ``subprocess.TimeoutExpired`` after ``timeout`` seconds."""
+        if not self._ended.wait(timeout):
+            raise subprocess.TimeoutExpired(["stalwart.launch.worker"], timeout or 0.0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def worker_pids(self) -> dict[int, int]:
+        """Intra-group rank -> pid."""
+        return {rank: worker.pid for rank, worker in enumerate(self._workers)}
+
+    def kill(self) -> None:
+        """SIGKILL every process still running (the watcher then records the group's end)."""
+        for worker in self._workers:
+            worker.kill()
 
 
 def launch_group(
     url: str, name: str, run_dir: Path, extra: Sequence[str] = (), env: Mapping[str, str] | None = None
-) -> subprocess.Popen[bytes]:
-    """One torchrun launch of two digits workers forming replica group ``name``, for ``GROUP_STEPS`` steps.
+) -> ForkedGroup:
+    """Two digits workers forming replica group ``name``, for ``GROUP_STEPS`` steps.
 
-    ``extra``: more worker options; ``env``: variables added to the launch's environment. The log goes to
-    ``run_dir/NAME.log``; the agent runs in a session of its own so that :func:`end_group` can end it.
+    ``extra``: more worker options; ``env``: variables added to the group's
+    environment. The log goes to ``run_dir/NAME.log``.
     """
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "stalwart.launch.worker", "--lighthouse", url, "--member", name, "--run-dir", str(run_dir),
+    argv = [
+        "--lighthouse", url, "--member", name, "--run-dir", str(run_dir),
         "--max-steps", str(GROUP_STEPS), "--max-microbatch", "4", "--collective-timeout", "1.0",
         "--step-seconds", "0.25", *extra,
     ]  # fmt: skip
-    environ = {**os.environ, **(env or {})}
-    with open(run_dir / f"{name}.log", "ab") as log:  # the child keeps its own descriptor
-        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=environ)
+    return ForkedGroup(argv, {**os.environ, **(env or {})}, run_dir / f"{name}.log")
 
 
-def end_group(agent: subprocess.Popen[bytes]) -> None:
-    """SIGKILL a launch's workers (torchrun may start them in sessions of their own) and its agent, if running."""
-    if agent.poll() is not None:
-        return
-    for pid in worker_pids(agent).values():
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(agent.pid, signal.SIGKILL)
-    agent.wait(timeout=10)
+def end_group(group: ForkedGroup) -> None:
+    """SIGKILL a group's processes still running and wait for its end (bounded)."""
+    group.kill()
+    group.wait(timeout=GROUP_TIMEOUT)
 
 
-def worker_pids(agent: subprocess.Popen[bytes]) -> dict[int, int]:
-    """Intra-group rank -> pid of the worker processes torchrun started (read from ``/proc``)."""
-    workers = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if parent == agent.pid:
-            rank = next((v.split(b"=", 1)[1] for v in environ if v.startswith(b"RANK=")), None)
-            if rank is not None:
-                workers[int(rank)] = int(entry.name)
-    return workers
+def worker_pids(group: ForkedGroup) -> dict[int, int]:
+    """Intra-group rank -> pid of the group's processes."""
+    return group.worker_pids()
