@@ -289,6 +289,8 @@ def test_token_help_says_how_to_make_one_and_where_it_comes_from() -> None:
     [
         (["--min-replicas", "3", "--start-replicas", "2"], ("--start-replicas", "3", "2")),
         (["--min-replicas", "1", "--host", "0.0.0.0"], ("0.0.0.0", "no token is set", "--insecure")),
+        (["--min-replicas", "1", "--header-timeout", "0"], ("--header-timeout", "0")),
+        (["--min-replicas", "1", "--header-timeout", "inf"], ("--header-timeout", "inf", "3600")),
     ],
 )
 def test_contradicting_replicas_and_ports_are_bad_parameters(

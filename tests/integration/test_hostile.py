@@ -378,7 +378,7 @@ def test_a_digest_report_far_ahead_is_refused_without_holding_the_event_loop(
 
 
 def test_half_sent_requests_and_silent_clients_cannot_exhaust_the_lighthouse(tmp_path: Path) -> None:
-    lighthouse = LighthouseProcess(tmp_path, nofile=256)
+    lighthouse = LighthouseProcess(tmp_path, "--header-timeout", "2", nofile=256)  # the default, 10 s, waits longer
     sockets: list[socket.socket] = []
     honest: Honest | None = None
     try:

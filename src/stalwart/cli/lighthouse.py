@@ -13,6 +13,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
+from stalwart.coord.connections import HEADER_TIMEOUT
 from stalwart.coord.persist import StateLockedError, read_ledger, read_plan
 from stalwart.coord.server import InsecureLighthouseError, Lighthouse
 from stalwart.data.plan import EpochPlan
@@ -116,6 +117,13 @@ def _non_empty(context: click.Context, parameter: click.Parameter, value: str | 
     help="Seconds of silence after which a member is dead.",
 )
 @click.option(
+    "--header-timeout",
+    type=click.FloatRange(min=0, min_open=True, max=3600),
+    default=HEADER_TIMEOUT,
+    show_default=True,
+    help="Seconds a connection has to send a request's headers before it is closed (slow or silent clients).",
+)
+@click.option(
     "--join-timeout",
     type=click.FloatRange(min=0, min_open=True),
     default=5.0,
@@ -176,6 +184,7 @@ def lighthouse_command(
     tls_cert: Path | None,
     tls_key: Path | None,
     heartbeat_timeout: float,
+    header_timeout: float,
     join_timeout: float,
     balance_every: int,
     **plan_options: Any,
@@ -215,6 +224,7 @@ def lighthouse_command(
             state_path=state_path,
             token=token,
             heartbeat_timeout=heartbeat_timeout,
+            header_timeout=header_timeout,
             join_timeout=join_timeout,
             balance_every=balance,
             insecure=insecure,

@@ -54,7 +54,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from stalwart._validate import check_bool, check_int
 from stalwart.coord import quiet_log
 from stalwart.coord.collector import QuietCollector
-from stalwart.coord.connections import RESERVED_FDS, ConnectionGuard, descriptor_limit
+from stalwart.coord.connections import HEADER_TIMEOUT, RESERVED_FDS, ConnectionGuard, descriptor_limit
 from stalwart.coord.dashboard import Dashboard, browser_credential
 from stalwart.coord.metrics import LighthouseMetrics
 from stalwart.coord.persist import StateStore
@@ -141,7 +141,9 @@ class Lighthouse:
     ``tls_key`` (PEM files) serve HTTPS, and without them a token on such a
     host travels in cleartext (a warning says so).
     ``max_connections`` (default: the process's file-descriptor limit less
-    ``RESERVED_FDS``) and ``max_unauthenticated`` cap open connections.
+    ``RESERVED_FDS``) and ``max_unauthenticated`` cap open connections;
+    a connection that has not sent a request's headers ``header_timeout``
+    seconds after it opened (or after its next request's first byte) is closed.
     """
 
     def __init__(
@@ -165,6 +167,7 @@ class Lighthouse:
         tls_key: str | os.PathLike[str] | None = None,
         max_connections: int | None = None,
         max_unauthenticated: int = MAX_UNAUTHENTICATED,
+        header_timeout: float = HEADER_TIMEOUT,
         store_limits: StoreLimits | None = None,
     ) -> None:
         if plan is not None and not isinstance(plan, EpochPlan):
@@ -196,6 +199,7 @@ class Lighthouse:
             None if max_connections is None else check_int("max_connections", max_connections, minimum=2)
         )
         self.max_unauthenticated = check_int("max_unauthenticated", max_unauthenticated, minimum=1)
+        self.header_timeout = check_seconds("header_timeout", header_timeout)
         self.join_timeout = check_seconds("join_timeout", join_timeout)
         self.tick_interval = check_seconds("tick_interval", tick_interval)
         self.max_waiters = check_int("max_waiters", max_waiters, minimum=1)
@@ -421,7 +425,10 @@ class Lighthouse:
         limit = descriptor_limit(raise_soft=self._own_process) - RESERVED_FDS
         cap = max(2, limit if self.max_connections is None else min(self.max_connections, limit))
         self.guard = ConnectionGuard(
-            self._runner.server, max_connections=cap, max_unauthenticated=min(self.max_unauthenticated, cap)
+            self._runner.server,
+            max_connections=cap,
+            max_unauthenticated=min(self.max_unauthenticated, cap),
+            header_timeout=self.header_timeout,
         )
         # every member may connect at once (a quorum request after a failure): a short accept queue drops their
         # connections, which the kernel retries after 1, 3, 7... s
