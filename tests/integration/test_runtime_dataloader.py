@@ -12,6 +12,7 @@ positions: those are dropped, never trained on.
 from __future__ import annotations
 
 import json
+import os
 import signal
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from stalwart.coord.server import Lighthouse
 from stalwart.launch.cluster import LocalCluster
 from stalwart.launch.report import committed_steps
 from stalwart.testing.digits_job import PLAN, WORKERS, check_job, wait_for, worker_args
+from stalwart.testing.waiting import wait_until
 
 
 @pytest.mark.parametrize("loader_workers", [0, 2])
@@ -43,3 +45,21 @@ def test_sigkill_mid_step_with_the_users_dataloader(
         assert {dropped[step] for step in range(4)} == {0}
         # prefetch_factor 2 x 2 workers: 4 micro-batches in flight when step 4's retry superseded them
         assert dropped[4] >= 4 if loader_workers else set(dropped.values()) == {0}
+    # the killed worker's DataLoader workers end with it (torch's watchdog follows the process that started them)
+    wait_until(
+        lambda: not processes_logging_to(tmp_path), timeout=60.0, what="no process of the job to be left running"
+    )
+
+
+def processes_logging_to(folder: Path) -> list[int]:
+    """Pids of the processes whose stdout is a file in ``folder`` (the workers and their DataLoader workers)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                target = os.readlink(entry / "fd" / "1")
+            except OSError:
+                continue
+            if target.startswith(f"{folder}/"):
+                pids.append(int(entry.name))
+    return pids

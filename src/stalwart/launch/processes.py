@@ -48,6 +48,10 @@ def preloaded_context() -> multiprocessing.context.ForkServerContext:
 
 def _run_worker(argv: list[str], environ: dict[str, str], cwd: str, log_path: str) -> None:
     """In the forked child: become ``python -m stalwart.launch.worker ARGV`` with this environment and log."""
+    # multiprocessing makes "forkserver" the default start method of a process the forkserver forked; a fresh
+    # interpreter has the platform's default, and the worker's DataLoader workers must start as they would there
+    # (their watchdog follows the process that started them: one forked by a forkserver outlives a killed worker)
+    multiprocessing.set_start_method(None, force=True)
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
