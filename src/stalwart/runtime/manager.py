@@ -482,7 +482,7 @@ class Manager:
             step=ledger.step,
             epoch=ledger.epoch,
             samples=reduced.samples,
-            loss=reduced.loss / reduced.weight if reduced.weight > 0 else 0.0,
+            loss=reduced.mean_loss,
             world_size=self.world_size,
             quorum_id=self.quorum_id,
             recoveries=self.recoveries,

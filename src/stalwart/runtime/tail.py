@@ -57,6 +57,11 @@ class ReducedTail:
     weight: float
     loss: float
 
+    @property
+    def mean_loss(self) -> float:
+        """The loss averaged over the reduced weight (samples, or the users' ``weight=``); 0 for an empty step."""
+        return self.loss / self.weight if self.weight > 0 else 0.0
+
 
 @dataclass(frozen=True)
 class TailLayout:
