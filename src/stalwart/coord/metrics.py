@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from stalwart.coord.figures import MEMBER_STATES, lost_per_failure, summary
 from stalwart.coord.heal_report import HEAL_FIELD, HealTotals, heal_growth, parse_heal_totals
-from stalwart.coord.wire import RequestError
+from stalwart.coord.wire import take_field
 
 logger = logging.getLogger(__name__)
 
@@ -121,14 +121,9 @@ class LighthouseMetrics:
 
         A malformed field is dropped (the heartbeat itself still counts) and logged.
         """
-        if not isinstance(report, dict) or HEAL_FIELD not in report:
-            return None
-        value = report.pop(HEAL_FIELD)
-        try:
-            totals = parse_heal_totals(value)
-        except RequestError as error:
-            logger.warning("member %s sent a malformed heal report: %s", member, error.message)
-            return error.message
+        totals, error = take_field(report, HEAL_FIELD, parse_heal_totals, member, logger)
+        if totals is None:
+            return error
         previous = self._heal_totals.get(member)
         growth = heal_growth(previous[1] if previous is not None and previous[0] == incarnation else None, totals)
         if growth is None:

@@ -23,7 +23,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from stalwart.coord.wire import RequestError
+from stalwart.coord.wire import RequestError, take_field
 
 logger = logging.getLogger(__name__)
 
@@ -91,14 +91,9 @@ class RoundsBoard:
 
         A malformed field is dropped (the heartbeat itself still counts) and logged.
         """
-        if not isinstance(report, dict) or ROUNDS_FIELD not in report:
-            return None
-        value = report.pop(ROUNDS_FIELD)
-        try:
-            rounds = parse_rounds_report(value)
-        except RequestError as error:
-            logger.warning("member %s sent a malformed rounds report: %s", member, error.message)
-            return error.message
+        rounds, error = take_field(report, ROUNDS_FIELD, parse_rounds_report, member, logger)
+        if rounds is None:
+            return error
         previous = self._reports.get(member)
         before = previous[1] if previous is not None and previous[0] == incarnation else None
         if previous is not None and before is None:  # a new incarnation: the old one's bytes stay counted

@@ -9,11 +9,12 @@ Pure: no I/O.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import fields
-from typing import Any
+from typing import Any, TypeVar
 
 from stalwart.data.plan import EpochPlan
 from stalwart.errors import StalwartError
@@ -151,3 +152,23 @@ def check_seconds(name: str, value: Any) -> float:
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
     return float(value)
+
+
+_Field = TypeVar("_Field")
+
+
+def take_field(
+    report: Any, field: str, parse: Callable[[Any], _Field], member: str, logger: logging.Logger
+) -> tuple[_Field | None, str | None]:
+    """Remove the optional ``field`` from a heartbeat ``report`` and parse it: (value, None), or (None, error text).
+
+    (None, None) when the report has no such field. A malformed field is
+    dropped and logged; the heartbeat itself still counts.
+    """
+    if not isinstance(report, dict) or field not in report:
+        return None, None
+    try:
+        return parse(report.pop(field)), None
+    except RequestError as error:
+        logger.warning("member %s sent a malformed %s report: %s", member, field, error.message)
+        return None, error.message
