@@ -106,6 +106,7 @@ from stalwart.runtime.diloco.config import DiLoCo
 from stalwart.runtime.loader import ElasticLoader
 from stalwart.runtime.manager import Manager
 from stalwart.runtime.sharding import is_dtensor
+from stalwart.runtime.step import StepReport
 from stalwart.runtime.timeouts import Timeouts
 
 KILL_POINTS = (
@@ -446,19 +447,10 @@ def _steps(
                 manager.on_leader(_evaluate, task, model, args.eval_seconds, number + 1, events)
             report = step.report
             record = {
-                "member": args.member,
-                "pid": os.getpid(),
-                "step": report.step,
-                "epoch": report.epoch,
-                "quorum_id": report.quorum_id,
-                "world_size": report.world_size,
-                "samples": report.samples,
-                "loss": report.loss,
+                **report_record(args.member, report),
                 "drift_heals": report.drift_heals,
                 "loaded_checksum": f"{report.loaded_checksum:016x}",
                 "scale": None if scaler is None else scaler.get_scale(),
-                "time": time.time(),
-                "positions": sorted(report.positions.tolist()),
             }
             if elastic is None:
                 record.update(base_index=base_index, dropped=manager.dropped_microbatches)
@@ -467,6 +459,22 @@ def _steps(
             out.flush()
             rounds.write(manager, steps_file)
         rounds.write(manager, steps_file)
+
+
+def report_record(member: str, report: StepReport) -> dict[str, Any]:
+    """The fields a step's line and a round's line share: who wrote it, when, and what ``report`` says."""
+    return {
+        "member": member,
+        "pid": os.getpid(),
+        "step": report.step,
+        "epoch": report.epoch,
+        "quorum_id": report.quorum_id,
+        "world_size": report.world_size,
+        "samples": report.samples,
+        "loss": report.loss,
+        "time": time.time(),
+        "positions": sorted(report.positions.tolist()),
+    }
 
 
 class RoundRecords:
@@ -481,18 +489,7 @@ class RoundRecords:
         if report is None or report.step <= self.written:
             return
         self.written = report.step
-        record = {
-            "member": self.member,
-            "pid": os.getpid(),
-            "step": report.step,
-            "epoch": report.epoch,
-            "quorum_id": report.quorum_id,
-            "world_size": report.world_size,
-            "samples": report.samples,
-            "loss": report.loss,
-            "time": time.time(),
-            "positions": sorted(report.positions.tolist()),
-        }
+        record = report_record(self.member, report)
         out.write(json.dumps(record) + "\n")
         out.flush()
 
