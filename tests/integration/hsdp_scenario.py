@@ -13,7 +13,7 @@ from stalwart.coord.server import Lighthouse
 from stalwart.launch.cluster import latest_step
 from stalwart.launch.report import audit_steps, committed_steps, planned_total
 from stalwart.launch.tasks import reference_run
-from stalwart.testing.digits_job import PARAM_TOLERANCE
+from stalwart.testing.digits_job import PARAM_TOLERANCE, together
 from stalwart.testing.groups import GROUP_PLAN as PLAN
 from stalwart.testing.groups import GROUP_STEPS as STEPS
 from stalwart.testing.groups import end_group, launch_group
@@ -60,10 +60,7 @@ def kill_restart_and_heal(tmp_path: Path, lighthouse: Lighthouse, envs: Mapping[
         since = lighthouse.status()["quorums"][-1]["quorum_id"]
         restarted = launch("group-b")
         wait_until(  # in one quorum, not only asking: released before A hears of B, A could finish alone
-            lambda: any(
-                q["quorum_id"] > since and {"group-a", "group-b"} <= set(q["members"])
-                for q in lighthouse.status()["quorums"]
-            ),
+            lambda: together(lighthouse, ["group-a", "group-b"], since),
             TIMEOUT,
             "the restarted group B to join group A's quorum",
         )

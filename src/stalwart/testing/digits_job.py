@@ -28,6 +28,7 @@ from stalwart.data.plan import EpochPlan
 from stalwart.launch.cluster import LocalCluster, latest_step
 from stalwart.launch.report import audit_steps, committed_steps, planned_total
 from stalwart.launch.tasks import reference_run
+from stalwart.testing.waiting import wait_until
 
 STEPS = 10
 LONG_STEPS = 24
@@ -97,37 +98,22 @@ def latest_quorum(lighthouse: Lighthouse) -> int:
     return int(quorums[-1]["quorum_id"]) if quorums else 0
 
 
-def wait_until_asking(lighthouse: Lighthouse, member: str, cluster: LocalCluster, since_quorum: int) -> None:
-    """Wait (bounded, on the lighthouse's state) until ``member`` asks to join or is in a quorum after ``since_quorum``.
-
-    A member that is alive (registered, heartbeating) but has not asked yet does not count: released then, the
-    others could finish the job before it asks.
-    """
-    deadline = time.monotonic() + JOB_TIMEOUT
-    while time.monotonic() < deadline:
-        status = lighthouse.status()
-        entry = next((m for m in status["members"] if m["member"] == member), None)
-        joined = any(q["quorum_id"] > since_quorum and member in q["members"] for q in status["quorums"])
-        if entry is not None and (entry["asking"] == "join" or joined):
-            return
-        time.sleep(0.05)
-    cluster.terminate()
-    raise AssertionError(f"{member} did not ask to join within {JOB_TIMEOUT} s")
+def together(lighthouse: Lighthouse, members: Sequence[str], since: int) -> bool:
+    """Whether one quorum after ``since`` holds every one of ``members``."""
+    quorums = lighthouse.status()["quorums"]
+    return any(q["quorum_id"] > since and set(members) <= set(q["members"]) for q in quorums)
 
 
 def wait_until_together(lighthouse: Lighthouse, members: Sequence[str], cluster: LocalCluster, since: int) -> None:
-    """Wait (bounded) until one quorum after ``since`` holds every one of ``members``.
+    """Wait (bounded) until one quorum after ``since`` holds every one of ``members``; the workers are killed if not.
 
     For a held job whose first restarted worker formed a quorum alone: the
     others asking is not enough, since released before the lighthouse's call
     to a boundary reaches it, it can finish the job alone within one
     heartbeat. A hold never blocks a membership change, so this is reached.
     """
-    deadline = time.monotonic() + JOB_TIMEOUT
-    while time.monotonic() < deadline:
-        quorums = lighthouse.status()["quorums"]
-        if any(q["quorum_id"] > since and set(members) <= set(q["members"]) for q in quorums):
-            return
-        time.sleep(0.05)
-    cluster.terminate()
-    raise AssertionError(f"{list(members)} were not in one quorum within {JOB_TIMEOUT} s")
+    try:
+        wait_until(lambda: together(lighthouse, members, since), JOB_TIMEOUT, f"{list(members)} in one quorum")
+    except AssertionError:
+        cluster.terminate()
+        raise
