@@ -79,6 +79,12 @@ def test_quorum_members_that_leave_after_their_last_step_are_never_failures(ligh
         steps = dict.fromkeys(names, 0)
         for name, client in zip(names, clients, strict=True):
             client.start_heartbeat(lambda name=name, steps=steps: report(name, steps[name]))
+        # both live before either asks: a quorum waits for live members only, and these never come to a boundary
+        # for a late one (the first asking alone would train without the second)
+        wait_until(
+            lambda names=names: {m["member"] for m in lighthouse.status()["members"] if m["connected"]} >= set(names),
+            what=f"{names} to heartbeat",
+        )
         with ThreadPoolExecutor(len(clients)) as pool:
             futures = [pool.submit(client.quorum, 0, None, "join", 60) for client in clients]
             answers = [remember(future.result(timeout=90)) for future in futures]
