@@ -108,7 +108,10 @@ class ForkedWorker:
     def send_signal(self, signal_number: int) -> None:
         """Send a signal, unless the process has ended (as ``Popen.send_signal``)."""
         if self.poll() is None:
-            os.kill(self.pid, signal_number)
+            # the forkserver, not this process, reaps the worker and then sends its exit status: between the two,
+            # poll() still says "running" but the pid is gone (as Popen.send_signal, an ended process is no error)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal_number)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
