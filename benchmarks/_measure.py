@@ -172,10 +172,16 @@ def progress_display(console: Console) -> Progress:
     )
 
 
-def machine_line(console: Console, quick: bool, *versions: str) -> None:
-    """The line above a benchmark's tables: the versions that matter, the CPUs and their load, a quick run's caveat."""
+def machine_line(console: Console, quick: bool, *versions: str, forked: bool = False) -> None:
+    """The line above a benchmark's tables: the versions that matter, the CPUs and their load, a quick run's caveat.
+
+    ``forked``: the workers were forked from one interpreter that imported
+    torch, so their start-up figures are not what a user's launcher pays.
+    """
     load = f", load average {os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else ""
     caveat = " (quick run: indicative only)" if quick else ""
+    if forked:
+        caveat += " (workers forked from one interpreter that imported torch: start-up figures are not a user's)"
     console.print(", ".join([*versions, f"{os.cpu_count()} CPUs"]) + load + caveat, highlight=False)
 
 

@@ -66,6 +66,8 @@ class TrainingSettings:
     victims: dict[int, tuple[int, ...]]
     configs: tuple[Config, ...]
     reload_repeats: int
+    forked_workers: bool = False
+    """Fork workers from one interpreter that imported torch (quick runs: start-ups are not a user's)."""
 
 
 DDP = Config("DDP", None)
@@ -101,6 +103,7 @@ QUICK_TRAINING = TrainingSettings(
         Config("parity (3, 1)", Parity(3, 1)),
     ),
     reload_repeats=2,
+    forked_workers=True,
 )
 
 
@@ -182,7 +185,7 @@ def _one_run(
     spec = MODELS[settings.model]
     name = f"{config.label.replace(' ', '_').replace('/', '-').replace('(', '').replace(')', '').replace(',', '')}"
     name = f"{name}-{round_number}"
-    group = WorkerGroup(run_dir, name, settings.workers)
+    group = WorkerGroup(run_dir, name, settings.workers, forked=settings.forked_workers)
     victims = settings.victims[failures]
     extra = ["--optimizer", "adam", "--collective-timeout", str(COLLECTIVE_TIMEOUT_S), *config.worker_args()[1:]]
     extra += ["--store-port", str(store.port), "--prefix", f"{name}/"]

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._measure import REPO_ROOT
+from stalwart.launch.processes import ForkedWorker
 
 POLL_S = 0.05
 _WORKER_MODULE = "benchmarks._runtime_workers"
@@ -52,27 +53,40 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 
 class WorkerGroup:
-    """The worker processes of one run, logging to ``run_dir``; waits are bounded."""
+    """The worker processes of one run, logging to ``run_dir``; waits are bounded.
 
-    def __init__(self, run_dir: Path, name: str, world: int, device: str = "cpu") -> None:
+    Each worker is a fresh interpreter, as a user's launcher starts it, unless
+    ``forked``: then it is forked from one interpreter that imported torch
+    (:class:`~stalwart.launch.processes.ForkedWorker`), for quick runs whose
+    start-up figures need not be a user's.
+    """
+
+    def __init__(self, run_dir: Path, name: str, world: int, device: str = "cpu", forked: bool = False) -> None:
         self.run_dir = run_dir
         self.name = name
         self.world = world
         self.device = device
+        self.forked = forked
         self.launched_at = time.time()
-        self.processes: list[subprocess.Popen[bytes]] = []
+        self.processes: list[subprocess.Popen[bytes] | ForkedWorker] = []
 
     def start(self, loop: str, model: str, steps: int, rank: int, extra: Sequence[str]) -> None:
         """Start rank ``rank`` of ``loop`` (in place of its earlier process, if any: a relaunch)."""
-        command = [
-            sys.executable, "-m", _WORKER_MODULE, loop,
+        arguments = [
+            loop,
             "--model", model, "--steps", str(steps), "--rank", str(rank), "--world", str(self.world),
             "--device", self.device, "--out", str(self.run_dir / self.name),
             "--launched-at", repr(self.launched_at), *extra,
         ]  # fmt: skip
         env = worker_env(rank if self.device == "cuda" else None)
-        with open(self.run_dir / f"{self.name}-worker-{rank}.log", "ab") as log:
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
+        log_path = self.run_dir / f"{self.name}-worker-{rank}.log"
+        process: subprocess.Popen[bytes] | ForkedWorker
+        if self.forked:
+            process = ForkedWorker(arguments, env, log_path, entry=f"{_WORKER_MODULE}:main")
+        else:
+            with open(log_path, "ab") as log:
+                command = [sys.executable, "-m", _WORKER_MODULE, *arguments]
+                process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
         if rank < len(self.processes):
             self.processes[rank] = process
         else:

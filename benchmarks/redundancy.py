@@ -46,7 +46,6 @@ with 4 workers on a tiny model and one failure (numbers indicative only).
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -56,7 +55,15 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from benchmarks._measure import Goal, make_console, median_of_repeats, print_goals, print_table, progress_display
+from benchmarks._measure import (
+    Goal,
+    machine_line,
+    make_console,
+    median_of_repeats,
+    print_goals,
+    print_table,
+    progress_display,
+)
 from benchmarks._redundancy_training import (
     FULL_TRAINING,
     QUICK_TRAINING,
@@ -361,9 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = QUICK if args.quick else FULL
     training = QUICK_TRAINING if args.quick else FULL_TRAINING
     console = make_console()
-    load = f", load average {os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else ""
-    quick = " (quick run: indicative only)" if args.quick else ""
-    console.print(f"torch {torch.__version__}, {os.cpu_count()} CPUs{load}{quick}")
+    forked = training.forked_workers and 2 in args.sections
+    machine_line(console, args.quick, f"torch {torch.__version__}", forked=forked)
     if 1 in args.sections:
         cases = codec_cases()
         rows = []

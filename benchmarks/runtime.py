@@ -165,6 +165,8 @@ class Settings:
     failures_per_signal: int
     torchft_kill_trial: bool
     recovery: bool = True
+    forked_workers: bool = False
+    """Fork workers from one interpreter that imported torch (quick runs: start-up figures are not a user's)."""
 
 
 FULL = Settings(
@@ -187,6 +189,7 @@ QUICK = dataclasses.replace(
     rounds=1,
     failures_per_signal=1,
     torchft_kill_trial=False,
+    forked_workers=True,
 )
 
 
@@ -231,12 +234,14 @@ class Run:
     steps: int
     device: str
     name: str
+    forked: bool = False
+    """Workers forked from one interpreter that imported torch (``Settings.forked_workers``)."""
 
 
 def run_variant(run: Run, run_dir: Path, store: dist.TCPStore, tick: Callable[[], None]) -> tuple[WorkerGroup, str]:
     """Run ``run``'s workers to the end (bounded); returns the group and an error note ('' if it went well)."""
     variant = VARIANTS[run.variant]
-    group = WorkerGroup(run_dir, run.name, run.workers, run.device)
+    group = WorkerGroup(run_dir, run.name, run.workers, run.device, forked=run.forked)
     replicas = run.workers // variant.group_size
     extra = [
         "--store-port", str(store.port), "--prefix", f"{run.name}/", "--group-size", str(variant.group_size),
@@ -289,7 +294,7 @@ def measure_overhead(
         for workers in settings.workers:
             names = [variant for variant in settings.variants if VARIANTS[variant].runs_with(workers)]
             rows += _compare(
-                Run("", MODELS[model], workers, settings.steps[model], device, ""),
+                Run("", MODELS[model], workers, settings.steps[model], device, "", settings.forked_workers),
                 names,
                 settings,
                 run_dir,
@@ -430,7 +435,8 @@ def measure_recovery(settings: Settings, run_dir: Path, progress: Progress, task
         "--max-steps", "1000000", "--max-microbatch", "16", "--step-seconds", str(RECOVERY_STEP_SECONDS),
         "--collective-timeout", str(COLLECTIVE_TIMEOUT),
     ]  # fmt: skip
-    cluster = LocalCluster(lighthouse.url, run_dir / "digits", worker_args, preloaded=False)  # as DDP relaunches
+    # fresh interpreters, as DDP relaunches (unless the quick run forks them)
+    cluster = LocalCluster(lighthouse.url, run_dir / "digits", worker_args, preloaded=settings.forked_workers)
     tail = StepTail(cluster.run_dir)
     schedule = failure_schedule(settings.failures_per_signal)
     recoveries: list[Recovery] = []
@@ -1033,7 +1039,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings, args = parse_settings(argv)
     console = make_console()
     torchft_note = "torchft not installed" if torchft_missing() else f"torchft {_torchft_version()}"
-    machine_line(console, args.quick, f"torch {torch.__version__}", torchft_note)
+    machine_line(console, args.quick, f"torch {torch.__version__}", torchft_note, forked=settings.forked_workers)
     with run_directory(args.run_dir, "stalwart-bench-runtime-") as run_dir:
         overhead, recovery, torchft_runs = run_all(settings, args.device, run_dir, console)
     if args.run_dir is not None:

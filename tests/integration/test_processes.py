@@ -47,3 +47,16 @@ def test_a_signal_ends_it_as_popen_reports_and_a_wait_is_bounded(tmp_path: Path)
     worker.send_signal(signal.SIGKILL)
     assert worker.wait(timeout=TIMEOUT) == -signal.SIGKILL
     worker.kill()  # an ended worker is not signalled again (its pid may be another process's by now)
+
+
+def test_another_module_runs_as_python_dash_m_would_and_a_malformed_entry_is_refused(tmp_path: Path) -> None:
+    source, target = tmp_path / "in.json", tmp_path / "out.json"
+    source.write_text('{"b": 1, "a": [2]}')
+    tool = ForkedWorker(
+        ["--sort-keys", "--compact", str(source), str(target)], os.environ, tmp_path / "tool.log", "json.tool:main"
+    )
+    assert tool.wait(timeout=TIMEOUT) == 0, (tmp_path / "tool.log").read_text()
+    assert target.read_text().strip() == '{"a":[2],"b":1}', "the options reached the entry through sys.argv"
+    for entry in ("json.tool", "json.tool:", ":main", "a:b:c"):
+        with pytest.raises(ValueError, match=f"entry must be 'MODULE:FUNCTION'.*got '{entry}'"):
+            ForkedWorker([], os.environ, tmp_path / "never.log", entry)

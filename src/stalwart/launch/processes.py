@@ -8,7 +8,8 @@ purpose, and forks each worker from it (never from the caller, whose threads
 could hold a lock at the fork). Each worker is still a process of its own,
 with its own sockets, killed by real signals; :class:`ForkedWorker` answers
 what :class:`subprocess.Popen` does (``pid``, ``poll``, ``wait``,
-``send_signal``, ``kill``, ``returncode``).
+``send_signal``, ``kill``, ``returncode``). It runs the stalwart worker, or
+another module's entry (the benchmarks' instrumented worker in quick runs).
 
 A child gets the environment it is given, but what torch reads when it is
 imported (``OMP_NUM_THREADS`` for OpenMP's pool) has the forkserver's values;
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.process
@@ -46,8 +48,8 @@ def preloaded_context() -> multiprocessing.context.ForkServerContext:
     return context
 
 
-def _run_worker(argv: list[str], environ: dict[str, str], cwd: str, log_path: str) -> None:
-    """In the forked child: become ``python -m stalwart.launch.worker ARGV`` with this environment and log."""
+def _run_entry(entry: str, argv: list[str], environ: dict[str, str], cwd: str, log_path: str) -> None:
+    """In the forked child: become ``python -m MODULE ARGV`` (its ``entry``) with this environment and log."""
     # multiprocessing makes "forkserver" the default start method of a process the forkserver forked; a fresh
     # interpreter has the platform's default, and the worker's DataLoader workers must start as they would there
     # (their watchdog follows the process that started them: one forked by a forkserver outlives a killed worker)
@@ -59,25 +61,35 @@ def _run_worker(argv: list[str], environ: dict[str, str], cwd: str, log_path: st
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
-    sys.argv = ["stalwart.launch.worker", *argv]
-    from stalwart.launch import worker
-
-    worker.run()  # ends the process with os._exit
+    module, function = entry.split(":")
+    sys.argv = [module, *argv]
+    getattr(importlib.import_module(module), function)()
 
 
 class ForkedWorker:
-    """A ``stalwart.launch.worker`` process forked from the preloaded forkserver, used like ``subprocess.Popen``.
+    """A ``python -m MODULE`` process forked from the preloaded forkserver, used like ``subprocess.Popen``.
 
-    ``argv``: the worker's options; ``environ``: its whole environment;
-    ``log_path``: where its stdout and stderr go (appended).
+    ``argv``: the module's options; ``environ``: its whole environment;
+    ``log_path``: where its stdout and stderr go (appended); ``entry``:
+    ``MODULE:FUNCTION``, what ``python -m MODULE`` calls (the stalwart worker
+    unless given; a benchmark's worker too), reading its options from
+    ``sys.argv``.
     """
 
-    def __init__(self, argv: Sequence[str], environ: Mapping[str, str], log_path: Path) -> None:
-        self.args = ["stalwart.launch.worker", *argv]
+    def __init__(
+        self,
+        argv: Sequence[str],
+        environ: Mapping[str, str],
+        log_path: Path,
+        entry: str = "stalwart.launch.worker:run",
+    ) -> None:
+        if entry.count(":") != 1 or not all(entry.split(":")):
+            raise ValueError(f"entry must be 'MODULE:FUNCTION' (as 'stalwart.launch.worker:run'), got {entry!r}")
+        self.args = [entry.split(":")[0], *argv]
         self._process = preloaded_context().Process(
-            target=_run_worker,
-            args=(list(argv), dict(environ), os.getcwd(), str(log_path)),
-            name=f"stalwart-worker-{os.path.basename(log_path)}",
+            target=_run_entry,
+            args=(entry, list(argv), dict(environ), os.getcwd(), str(log_path)),
+            name=f"forked-{os.path.basename(log_path)}",
         )
         self._process.start()
         _STARTED[:] = [process for process in _STARTED if process.exitcode is None]
