@@ -4,6 +4,7 @@ Run from the repository root, with the virtual environment active::
 
     python -m benchmarks.hsdp_recovery               # 3 failures, a few minutes
     python -m benchmarks.hsdp_recovery --failures 1  # about a minute
+    python -m benchmarks.hsdp_recovery --quick       # 1 failure, groups forked instead of torchrun (smoke test)
 
 Two replica groups of two processes each (one ``torchrun --standalone
 --nproc-per-node 2`` launch of the digits worker with ``--fsdp`` per group,
@@ -36,12 +37,21 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
-from benchmarks._measure import Goal, make_console, print_goals, print_table, progress_display, run_directory
+from benchmarks._measure import (
+    Goal,
+    machine_line,
+    make_console,
+    print_goals,
+    print_table,
+    progress_display,
+    run_directory,
+)
 from benchmarks._workers import read_records
 from stalwart.coord.server import Lighthouse
 from stalwart.data.plan import EpochPlan
+from stalwart.testing.groups import ForkedGroup
 from stalwart.testing.waiting import wait_until
 
 PLAN = EpochPlan(1797, 48, seed=0, local_batch_multiple=4)
@@ -52,41 +62,63 @@ WAIT_LIMIT = 240.0
 RECOVERY_GOAL_S = 1.0
 
 
-def launch_group(url: str, name: str, run_dir: Path, steps: int, hold: Path) -> subprocess.Popen[bytes]:
-    """One torchrun launch of two digits workers forming FSDP2 replica group ``name``."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "stalwart.launch.worker", "--lighthouse", url, "--member", name, "--run-dir", str(run_dir),
+class TorchrunGroup:
+    """One torchrun launch of two digits workers forming FSDP2 replica group ``name``.
+
+    Answers what :class:`~stalwart.testing.groups.ForkedGroup` does (the
+    ``--quick`` run's groups): ``worker_pids``, ``wait`` and ``kill``.
+    """
+
+    def __init__(self, argv: list[str], log_path: Path) -> None:
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "-m", "stalwart.launch.worker", *argv,
+        ]  # fmt: skip
+        with open(log_path, "ab") as log:
+            self.agent = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def worker_pids(self) -> dict[int, int]:
+        """The worker processes torchrun's agent started (its children), in pid order."""
+        pids = []
+        for entry in Path("/proc").iterdir():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) if entry.name.isdigit() else -1
+            except (OSError, IndexError, ValueError):
+                continue
+            if parent == self.agent.pid:
+                pids.append(int(entry.name))
+        return dict(enumerate(sorted(pids)))
+
+    def wait(self, timeout: float) -> int:
+        return self.agent.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        """SIGKILL the workers (torchrun may start them in sessions of their own) and the agent."""
+        for pid in self.worker_pids().values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if self.agent.poll() is None:
+            os.killpg(self.agent.pid, signal.SIGKILL)
+
+
+Group: TypeAlias = TorchrunGroup | ForkedGroup
+
+
+def launch_group(url: str, name: str, run_dir: Path, steps: int, hold: Path, forked: bool) -> Group:
+    """Two digits workers forming FSDP2 replica group ``name``: under torchrun, or ``forked`` from the forkserver."""
+    argv = [
+        "--lighthouse", url, "--member", name, "--run-dir", str(run_dir),
         "--max-steps", str(steps), "--max-microbatch", "4", "--collective-timeout", "1.0",
         "--step-seconds", str(STEP_SECONDS), "--fsdp", "--hold-file", str(hold),
     ]  # fmt: skip
-    log = open(run_dir / f"{name}.log", "ab")  # noqa: SIM115 - the child keeps it
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    log.close()
-    return process
+    log_path = run_dir / f"{name}.log"
+    return ForkedGroup(argv, os.environ, log_path) if forked else TorchrunGroup(argv, log_path)
 
 
-def child_pids(agent: subprocess.Popen[bytes]) -> list[int]:
-    """The worker processes torchrun's agent started (its children)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) if entry.name.isdigit() else -1
-        except (OSError, IndexError, ValueError):
-            continue
-        if parent == agent.pid:
-            pids.append(int(entry.name))
-    return sorted(pids)
-
-
-def end_group(agent: subprocess.Popen[bytes]) -> None:
-    """SIGKILL a launch's workers (torchrun may start them in sessions of their own) and its agent."""
-    for pid in child_pids(agent):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    if agent.poll() is None:
-        os.killpg(agent.pid, signal.SIGKILL)
-    agent.wait(timeout=10)
+def end_group(group: Group) -> None:
+    """SIGKILL a group's processes still running and wait for its end (bounded)."""
+    group.kill()
+    group.wait(timeout=10)
 
 
 def first_record(path: Path, matches: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
@@ -109,7 +141,7 @@ def committed_after(moment: float, record: dict[str, Any]) -> bool:
     return bool(record["time"] > moment)
 
 
-def measure(failures: int, run_dir: Path, tick: Callable[[], None]) -> list[dict[str, float]]:
+def measure(failures: int, run_dir: Path, tick: Callable[[], None], forked: bool) -> list[dict[str, float]]:
     """Run the job through ``failures`` SIGKILL-and-relaunch cycles; the timings of each."""
     steps = STEPS_PER_FAILURE * (failures + 1)
     hold = run_dir / "hold"
@@ -117,14 +149,17 @@ def measure(failures: int, run_dir: Path, tick: Callable[[], None]) -> list[dict
     with Lighthouse(PLAN, min_replicas=1, start_replicas=2, heartbeat_timeout=1.0, join_timeout=30.0) as lighthouse:
         steps_a = run_dir / "steps-group-a.0.jsonl"
         hold.write_text(str(STEPS_PER_FAILURE))
-        agents = {name: launch_group(lighthouse.url, name, run_dir, steps, hold) for name in ("group-a", "group-b")}
+        agents = {
+            name: launch_group(lighthouse.url, name, run_dir, steps, hold, forked) for name in ("group-a", "group-b")
+        }
         try:
             for failure in range(failures):
                 start = STEPS_PER_FAILURE * failure + STEPS_PER_FAILURE // 2
                 reached = partial(first_record, steps_a, partial(at_least, start))
                 wait_until(reached, WAIT_LIMIT, f"group A to commit step {start}")
                 before = read_records(steps_a)[-1]
-                victim = wait_until(lambda: child_pids(agents["group-b"]), WAIT_LIMIT, "group B's worker processes")[-1]
+                pids = wait_until(lambda: agents["group-b"].worker_pids(), WAIT_LIMIT, "group B's worker processes")
+                victim = pids[max(pids)]
                 killed_at = time.time()
                 os.kill(victim, signal.SIGKILL)
                 agents["group-b"].wait(timeout=WAIT_LIMIT)
@@ -134,7 +169,7 @@ def measure(failures: int, run_dir: Path, tick: Callable[[], None]) -> list[dict
                     "group A to commit a step in a new quorum",
                 )
                 relaunched_at = time.time()
-                agents["group-b"] = launch_group(lighthouse.url, "group-b", run_dir, steps, hold)
+                agents["group-b"] = launch_group(lighthouse.url, "group-b", run_dir, steps, hold, forked)
                 wait_until(
                     lambda: any(m["member"] == "group-b" and m["asking"] for m in lighthouse.status()["members"]),
                     WAIT_LIMIT,
@@ -160,13 +195,21 @@ def measure(failures: int, run_dir: Path, tick: Callable[[], None]) -> list[dict
 def main(argv: list[str] | None = None) -> int:
     """Run the failures, print the table and the goal."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.hsdp_recovery", description=__doc__.splitlines()[0])
-    parser.add_argument("--failures", type=int, choices=range(1, 21), metavar="N", default=3, help="SIGKILLs (1-20)")
+    parser.add_argument("--failures", type=int, choices=range(1, 21), metavar="N", default=None, help="SIGKILLs (1-20)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="1 failure unless --failures; the groups' processes forked from one interpreter that imported torch "
+        "(no torchrun: rejoin figures are not a user's)",
+    )
     parser.add_argument("--run-dir", type=Path, default=None, help="keep worker logs and step records here")
     args = parser.parse_args(argv)
+    failures = args.failures or (1 if args.quick else 3)
     console = make_console()
+    machine_line(console, args.quick, forked=args.quick)
     with run_directory(args.run_dir, "stalwart-hsdp-") as run_dir, progress_display(console) as progress:
-        task = progress.add_task("SIGKILL and relaunch", total=args.failures)
-        results = measure(args.failures, run_dir, lambda: progress.advance(task))
+        task = progress.add_task("SIGKILL and relaunch", total=failures)
+        results = measure(failures, run_dir, lambda: progress.advance(task), forked=args.quick)
     rows = [
         [str(number), f"{r['recovery_s']:.3f}", f"{r['rejoin_s']:.2f}"] for number, r in enumerate(results, start=1)
     ]

@@ -161,7 +161,7 @@ def test_runtime_quick_run_prints_every_table_and_goal() -> None:
 
 def test_hsdp_recovery_measures_a_failure() -> None:
     completed = subprocess.run(
-        [sys.executable, "-m", "benchmarks.hsdp_recovery", "--failures", "1"],
+        [sys.executable, "-m", "benchmarks.hsdp_recovery", "--quick"],
         cwd=REPO_ROOT,
         env={**os.environ, "COLUMNS": "240"},
         capture_output=True,
