@@ -8,20 +8,15 @@ lighthouse, and reads what the workers wrote.
 
 from __future__ import annotations
 
-import os
 import statistics
-import tempfile
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from benchmarks._runtime_workers import MODELS, build_model
 from benchmarks.runtime import WorkerGroup
@@ -65,7 +60,7 @@ class TrainingSettings:
     kill_at: int
     victims: dict[int, tuple[int, ...]]
     configs: tuple[Config, ...]
-    reload_repeats: int
+    checkpoint_every: int
     forked_workers: bool = False
     """Fork workers from one interpreter that imported torch (quick runs: start-ups are not a user's)."""
 
@@ -87,7 +82,7 @@ FULL_TRAINING = TrainingSettings(
         Config("parity (7, 1)", Parity(7, 1)),
         Config("parity (6, 2)", Parity(6, 2)),
     ),
-    reload_repeats=5,
+    checkpoint_every=10,
 )
 QUICK_TRAINING = TrainingSettings(
     model="tiny",
@@ -102,7 +97,7 @@ QUICK_TRAINING = TrainingSettings(
         Config("overlap 1/4", Overlap(1 / 4)),
         Config("parity (3, 1)", Parity(3, 1)),
     ),
-    reload_repeats=2,
+    checkpoint_every=4,
     forked_workers=True,
 )
 
@@ -126,6 +121,8 @@ class ConfigResult:
     step_ms: dict[int, list[float]] = field(default_factory=dict)
     state_bytes: list[int] = field(default_factory=list)
     formula_bytes: list[int] = field(default_factory=list)
+    peak_bytes: list[int] = field(default_factory=list)
+    """Peak memory of each process that finished a run (all runs pooled)."""
     failures: dict[int, Failure] = field(default_factory=dict)
     note: str = ""
 
@@ -156,8 +153,8 @@ def expected_to_survive(config: Config, workers: int, victims: Sequence[int]) ->
 
 def run_training(
     settings: TrainingSettings, run_dir: Path, advance: Callable[[str], None], tick: Callable[[], None]
-) -> list[ConfigResult]:
-    """Every configuration once per failure count, in an order that rotates each round."""
+) -> tuple[list[ConfigResult], CheckpointRestart]:
+    """Every configuration once per failure count, in an order that rotates each round; then checkpoint-restart."""
     spec = MODELS[settings.model]
     parameters = sum(param.numel() for param in build_model(spec).parameters())
     results = {config.label: ConfigResult(config) for config in settings.configs}
@@ -169,7 +166,8 @@ def run_training(
         for config in settings.configs[shift:] + settings.configs[:shift]:
             advance(f"{config.label}, {failures} failure(s)")
             _one_run(settings, results[config.label], failures, round_number, run_dir, store, tick)
-    return list(results.values())
+    advance("checkpoint-restart")
+    return list(results.values()), measure_checkpoint_restart(settings, run_dir, store, tick)
 
 
 def _one_run(
@@ -217,6 +215,7 @@ def _one_run(
     result.step_ms[round_number] = [record["total"] * 1e3 for record in steps[settings.warmup : settings.kill_at - 1]]
     if not result.state_bytes:
         result.state_bytes = _state_bytes(group, records, settings)
+    result.peak_bytes += group.peak_memory_bytes()
     if config.redundancy is None:
         if not finished or any(process.returncode for process in group.processes):
             result.note = f"DDP run failed: {group.log_tail(0)}"
@@ -275,51 +274,85 @@ def _failure(
     return failure
 
 
-@dataclass(frozen=True)
-class Reload:
-    """``dcp.load`` of the whole state saved by ``dcp.save``: cold (page cache dropped) and warm, median seconds."""
+@dataclass
+class CheckpointRestart:
+    """The alternative to in-memory repair: DDP with DCP checkpoints every ``every`` steps, one SIGKILL, a relaunch.
 
-    state_bytes: int
-    cold_s: float
-    warm_s: float
+    ``first_step_s``: SIGKILL to the relaunched world's first committed step
+    (every process started again, the rendezvous, ``dcp.load`` on every
+    process, that step); ``step_s``: a step's median before the failure.
+    """
 
+    every: int
+    first_step_s: float | None = None
+    step_s: float | None = None
+    retrained: int | None = None
+    """Steps this run trained twice (the failure's step back to the checkpoint)."""
+    peak_bytes: list[int] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)
+    note: str = ""
 
-def measure_reload(model_name: str, repeats: int) -> Reload:
-    """Save the model and a stepped Adam's full state with dcp from this process, then time loading it back."""
-    model = build_model(MODELS[model_name])
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    for param in model.parameters():
-        param.grad = torch.randn_like(param)
-    optimizer.step()
-    state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
-    tensors = [*model.state_dict().values()]
-    tensors += [value for entry in optimizer.state.values() for value in entry.values() if torch.is_tensor(value)]
-    total = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-    with tempfile.TemporaryDirectory(prefix="stalwart-dcp-") as directory:
-        dcp.save(state, checkpoint_id=directory)
+    @property
+    def average_s(self) -> float | None:
+        """SIGKILL to the failed step committed again, averaged over where in the interval the failure falls.
 
-        def load(cold: bool) -> float:
-            if cold:
-                _drop_from_page_cache(Path(directory))
-            started = time.perf_counter()
-            dcp.load(state, checkpoint_id=directory)
-            return time.perf_counter() - started
-
-        cold_s = statistics.median(load(cold=True) for _ in range(repeats))
-        warm_s = statistics.median(load(cold=False) for _ in range(repeats))
-    return Reload(total, cold_s, warm_s)
+        A failure in the interval's step ``j`` (0 to ``every - 1``, equally
+        likely) trains ``j`` more steps after the first: ``first_step_s +
+        step_s * (every - 1) / 2``.
+        """
+        if self.first_step_s is None or self.step_s is None:
+            return None
+        return self.first_step_s + self.step_s * (self.every - 1) / 2
 
 
-def _drop_from_page_cache(directory: Path) -> None:
-    """Ask the kernel to drop the checkpoint's clean pages (no root needed), so that a load reads the disk."""
-    if not hasattr(os, "posix_fadvise"):
-        return
-    for path in directory.rglob("*"):
-        if path.is_file():
-            descriptor = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(descriptor)
-                os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(descriptor)
+def measure_checkpoint_restart(
+    settings: TrainingSettings, run_dir: Path, store: dist.TCPStore, tick: Callable[[], None]
+) -> CheckpointRestart:
+    """The plain DDP loop with Adam and DCP checkpoints; the first failure count's victims SIGKILLed at ``kill_at``.
+
+    As torchelastic does, the failure ends every process and the whole world
+    is launched again (a new rendezvous prefix), loading the newest checkpoint.
+    """
+    result = CheckpointRestart(settings.checkpoint_every)
+    victims = settings.victims[min(settings.victims)]
+    group = WorkerGroup(run_dir, "checkpoint-restart", settings.workers, forked=settings.forked_workers)
+    checkpoints = run_dir / "checkpoint-restart-checkpoints"
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    common = ["--optimizer", "adam", "--collective-timeout", str(COLLECTIVE_TIMEOUT_S), "--store-port", str(store.port)]
+    common += ["--checkpoint-dir", str(checkpoints), "--checkpoint-every", str(settings.checkpoint_every)]
+    first = [*common, "--prefix", "checkpoint-restart-0/", "--kill-at", str(settings.kill_at)]
+    first += ["--kill-ranks", *map(str, victims)]
+    try:
+        for rank in range(settings.workers):
+            group.start("plain", settings.model, settings.steps, rank, first)
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        killed: list[float] = []
+        while time.monotonic() < deadline and not killed and any(group.alive(rank) for rank in victims):
+            killed = [line["time"] for rank in victims for line in group.records(rank) if line.get("killed")]
+            tick()
+            time.sleep(0.02)
+        killed = [line["time"] for rank in victims for line in group.records(rank) if line.get("killed")]
+        if not killed:
+            result.note = f"no SIGKILL seen: {group.log_tail(0)}"
+            return result
+        group.kill()  # the agent ends the survivors, which would otherwise time out in their all-reduce
+        relaunched_at = time.time()
+        for rank in range(settings.workers):
+            group.start("plain", settings.model, settings.steps, rank, [*common, "--prefix", "checkpoint-restart-1/"])
+        if not group.wait(RUN_TIMEOUT_S, tick) or any(process.returncode for process in group.processes):
+            result.note = f"the relaunched world failed: {group.log_tail(0)}"
+            return result
+    finally:
+        group.kill()
+    lines = [line for line in group.records(0) if "total" in line]
+    before = [line for line in lines if line["time"] < relaunched_at]  # a step's line is written at the next's top
+    after = [line for line in lines if line["time"] > relaunched_at]
+    result.step_ms = [line["total"] * 1e3 for line in before[settings.warmup : settings.kill_at - 1]]
+    if not after or not result.step_ms:
+        result.note = "no step after the relaunch" if not after else "no step before the failure"
+        return result
+    result.first_step_s = after[0]["time"] - min(killed)
+    result.step_s = statistics.median(result.step_ms) / 1e3
+    result.retrained = settings.kill_at - int(after[0]["step"])
+    result.peak_bytes = group.peak_memory_bytes()
+    return result

@@ -57,6 +57,8 @@ from typing import IO, Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -408,25 +410,25 @@ def join_process_group(args: argparse.Namespace, device: torch.device) -> None:
 def run_plain(args: argparse.Namespace, spec: ModelSpec, log: StepLog, device: torch.device) -> None:
     """All-reduce of a flat gradient buffer after the last micro-batch, no fault tolerance.
 
-    With ``--checkpoint-dir`` it is checkpoint-restart (torchelastic style): it
-    resumes from the newest checkpoint there, and rank 0 saves one every
-    ``--checkpoint-every`` steps (``torch.save`` to a temporary file, then an
-    atomic rename, so that a SIGKILL mid-save leaves the previous one).
+    With ``--checkpoint-dir`` it is checkpoint-restart (torchelastic style):
+    every ``--checkpoint-every`` steps all ranks save the model and optimizer
+    with ``torch.distributed.checkpoint`` into ``step-N``, then rank 0 points
+    ``latest`` at it (an atomic rename, so a SIGKILL mid-save leaves the
+    previous one); a relaunched world loads ``latest`` on every rank and
+    trains on from there. ``--kill-at`` SIGKILLs ``--kill-ranks`` at that
+    step's top, as in the stalwart loop.
     """
     join_process_group(args, device)
     model = build_model(spec).to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    optimizer = make_optimizer(args.optimizer, model)
     params = list(model.parameters())
     dataset, plan = synthetic_dataset(spec), spec.plan()
-    checkpoint = None if args.checkpoint_dir is None else args.checkpoint_dir / "checkpoint.pt"
-    first = 0
-    if checkpoint is not None and checkpoint.exists():
-        state = torch.load(checkpoint, weights_only=True)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optim"])
-        first = int(state["step"])
+    first = 0 if args.checkpoint_dir is None else load_checkpoint(args.checkpoint_dir, model, optimizer)
     for step in range(first, args.steps):
         log.top(step=step)
+        if step == args.kill_at and args.rank in args.kill_ranks:
+            log.killed()
+            os.kill(os.getpid(), signal.SIGKILL)
         _pace(args.step_seconds)
         epoch, start, stop = rank_positions(plan, step, args.rank, args.world)
         indices = plan.indices(epoch, start, stop).tolist()
@@ -441,12 +443,33 @@ def run_plain(args: argparse.Namespace, spec: ModelSpec, log: StepLog, device: t
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         args.samples.write(step, epoch, range(start, stop), committed=True)
-        if checkpoint is not None and args.rank == 0 and (step + 1) % args.checkpoint_every == 0:
-            partial_file = checkpoint.with_suffix(".tmp")
-            torch.save({"model": model.state_dict(), "optim": optimizer.state_dict(), "step": step + 1}, partial_file)
-            os.replace(partial_file, checkpoint)
+        if args.checkpoint_dir is not None and (step + 1) % args.checkpoint_every == 0:
+            save_checkpoint(args.checkpoint_dir, step + 1, model, optimizer, args.rank)
     log.close()
     dist.barrier()  # no peer still needs this process when it exits
+
+
+def save_checkpoint(
+    directory: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int
+) -> None:
+    """Every rank saves through DCP into ``directory/step-STEP``; then rank 0 makes it ``latest``."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optimizer_state}, checkpoint_id=str(directory / f"step-{step}"))
+    if rank == 0:
+        (directory / "latest.tmp").write_text(str(step), encoding="utf-8")
+        os.replace(directory / "latest.tmp", directory / "latest")
+
+
+def load_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Load ``latest`` (if any) into ``model`` and ``optimizer`` on this rank; the step to train next (0 if none)."""
+    latest = directory / "latest"
+    if not latest.exists():
+        return 0
+    step = int(latest.read_text(encoding="utf-8"))
+    model_state, optimizer_state = get_state_dict(model, optimizer)  # the optimizer's state made, to load into
+    dcp.load({"model": model_state, "optim": optimizer_state}, checkpoint_id=str(directory / f"step-{step}"))
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    return step
 
 
 def run_ddp(args: argparse.Namespace, spec: ModelSpec, log: StepLog, device: torch.device) -> None:
@@ -744,8 +767,12 @@ def main(argv: list[str] | None = None) -> None:
     redundancy = parser.add_mutually_exclusive_group()
     redundancy.add_argument("--overlap", type=float, default=None, help="stalwart: shard the optimizer, overlap F")
     redundancy.add_argument("--parity", default=None, help="stalwart: shard the optimizer, K,M parity")
-    parser.add_argument("--kill-at", type=int, default=None, help="stalwart: SIGKILL --kill-ranks at this step's top")
-    parser.add_argument("--kill-ranks", type=int, nargs="*", default=[], help="stalwart: the ranks --kill-at kills")
+    parser.add_argument(
+        "--kill-at", type=int, default=None, help="stalwart, plain: SIGKILL --kill-ranks at this step's top"
+    )
+    parser.add_argument(
+        "--kill-ranks", type=int, nargs="*", default=[], help="stalwart, plain: the ranks --kill-at kills"
+    )
     parser.add_argument("--launched-at", type=float, default=None, help="time.time() when the driver started us")
     parser.add_argument(
         "--sample-seconds", type=float, default=0.0, help="Sleep this long per sample trained (accelerator compute)."

@@ -24,7 +24,7 @@ accelerator's compute: a survivor carrying a larger share takes longer).
   A dead replica's share of a step is not trained (lost) and the global batch
   shrinks while it is gone; it runs on until it has trained the target.
 - **checkpoint-restart**: plain torch.distributed (Gloo, a static world
-  through a TCPStore rendezvous) with ``torch.save`` checkpoints every
+  through a TCPStore rendezvous) with ``torch.distributed.checkpoint`` saves every
   ``--checkpoint-every`` steps; a failure ends every worker (torchelastic
   style) and the whole world restarts from the last checkpoint once the
   replacement is there: the steps since it are trained twice.
