@@ -107,10 +107,18 @@ class Failure:
     """What one SIGKILL run measured, or why it has no figures (``note``: "lost", or an error)."""
 
     victims: tuple[int, ...]
+    positions: tuple[int, ...] = ()
+    """The victims' ranks in the quorum they died in: their places in the placement (quorum ranks follow the
+    order the workers first asked in, not their launch ranks)."""
     recovery_s: float | None = None
     reshard_s: float | None = None
     steps_lost: int | None = None
     note: str = ""
+
+    @property
+    def placed(self) -> tuple[int, ...]:
+        """The placement positions that failed (the launch ranks if no quorum rank was recorded)."""
+        return self.positions or self.victims
 
 
 @dataclass
@@ -145,10 +153,10 @@ def formula_state_bytes(config: Config, workers: int, parameters: int) -> list[i
     return list(state_bytes(place(config.redundancy, nodes), parameters, state_elements=elements))
 
 
-def expected_to_survive(config: Config, workers: int, victims: Sequence[int]) -> bool:
-    """Whether the placement covers the loss of ``victims`` (the run tells; this explains a "lost")."""
+def expected_to_survive(config: Config, workers: int, positions: Sequence[int]) -> bool:
+    """Whether the placement covers the loss of the processes at ``positions`` (quorum ranks; the run tells)."""
     assert config.redundancy is not None
-    return survives(place(config.redundancy, [f"worker-{rank}" for rank in range(workers)]), victims)
+    return survives(place(config.redundancy, [f"worker-{rank}" for rank in range(workers)]), positions)
 
 
 def run_training(
@@ -246,7 +254,8 @@ def _failure(
     finished: bool,
     ledger_step: int | None,
 ) -> Failure:
-    failure = Failure(victims)
+    ranked = [[line["rank"] for line in records[rank] if "rank" in line] for rank in victims]
+    failure = Failure(victims, tuple(sorted(ranks[-1] for ranks in ranked)) if all(ranked) else ())
     killed = [line["time"] for rank in victims for line in records[rank] if line.get("killed")]
     summaries = {summary["member"]: summary for summary in group.summaries()}
     survivors = [rank for rank in range(settings.workers) if rank not in victims]

@@ -608,7 +608,7 @@ def train_stalwart(
     loader = ElasticLoader(synthetic_dataset(spec), prefetch=args.prefetch)
     try:
         for step in manager.steps(loader, max_steps=args.steps):
-            log.top(step=manager.ledger.step, world=manager.world_size, quorum=manager.quorum_id)
+            log.top(step=manager.ledger.step, world=manager.world_size, quorum=manager.quorum_id, rank=manager.rank)
             if manager.ledger.step == args.kill_at and args.rank in args.kill_ranks:
                 log.killed()
                 os.kill(os.getpid(), signal.SIGKILL)

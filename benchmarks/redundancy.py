@@ -331,7 +331,7 @@ def training_goals(
         for result in results
         if result.config.redundancy is not None
         for count, failure in result.failures.items()
-        if expected_to_survive(result.config, settings.workers, settings.victims[count])
+        if expected_to_survive(result.config, settings.workers, failure.placed)
     ]
     title = "in-memory recovery at least 20x faster than checkpoint-restart's, 0 steps lost"
     recoveries = [(label, count, failure.recovery_s) for label, count, failure in survivable if failure.recovery_s]
