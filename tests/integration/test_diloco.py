@@ -221,7 +221,10 @@ def test_diloco_survives_kills_at_an_inner_step_and_at_the_outer_reduction_and_h
         status = server.status()
     assert cluster.processes[2].returncode == -signal.SIGKILL
     records = check_rounds(tmp_path, rounds)
-    assert [record["world_size"] for record in records] == [4, 3, 3, 3]  # 4 in round 3 until group 2 died
+    world_sizes = [record["world_size"] for record in records]
+    # group 1 is back at the end of round 1 or of round 2, whichever boundary it is healed for first (the
+    # machine's speed decides); round 3 ends with 3, group 2 having died in its outer reduction
+    assert world_sizes[:2] == [4, 3] and world_sizes[2] in (3, 4) and world_sizes[3] == 3, world_sizes
     quorums = [(quorum["reason"], sorted(quorum["members"])) for quorum in status["quorums"]]
     assert quorums == [
         ("start-up", ["worker-0", "worker-1", "worker-2", "worker-3"]),
