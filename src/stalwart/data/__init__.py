@@ -2,41 +2,57 @@
 
 No network and no torch.distributed here: every rule about which sample goes
 where lives in this package once, and the lighthouse and the workers both call it.
+
+The public names below are imported on first use (PEP 562), as the top
+package's are: the lighthouse reads plans and the ledger from here without
+importing torch (which the shards and samplers need).
 """
 
-from stalwart.data.audit import AuditWriter, audit_directory, coverage, write_expected
-from stalwart.data.info import DataLoadingInfo, DataLoadingInfoSource, LocalLedgerSource, split_group_share
-from stalwart.data.ledger import DataLedger
-from stalwart.data.permutation import FeistelPermutation
-from stalwart.data.plan import EpochPlan
-from stalwart.data.sampler import ManagedDistributedSampler
-from stalwart.data.schedule import split_microbatches, split_sizes, step_boundary, step_total
-from stalwart.data.shards import InMemoryShard, ParquetShard, ShardedDataset, ShardError
-from stalwart.data.streaming import ShardedStream, StreamBatch
-from stalwart.data.world import WorldInfo
+from __future__ import annotations
 
-__all__ = [
-    "AuditWriter",
-    "DataLedger",
-    "DataLoadingInfo",
-    "DataLoadingInfoSource",
-    "EpochPlan",
-    "FeistelPermutation",
-    "InMemoryShard",
-    "LocalLedgerSource",
-    "ManagedDistributedSampler",
-    "ParquetShard",
-    "ShardError",
-    "ShardedDataset",
-    "ShardedStream",
-    "StreamBatch",
-    "WorldInfo",
-    "audit_directory",
-    "coverage",
-    "split_group_share",
-    "split_microbatches",
-    "split_sizes",
-    "step_boundary",
-    "step_total",
-    "write_expected",
-]
+import importlib
+from typing import Any
+
+_LOCATIONS: dict[str, str] = {
+    "AuditWriter": "stalwart.data.audit",
+    "DataLedger": "stalwart.data.ledger",
+    "DataLoadingInfo": "stalwart.data.info",
+    "DataLoadingInfoSource": "stalwart.data.info",
+    "EpochPlan": "stalwart.data.plan",
+    "FeistelPermutation": "stalwart.data.permutation",
+    "InMemoryShard": "stalwart.data.shards",
+    "LocalLedgerSource": "stalwart.data.info",
+    "ManagedDistributedSampler": "stalwart.data.sampler",
+    "ParquetShard": "stalwart.data.shards",
+    "ShardError": "stalwart.data.shards",
+    "ShardedDataset": "stalwart.data.shards",
+    "ShardedStream": "stalwart.data.streaming",
+    "StreamBatch": "stalwart.data.streaming",
+    "WorldInfo": "stalwart.data.world",
+    "audit_directory": "stalwart.data.audit",
+    "coverage": "stalwart.data.audit",
+    "split_group_share": "stalwart.data.info",
+    "split_microbatches": "stalwart.data.schedule",
+    "split_sizes": "stalwart.data.schedule",
+    "step_boundary": "stalwart.data.schedule",
+    "step_total": "stalwart.data.schedule",
+    "write_expected": "stalwart.data.audit",
+}
+"""Public name -> the module of this package that defines it."""
+
+__all__ = sorted(_LOCATIONS)
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first access and cache the name in this module."""
+    module = _LOCATIONS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    """The module's own names and the lazily imported public ones."""
+    return sorted({*globals(), *__all__})
