@@ -10,8 +10,7 @@ importing torch (which the shards and samplers need).
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from stalwart._exports import lazy_exports
 
 _LOCATIONS: dict[str, str] = {
     "AuditWriter": "stalwart.data.audit",
@@ -43,16 +42,4 @@ _LOCATIONS: dict[str, str] = {
 __all__ = sorted(_LOCATIONS)
 
 
-def __getattr__(name: str) -> Any:
-    """Import a public name's module on first access and cache the name in this module."""
-    module = _LOCATIONS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    """The module's own names and the lazily imported public ones."""
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _LOCATIONS)
