@@ -336,3 +336,13 @@ def test_audit_of_a_directory_without_audit_files_names_it(tmp_path: Path) -> No
 def test_simulate_refuses_a_plan_that_cannot_be(arguments: list[str], expected: tuple[str, ...]) -> None:
     result = CliRunner().invoke(simulate_command, ["--dataset-size", "11", "--workers", "2", *arguments])
     refused(result, *expected)
+
+
+def test_the_lighthouse_and_its_command_import_no_torch() -> None:
+    """The control plane reads plans and the ledger (``stalwart.data``) without the workers' torch."""
+    code = (
+        "import sys, stalwart.cli.lighthouse, stalwart.coord.server; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.strip() == "[]", result.stdout
