@@ -15,6 +15,13 @@ lighthouse reports the quorum broken, the leader also raises a flag in the
 group store so that the other processes abandon the collective too, and it
 relays the lighthouse's request for a step boundary the same way.
 
+A step's reduction can end differently on the processes of one group: a peer
+in another group that dies mid-collective may have sent what some processes
+needed and not what others did. The group is one member to the lighthouse, so
+its processes must apply the step together or retry it together:
+:meth:`GroupLink.agree` is a vote in the group's store after every reduction
+(the store lives as long as the group, whatever happens to other groups).
+
 torchrun keeps its store when it restarts a failed group in place
 (``--max-restarts``), so the keys live under the launch's restart count
 (``TORCHELASTIC_RESTART_COUNT``): a restarted group never reads the answers
@@ -59,6 +66,7 @@ class GroupLink:
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self._store = None if store is None else dist.PrefixStore(f"stalwart/{restart}/", store)
         self._answers = 0
+        self._votes = 0
         self._last_broken_check = 0.0
         self._boundaries: set[int] = set()
 
@@ -79,6 +87,29 @@ class GroupLink:
         answer = json.loads(self._store.get(f"answer/{self._answers}"))
         self._answers += 1
         return dict(answer)
+
+    def agree(self, succeeded: bool) -> bool:
+        """Every process: True only if every process of the group says its reduction ``succeeded``.
+
+        All of the group's processes vote after each reduction attempt, so the
+        n-th vote is the same attempt on each of them. A process that finishes
+        vote n knows that every process has finished reading vote n - 1, so it
+        deletes its own key of that one: the store holds one vote per process.
+        A group peer that dies ends the whole group (torchrun's agent), so the
+        wait for its vote is bounded by that and by ``timeout``.
+        """
+        if self._store is None:
+            return succeeded
+        vote = self._votes
+        self._votes += 1
+        self._store.set(f"vote/{vote}/{self.rank}", "1" if succeeded else "0")
+        agreed = succeeded
+        for rank in range(self.size):
+            if rank != self.rank:
+                agreed = self._store.get(f"vote/{vote}/{rank}") == b"1" and agreed
+        if vote > 0:
+            self._store.delete_key(f"vote/{vote - 1}/{self.rank}")
+        return agreed
 
     def mark_boundary(self, quorum_id: int) -> None:
         """Leader: tell the group that the lighthouse wants quorum ``quorum_id`` at a step boundary."""

@@ -439,21 +439,27 @@ class Manager:
                 arm=self._arm,
                 sample_batch=lambda: self._sample_batch(source),
             )
+            failure: CollectiveError | None = None
             try:
                 reduced = self._reduce()
-                if self._heal_drift(reduced):
-                    continue
+                healed = self._heal_drift(reduced)
             except CollectiveError as error:
+                failure = error
+            if not self._session.group_agrees(failure is None) and failure is None:
+                failure = CollectiveError("another process of this replica group failed it")
+            if failure is not None:
                 log.warning(
                     "%s: step %d all-reduce failed (%s); asking for a new quorum (a peer that is alive but busy, "
                     "e.g. evaluating, needs manager.on_leader() or a larger %s)",
                     self.member,
                     self.ledger.step,
-                    error,
+                    failure,
                     self.timeouts.describe("collective_timeout"),
                 )
                 self._join(reason="failure")
                 self.recoveries += 1
+                continue
+            if healed:
                 continue
             return self._reduced_step(reduced)
 

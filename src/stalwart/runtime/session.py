@@ -175,6 +175,16 @@ class QuorumSession:
             return True
         return False
 
+    def group_agrees(self, succeeded: bool) -> bool:
+        """Whether every process of this replica group says its step's reduction ``succeeded`` (one vote each)."""
+        try:
+            return self.group.agree(succeeded)
+        except (RuntimeError, dist.DistError) as error:
+            raise JoinError(
+                f"{self.member}: a process of this replica group cast no vote on the step's reduction within "
+                f"{self.timeouts.describe('quorum_timeout')}: {error}"
+            ) from error
+
     # --- joining ---------------------------------------------------------------------------------
 
     def next_answer(self, reason: str, applied_step: int) -> QuorumAnswer | None:
