@@ -196,10 +196,17 @@ class Communicator:
         except (RuntimeError, dist.DistError) as error:
             raise CollectiveError(f"rank {self.rank} got no {key!r} from the quorum's store: {error}") from error
 
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``tensor`` (equal sizes on every rank), concatenated in rank order."""
-        out = torch.empty(tensor.numel() * self.world_size, dtype=tensor.dtype, device=tensor.device)
-        self._run(lambda: self._group._allgather_base(out, tensor.reshape(-1)), "all-gather")
+    def all_gather(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Every rank's ``tensor`` (equal sizes on every rank), concatenated in rank order.
+
+        ``out`` (``world_size`` times ``tensor``'s elements, its dtype and
+        device) receives it when given, so that a step's gather reuses one
+        buffer instead of allocating its size again.
+        """
+        if out is None:
+            out = torch.empty(tensor.numel() * self.world_size, dtype=tensor.dtype, device=tensor.device)
+        gathered = out
+        self._run(lambda: self._group._allgather_base(gathered, tensor.reshape(-1)), "all-gather")
         return out
 
     def all_to_all(self, tensor: torch.Tensor, send_sizes: list[int], receive_sizes: list[int]) -> torch.Tensor:

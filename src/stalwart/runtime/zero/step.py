@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,6 +56,7 @@ class ShardedOptimizer:
         self.redundancy = redundancy
         self.node = node
         self.state = ShardState(ordered, template, redundancy, node)
+        self._gather: GatherBuffers | None = None
 
     @property
     def parameters(self) -> int:
@@ -99,7 +101,7 @@ class ShardedOptimizer:
         assert state.inner is not None and state.layout is not None
         hyperparameters = state.hyperparameters()
         state.set_hyperparameters(state.inner, state.inner_groups, hyperparameters)
-        rows = state.rows(state.rank).clone() if state.layout.parity is not None else None
+        rows = state.rows(state.rank) if state.layout.parity is not None else None  # rows() copies
         state.snapshot = Snapshot(clone(state.scalars()), hyperparameters, rows)
         for shard, views in state.views.items():
             start = state.layout.shard_ranges[shard][0]
@@ -194,22 +196,23 @@ class ShardedOptimizer:
     # --- collectives of the sync -----------------------------------------------------------------
 
     def _gather_parameters(self, comm: Communicator, layout: ShardLayout) -> None:
-        """Every process's parameters from the primaries' masters (one all-gather)."""
+        """Every process's parameters from the primaries' masters (one all-gather into buffers kept per layout)."""
         state = self.state
-        longest = max(end - start for start, end in layout.shard_ranges)
-        mine = torch.zeros(longest, device=comm.device)
+        if self._gather is None or self._gather.layout is not layout or self._gather.device != comm.device:
+            self._gather = GatherBuffers.make(layout, state.locals, comm.device)
+        gather = self._gather
         own = state.masters[state.rank]
-        mine[: own.numel()] = own.detach()
-        gathered = comm.all_gather(mine).to(state.device)
-        pieces = [
-            gathered[s * longest : s * longest + end - start] for s, (start, end) in enumerate(layout.shard_ranges)
-        ]
-        flat = torch.cat(pieces)
+        gather.send[: own.numel()].copy_(own.detach())
+        comm.all_gather(gather.send, gather.received)
         with torch.no_grad():
-            offset = 0
-            for local in state.locals:
-                local.copy_(flat[offset : offset + local.numel()].view_as(local))
-                offset += local.numel()
+            for local, pieces in zip(state.locals, gather.pieces, strict=True):
+                if local.is_contiguous():
+                    flat, offset = local.view(-1), 0
+                    for low, high in pieces:
+                        flat[offset : offset + high - low].copy_(gather.received[low:high])
+                        offset += high - low
+                elif pieces:
+                    local.copy_(torch.cat([gather.received[low:high] for low, high in pieces]).view_as(local))
 
     def _encode(self, comm: Communicator) -> dict[tuple[int, int], torch.Tensor]:
         """Send the data cells to their stripes' parity holders (one all-to-all); encode the units held here."""
@@ -253,14 +256,18 @@ class ShardedOptimizer:
     def _check_copies(self, comm: Communicator, *, check: bool) -> None:
         """Every holder of a shard has bitwise the same rows (checksums all-gathered; the gather also ends ``sync``).
 
-        Without copies (parity, overlap 0) or without ``check``, only the
-        all-gather runs: after it, every process has passed the parity
-        exchange, which is what a reshard relies on.
+        With parity but no check, only the all-gather runs: after it, every
+        process has passed the parity exchange, which is what a reshard relies
+        on. Without parity, and without copies or ``check``, nothing runs: the
+        parameters' all-gather has shown every process's update done.
         """
         state = self.state
         layout = state.layout
         assert layout is not None
         world = layout.processes
+        copies = any(len(layout.holders(shard)) > 1 for shard in range(world))
+        if layout.parity is None and not (check and copies):
+            return  # nothing to compare, and no parity exchange to have passed
         sums = torch.zeros(world, 3, dtype=torch.int64)
         if check and len(state.masters) > 1:
             for shard in state.masters:
@@ -274,6 +281,44 @@ class ShardedOptimizer:
                     f"the copies of shard {shard} on processes {differ} differ from its primary's after "
                     f"{state.updates} updates: is the optimizer's update deterministic?"
                 )
+
+
+@dataclass(frozen=True)
+class GatherBuffers:
+    """What one layout's parameter all-gather sends and receives, and where each parameter's elements arrive.
+
+    Every shard is padded to the longest in ``received``; ``pieces[i]`` are
+    the ``[low, high)`` ranges of ``received`` that hold local ``i``'s
+    elements in order (one, unless it straddles shards).
+    """
+
+    layout: ShardLayout
+    device: torch.device
+    send: torch.Tensor
+    received: torch.Tensor
+    pieces: tuple[tuple[tuple[int, int], ...], ...]
+
+    @classmethod
+    def make(cls, layout: ShardLayout, locals_: Sequence[torch.Tensor], device: torch.device) -> GatherBuffers:
+        longest = max(end - start for start, end in layout.shard_ranges)
+        pieces, offset = [], 0
+        for local in locals_:
+            low, high = offset, offset + local.numel()
+            pieces.append(
+                tuple(
+                    (shard * longest + max(low, start) - start, shard * longest + min(high, end) - start)
+                    for shard, (start, end) in enumerate(layout.shard_ranges)
+                    if max(low, start) < min(high, end)
+                )
+            )
+            offset = high
+        return cls(
+            layout,
+            device,
+            torch.zeros(longest, device=device),
+            torch.empty(longest * layout.processes, device=device),
+            tuple(pieces),
+        )
 
 
 def _checksum(rows: torch.Tensor) -> tuple[int, int]:
