@@ -19,10 +19,12 @@ from stalwart.coord.hosted_ledger import ledger_digest
 from stalwart.coord.quorum import RequestError
 from stalwart.data.ledger import DataLedger
 from stalwart.data.plan import EpochPlan
+from stalwart.data.world import WorldInfo
 from stalwart.errors import StateLostError
 from stalwart.runtime.checkpoint import Checkpointer, CheckpointError, CheckpointMeta, load_checkpoint
 from stalwart.runtime.checkpointing import CheckpointPolicy
 from stalwart.runtime.config import Checkpointing
+from stalwart.runtime.group import GroupLink
 from stalwart.runtime.replica import Replica
 from stalwart.testing.fleet import SimulatedFleet
 
@@ -240,7 +242,8 @@ def test_a_checkpoint_announced_outside_the_workers_directory_is_refused(tmp_pat
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     elsewhere = _written(tmp_path / "elsewhere", model, optimizer)
     config = Checkpointing(tmp_path / "mine", every_steps=1)
-    policy = CheckpointPolicy(config, SimpleNamespace(member="w0", client=None), Replica(model, optimizer), None)  # type: ignore[arg-type]
+    session = SimpleNamespace(member="w0", client=None, group=GroupLink(WorldInfo(0, 1)))
+    policy = CheckpointPolicy(config, session, Replica(model, optimizer), None)  # type: ignore[arg-type]
     meta = CheckpointMeta.read(elsewhere)
     for path in (str(elsewhere), str(config.path / ".." / "elsewhere" / "ckpt" / elsewhere.name)):
         with pytest.raises(StateLostError, match="outside this worker's checkpoint directory"):

@@ -28,6 +28,7 @@ from stalwart.testing.digits_job import PARAM_TOLERANCE
 from stalwart.testing.groups import GROUP_PLAN as PLAN
 from stalwart.testing.groups import GROUP_STEPS as STEPS
 from stalwart.testing.groups import end_group, launch_group
+from stalwart.testing.waiting import wait_until
 from tests.integration.hsdp_scenario import KILL_AT, TIMEOUT, assert_finals_match_the_reference, kill_restart_and_heal
 
 WORKERS = 2  # groups
@@ -115,3 +116,61 @@ def test_fsdp_groups_split_their_shards_optimizer_state_with_parity(tmp_path: Pa
         if '"finished"' in line
     ]
     assert len(finished) == 4 and all(event["repairs"] >= 1 for event in finished)
+
+
+def test_fsdp_groups_killed_together_resume_from_their_checkpoint_at_another_number_of_groups(tmp_path: Path) -> None:
+    """Durable checkpoints of FSDP2 groups: every process writes its shards, a resumed job may have other groups.
+
+    Two groups checkpoint every 3 steps and are held at step 10; both are
+    SIGKILLed. One new group (another number of groups) resumes from the
+    newest checkpoint the lighthouse vouched for, each of its processes
+    reading its shards, trains the steps after it again and ends with the
+    failure-free parameters; every step keeps its planned samples once.
+    """
+    checkpoints, hold = tmp_path / "checkpoints", tmp_path / "hold"
+    hold.write_text("10")
+    more = ["--fsdp", "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "3", "--hold-file", str(hold)]
+    with Lighthouse(PLAN, min_replicas=1, start_replicas=2, heartbeat_timeout=1.0, join_timeout=30.0) as server:
+        agents = {name: launch_group(server.url, name, tmp_path, more) for name in ("group-a", "group-b")}
+        resumed = None
+        try:
+            wait_until(
+                lambda: server.status()["ledger"]["step"] == 10 and server.status()["checkpoint"],
+                TIMEOUT,
+                "the groups to commit step 10 and the lighthouse to vouch for a checkpoint",
+            )
+            for agent in agents.values():
+                end_group(agent)
+            wait_until(
+                lambda: all(member["state"] == "dead" for member in server.status()["members"]),
+                TIMEOUT,
+                "the lighthouse to see both groups dead",
+            )
+            checkpoint = server.status()["checkpoint"]
+            hold.unlink()
+            resumed = launch_group(server.url, "group-c", tmp_path, more)
+            assert resumed.wait(timeout=TIMEOUT) == 0
+            status = server.status()
+        finally:
+            for agent in [*agents.values(), resumed]:
+                if agent is not None:
+                    end_group(agent)
+    assert checkpoint["step"] == 9
+    assert status["checkpoint"]["step"] == STEPS, "the writing group checkpoints the last step"
+    assert sorted(path.name for path in Path(status["checkpoint"]["path"]).glob("*.distcp")) == [
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ], "each process of the writing group wrote its own shards"
+    assert [(r["from_step"], r["to_step"]) for r in status["resumed_from_checkpoint"]] == [(10, 9)]
+    assert status["ledger"]["step"] == STEPS
+    steps = committed_steps(tmp_path)
+    assert [record["samples"] for record in steps] == [planned_total(PLAN, step) for step in range(STEPS)]
+    assert audit_steps(PLAN, steps) == (True, 0, 0)
+    assert {record["member"] for record in steps[9:]} == {"group-c"}
+    reference, _ = reference_run(PLAN, STEPS)
+    finals = sorted(tmp_path.glob("final-group-c.*.pt"))
+    assert [path.name for path in finals] == ["final-group-c.0.pt", "final-group-c.1.pt"]
+    for path in finals:
+        parameters = torch.load(path, weights_only=True)
+        worst = max(float((parameters[key] - value).abs().max()) for key, value in reference.items())
+        assert worst < PARAM_TOLERANCE, path.name

@@ -13,7 +13,12 @@ an unfinished checkpoint and is never loaded. Once the lighthouse vouches for
 a checkpoint, older ones are deleted but for the ``keep - 1`` newest.
 
 Every member holds the whole state (replicated training), so a checkpoint
-loads at any world size. DCP's metadata file is pickled: checkpoints are
+loads at any world size. A member that is an FSDP2 group holds it across its
+processes: all of them write their shards through a process group of their
+own (``process_group``, Gloo, since the save runs on DCP's thread beside
+the training's collectives), the group's rank 0 finishing the checkpoint, and
+every process of a loading group reads what its shards need (DCP reshards),
+so such a checkpoint loads at any number of groups. DCP's metadata file is pickled: checkpoints are
 trusted files on the job's own storage, never data received over the network;
 a worker loads only from inside its own checkpoint directory, and a finished
 checkpoint's files are readable by their owner only (0600, directories 0700).
@@ -143,8 +148,17 @@ class Checkpointer:
     """
 
     def __init__(
-        self, config: Checkpointing, *, on_finished: Callable[[Path, CheckpointMeta], None] | None = None
+        self,
+        config: Checkpointing,
+        *,
+        on_finished: Callable[[Path, CheckpointMeta], None] | None = None,
+        process_group: Any = None,
+        finishes: bool = True,
     ) -> None:
+        """``process_group``: the processes that write each checkpoint together (None: this one alone);
+        ``finishes``: this process marks a written checkpoint finished (the group's rank 0)."""
+        self.process_group = process_group
+        self.finishes = finishes
         self.root = config.path
         self.every_steps = config.every_steps
         self.every_seconds = config.every_seconds
@@ -184,7 +198,9 @@ class Checkpointer:
         self._last_step, self._last_time = meta.step, time.monotonic()
         self._idle.clear()
         try:
-            response = _dcp().async_save(_state_to_save(states), checkpoint_id=str(directory))
+            response = _dcp().async_save(
+                _state_to_save(states), checkpoint_id=str(directory), process_group=self.process_group
+            )
         except _dcp_errors() as error:
             self._idle.set()
             raise CheckpointError(f"cannot start the checkpoint of step {meta.step} in {directory}: {error}") from None
@@ -207,9 +223,15 @@ class Checkpointer:
         return self._idle.wait(timeout)
 
     def _finish(self, future: Future[Any], directory: Path, meta: CheckpointMeta) -> None:
-        """Mark a written checkpoint finished (``stalwart.json``, atomically) and hand it to ``on_finished``."""
+        """Mark a written checkpoint finished (``stalwart.json``, atomically) and hand it to ``on_finished``.
+
+        In a group only rank 0 does: DCP completes its save once every
+        process's files are written, so nothing is left to wait for then.
+        """
         try:
             future.result()
+            if not self.finishes:
+                return
             owner_only(directory)
             write_meta(directory, meta)
             if self.on_finished is not None:
@@ -220,13 +242,18 @@ class Checkpointer:
             self._idle.set()
 
 
-def load_checkpoint(directory: str | os.PathLike[str], states: dict[str, Stateful]) -> CheckpointMeta:
-    """Load a finished checkpoint into ``states`` (model, optimizer and registered states); returns its meta."""
+def load_checkpoint(
+    directory: str | os.PathLike[str], states: dict[str, Stateful], *, process_group: Any = None
+) -> CheckpointMeta:
+    """Load a finished checkpoint into ``states`` (model, optimizer and registered states); returns its meta.
+
+    ``process_group``: the processes that load it together (an FSDP2 group's, each reading its shards).
+    """
     directory = Path(directory)
     meta = CheckpointMeta.read(directory)
     template = _state_to_save(states)
     try:
-        _dcp().load(template, checkpoint_id=str(directory))
+        _dcp().load(template, checkpoint_id=str(directory), process_group=process_group)
     except _dcp_errors() as error:
         raise CheckpointError(f"cannot load the checkpoint in {directory}: {error}") from None
     model, optimizer = states["model"], states["optimizer"]

@@ -9,6 +9,12 @@ not), so two quorums never write the same step. With sharded optimizer state
 every process sends its shard to the writer at the same steps (one
 all-to-all), so the whole state is saved and loads at any world size.
 
+A member that is an FSDP2 group (``fully_shard`` over its own processes)
+writes with all of its processes, each its shards, through a Gloo group made
+for that at start-up; they checkpoint at ``every_steps`` only, and wait for
+the last checkpoint to end before deciding on the next, so that all of them
+decide alike.
+
 When no live member holds the job's state, the lighthouse announces the
 newest checkpoint: a worker loads it only from inside its own checkpoint
 directory, and only if it holds the announced step and digest.
@@ -19,6 +25,9 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
 
 from stalwart.coord.client import CheckpointAnnouncement, LighthouseError
 from stalwart.coord.hosted_ledger import ledger_digest
@@ -47,18 +56,28 @@ class CheckpointPolicy:
         session: QuorumSession,
         replica: Replica,
         sharded: ShardedOptimizer | None,
+        *,
+        fsdp_group: bool = False,
     ) -> None:
-        if sharded is not None and (config.every_steps is None or config.every_seconds is not None):
+        """``fsdp_group``: this member's model is ``fully_shard``-ed over its processes (the default process group)."""
+        if (sharded is not None or fsdp_group) and (config.every_steps is None or config.every_seconds is not None):
+            what = "sharded optimizer state" if sharded is not None else "an FSDP2 group"
             raise ValueError(
-                f"sharded optimizer state checkpoints at Checkpointing.every_steps and not every_seconds (got "
-                f"every_steps={config.every_steps}, every_seconds={config.every_seconds}): every process gathers "
-                "the state at the same step"
+                f"{what} checkpoints at Checkpointing.every_steps and not every_seconds (got "
+                f"every_steps={config.every_steps}, every_seconds={config.every_seconds}): every process takes "
+                "part at the same step"
             )
         self.config = config
         self._session = session
         self._replica = replica
         self._sharded = sharded
-        self._writer = Checkpointer(config, on_finished=self._announce)
+        self._process_group = _group_writers(session) if fsdp_group else None
+        self._writer = Checkpointer(
+            config,
+            on_finished=self._announce,
+            process_group=self._process_group,
+            finishes=session.group.is_leader,
+        )
 
     def between_steps(self, ledger: DataLedger, *, last: bool = False) -> bool:
         """Start a checkpoint when one is due; False when gathering sharded state failed (re-form the quorum).
@@ -70,6 +89,12 @@ class CheckpointPolicy:
         """
         if self._sharded is not None:
             return self._checkpoint_shards(ledger, last=last)
+        if self._process_group is not None:
+            step, every = self._replica.applied_step, self.config.every_steps
+            assert every is not None  # checked in __init__
+            if step == 0 or not (last or step % every == 0):
+                return True
+            self._writer.wait()  # every process of the group decides with no checkpoint being written
         if self._replica.trained_step == self._replica.applied_step and self._writes():
             step = self._replica.applied_step
             if self._writer.due(step, last=last):
@@ -102,7 +127,7 @@ class CheckpointPolicy:
                 f"checkpoint directory {root}: refusing to load it"
             )
         try:
-            meta = load_checkpoint(path, self._replica.states)
+            meta = load_checkpoint(path, self._replica.states, process_group=self._process_group)
         except CheckpointError as error:
             raise StateLostError(f"the job resumes from checkpoint {path}, which fails: {error}") from None
         if meta.step != announcement.step or meta.digest != announcement.digest:
@@ -114,7 +139,13 @@ class CheckpointPolicy:
         return meta.step
 
     def _writes(self) -> bool:
-        return self._session.comm is not None and self._session.rank == 0
+        """Whether this process writes: the quorum's rank 0, or (FSDP2 groups) every process of its first member."""
+        session = self._session
+        if session.comm is None:
+            return False
+        if self._process_group is not None:
+            return bool(session.members) and session.members[0] == session.member
+        return session.rank == 0
 
     def _checkpoint_shards(self, ledger: DataLedger, *, last: bool) -> bool:
         """Sharded state: every process sends its shard to the writer at the same steps; the writer saves it all.
@@ -168,6 +199,24 @@ class CheckpointPolicy:
             log.info("%s: checkpoint of step %d in %s", member, meta.step, directory)
             self._writer.prune(meta.step)
             return
+
+
+def _group_writers(session: QuorumSession) -> Any:
+    """A Gloo group of this FSDP2 group's processes (the default process group's), for DCP's saves and loads.
+
+    Not the default group itself: an asynchronous save runs its collectives
+    on DCP's thread, and two threads must not issue collectives on one group.
+    Every process of the group makes it at the same point (the Manager's
+    construction), as ``new_group`` requires.
+    """
+    size = session.group.size
+    if not dist.is_initialized() or dist.get_world_size() != size:
+        found = dist.get_world_size() if dist.is_initialized() else "none"
+        raise ValueError(
+            f"checkpoints of an FSDP2 group need its processes as the default process group ({size} processes, "
+            f"ReplicaGroup's world size); found {found}"
+        )
+    return dist.new_group(backend="gloo")
 
 
 def _meta(step: int, ledger: DataLedger) -> CheckpointMeta:

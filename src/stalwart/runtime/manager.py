@@ -186,10 +186,10 @@ class Manager:
         group = group or ReplicaGroup()
         transport = transport or Transport()
         fsdp = is_sharded(model)
-        if fsdp and checkpoint is not None:
+        if fsdp and checkpoint is not None and redundancy is not None:
             raise ValueError(
-                f"checkpoint={checkpoint}: durable checkpoints of an FSDP2-sharded model are not supported yet; leave "
-                "checkpoint unset (live groups heal a joining one)"
+                f"checkpoint={checkpoint} with redundancy={redundancy}: durable checkpoints of FSDP2 groups whose "
+                "optimizer state is sharded across groups are not supported yet; leave one of them unset"
             )
         if fsdp:
             prepare_fsdp(model)
@@ -228,7 +228,9 @@ class Manager:
         self._drift = DriftCheck(params, self.checks.every, enabled=not fsdp and sync is None)
         self._balance = BalanceWindow()
         self._checkpoints = (
-            None if checkpoint is None else CheckpointPolicy(checkpoint, self._session, self._replica, self._zero)
+            None
+            if checkpoint is None
+            else CheckpointPolicy(checkpoint, self._session, self._replica, self._zero, fsdp_group=fsdp)
         )
         self._on_event = on_event
         self._reconfigure = True
