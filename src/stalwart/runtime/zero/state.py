@@ -134,12 +134,20 @@ class ShardState:
     # --- rows ------------------------------------------------------------------------------------
 
     def rows(self, shard: int) -> torch.Tensor:
-        """Shard ``shard``'s rows: the master, then each per-element state tensor in key order (a copy)."""
+        """Shard ``shard``'s rows: the master, then each per-element state tensor in key order (a copy).
+
+        Each element is copied once, straight into the result: the sharded
+        step takes the rows of its shard every step with parity.
+        """
         keys = self.keys()
         master = self.masters[shard]
+        rows = torch.empty(1 + len(keys), master.numel(), dtype=master.dtype, device=master.device)
+        rows[0].copy_(master.detach())
         state = self.inner.state if self.inner is not None else {}
-        per_key = [torch.cat([state[view][key].reshape(-1) for _, _, view in self.views[shard]]) for key in keys]
-        return torch.stack([master.detach(), *per_key])
+        for row, key in enumerate(keys, start=1):
+            for _, offset, view in self.views[shard]:
+                rows[row, offset : offset + view.numel()].copy_(state[view][key].reshape(-1))
+        return rows
 
     def rows_numel(self, shard: int) -> int:
         return (1 + len(self.keys())) * self.masters[shard].numel()

@@ -222,21 +222,27 @@ class ShardedOptimizer:
         rows = 1 + len(state.keys())
         me, world = comm.rank, comm.world_size
         stripes = layout.placement.stripes
-        send: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        sent: list[list[tuple[int, int]]] = [[] for _ in range(world)]  # per holder: own cells' column ranges
         receive_sizes = [0] * world
         own_start = layout.shard_ranges[me][0]
-        own_rows = state.rows(me)
         for stripe in stripes:
             for cell in stripe.cells:
                 start, end = layout.cell_ranges[cell.shard][cell.index]
                 if cell.shard == me:
-                    data = own_rows[:, start - own_start : end - own_start].reshape(-1)
                     for holder in stripe.redundant:
-                        send[holder].append(data)
+                        sent[holder].append((start - own_start, end - own_start))
                 elif me in stripe.redundant:
                     receive_sizes[cell.shard] += rows * (end - start)
-        flat = [torch.cat(chunks) if chunks else torch.zeros(0, device=state.device) for chunks in send]
-        received = comm.all_to_all(torch.cat(flat).to(comm.device), [c.numel() for c in flat], receive_sizes)
+        send_sizes = [sum(rows * (high - low) for low, high in ranges) for ranges in sent]
+        own_rows = state.rows(me)
+        send = torch.empty(sum(send_sizes), dtype=own_rows.dtype, device=comm.device)
+        offset = 0
+        for ranges in sent:  # each cell as its rows x columns block, row-major: one copy per element sent
+            for low, high in ranges:
+                size = rows * (high - low)
+                send[offset : offset + size].view(rows, high - low).copy_(own_rows[:, low:high])
+                offset += size
+        received = comm.all_to_all(send, send_sizes, receive_sizes)
         offsets = [sum(receive_sizes[:rank]) for rank in range(world)]
         code = ParityCode(layout.parity)
         units: dict[tuple[int, int], torch.Tensor] = {}
