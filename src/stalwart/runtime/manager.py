@@ -594,8 +594,8 @@ class Manager:
         for parity, its shard as before the update), so the next quorum's
         reshard finishes the update without training anything again.
         """
-        zero, comm, grad_comm = self._zero, self._session.comm, self._session.grad_comm
-        assert zero is not None and comm is not None and grad_comm is not None
+        zero, grad_comm = self._zero, self._session.grad_comm
+        assert zero is not None and grad_comm is not None
         step = self.ledger.step
         failed = False
         try:
@@ -603,14 +603,10 @@ class Manager:
         except CollectiveError as error:
             log.warning("%s: step %d's parameter gather failed (%s); asking for a new quorum", self.member, step, error)
             failed = True
-        if grad_comm is not comm:  # FSDP2 groups: a group's processes must all ask, or none
-            flag = torch.tensor([float(failed)], device=self.device)
-            try:
-                comm.start_all_reduce_sum(flag)()
-                failed = failed or float(flag) > 0
-            except CollectiveError:
-                failed = True
-        if failed:
+        # A replica group's processes must all ask for the next quorum, or none (the gather can end differently
+        # on them): they vote in the group's store, as after each reduction. Other groups find out at their next
+        # collective.
+        if not self._session.group_agrees(not failed):
             self._reconfigure = True
 
     # --- quorums ---------------------------------------------------------------------------------------
