@@ -127,6 +127,8 @@ class ConfigResult:
 
     config: Config
     step_ms: dict[int, list[float]] = field(default_factory=dict)
+    cpu_ms: list[float] = field(default_factory=list)
+    """Rank 0's CPU time (every thread) per step, the same steps as ``step_ms``, all runs pooled."""
     state_bytes: list[int] = field(default_factory=list)
     formula_bytes: list[int] = field(default_factory=list)
     peak_bytes: list[int] = field(default_factory=list)
@@ -138,6 +140,10 @@ class ConfigResult:
     def step_median_ms(self) -> float | None:
         pooled = [value for values in self.step_ms.values() for value in values]
         return statistics.median(pooled) if pooled else None
+
+    @property
+    def cpu_median_ms(self) -> float | None:
+        return statistics.median(self.cpu_ms) if self.cpu_ms else None
 
     def run_medians_ms(self) -> list[float]:
         """Each run's median step time (the spread)."""
@@ -220,7 +226,9 @@ def _one_run(
             lighthouse.stop()
     records = {rank: group.records(rank) for rank in range(settings.workers)}
     steps = [record for record in records[0] if "total" in record]
-    result.step_ms[round_number] = [record["total"] * 1e3 for record in steps[settings.warmup : settings.kill_at - 1]]
+    timed = steps[settings.warmup : settings.kill_at - 1]
+    result.step_ms[round_number] = [record["total"] * 1e3 for record in timed]
+    result.cpu_ms += [record["cpu"] * 1e3 for record in timed]
     if not result.state_bytes:
         result.state_bytes = _state_bytes(group, records, settings)
     result.peak_bytes += group.peak_memory_bytes()

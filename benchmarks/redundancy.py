@@ -28,7 +28,9 @@ Sections, each printed as a table:
    medians, with each run's median as the spread. Columns: state bytes per
    process (``ShardedOptimizer.state_bytes``; DDP: Adam's state plus the
    parameters) and their ratio to :func:`stalwart.redundancy.memory.state_bytes`,
-   step time against overlap 0 and DDP, and for each failure count the
+   step time against overlap 0 and DDP, CPU time per step against DDP's
+   (with more processes than cores, wall time follows how the scheduler
+   shares them; CPU time does not), and for each failure count the
    recovery (SIGKILL to the survivors' commit of the step the victims died
    in, re-run included), the in-memory reshard (``RepairStats.seconds``) and
    the steps lost (steps of the lighthouse's ledger that the survivors did
@@ -215,6 +217,7 @@ def print_training(
         "by run (ms)",
         "vs overlap 0",
         "vs DDP",
+        "CPU vs DDP",
         "peak/process (MiB)",
     ]
     for count in failure_counts:
@@ -235,6 +238,7 @@ def print_training(
             " ".join(f"{value:.0f}" for value in result.run_medians_ms()),
             _ratio(median, zero.step_median_ms if zero else None),
             _ratio(median, ddp.step_median_ms),
+            _ratio(result.cpu_median_ms, ddp.cpu_median_ms),
             _mib(result.peak_bytes),
         ]
         for count in failure_counts:
@@ -249,16 +253,18 @@ def print_training(
         columns,
         rows,
         caption=(
-            f"State: max per process (MiB); vs formula: measured / stalwart.redundancy.memory.state_bytes, summed over "
-            f"processes. Step: median of rank 0's steps {settings.warmup}..{settings.kill_at - 2} over both runs; "
-            f"'by run' gives each run's median (the spread). Peak: max resident set above the imports over the "
-            f"processes that finished. Victims {victims}. Recovery: SIGKILL to the survivors' "
-            "commit of that step (detection, quorum, reshard and the step's re-run); reshard: RepairStats.seconds "
-            "of that repair (max over survivors); steps lost: ledger steps the survivors did not commit. "
-            "lost: ShardsLostError (more failures than the redundancy covers). checkpoint-restart (DDP, DCP every "
-            f"{restart.every} steps, the first failure count's victims): recovery averaged over the interval; its "
-            "reshard cell is SIGKILL to the relaunched world's first step (relaunch, rendezvous, dcp.load on every "
-            "process, one step); steps lost: trained twice in this run (samples are not lost, they are redone)."
+            "State: max per process (MiB); vs formula: measured / stalwart.redundancy.memory.state_bytes, summed "
+            f"over processes. Step: median of rank 0's steps {settings.warmup}..{settings.kill_at - 2} over both "
+            "runs; 'by run' gives each run's median (the spread). CPU: rank 0's CPU time per step (every thread), "
+            "median, against DDP's: with more processes than cores the steadier figure. Peak: max resident set "
+            f"above the imports over the processes that finished. Victims {victims}. Recovery: SIGKILL to the "
+            "survivors' commit of that step (detection, quorum, reshard and the step's re-run); reshard: "
+            "RepairStats.seconds of that repair (max over survivors); steps lost: ledger steps the survivors did "
+            "not commit. lost: ShardsLostError (more failures than the redundancy covers). checkpoint-restart "
+            f"(DDP, DCP every {restart.every} steps, the first failure count's victims): recovery averaged over "
+            "the interval; its reshard cell is SIGKILL to the relaunched world's first step (relaunch, "
+            "rendezvous, dcp.load on every process, one step); steps lost: trained twice in this run (samples are "
+            "not lost, they are redone)."
         ),
     )
 
@@ -266,7 +272,7 @@ def print_training(
 def _restart_row(restart: CheckpointRestart, ddp: ConfigResult, failure_counts: int) -> list[str]:
     label = f"checkpoint-restart, K={restart.every}"
     if restart.note:
-        return [label, "-", "-", "-", "-", "-", "-", "-", f"failed: {restart.note[:60]}"] + ["-"] * (
+        return [label, "-", "-", "-", "-", "-", "-", "-", "-", f"failed: {restart.note[:60]}"] + ["-"] * (
             4 * failure_counts - 1
         )
     median = statistics.median(restart.step_ms) if restart.step_ms else None
@@ -278,6 +284,7 @@ def _restart_row(restart: CheckpointRestart, ddp: ConfigResult, failure_counts: 
         "-" if median is None else f"{median:.0f}",
         "-",
         _ratio(median, ddp.step_median_ms),
+        "-",
         _mib(restart.peak_bytes),
         _seconds(restart.average_s),
         f"first step {_seconds(restart.first_step_s)}",

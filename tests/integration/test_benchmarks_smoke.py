@@ -80,19 +80,20 @@ def test_redundancy_quick_training_run_measures_every_row() -> None:
     assert completed.returncode == 0, completed.stderr[-3000:]
     output = completed.stdout
     assert "2. Partial redundancy in training" in output and "1. Parity codec" not in output
-    # columns: configuration, state, vs formula, step, by run, vs overlap 0, vs DDP, peak, recovery, reshard, lost,
-    # vs checkpoint-restart
+    # columns: configuration, state, vs formula, step, by run, vs overlap 0, vs DDP, CPU vs DDP, peak, recovery,
+    # reshard, lost, vs checkpoint-restart
     ddp = _table_row(output, "DDP")
-    assert ddp[2] == "1.000" and ddp[6] == "1.000x" and float(ddp[7]) > 0, ddp
-    assert _table_row(output, "overlap 0")[8:10] == ["lost", "lost"]  # no copy: one failure loses a shard
+    assert ddp[2] == "1.000" and ddp[6] == ddp[7] == "1.000x" and float(ddp[8]) > 0, ddp
+    assert _table_row(output, "overlap 0")[9:11] == ["lost", "lost"]  # no copy: one failure loses a shard
     for label in ("overlap 1/4", "parity (3, 1)"):
         cells = _table_row(output, label)
         assert cells[2] == "1.000", cells  # measured state bytes equal the formula's
-        assert all(float(cells[index]) > 0 for index in (3, 7, 8, 9)), cells
-        assert cells[10] == "0" and cells[11].endswith("x"), cells  # no step lost; against checkpoint-restart
+        assert cells[7].endswith("x") and float(cells[7][:-1]) > 0, cells  # its CPU per step against DDP's
+        assert all(float(cells[index]) > 0 for index in (3, 8, 9, 10)), cells
+        assert cells[11] == "0" and cells[12].endswith("x"), cells  # no step lost; against checkpoint-restart
     restart = _table_row(output, "checkpoint-restart, K=4")
-    assert float(restart[7]) > 0 and float(restart[8]) > 0, restart  # its peak memory and averaged recovery
-    assert restart[9].startswith("first step ") and restart[10] == "0 (2 trained twice)", restart  # step 6 from 4
+    assert float(restart[8]) > 0 and float(restart[9]) > 0, restart  # its peak memory and averaged recovery
+    assert restart[10].startswith("first step ") and restart[11] == "0 (2 trained twice)", restart  # step 6 from 4
     assert "no step lost (2 survivable failure runs, 0 steps lost)" in output
     assert "faster than checkpoint-restart's" in output
 
