@@ -121,7 +121,7 @@ class ParityCode:
         for start in range(0, length, self.chunk_bytes):
             size = min(self.chunk_bytes, length - start)
             headers = _headers(k, m, self.backend, size)
-            fragments = [headers[index] + _padded(source, start, size) for index, source in sources.items()]
+            fragments = [_fragment(headers[index], source, start, size) for index, source in sources.items()]
             for target, fragment, index in zip(out, driver.reconstruct(fragments, wanted), wanted, strict=True):
                 target[start : start + size] = np.frombuffer(fragment, np.uint8, size, len(headers[index]))
         device = next(iter(units.values())).device
@@ -141,10 +141,10 @@ def _xor(tensors: Sequence[torch.Tensor], length: int) -> torch.Tensor:
     return result
 
 
-def _padded(array: np.ndarray, start: int, size: int) -> bytes:
-    """``size`` bytes of ``array`` from ``start``, zeros past its end."""
-    piece = array[start : start + size].tobytes()
-    return piece + bytes(size - len(piece))
+def _fragment(header: bytes, array: np.ndarray, start: int, size: int) -> bytes:
+    """``header``, then ``size`` bytes of ``array`` from ``start`` (zeros past its end), in one copy."""
+    piece = array[start : start + size].data  # a memoryview: joined without a copy of its own
+    return b"".join((header, piece, bytes(size - len(piece))))
 
 
 def _as_tensor(name: str, buffer: Any) -> torch.Tensor:
