@@ -30,7 +30,9 @@ def post(url: str, body: Any, headers: dict[str, str] | None = None) -> tuple[in
 
 
 def test_a_new_incarnation_of_a_live_member_needs_its_secret_or_waits_until_it_is_dead() -> None:
-    with Lighthouse(PLAN, heartbeat_timeout=5.0, join_timeout=1.0) as server:
+    # join_timeout bounds the first quorum's wait for both live members to ask (on a busy machine one ask can come
+    # seconds after the other; a short one left b out); the failure quorum at the end forms at once.
+    with Lighthouse(PLAN, heartbeat_timeout=5.0, join_timeout=60.0) as server:
         clients = {m: LighthouseClient(server.url, m, heartbeat_interval=0.05) for m in ("a", "b")}
         try:
             for client in clients.values():
