@@ -213,6 +213,10 @@ def test_bad_requests_get_4xx_naming_the_problem_and_change_nothing(lighthouse: 
             client.start_heartbeat(lambda member=member: report(member, 1))
         ask_all(clients, {m: (0, None, "join", 30) for m in clients})
         wait_until(lambda: lighthouse.status()["ledger"]["step"] == 1, what="step 1")
+        wait_until(  # both heartbeats, not only the first: a report arriving later would change the snapshot
+            lambda: all(m["applied_step"] == 1 for m in lighthouse.status()["members"] if m["member"] in clients),
+            what="both members to report step 1",
+        )
         assert asyncio.run(_bad_heartbeats(url, register(url, "probe"))) == ["error", "error", "error"]
         probe = [m for m in _observable(lighthouse.status())[3] if m[0] == "probe"]
         assert probe == [("probe", "dead", None, None)], "bad heartbeats record no step"
