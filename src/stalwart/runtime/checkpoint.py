@@ -18,10 +18,12 @@ processes: all of them write their shards through a process group of their
 own (``process_group``, Gloo, since the save runs on DCP's thread beside
 the training's collectives), the group's rank 0 finishing the checkpoint, and
 every process of a loading group reads what its shards need (DCP reshards),
-so such a checkpoint loads at any number of groups. DCP's metadata file is pickled: checkpoints are
-trusted files on the job's own storage, never data received over the network;
-a worker loads only from inside its own checkpoint directory, and a finished
-checkpoint's files are readable by their owner only (0600, directories 0700).
+so such a checkpoint loads at any number of groups.
+
+DCP's metadata file is pickled: checkpoints are trusted files on the job's
+own storage, never data received over the network; a worker loads only from
+inside its own checkpoint directory, and a finished checkpoint's files are
+readable by their owner only (0600, directories 0700).
 """
 
 from __future__ import annotations

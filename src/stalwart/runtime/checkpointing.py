@@ -90,9 +90,7 @@ class CheckpointPolicy:
         if self._sharded is not None:
             return self._checkpoint_shards(ledger, last=last)
         if self._process_group is not None:
-            step, every = self._replica.applied_step, self.config.every_steps
-            assert every is not None  # checked in __init__
-            if step == 0 or not (last or step % every == 0):
+            if not self._together_at(self._replica.applied_step, last=last):
                 return True
             self._writer.wait()  # every process of the group decides with no checkpoint being written
         if self._replica.trained_step == self._replica.applied_step and self._writes():
@@ -138,6 +136,16 @@ class CheckpointPolicy:
         log.info("%s: resumed from checkpoint %s at step %d", self._session.member, path, meta.step)
         return meta.step
 
+    def _together_at(self, step: int, *, last: bool) -> bool:
+        """Whether processes that checkpoint together (sharded state, an FSDP2 group) take part at ``step``.
+
+        At every ``every_steps``-th step and the last, never step 0: the same
+        decision on every process, whatever its writer's clock.
+        """
+        every = self.config.every_steps
+        assert every is not None  # __init__ refuses these without every_steps
+        return step != 0 and (last or step % every == 0)
+
     def _writes(self) -> bool:
         """Whether this process writes: the quorum's rank 0, or (FSDP2 groups) every process of its first member."""
         session = self._session
@@ -153,9 +161,9 @@ class CheckpointPolicy:
         The whole optimizer state sits in the user's optimizer only while the
         checkpoint stages it, so the checkpoint loads at any world size.
         """
-        assert self._sharded is not None and self.config.every_steps is not None
+        assert self._sharded is not None
         step = self._replica.applied_step
-        if step == 0 or not (last or step % self.config.every_steps == 0):
+        if not self._together_at(step, last=last):
             return True
         comm = self._session.comm
         assert comm is not None

@@ -19,8 +19,9 @@ A step's reduction can end differently on the processes of one group: a peer
 in another group that dies mid-collective may have sent what some processes
 needed and not what others did. The group is one member to the lighthouse, so
 its processes must apply the step together or retry it together:
-:meth:`GroupLink.agree` is a vote in the group's store after every reduction
-(the store lives as long as the group, whatever happens to other groups).
+:meth:`GroupLink.agree` is a vote in the group's store after every reduction,
+and after every sharded gather (the store lives as long as the group, whatever
+happens to other groups).
 
 torchrun keeps its store when it restarts a failed group in place
 (``--max-restarts``), so the keys live under the launch's restart count
@@ -89,9 +90,10 @@ class GroupLink:
         return dict(answer)
 
     def agree(self, succeeded: bool) -> bool:
-        """Every process: True only if every process of the group says its reduction ``succeeded``.
+        """Every process: True only if every process of the group says its collective ``succeeded``.
 
-        All of the group's processes vote after each reduction attempt, so the
+        All of the group's processes vote after each reduction attempt (and
+        each sharded gather), at the same points of the step, so the
         n-th vote is the same attempt on each of them. A process that finishes
         vote n knows that every process has finished reading vote n - 1, so it
         deletes its own key of that one: the store holds one vote per process.

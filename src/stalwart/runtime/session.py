@@ -176,12 +176,15 @@ class QuorumSession:
         return False
 
     def group_agrees(self, succeeded: bool) -> bool:
-        """Whether every process of this replica group says its step's reduction ``succeeded`` (one vote each)."""
+        """Whether every process of this replica group says the step's collective ``succeeded`` (one vote each).
+
+        Voted after each reduction attempt and, with sharded state, after each parameter gather.
+        """
         try:
             return self.group.agree(succeeded)
         except (RuntimeError, dist.DistError) as error:
             raise JoinError(
-                f"{self.member}: a process of this replica group cast no vote on the step's reduction within "
+                f"{self.member}: a process of this replica group cast no vote on the step's collective within "
                 f"{self.timeouts.describe('quorum_timeout')}: {error}"
             ) from error
 
