@@ -28,10 +28,13 @@ last bucket, since its counts must be exact.
 FSDP2 (a replica group that ``fully_shard``-s its model): parameters and
 gradients are DTensors and the reducer works on their local shards, over the
 communicator of the processes that hold the same shard in every group. FSDP2
-assigns the sharded gradients itself at the end of backward (no
-``AccumulateGrad`` hook fires), so every bucket is launched after backward;
-the tail, which counts every process of every group, goes over the whole
-quorum's communicator instead (``tail_comm``).
+assigns a module's sharded gradients once its reduce-scatter in the group is
+done, in the middle of backward, and then runs the sharded parameters'
+``post_accumulate_grad`` hooks: so the cross-group reduction of the last
+modules' buckets overlaps the backward of the first, as in the replicated
+case (on a torch whose FSDP2 runs no such hook, every bucket is launched
+after backward). The tail, which counts every process of every group, goes
+over the whole quorum's communicator instead (``tail_comm``).
 """
 
 from __future__ import annotations
@@ -153,9 +156,7 @@ class GradientReducer:
         self._error: BaseException | None = None
         self._tail_comm: Communicator | None = None
         self._handles = [
-            param.register_post_accumulate_grad_hook(self._hook_for(index))
-            for index, param in enumerate(self.params)
-            if local_tensor(param) is param
+            param.register_post_accumulate_grad_hook(self._hook_for(index)) for index, param in enumerate(self.params)
         ]
 
     @property
