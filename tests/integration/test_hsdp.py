@@ -15,6 +15,7 @@ end with the failure-free parameters on all four processes.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -168,3 +169,37 @@ def test_fsdp_groups_killed_together_resume_from_their_checkpoint_at_another_num
     assert audit_steps(PLAN, steps) == (True, 0, 0)
     assert {record["member"] for record in steps[9:]} == {"group-c"}
     assert_finals_match_the_reference(tmp_path, "c")  # the killed groups wrote none
+
+
+def test_a_drifted_fsdp_group_is_found_shard_by_shard_and_healed_whole(tmp_path: Path) -> None:
+    """The replica checksum across FSDP2 groups: each process checksums its own shard.
+
+    Group C's processes perturb their shards at the start of step 4 (after
+    the step's share was computed from the parameters of step 3's update, the
+    perturbation is in the parameters the step's update applies to). The
+    check compares process r of each group with process r of the others; C is
+    the odd one out and is healed whole from a group that agrees, recomputes
+    its share, and the job ends with the failure-free parameters everywhere.
+    """
+    with Lighthouse(PLAN, min_replicas=1, start_replicas=3, heartbeat_timeout=5.0, join_timeout=30.0) as server:
+        more = ["--fsdp", "--step-seconds", "0"]
+        agents = {
+            name: launch_group(
+                server.url, name, tmp_path, [*more, *(["--corrupt-at", "4"] if name == "group-c" else [])]
+            )
+            for name in ("group-a", "group-b", "group-c")
+        }
+        try:
+            codes = {name: agent.wait(timeout=TIMEOUT) for name, agent in agents.items()}
+        finally:
+            for agent in agents.values():
+                end_group(agent)
+    assert codes == {"group-a": 0, "group-b": 0, "group-c": 0}
+    steps = committed_steps(tmp_path)
+    assert [record["samples"] for record in steps] == [planned_total(PLAN, step) for step in range(STEPS)]
+    assert audit_steps(PLAN, steps) == (True, 0, 0)
+    assert {record["drift_heals"] for record in steps if record["step"] < 4} == {0}
+    assert {record["drift_heals"] for record in steps if record["step"] >= 4} == {1}
+    log = (tmp_path / "group-c.log").read_text()
+    assert re.search(r"step 4 replicas drifted: healing groups \[\d\] from group \d \(this one\)", log), log
+    assert_finals_match_the_reference(tmp_path, "abc")

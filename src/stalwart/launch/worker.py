@@ -47,7 +47,7 @@ each micro-batch: a straggler is a worker with a larger ``S`` than the others
 :func:`~stalwart.launch.digits.digits_source`); a shard that cannot be read
 ends the process with one line and exit status 2, like the errors above.
 
-``--corrupt-at STEP`` adds noise to this worker's parameters at the start of
+``--corrupt-at STEP`` adds noise to this worker's parameters (its shards, in an FSDP2 group) at the start of
 step STEP, for tests of the replica-consistency check (the Manager must heal
 it from the others before the step is applied).
 
@@ -105,7 +105,7 @@ from stalwart.runtime.config import Checkpointing, ReplicaGroup, Transport
 from stalwart.runtime.diloco.config import DiLoCo
 from stalwart.runtime.loader import ElasticLoader
 from stalwart.runtime.manager import Manager
-from stalwart.runtime.sharding import is_dtensor
+from stalwart.runtime.sharding import is_dtensor, local_tensor
 from stalwart.runtime.step import StepReport
 from stalwart.runtime.timeouts import Timeouts
 
@@ -417,8 +417,9 @@ def _steps(
                 args.corrupt_at = None
                 with torch.no_grad():
                     for param in model.parameters():
-                        noise = torch.randn(param.shape, generator=torch.Generator().manual_seed(number))
-                        param.add_(noise.to(device) * 1e-2)
+                        shard = local_tensor(param)  # an FSDP2 group's process: its own shard
+                        noise = torch.randn(shard.shape, generator=torch.Generator().manual_seed(number))
+                        shard.add_(noise.to(device) * 1e-2)
             base_index = None
             for batch in step:
                 if elastic is None:

@@ -113,34 +113,45 @@ def _split(value: float) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class DriftPlan:
-    """Which processes to heal (``targets``) from which (``source``), after a check found replicas differing."""
+    """Which replicas to heal (``targets``) from which (``source``), after a check found replicas differing.
+
+    A replica is a process, or a group of FSDP2 processes (then the indices are the groups').
+    """
 
     source: int
     targets: tuple[int, ...]
 
 
-def drift_plan(reduced_slots: torch.Tensor, world_size: int) -> DriftPlan | None:
-    """None when every process reported the same checksum and step; else the odd ones out and a source.
+def drift_plan(reduced_slots: torch.Tensor, world_size: int, group_size: int = 1) -> DriftPlan | None:
+    """None when every replica reported the same checksums and step; else the odd ones out and a source.
 
-    Processes are grouped by equal values (first come, by rank); the largest
-    group wins, ties going to the group of the lowest rank (so with no majority
-    every process but the lowest-ranked one is healed). A pure function of the
-    reduced tail, so every member decides the same.
+    With ``group_size`` G, processes ``g * G`` to ``g * G + G - 1`` are
+    replica ``g``, a group whose processes each hold one shard of it (FSDP2):
+    two replicas are the same when each of their processes reported the same
+    values as the other's process of the same intra-group rank. Replicas are
+    grouped by equal values (first come, by index); the largest group wins,
+    ties going to the group of the lowest index (so with no majority every
+    replica but the lowest one is healed). A pure function of the reduced
+    tail, so every member decides the same.
     """
+    group_size = check_int("group_size", group_size, minimum=1)
+    if world_size % group_size:
+        raise ValueError(f"world_size must be a multiple of group_size={group_size}, got {world_size}")
     table = reduced_slots.to(torch.float64).reshape(world_size, DRIFT_SLOTS).tolist()
     values = [(row[0] + row[1], row[2] + row[3], round(row[4])) for row in table]
+    replicas = [values[start : start + group_size] for start in range(0, world_size, group_size)]
     groups: list[list[int]] = []
-    for rank, value in enumerate(values):
+    for index, replica in enumerate(replicas):
         for group in groups:
-            if _same(values[group[0]], value):
-                group.append(rank)
+            if all(_same(left, right) for left, right in zip(replicas[group[0]], replica, strict=True)):
+                group.append(index)
                 break
         else:
-            groups.append([rank])
+            groups.append([index])
     if len(groups) == 1:
         return None
-    winner = max(groups, key=len)  # max keeps the first (lowest-ranked) of equally large groups
-    return DriftPlan(source=winner[0], targets=tuple(rank for rank in range(world_size) if rank not in winner))
+    winner = max(groups, key=len)  # max keeps the first (lowest-indexed) of equally large groups
+    return DriftPlan(source=winner[0], targets=tuple(index for index in range(len(replicas)) if index not in winner))
 
 
 def _same(left: tuple[float, float, int], right: tuple[float, float, int]) -> bool:

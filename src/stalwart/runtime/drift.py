@@ -6,7 +6,9 @@ applied step into its own slots of the step's tail
 member, so every member derives the same :class:`~stalwart.runtime.consistency.DriftPlan`.
 Replicas that still differ after two heals in one step mean the training step
 itself is not deterministic across them: :class:`~stalwart.runtime.consistency.ReplicaDriftError`.
-FSDP2 groups are not checked (their shards differ by design).
+In FSDP2 groups each process checksums its own shard, and a group is
+compared with the others shard by shard (process r with process r of every
+group): a group that differs is healed whole, from a group that agrees.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from stalwart.runtime.consistency import (
     drift_slots,
     parameter_checksum,
 )
+from stalwart.runtime.sharding import local_tensor
 
 MAX_HEALS_PER_STEP = 2
 
@@ -31,10 +34,14 @@ MAX_HEALS_PER_STEP = 2
 class DriftCheck:
     """When replicas are compared, and how often a step healed drifted ones."""
 
-    def __init__(self, params: Sequence[torch.Tensor], every: int | None, *, enabled: bool) -> None:
+    def __init__(
+        self, params: Sequence[torch.Tensor], every: int | None, *, enabled: bool, group_size: int = 1
+    ) -> None:
         self.params = list(params)
         self.every = default_check_every(sum(param.numel() for param in self.params)) if every is None else every
         self.enabled = enabled
+        self.group_size = group_size
+        """Processes per replica: 1, or an FSDP2 group's (its processes hold one shard each)."""
         self.heals = 0
         """Drift heals over the Manager's life."""
         self._step_heals = 0
@@ -47,19 +54,20 @@ class DriftCheck:
         """This process's drift slots for step ``step`` (zeros when the check is not due)."""
         if not self.due(step):
             return torch.zeros(DRIFT_SLOTS * processes)
-        s1, s2 = parameter_checksum(self.params)
+        s1, s2 = parameter_checksum([local_tensor(param) for param in self.params])
         return drift_slots(rank, processes, s1, s2, applied_step)
 
     def plan(self, step: int, reduced: torch.Tensor, processes: int) -> DriftPlan | None:
-        """Whom to heal from whom after step ``step``'s reduction, or None when the replicas agree."""
+        """Whom to heal from whom after step ``step``'s reduction (replica indices), or None when they agree."""
         if not self.due(step):
             return None
-        plan = drift_plan(reduced, processes)
+        plan = drift_plan(reduced, processes, self.group_size)
         if plan is None:
             return None
         if self._step_heals >= MAX_HEALS_PER_STEP:
+            units, unit = ("processes", "process") if self.group_size == 1 else ("groups", "group")
             raise ReplicaDriftError(
-                f"step {step}: processes {list(plan.targets)} still differ from process {plan.source} after "
+                f"step {step}: {units} {list(plan.targets)} still differ from {unit} {plan.source} after "
                 f"{MAX_HEALS_PER_STEP} heals; is the training step deterministic across replicas?"
             )
         self._step_heals += 1

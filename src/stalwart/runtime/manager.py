@@ -225,7 +225,12 @@ class Manager:
             lockstep=fsdp,
         )
         self._window = UpdateWindow(optimizer, sharded=self._zero, notify=self._notify, sync=self._sync_shards)
-        self._drift = DriftCheck(params, self.checks.every, enabled=not fsdp and sync is None)
+        self._drift = DriftCheck(
+            params,
+            self.checks.every,
+            enabled=sync is None and not (fsdp and redundancy is not None),
+            group_size=group.world.world_size if fsdp else 1,
+        )
         self._balance = BalanceWindow()
         self._checkpoints = (
             None
@@ -563,23 +568,32 @@ class Manager:
         return TailLayout(self._session.comm.world_size, self.ledger.balanced)
 
     def _heal_drift(self, reduced: ReducedTail) -> bool:
-        """If the replicas' checksums differ, heal the odd ones out from the majority and return True."""
+        """If the replicas' checksums differ, heal the odd ones out from the majority and return True.
+
+        FSDP2 groups are healed whole, shard by shard, over the communicators
+        of the processes that hold the same shard (where a group's index is its rank).
+        """
         comm = self._session.comm
         assert comm is not None
         plan = self._drift.plan(self.ledger.step, reduced.drift, comm.world_size)
         if plan is None:
             return False
-        is_target = comm.rank in plan.targets
+        by_groups = self._session.sharded  # FSDP2 groups
+        heal_comm = self._session.grad_comm if by_groups else comm
+        assert heal_comm is not None
+        is_target = heal_comm.rank in plan.targets
         log.warning(
-            "%s: step %d replicas drifted: healing processes %s from process %d%s",
+            "%s: step %d replicas drifted: healing %s %s from %s %d%s",
             self.member,
             self.ledger.step,
+            "groups" if by_groups else "processes",
             list(plan.targets),
+            "group" if by_groups else "process",
             plan.source,
             " (this one)" if is_target else "",
         )
         applied = self._session.transfer(
-            self._replica, plan.source, is_target=is_target, budget=self.checks.max_heal_bytes
+            self._replica, plan.source, is_target=is_target, budget=self.checks.max_heal_bytes, comm=heal_comm
         )
         if is_target:
             self._replica.applied_step = applied
