@@ -135,10 +135,13 @@ def test_fsdp_groups_killed_together_resume_from_their_checkpoint_at_another_num
         agents = {name: launch_group(server.url, name, tmp_path, more) for name in ("group-a", "group-b")}
         resumed = None
         try:
+            # the hold keeps them at step 10 while the checkpoint of 9 steps (asynchronous) ends and is vouched for
             wait_until(
-                lambda: server.status()["ledger"]["step"] == 10 and server.status()["checkpoint"],
+                lambda: (
+                    server.status()["ledger"]["step"] == 10 and (server.status()["checkpoint"] or {}).get("step") == 9
+                ),
                 TIMEOUT,
-                "the groups to commit step 10 and the lighthouse to vouch for a checkpoint",
+                "the groups to commit step 10 and the lighthouse to vouch for the checkpoint of step 9",
             )
             for agent in agents.values():
                 end_group(agent)
