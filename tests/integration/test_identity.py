@@ -31,14 +31,17 @@ def post(url: str, body: Any, headers: dict[str, str] | None = None) -> tuple[in
 
 def test_a_new_incarnation_of_a_live_member_needs_its_secret_or_waits_until_it_is_dead() -> None:
     # join_timeout bounds the first quorum's wait for both live members to ask (on a busy machine one ask can come
-    # seconds after the other; a short one left b out); the failure quorum at the end forms at once.
+    # seconds after the other; a short one left b out); the failure quorum at the end forms at once. Both are live
+    # before either asks: a quorum asked for before b registered would form around a alone and leave b waiting.
     with Lighthouse(PLAN, heartbeat_timeout=5.0, join_timeout=60.0) as server:
         clients = {m: LighthouseClient(server.url, m, heartbeat_interval=0.05) for m in ("a", "b")}
         try:
             for client in clients.values():
                 client.start_heartbeat(lambda: 0)
+            for client in clients.values():
+                wait_until(client.heartbeat_connected.is_set, what=f"{client.member}'s heartbeat")
             with ThreadPoolExecutor(2) as pool:
-                answers = list(pool.map(lambda c: c.quorum(0, None, "join", 20), clients.values()))
+                answers = list(pool.map(lambda c: c.quorum(0, None, "join", 60), clients.values()))
             assert answers[0].members == answers[1].members
             old = clients["b"]
             assert old.heartbeat_connected.is_set()
