@@ -35,21 +35,23 @@ from tests.integration.hsdp_scenario import KILL_AT, TIMEOUT, assert_finals_matc
 WORKERS = 2  # groups
 
 
+def run_groups(url: str, run_dir: Path, options: dict[str, list[str]]) -> dict[str, int]:
+    """Launch one group per entry of ``options`` (name: its worker options) and wait for all; their exit codes."""
+    agents = {name: launch_group(url, name, run_dir, more) for name, more in options.items()}
+    try:
+        return {name: agent.wait(timeout=TIMEOUT) for name, agent in agents.items()}
+    finally:
+        for agent in agents.values():
+            end_group(agent)
+
+
 def test_a_killed_fsdp_group_restarts_and_is_healed_shard_by_shard(tmp_path: Path, lighthouse: Lighthouse) -> None:
     kill_restart_and_heal(tmp_path, lighthouse, {})
 
 
 def test_a_group_that_does_not_shard_like_the_others_is_refused(tmp_path: Path, lighthouse: Lighthouse) -> None:
     short = ["--max-steps", "4", "--step-seconds", "0"]  # the refusal comes at the first quorum
-    agents = {
-        "group-a": launch_group(lighthouse.url, "group-a", tmp_path, ["--fsdp", *short]),
-        "group-b": launch_group(lighthouse.url, "group-b", tmp_path, short),
-    }
-    try:
-        codes = {name: agent.wait(timeout=TIMEOUT) for name, agent in agents.items()}
-    finally:
-        for agent in agents.values():
-            end_group(agent)
+    codes = run_groups(lighthouse.url, tmp_path, {"group-a": ["--fsdp", *short], "group-b": short})
     refused = [name for name, code in codes.items() if code != 0]
     assert len(refused) == 1, codes
     log = (tmp_path / f"{refused[0]}.log").read_text()
@@ -66,13 +68,8 @@ def test_fsdp_groups_run_in_step_when_their_processes_get_unequal_parts(tmp_path
     steps = 6
     with Lighthouse(UNEVEN_PLAN, min_replicas=2, heartbeat_timeout=5.0, join_timeout=30.0) as server:
         more = ["--fsdp", "--max-steps", str(steps), "--step-seconds", "0"]
-        agents = [launch_group(server.url, name, tmp_path, more) for name in ("group-a", "group-b")]
-        try:
-            codes = [agent.wait(timeout=TIMEOUT) for agent in agents]
-        finally:
-            for agent in agents:
-                end_group(agent)
-    assert codes == [0, 0]
+        codes = run_groups(server.url, tmp_path, {"group-a": more, "group-b": more})
+    assert codes == {"group-a": 0, "group-b": 0}
     records = committed_steps(tmp_path)
     assert [record["samples"] for record in records] == [planned_total(UNEVEN_PLAN, step) for step in range(steps)]
     assert records[4]["samples"] == 197
@@ -95,15 +92,7 @@ def test_fsdp_groups_split_their_shards_optimizer_state_with_parity(tmp_path: Pa
     with Lighthouse(PLAN, min_replicas=1, start_replicas=3, heartbeat_timeout=1.0, join_timeout=30.0) as server:
         more = ["--fsdp", "--parity", "2,1"]
         kill = ["--kill-at", f"{KILL_AT}:during_gather", "--kill-rank", "1"]
-        agents = {
-            name: launch_group(server.url, name, tmp_path, [*more, *(kill if name == "group-b" else [])])
-            for name in ("group-a", "group-b", "group-c")
-        }
-        try:
-            codes = {name: agent.wait(timeout=TIMEOUT) for name, agent in agents.items()}
-        finally:
-            for agent in agents.values():
-                end_group(agent)
+        codes = run_groups(server.url, tmp_path, {"group-a": more, "group-b": [*more, *kill], "group-c": more})
     assert codes["group-a"] == codes["group-c"] == 0 and codes["group-b"] != 0
     steps = committed_steps(tmp_path)
     assert [record["samples"] for record in steps] == [planned_total(PLAN, step) for step in range(STEPS)]
@@ -186,17 +175,8 @@ def test_a_drifted_fsdp_group_is_found_shard_by_shard_and_healed_whole(tmp_path:
     """
     with Lighthouse(PLAN, min_replicas=1, start_replicas=3, heartbeat_timeout=5.0, join_timeout=30.0) as server:
         more = ["--fsdp", "--step-seconds", "0"]
-        agents = {
-            name: launch_group(
-                server.url, name, tmp_path, [*more, *(["--corrupt-at", "4"] if name == "group-c" else [])]
-            )
-            for name in ("group-a", "group-b", "group-c")
-        }
-        try:
-            codes = {name: agent.wait(timeout=TIMEOUT) for name, agent in agents.items()}
-        finally:
-            for agent in agents.values():
-                end_group(agent)
+        corrupt = ["--corrupt-at", "4"]
+        codes = run_groups(server.url, tmp_path, {"group-a": more, "group-b": more, "group-c": [*more, *corrupt]})
     assert codes == {"group-a": 0, "group-b": 0, "group-c": 0}
     steps = committed_steps(tmp_path)
     assert [record["samples"] for record in steps] == [planned_total(PLAN, step) for step in range(STEPS)]
