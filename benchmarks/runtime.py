@@ -110,7 +110,8 @@ OVERHEAD_TIMEOUT = 60.0
 BASELINE = "ddp"
 LARGE_MODELS = ("10m", "50m")
 LARGE_GOAL_RATIO = 1.03
-HSDP_GOAL_RATIO = 1.05
+HSDP_GOAL_RATIO = 1.03
+"""Fault-tolerant HSDP's goal against plain HSDP, wall time (10M parameters, 2 groups of 2)."""
 DDP_BUCKET_MIB = 25.0
 """DistributedDataParallel's default ``bucket_cap_mb``: the memory goal's allowance over DDP."""
 TINY_GOAL_MS = 1.0
