@@ -47,9 +47,9 @@ each micro-batch: a straggler is a worker with a larger ``S`` than the others
 :func:`~stalwart.launch.digits.digits_source`); a shard that cannot be read
 ends the process with one line and exit status 2, like the errors above.
 
-``--corrupt-at STEP`` adds noise to this worker's parameters (its shards, in an FSDP2 group) at the start of
-step STEP, for tests of the replica-consistency check (the Manager must heal
-it from the others before the step is applied).
+``--corrupt-at STEP`` adds noise to this worker's parameters (its shards, in
+an FSDP2 group) at the start of step STEP, for tests of the replica-consistency
+check (the Manager must heal it from the others before the step is applied).
 
 ``--diloco H`` trains semi-synchronously (DiLoCo: ``H`` inner steps a round;
 ``--fragments F`` for Streaming DiLoCo, ``--exchange-overlap``, ``--pseudo-gradient-dtype``,
