@@ -32,9 +32,10 @@ assigns a module's sharded gradients once its reduce-scatter in the group is
 done, in the middle of backward, and then runs the sharded parameters'
 ``post_accumulate_grad`` hooks: so the cross-group reduction of the last
 modules' buckets overlaps the backward of the first, as in the replicated
-case (on a torch whose FSDP2 runs no such hook, every bucket is launched
-after backward). The tail, which counts every process of every group, goes
-over the whole quorum's communicator instead (``tail_comm``).
+case (read in the torch 2.13 that ``requirements-dev.txt`` pins; a bucket no
+hook launched is launched after backward, like an unused parameter's). The
+tail, which counts every process of every group, goes over the whole
+quorum's communicator instead (``tail_comm``).
 """
 
 from __future__ import annotations
