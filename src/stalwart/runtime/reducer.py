@@ -33,8 +33,12 @@ done, in the middle of backward, and then runs the sharded parameters'
 ``post_accumulate_grad`` hooks: so the cross-group reduction of the last
 modules' buckets overlaps the backward of the first, as in the replicated
 case (read in the torch 2.13 that ``requirements-dev.txt`` pins; a bucket no
-hook launched is launched after backward, like an unused parameter's). The
-tail, which counts every process of every group, goes over the whole
+hook launched is launched after backward, like an unused parameter's). On
+CUDA FSDP2 runs the hooks with its post-reduce stream current, so a hook's
+copy and its bucket's all-reduce are ordered after the reduce-scatter that
+made the shard; FSDP2 makes the current stream wait for that stream before
+backward returns, so a bucket launched after backward sees those copies too.
+The tail, which counts every process of every group, goes over the whole
 quorum's communicator instead (``tail_comm``).
 """
 
