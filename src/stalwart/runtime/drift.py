@@ -46,6 +46,11 @@ class DriftCheck:
         """Drift heals over the Manager's life."""
         self._step_heals = 0
 
+    @property
+    def replica_names(self) -> tuple[str, str]:
+        """What a plan's indices count, plural and singular: processes, or FSDP2 groups."""
+        return ("processes", "process") if self.group_size == 1 else ("groups", "group")
+
     def due(self, step: int) -> bool:
         """Whether step ``step``'s tail carries the check (the same decision on every member)."""
         return self.enabled and step % self.every == 0
@@ -65,7 +70,7 @@ class DriftCheck:
         if plan is None:
             return None
         if self._step_heals >= MAX_HEALS_PER_STEP:
-            units, unit = ("processes", "process") if self.group_size == 1 else ("groups", "group")
+            units, unit = self.replica_names
             raise ReplicaDriftError(
                 f"step {step}: {units} {list(plan.targets)} still differ from {unit} {plan.source} after "
                 f"{MAX_HEALS_PER_STEP} heals; is the training step deterministic across replicas?"

@@ -578,17 +578,17 @@ class Manager:
         plan = self._drift.plan(self.ledger.step, reduced.drift, comm.world_size)
         if plan is None:
             return False
-        by_groups = self._session.sharded  # FSDP2 groups
-        heal_comm = self._session.grad_comm if by_groups else comm
+        heal_comm = self._session.grad_comm if self._session.sharded else comm  # FSDP2 groups: by shard
         assert heal_comm is not None
         is_target = heal_comm.rank in plan.targets
+        units, unit = self._drift.replica_names
         log.warning(
             "%s: step %d replicas drifted: healing %s %s from %s %d%s",
             self.member,
             self.ledger.step,
-            "groups" if by_groups else "processes",
+            units,
             list(plan.targets),
-            "group" if by_groups else "process",
+            unit,
             plan.source,
             " (this one)" if is_target else "",
         )
