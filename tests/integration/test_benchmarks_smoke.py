@@ -14,8 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import data_plane, redundancy
-
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -103,8 +101,11 @@ def test_redundancy_quick_training_run_measures_every_row() -> None:
 
 
 # The two refusals run the benchmarks' ``main`` in this process: argparse refuses before anything is measured,
-# and a fresh interpreter would spend 3-8 s importing what the refusal never reaches.
+# and a fresh interpreter would spend 3-8 s importing what the refusal never reaches. They import the benchmarks
+# themselves (2.9 s), so that collecting this module (every pytest process, `-m "not integration"` too) does not.
 def test_redundancy_rejects_an_unknown_section(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import redundancy
+
     with pytest.raises(SystemExit) as exited:
         redundancy.main(["--sections", "3"])
     assert exited.value.code == 2
@@ -113,6 +114,8 @@ def test_redundancy_rejects_an_unknown_section(capsys: pytest.CaptureFixture[str
 
 
 def test_unknown_argument_is_rejected(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import data_plane
+
     with pytest.raises(SystemExit) as exited:
         data_plane.main(["--no-such-option"])
     assert exited.value.code == 2
