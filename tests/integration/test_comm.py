@@ -13,6 +13,7 @@ within the test's bound comes from the failure, not from the timeout.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
@@ -111,7 +112,9 @@ class Group:
         """Wake stopped peers and end every peer still running."""
         for process in self.peers:
             if process.is_alive() and process.pid is not None:
-                os.kill(process.pid, signal.SIGCONT)
+                # A peer that ends between the check and the signal is already gone.
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGCONT)
                 process.kill()
             process.join(timeout=TEST_BOUND)
 
