@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from stalwart.data.plan import EpochPlan
 from stalwart.data.sampler import ManagedDistributedSampler
 
-SIZE, BATCH, RANKS, EPOCHS, SEED, LR = 52, 3, 4, 2, 7, 0.05
-"""52 samples, 3 per rank on 4 ranks: 4 steps of 12 and a last one of 4 (one per rank)."""
+SIZE, BATCH, RANKS, EPOCHS, SEED, LR = 26, 3, 2, 2, 7, 0.05
+"""26 samples, 3 per rank on 2 ranks: 4 steps of 6 and a last one of 2 (one per rank)."""
 
 
 def dataset() -> TensorDataset:

@@ -160,12 +160,14 @@ def test_state_dict_counts_what_the_loop_took_not_what_workers_prefetched(tmp_pa
 
 
 def test_plain_torchrun_ddp_stopped_mid_epoch_resumes_exactly_once(tmp_path: Path) -> None:
-    """4 ranks x 2 DataLoader workers: 3 steps, stop, resume, to the end of epoch 1; the ranks' audit files
+    """2 ranks x 2 DataLoader workers: 3 steps, stop, resume, to the end of epoch 1; the ranks' audit files
     cover both epochs exactly once and the parameters are the single-process mean-gradient run's."""
+    from tests.integration.ddp_dropin_job import RANKS, reference_parameters
+
     job = Path(__file__).resolve().parent / "ddp_dropin_job.py"
     for run in (["--stop-after", "3"], ["--resume"]):
         command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
             str(job), "--out", str(tmp_path), *run,
         ]  # fmt: skip
         result = subprocess.run(
@@ -175,8 +177,6 @@ def test_plain_torchrun_ddp_stopped_mid_epoch_resumes_exactly_once(tmp_path: Pat
     report = audit_directory(tmp_path / "audit")
     assert report.ok and [epoch.epoch for epoch in report.epochs] == [0, 1]
     assert all(epoch.complete and epoch.coverage.exactly_once for epoch in report.epochs)
-    from tests.integration.ddp_dropin_job import reference_parameters
-
     final = torch.load(tmp_path / "final.pt", weights_only=True)
     for name, value in reference_parameters().items():
         assert torch.allclose(final[name], value, atol=1e-6), name
