@@ -40,10 +40,20 @@ def worker_argv(url: str, run_dir: Path, member: str, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def run_worker(url: str, run_dir: Path, member: str, *extra: str) -> subprocess.CompletedProcess[str]:
-    """Run one worker as a user does (a fresh ``python -m stalwart.launch.worker``) to its end, bounded."""
-    command = [sys.executable, "-m", "stalwart.launch.worker", *worker_argv(url, run_dir, member, *extra)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=PROCESS_TIMEOUT)
+def run_worker(url: str, run_dir: Path, member: str, *extra: str, fresh: bool = False) -> tuple[int, str]:
+    """Run one worker to its end, bounded: its exit status and what it printed.
+
+    ``fresh``: a new ``python -m stalwart.launch.worker``, as a user starts it
+    (one test keeps that path); otherwise forked from the preloaded forkserver,
+    which runs the same entry with the same arguments without importing torch again.
+    """
+    if fresh:
+        command = [sys.executable, "-m", "stalwart.launch.worker", *worker_argv(url, run_dir, member, *extra)]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=PROCESS_TIMEOUT)
+        return result.returncode, result.stderr
+    log = run_dir / f"{member}.log"
+    code = ForkedWorker(worker_argv(url, run_dir, member, *extra), os.environ, log).wait(timeout=PROCESS_TIMEOUT)
+    return code, log.read_text()
 
 
 def test_worker_joining_after_the_job_ended_exits_0_with_one_line(tmp_path: Path) -> None:
@@ -51,10 +61,10 @@ def test_worker_joining_after_the_job_ended_exits_0_with_one_line(tmp_path: Path
         # The job's only worker is forked from the preloaded forkserver: only the late one's output is the subject.
         first = ForkedWorker(worker_argv(lighthouse.url, tmp_path, "w0"), os.environ, tmp_path / "w0.log")
         assert first.wait(timeout=PROCESS_TIMEOUT) == 0, (tmp_path / "w0.log").read_text()
-        late = run_worker(lighthouse.url, tmp_path, "w1")
-    assert late.returncode == 0, late.stderr
-    assert "Traceback" not in late.stderr
-    assert "stalwart worker w1: the job had already committed its 3 steps" in late.stderr
+        code, printed = run_worker(lighthouse.url, tmp_path, "w1")
+    assert code == 0, printed
+    assert "Traceback" not in printed
+    assert "stalwart worker w1: the job had already committed its 3 steps" in printed
     assert not (tmp_path / "final-w1.pt").exists()
     events = [json.loads(line)["event"] for line in (tmp_path / "events-w1.jsonl").read_text().splitlines()]
     assert events == ["started", "joined", "joined_after_end"]
@@ -62,29 +72,29 @@ def test_worker_joining_after_the_job_ended_exits_0_with_one_line(tmp_path: Path
 
 def test_worker_with_a_wrong_token_says_so_in_one_line(tmp_path: Path) -> None:
     with Lighthouse(PLAN, min_replicas=1, token="right-token", join_timeout=30.0) as lighthouse:
-        result = run_worker(lighthouse.url, tmp_path, "w0", "--token", "wrong-token")
-    assert result.returncode == 2
-    assert "Traceback" not in result.stderr
-    last = result.stderr.strip().splitlines()[-1]
+        code, printed = run_worker(lighthouse.url, tmp_path, "w0", "--token", "wrong-token", fresh=True)
+    assert code == 2
+    assert "Traceback" not in printed
+    last = printed.strip().splitlines()[-1]
     assert last.startswith("stalwart worker w0: lighthouse answered 401")
 
 
 def test_worker_pointed_where_nothing_listens_names_the_address(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{free_port()}"
-    result = run_worker(url, tmp_path, "w0", "--connect-timeout", "1")
-    assert result.returncode == 2
-    assert "Traceback" not in result.stderr
-    last = result.stderr.strip().splitlines()[-1]
+    code, printed = run_worker(url, tmp_path, "w0", "--connect-timeout", "1")
+    assert code == 2
+    assert "Traceback" not in printed
+    last = printed.strip().splitlines()[-1]
     assert f"cannot reach the lighthouse at {url}" in last
     assert "gave up after 1 s" in last
 
 
 def test_plan_that_does_not_fit_the_dataset_is_refused_at_join(tmp_path: Path) -> None:
     with Lighthouse(EpochPlan(2000, 32), min_replicas=1, join_timeout=30.0) as lighthouse:
-        result = run_worker(lighthouse.url, tmp_path, "w0")
-    assert result.returncode == 2
-    assert "Traceback" not in result.stderr
-    last = result.stderr.strip().splitlines()[-1]
+        code, printed = run_worker(lighthouse.url, tmp_path, "w0")
+    assert code == 2
+    assert "Traceback" not in printed
+    last = printed.strip().splitlines()[-1]
     assert "dataset_size=2000" in last and "1797 samples" in last and "--dataset-size 1797" in last
     assert not list(tmp_path.glob("steps-*.jsonl")) or not (tmp_path / "steps-w0.jsonl").read_text()
 
