@@ -6,10 +6,12 @@ only that the runs that should have been measured were.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,25 +19,36 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run_benchmark(
-    *args: str, module: str = "benchmarks.data_plane", timeout: float = 240
-) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "COLUMNS": "240"}  # wide enough that no header wraps
-    return subprocess.run(
-        [sys.executable, "-m", module, *args],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+@pytest.fixture
+def run_quick(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Callable[..., str]:
+    """Run a benchmark's ``main`` in this process; what it printed to stdout (its exit status must be 0).
+
+    The README's commands are ``python -m benchmarks.NAME``, and one test below
+    runs one that way; the others call the same ``main`` here, where torch,
+    the library and the forkserver that forks their workers are already
+    loaded: a fresh interpreter and its own forkserver cost 4-8 s of CPU per
+    benchmark before it measured anything. The module is imported here, not
+    at collection, which every pytest process does (``-m "not integration"`` too).
+    """
+
+    def run(module: str, *args: str) -> str:
+        environ = dict(os.environ)  # what the benchmark sets for its own children is not left to later tests
+        monkeypatch.setenv("COLUMNS", "240")  # wide enough that no header wraps
+        capsys.readouterr()
+        try:
+            code = importlib.import_module(module).main(list(args))
+        finally:
+            os.environ.clear()
+            os.environ.update(environ)
+        output = capsys.readouterr().out
+        assert code in (0, None), output[-3000:]
+        return output
+
+    return run
 
 
-def test_quick_run_prints_every_table_and_goal() -> None:
-    completed = _run_benchmark("--quick")
-    assert completed.returncode == 0, completed.stderr
-    output = completed.stdout
+def test_quick_run_prints_every_table_and_goal(run_quick: Callable[..., str]) -> None:
+    output = run_quick("benchmarks.data_plane", "--quick")
     for title in (
         "1. First batch of an epoch",
         "2. Ledger cost per step",
@@ -64,7 +77,16 @@ def test_quick_run_prints_every_table_and_goal() -> None:
 
 
 def test_redundancy_quick_run_measures_every_codec() -> None:
-    completed = _run_benchmark("--quick", "--sections", "1", module="benchmarks.redundancy")
+    """As the README runs it, ``python -m benchmarks.redundancy`` in a fresh interpreter (its cheapest section)."""
+    completed = subprocess.run(
+        [sys.executable, "-m", "benchmarks.redundancy", "--quick", "--sections", "1"],
+        cwd=REPO_ROOT,
+        env={**os.environ, "COLUMNS": "240"},  # wide enough that no header wraps
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert completed.returncode == 0, completed.stderr
     assert "2. Partial redundancy" not in completed.stdout
     assert "1. Parity codec throughput" in completed.stdout
@@ -77,10 +99,8 @@ def test_redundancy_quick_run_measures_every_codec() -> None:
         assert all(cell.replace(",", "").isdigit() for cell in cells[-3:]), cells
 
 
-def test_redundancy_quick_training_run_measures_every_row() -> None:
-    completed = _run_benchmark("--quick", "--sections", "2", module="benchmarks.redundancy", timeout=900)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    output = completed.stdout
+def test_redundancy_quick_training_run_measures_every_row(run_quick: Callable[..., str]) -> None:
+    output = run_quick("benchmarks.redundancy", "--quick", "--sections", "2")
     assert "2. Partial redundancy in training" in output and "1. Parity codec" not in output
     # columns: configuration, state, vs formula, step, by run, vs overlap 0, vs DDP, CPU vs DDP, peak, recovery,
     # reshard, lost, vs checkpoint-restart
@@ -100,9 +120,7 @@ def test_redundancy_quick_training_run_measures_every_row() -> None:
     assert "faster than checkpoint-restart's" in output
 
 
-# The two refusals run the benchmarks' ``main`` in this process: argparse refuses before anything is measured,
-# and a fresh interpreter would spend 3-8 s importing what the refusal never reaches. They import the benchmarks
-# themselves (2.9 s), so that collecting this module (every pytest process, `-m "not integration"` too) does not.
+# The two refusals, too, run the benchmarks' ``main`` in this process: argparse refuses before anything is measured.
 def test_redundancy_rejects_an_unknown_section(capsys: pytest.CaptureFixture[str]) -> None:
     from benchmarks import redundancy
 
@@ -131,19 +149,8 @@ def _table_row(output: str, *leading: str) -> list[str]:
     raise AssertionError(f"no table row starts with {leading}")
 
 
-def test_runtime_quick_run_prints_every_table_and_goal() -> None:
-    env = {**os.environ, "COLUMNS": "240"}
-    completed = subprocess.run(
-        [sys.executable, "-m", "benchmarks.runtime", "--quick"],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    output = completed.stdout
+def test_runtime_quick_run_prints_every_table_and_goal(run_quick: Callable[..., str]) -> None:
+    output = run_quick("benchmarks.runtime", "--quick")
     for title in (
         "1. Per-step time and memory without failures",
         "1b. Where a step's time goes",
@@ -177,47 +184,25 @@ def test_runtime_quick_run_prints_every_table_and_goal() -> None:
     assert len(goal_lines) == 9
 
 
-def test_hsdp_recovery_measures_a_failure() -> None:
-    completed = subprocess.run(
-        [sys.executable, "-m", "benchmarks.hsdp_recovery", "--quick"],
-        cwd=REPO_ROOT,
-        env={**os.environ, "COLUMNS": "240"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert completed.returncode == 0, completed.stderr[-2000:]
-    assert "recovery (s)" in completed.stdout and "rejoin (s)" in completed.stdout
-    assert "recovery from a SIGKILL under 1 s" in completed.stdout
-    assert "not measured" not in completed.stdout
+def test_hsdp_recovery_measures_a_failure(run_quick: Callable[..., str]) -> None:
+    output = run_quick("benchmarks.hsdp_recovery", "--quick")
+    assert "recovery (s)" in output and "rejoin (s)" in output
+    assert "recovery from a SIGKILL under 1 s" in output
+    assert "not measured" not in output
 
 
-def test_stragglers_quick_run_measures_both_runs() -> None:
-    env = {**os.environ, "COLUMNS": "240"}
-    completed = subprocess.run(
-        [sys.executable, "-m", "benchmarks.stragglers", "--quick"],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
+def test_stragglers_quick_run_measures_both_runs(run_quick: Callable[..., str]) -> None:
+    output = run_quick("benchmarks.stragglers", "--quick")
     # columns: round, order, equal (ms), balanced (ms), ratio, weights, exact
-    cells = _table_row(completed.stdout, "1", "equal then balanced")
+    cells = _table_row(output, "1", "equal then balanced")
     assert float(cells[2]) > 0 and float(cells[3]) > 0 and float(cells[4]) > 0, cells
     assert len(cells[5].split()) == 3 and cells[6] == "yes", cells
 
 
-def test_lighthouse_scale_runs_every_phase(tmp_path: Path) -> None:
+def test_lighthouse_scale_runs_every_phase(tmp_path: Path, run_quick: Callable[..., str]) -> None:
     report = tmp_path / "scale.json"
     arguments = ["--members", "48", "--processes", "1", "--seconds", "0.5", "--step-seconds", "0.1"]
-    completed = _run_benchmark(
-        *arguments, "--report", str(report), "--compare", str(report), module="benchmarks.lighthouse_scale"
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
+    output = run_quick("benchmarks.lighthouse_scale", *arguments, "--report", str(report), "--compare", str(report))
     (result,) = json.loads(report.read_text())
     assert "error" not in result, result["error"]
     assert result["joined"] == 48 and len(result["steady"]) == 3
@@ -226,13 +211,11 @@ def test_lighthouse_scale_runs_every_phase(tmp_path: Path) -> None:
         assert measured["quorums"] == 1 and measured["answered"] == measured["survivors"], measured
         assert measured["formed_ms"] is not None and measured["push_observers_ms"] is not None, measured
     for title in ("One lighthouse, simulated members on 127.0.0.1", "Before and after", "Goals"):
-        assert title in completed.stdout
+        assert title in output
 
 
-def test_goodput_quick_run_replays_the_trace_against_every_system() -> None:
-    completed = _run_benchmark("--quick", module="benchmarks.goodput", timeout=900)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    output = completed.stdout
+def test_goodput_quick_run_replays_the_trace_against_every_system(run_quick: Callable[..., str]) -> None:
+    output = run_quick("benchmarks.goodput", "--quick")
     assert "Goodput under one failure trace" in output
     # columns: system, failures, failure-free (s), with failures (s), vs stalwart, goodput, by round,
     # per worker-second, lost, twice, note
@@ -254,10 +237,8 @@ def test_goodput_quick_run_replays_the_trace_against_every_system() -> None:
     assert len(goal_lines) == 3
 
 
-def test_streams_quick_run_measures_every_case_and_goal() -> None:
-    completed = _run_benchmark("--quick", module="benchmarks.data_streams", timeout=300)
-    assert completed.returncode == 0, completed.stderr
-    output = completed.stdout
+def test_streams_quick_run_measures_every_case_and_goal(run_quick: Callable[..., str]) -> None:
+    output = run_quick("benchmarks.data_streams", "--quick")
     assert "Hugging Face stream, 8 JSON-lines shards of 400 rows" in output and "Goals" in output
     for case in ("split_dataset_by_node", "+ shuffle", "ShardedStream", "interleave=4", "content keys"):
         assert output.count(case) >= 2, case  # at 2 x 2 and at 3 x 2
