@@ -11,6 +11,7 @@ loss is the micro-batch's mean, as a user's loop under the Manager has it.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -29,12 +30,28 @@ SOURCE_KINDS = ("digits", "parquet", "hf", "hf-iterable")
 
 def digits_dataset() -> TensorDataset:
     """The digits as (features scaled to [0, 1], label) pairs."""
+    features, labels = _digits_arrays()
+    return TensorDataset(torch.tensor(features / 16.0, dtype=torch.float32), torch.tensor(labels, dtype=torch.int64))
+
+
+def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """The 1797 rows of 64 pixel values (0 to 16) and their labels, as ``sklearn.datasets.load_digits`` gives them.
+
+    Read from the file ``load_digits`` reads, found without importing
+    scikit-learn: its import (SciPy's among it) costs about 1.4 s of CPU, and
+    every fresh worker of the demo and of the tests loads the digits. Where a
+    scikit-learn release keeps the file elsewhere, ``load_digits`` reads it.
+    """
+    spec = importlib.util.find_spec("sklearn")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    bundled = [Path(location) / "datasets" / "data" / "digits.csv.gz" for location in locations]
+    if bundled and bundled[0].is_file():
+        rows = np.loadtxt(bundled[0], delimiter=",")
+        return rows[:, :-1], rows[:, -1].astype(np.int64)
     from sklearn.datasets import load_digits
 
     digits = load_digits()
-    features = torch.tensor(digits.data / 16.0, dtype=torch.float32)
-    labels = torch.tensor(digits.target, dtype=torch.int64)
-    return TensorDataset(features, labels)
+    return digits.data, digits.target
 
 
 def write_digits_shards(directory: Path, shards: int, *, kind: str = "parquet", row_group: int = 32) -> list[Path]:

@@ -39,7 +39,6 @@ PRELOAD = [
     "torch.distributed",
     "torch.distributed.fsdp",
     "torch._dynamo",  # imported by the first optimizer a worker builds: 0.4 s of CPU
-    "sklearn.datasets",  # the digits job's data: 0.9 s of CPU (1.7 s inside a worker)
     "stalwart.launch.worker",
 ]
 """Modules the forkserver imports before it forks anything (one missing is skipped, as multiprocessing does)."""
