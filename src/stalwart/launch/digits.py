@@ -43,10 +43,9 @@ def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     scikit-learn release keeps the file elsewhere, ``load_digits`` reads it.
     """
     spec = importlib.util.find_spec("sklearn")
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    bundled = [Path(location) / "datasets" / "data" / "digits.csv.gz" for location in locations]
-    if bundled and bundled[0].is_file():
-        rows = np.loadtxt(bundled[0], delimiter=",")
+    bundled = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz" if spec and spec.origin else None
+    if bundled is not None and bundled.is_file():
+        rows = np.loadtxt(bundled, delimiter=",")
         return rows[:, :-1], rows[:, -1].astype(np.int64)
     from sklearn.datasets import load_digits
 
