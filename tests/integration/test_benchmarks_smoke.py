@@ -20,7 +20,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def run_quick(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Callable[..., str]:
+def run_quick(capsys: pytest.CaptureFixture[str]) -> Callable[..., str]:
     """Run a benchmark's ``main`` in this process; what it printed to stdout (its exit status must be 0).
 
     The README's commands are ``python -m benchmarks.NAME``, and one test below
@@ -33,7 +33,7 @@ def run_quick(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatc
 
     def run(module: str, *args: str) -> str:
         environ = dict(os.environ)  # what the benchmark sets for its own children is not left to later tests
-        monkeypatch.setenv("COLUMNS", "240")  # wide enough that no header wraps
+        os.environ["COLUMNS"] = "240"  # wide enough that no header wraps
         capsys.readouterr()
         try:
             code = importlib.import_module(module).main(list(args))
