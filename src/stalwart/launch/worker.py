@@ -17,13 +17,17 @@ It also appends its life events to ``RUN_DIR/events-MEMBER.jsonl`` (``started``,
 with its process id, so that a report can tell a restarted incarnation's
 rejoin from the first one's steps.
 
+The training loop is :func:`stalwart.launch.loop.train`, the one the
+benchmarks time too; the options below are its faults and pacing.
+
 ``--kill-at STEP:POINT`` makes the worker SIGKILL itself at a named point of a
-step, for tests: ``before_forward``, ``during_backward``, ``during_reduce``
-(the buckets are in flight) or ``after_reduce`` (reduced, not applied);
-with ``--kill-rank R`` only the group's process of intra-group rank R does.
+step, for tests (:data:`~stalwart.launch.loop.KILL_POINTS`: for example
+``before_forward``, ``during_backward``, ``during_reduce`` (the buckets are in
+flight) or ``after_reduce`` (reduced, not applied)); with ``--kill-rank R``
+only the group's process of intra-group rank R does.
 
 ``--hold-file PATH``: while PATH exists and holds a step number ``S``, the
-worker waits before starting any step ``>= S`` (bounded by ``HOLD_LIMIT``),
+worker waits before starting any step ``>= S`` (bounded by ``loop.HOLD_LIMIT``),
 except that it runs a step whenever the lighthouse asks for a boundary, so
 that a hold never keeps a joiner out.
 The demo and the tests hold the job this way while a restarted worker starts,
@@ -75,15 +79,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import logging
 import math
 import os
-import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sized
+from collections.abc import Iterator, Sized
 from pathlib import Path
 from typing import Any, TextIO, cast
 
@@ -97,6 +101,15 @@ from stalwart.data.shards import ShardError
 from stalwart.data.world import WorldInfo
 from stalwart.errors import JobFinishedError, PlanMismatchError, ShardingMismatchError, StateLostError
 from stalwart.launch.digits import digits_source
+from stalwart.launch.loop import (
+    Faults,
+    LoopParts,
+    Pacing,
+    StepProbe,
+    parse_kill_at,
+    redundancy_report,
+    train,
+)
 from stalwart.launch.tasks import TASKS, Task
 from stalwart.redundancy.config import Overlap, parse_parity
 from stalwart.redundancy.layout import ShardsLostError
@@ -105,55 +118,12 @@ from stalwart.runtime.config import Checkpointing, ReplicaGroup, Transport
 from stalwart.runtime.diloco.config import DiLoCo
 from stalwart.runtime.loader import ElasticLoader
 from stalwart.runtime.manager import Manager
-from stalwart.runtime.sharding import is_dtensor, local_tensor
-from stalwart.runtime.step import StepReport
+from stalwart.runtime.sharding import is_dtensor
+from stalwart.runtime.step import StepReport, TrainStep
 from stalwart.runtime.timeouts import Timeouts
 
-KILL_POINTS = (
-    "before_forward",
-    "during_backward",
-    "during_reduce",
-    "after_reduce",
-    "during_update",
-    "during_gather",
-    "during_parity",
-    "during_exchange",
-    "during_outer",
-)
-_MANAGER_EVENTS = {
-    "reduce_started": "during_reduce",
-    "reduce_finished": "after_reduce",
-    "update_started": "during_update",
-    "gather_started": "during_gather",
-    "parity_started": "during_parity",
-    "exchange_started": "during_exchange",
-    "outer_started": "during_outer",
-}
 CODECS = {"float32": None, "bfloat16": torch.bfloat16, "int8": "int8"}
-HOLD_LIMIT = 600.0
-"""Seconds a worker waits at most on a hold file (a bound, should the holder die)."""
 EXIT_USER_ERROR = 2
-
-
-def held_until(hold_file: Path | None, step: int, boundary_wanted: Callable[[], bool] = lambda: False) -> None:
-    """Wait while ``hold_file`` exists and holds a step number <= ``step`` (at most ``HOLD_LIMIT`` s).
-
-    A hold never blocks a membership change: when ``boundary_wanted()`` (the
-    lighthouse asks the quorum to come to a step boundary, e.g. for a joiner)
-    the worker runs this one step, so the change happens at its end, and is
-    held again before the next.
-    """
-    if hold_file is None:
-        return
-    deadline = time.monotonic() + HOLD_LIMIT
-    while time.monotonic() < deadline:
-        try:
-            hold_from = int(hold_file.read_text(encoding="utf-8").strip() or 0)
-        except (FileNotFoundError, ValueError):
-            return
-        if step < hold_from or boundary_wanted():
-            return
-        time.sleep(0.05)
 
 
 class EventLog:
@@ -171,16 +141,6 @@ class EventLog:
     def close(self) -> None:
         """Close the file."""
         self._file.close()
-
-
-def parse_kill_at(text: str | None) -> tuple[int, str] | None:
-    """Parse ``STEP:POINT`` into (step, point)."""
-    if text is None:
-        return None
-    step_text, _, point = text.partition(":")
-    if not step_text.isdigit() or point not in KILL_POINTS:
-        raise argparse.ArgumentTypeError(f"--kill-at must be STEP:POINT with POINT in {KILL_POINTS}, got {text!r}")
-    return int(step_text), point
 
 
 def _sample_seconds(text: str) -> float:
@@ -294,15 +254,14 @@ def main(argv: list[str] | None = None) -> None:
 
 def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventLog) -> None:
     """Train under a Manager until the job has committed ``--max-steps`` steps."""
-
-    def kill_if(point: str, step: int) -> None:
-        if args.kill_at == (step, point) and args.kill_rank in (None, group.rank):
-            os.kill(os.getpid(), signal.SIGKILL)
+    faults = Faults(
+        kill_at=args.kill_at if args.kill_rank in (None, group.rank) else None,
+        corrupt_at=args.corrupt_at,
+        inf_at=args.inf_at,
+    )
 
     def on_event(event: str, step: int) -> None:
-        if event in _MANAGER_EVENTS:
-            kill_if(_MANAGER_EVENTS[event], step)
-        else:
+        if not faults.manager_event(event, step):
             events.write(event, step=step, quorum_id=manager.quorum_id, world_size=manager.world_size)
 
     device = default_device()
@@ -356,9 +315,23 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
         num_workers=args.loader_workers,
         collate_fn=collate,
     )
+    parts = LoopParts(
+        optimizer,
+        task.loss,
+        scheduler=scheduler,
+        scaler=scaler,
+        clip=task.clip if args.clip is None else args.clip,
+        evaluate=functools.partial(_evaluate, task, model, args.eval_seconds, events),
+        eval_every=args.eval_every,
+    )
+    pacing = Pacing(step_seconds=args.step_seconds, sample_seconds=args.sample_seconds, hold_file=args.hold_file)
     try:
         try:
-            _steps(args, task, manager, optimizer, scheduler, scaler, loader, elastic, name, kill_if, events)
+            with StepRecords(
+                args.run_dir, args.member, name, diloco=manager.diloco is not None, dataloader=elastic is None
+            ) as records:
+                train(manager, loader, parts, max_steps=args.max_steps, faults=faults, pacing=pacing, probe=records)
+                records.close_rounds(manager)
         except JobFinishedError as error:
             events.write("joined_after_end", step=manager.ledger.step)
             print(f"stalwart worker {name}: {error}; nothing to do", file=sys.stderr)
@@ -376,7 +349,7 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
             for key, value in model.state_dict().items()
         }
         torch.save(whole, args.run_dir / f"final-{name}.pt")
-        events.write("finished", step=manager.ledger.step, **_redundancy_report(manager), **_diloco_report(manager))
+        events.write("finished", step=manager.ledger.step, **redundancy_report(manager), **_diloco_report(manager))
     finally:
         manager.close()
         if elastic is not None:
@@ -385,81 +358,51 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
             dist.destroy_process_group()
 
 
-def _steps(
-    args: argparse.Namespace,
-    task: Task,
-    manager: Manager,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    scaler: torch.amp.GradScaler | None,
-    loader: ElasticLoader | DataLoader[Any],
-    elastic: ElasticLoader | None,
-    name: str,
-    kill_if: Callable[[str, int], None],
-    events: EventLog,
-) -> None:
-    """The training loop: one JSON line per step to ``RUN_DIR/steps-NAME.jsonl`` (DiLoCo: per round; see above)."""
-    device, model = manager.device, manager.model
-    clip = task.clip if args.clip is None else args.clip
-    diloco = manager.diloco is not None
-    rounds = RoundRecords(args.member)
-    with (
-        open(args.run_dir / f"steps-{name}.jsonl", "a", encoding="utf-8") as steps_file,
-        open(args.run_dir / f"inner-{name}.jsonl", "a", encoding="utf-8")
-        if diloco
-        else contextlib.nullcontext() as inner_file,
-    ):
-        for step in manager.steps(loader, max_steps=args.max_steps):
-            number = step.number if diloco else manager.ledger.step
-            held_until(args.hold_file, manager.ledger.step, lambda: manager.boundary_wanted)
-            time.sleep(args.step_seconds)
-            if args.corrupt_at == number:
-                args.corrupt_at = None
-                with torch.no_grad():
-                    for param in model.parameters():
-                        shard = local_tensor(param)  # an FSDP2 group's process: its own shard
-                        noise = torch.randn(shard.shape, generator=torch.Generator().manual_seed(number))
-                        shard.add_(noise.to(device) * 1e-2)
-            base_index = None
-            for batch in step:
-                if elastic is None:
-                    base_index = manager.get_data_loading_info().base_index
-                kill_if("before_forward", number)
-                time.sleep(args.sample_seconds * len(batch[0]))
-                loss = task.loss(model, [tensor.to(device) for tensor in batch])
-                if args.kill_at == (number, "during_backward"):
-                    loss.register_hook(lambda grad, step_number=number: kill_if("during_backward", step_number))
-                if args.inf_at == number:
-                    loss = loss * math.inf  # this worker's gradient overflows; the reduced one does on every member
-                step.backward(loss, scaler=scaler)
-            kill_if("during_update", number)
-            if scaler is not None:
-                scaler.unscale_(optimizer)
-            if clip is not None:
-                clip_grad_norm(model, clip)
-            if scaler is None:
-                optimizer.step()
-            else:
-                scaler.step(optimizer)
-                scaler.update()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            if args.eval_every and (number + 1) % args.eval_every == 0:
-                manager.on_leader(_evaluate, task, model, args.eval_seconds, number + 1, events)
-            report = step.report
-            record = {
-                **report_record(args.member, report),
-                "drift_heals": report.drift_heals,
-                "loaded_checksum": f"{report.loaded_checksum:016x}",
-                "scale": None if scaler is None else scaler.get_scale(),
-            }
-            if elastic is None:
-                record.update(base_index=base_index, dropped=manager.dropped_microbatches)
-            out = inner_file if inner_file is not None else steps_file
-            out.write(json.dumps(record) + "\n")
-            out.flush()
-            rounds.write(manager, steps_file)
-        rounds.write(manager, steps_file)
+class StepRecords(StepProbe):
+    """The worker's step records: one JSON line per step to ``steps-NAME.jsonl`` (DiLoCo: per round, and one
+    per inner step to ``inner-NAME.jsonl``); with a DataLoader, each also holds the step's ``base_index`` and
+    the micro-batches dropped so far."""
+
+    def __init__(self, run_dir: Path, member: str, name: str, *, diloco: bool, dataloader: bool) -> None:
+        self.member = member
+        self.dataloader = dataloader
+        self.rounds = RoundRecords(member)
+        self._steps: TextIO = open(run_dir / f"steps-{name}.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        self._inner: TextIO | None = open(run_dir / f"inner-{name}.jsonl", "a", encoding="utf-8") if diloco else None  # noqa: SIM115
+        self._base_index: int | None = None
+
+    def __enter__(self) -> StepRecords:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._steps.close()
+        if self._inner is not None:
+            self._inner.close()
+
+    @contextlib.contextmanager
+    def microbatch(self, manager: Manager, samples: int) -> Iterator[None]:
+        if self.dataloader:  # the share's position as the sampler sees it, after any failure retry
+            self._base_index = manager.get_data_loading_info().base_index
+        yield
+
+    def step_finished(self, manager: Manager, step: TrainStep, scaler: torch.amp.GradScaler | None) -> None:
+        report = step.report
+        record = {
+            **report_record(self.member, report),
+            "drift_heals": report.drift_heals,
+            "loaded_checksum": f"{report.loaded_checksum:016x}",
+            "scale": None if scaler is None else scaler.get_scale(),
+        }
+        if self.dataloader:
+            record.update(base_index=self._base_index, dropped=manager.dropped_microbatches)
+        out = self._inner if self._inner is not None else self._steps
+        out.write(json.dumps(record) + "\n")
+        out.flush()
+        self.rounds.write(manager, self._steps)
+
+    def close_rounds(self, manager: Manager) -> None:
+        """DiLoCo: the last round's line, once the loop has ended."""
+        self.rounds.write(manager, self._steps)
 
 
 def report_record(member: str, report: StepReport) -> dict[str, Any]:
@@ -495,7 +438,7 @@ class RoundRecords:
         out.flush()
 
 
-def _evaluate(task: Task, model: torch.nn.Module, seconds: float, step: int, events: EventLog) -> None:
+def _evaluate(task: Task, model: torch.nn.Module, seconds: float, events: EventLog, step: int) -> None:
     """The leader's evaluation: ``seconds`` of simulated work, then the loss of the first 64 samples."""
     time.sleep(seconds)
     dataset = task.dataset()
@@ -503,15 +446,6 @@ def _evaluate(task: Task, model: torch.nn.Module, seconds: float, step: int, eve
     with torch.no_grad():
         loss = float(task.loss(model, [tensor.to(next(model.parameters()).device) for tensor in batch]))
     events.write("evaluated", step=step, loss=loss)
-
-
-def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> None:
-    """Clip the gradient's global norm, also over an FSDP2 group's DTensor shards (as torchtitan does)."""
-    grads = [param.grad for param in model.parameters() if param.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads)
-    if is_dtensor(total):
-        total = total.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, total)
 
 
 def _diloco(args: argparse.Namespace) -> DiLoCo | None:
@@ -546,19 +480,6 @@ def _diloco_report(manager: Manager) -> dict[str, Any]:
         "largest_exchange": traffic.largest,
         "exchange_log": traffic.log,
         "inner_steps": rounds.inner.steps,
-    }
-
-
-def _redundancy_report(manager: Manager) -> dict[str, Any]:
-    """Sharded optimizer state: this process's state bytes and what its reshards did (nothing without redundancy)."""
-    if manager.redundancy_stats is None:
-        return {}
-    state_bytes, stats = manager.redundancy_stats
-    return {
-        "state_bytes": state_bytes,
-        "repairs": stats.repairs,
-        "repair_seconds": stats.seconds,
-        "shards_rebuilt": stats.shards_rebuilt,
     }
 
 
