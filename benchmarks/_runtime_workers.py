@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import IO, Any, TypeVar, cast
+from typing import IO, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -68,11 +68,13 @@ from benchmarks._measure import peak_rss_bytes
 from stalwart.data.plan import EpochPlan
 from stalwart.data.schedule import split_microbatches, split_sizes
 from stalwart.data.world import WorldInfo
+from stalwart.launch.loop import Faults, LoopParts, Pacing, StepProbe, redundancy_report, train
 from stalwart.redundancy.config import Overlap, Redundancy, parse_parity
 from stalwart.redundancy.layout import ShardsLostError
 from stalwart.runtime.config import ReplicaGroup
 from stalwart.runtime.loader import ElasticLoader
 from stalwart.runtime.manager import Manager
+from stalwart.runtime.step import TrainStep
 from stalwart.runtime.timeouts import Timeouts
 
 _T = TypeVar("_T")
@@ -584,12 +586,14 @@ def train_stalwart(
     group: WorldInfo | None = None,
     group_store: dist.Store | None = None,
 ) -> None:
-    """The loop under the Manager: each micro-batch's mean loss through ``step.backward``, then the update.
+    """The loop under the Manager: :func:`stalwart.launch.loop.train`, the tests' worker's, timed by a probe.
 
-    With ``--overlap``/``--parity`` the optimizer state is sharded; each
-    step's line then carries the cumulative repair count and seconds. The
-    ranks in ``--kill-ranks`` SIGKILL themselves at the top of step
-    ``--kill-at``, after a ``killed`` line with the time.
+    Each micro-batch's mean loss goes through ``step.backward``, then the
+    update. With ``--overlap``/``--parity`` the optimizer state is sharded;
+    each step's line then carries the cumulative repair count and seconds.
+    The ranks in ``--kill-ranks`` SIGKILL themselves at the top of step
+    ``--kill-at`` (the loop's ``step_started`` point), after a ``killed``
+    line with the time.
     """
     optimizer = make_optimizer(args.optimizer, model)
     manager = Manager(
@@ -606,41 +610,52 @@ def train_stalwart(
         node=member,
     )
     loader = ElasticLoader(synthetic_dataset(spec), prefetch=args.prefetch)
+    killed = args.kill_at is not None and args.rank in args.kill_ranks
+    faults = Faults(kill_at=(args.kill_at, "step_started") if killed else None, before_kill=log.killed)
+    pacing = Pacing(step_seconds=args.step_seconds, sample_seconds=args.sample_seconds)
     try:
-        for step in manager.steps(loader, max_steps=args.steps):
-            log.top(step=manager.ledger.step, world=manager.world_size, quorum=manager.quorum_id, rank=manager.rank)
-            if manager.ledger.step == args.kill_at and args.rank in args.kill_ranks:
-                log.killed()
-                os.kill(os.getpid(), signal.SIGKILL)
-            _pace(args.step_seconds)
-            samples = 0
-            for batch in step:
-                tensors = to_device(cast(Sequence[torch.Tensor], batch), device)  # default_collate of (features, label)
-                with log.computing():
-                    step.backward(mean_loss(model, tensors))
-                samples += len(tensors[1])
-                _pace(args.sample_seconds * len(tensors[1]))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            log.annotate(samples=samples, committed=step.report.step, committed_at=time.time(), **_repairs(manager))
-            report = step.report  # the positions the whole quorum committed in this step
-            args.samples.write(report.step, report.epoch, report.positions.tolist(), committed=True)
+        train(
+            manager,
+            loader,
+            LoopParts(optimizer, mean_loss),
+            max_steps=args.steps,
+            faults=faults,
+            pacing=pacing,
+            probe=TimedSteps(log, args.samples),
+        )
     except ShardsLostError as error:
         log.close()
         args.summary["shards_lost"] = str(error)
         return
     log.close()
-    args.summary.update(_repairs(manager))
+    args.summary.update(redundancy_report(manager))
     loader.close()
     manager.close()
 
 
-def _repairs(manager: Manager) -> dict[str, Any]:
-    """The sharded state's bytes on this process and its reshards' count and seconds so far (nothing unsharded)."""
-    if manager.redundancy_stats is None:
-        return {}
-    state_bytes, stats = manager.redundancy_stats
-    return {"state_bytes": state_bytes, "repairs": stats.repairs, "repair_seconds": stats.seconds}
+class TimedSteps(StepProbe):
+    """The stalwart loop's probe: :class:`StepLog`'s phases, and each committed step's positions (SampleLog)."""
+
+    def __init__(self, log: StepLog, samples: SampleLog) -> None:
+        self.log = log
+        self.sample_log = samples
+        self.samples = 0
+
+    def step_started(self, manager: Manager, number: int) -> None:
+        self.log.top(step=manager.ledger.step, world=manager.world_size, quorum=manager.quorum_id, rank=manager.rank)
+        self.samples = 0
+
+    @contextmanager
+    def microbatch(self, manager: Manager, samples: int) -> Iterator[None]:
+        with self.log.computing():
+            yield
+        self.samples += samples
+
+    def step_finished(self, manager: Manager, step: TrainStep, scaler: torch.amp.GradScaler | None) -> None:
+        report = step.report  # the positions the whole quorum committed in this step
+        repairs = redundancy_report(manager)
+        self.log.annotate(samples=self.samples, committed=report.step, committed_at=time.time(), **repairs)
+        self.sample_log.write(report.step, report.epoch, report.positions.tolist(), committed=True)
 
 
 def run_torchft(args: argparse.Namespace, spec: ModelSpec, log: StepLog, device: torch.device) -> None:
