@@ -1,6 +1,7 @@
 """ShardedOptimizer over real Gloo groups of processes that exit at named points of the sharded step.
 
-``tests/integration/zero_job.py`` runs the processes: every process gets the same mean
+``tests/integration/zero_job.py`` runs the processes (killed at the instrumented loop's points,
+:data:`stalwart.launch.loop.KILL_POINTS`): every process gets the same mean
 gradient each step (as after the all-reduce), so the final parameters must
 equal a single-process run of the same optimizer bit for bit whatever fails,
 and every copy of a shard must be bitwise equal to its primary.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -86,21 +88,22 @@ def check_run(tmp_path: Path, optimizer: str, finishers: int) -> dict[int, dict]
 
 
 CASES = [
-    (["--overlap", "0.25"], ["3:before_update:1"]),
-    (["--overlap", "0.25"], ["2:after_sync:0"]),
-    (["--parity", "3,1"], ["3:parity_started:1"]),
-    (["--parity", "3,1"], ["3:gather_started:2"]),
-    (["--parity", "2,2", "--optimizer", "sgd"], ["1:before_update:1", "1:before_update:2"]),
-    (["--overlap", "0.5", "--optimizer", "adamw"], ["4:gather_started:1", "4:before_update:2"]),
-    (["--parity", "3,1", "--optimizer", "adamw-groups"], ["3:parity_started:1"]),  # groups, each its own lr and decay
-    (["--overlap", "0.25", "--optimizer", "adamw-groups"], ["2:before_update:2"]),
+    (["--overlap", "0.25"], ["3:during_update:1"]),
+    (["--overlap", "0.25"], ["3:step_started:0"]),
+    (["--parity", "3,1"], ["3:during_parity:1"]),
+    (["--parity", "3,1"], ["3:during_gather:2"]),
+    (["--parity", "2,2", "--optimizer", "sgd"], ["1:during_update:1", "1:during_update:2"]),
+    (["--overlap", "0.5", "--optimizer", "adamw"], ["4:during_gather:1", "4:during_update:2"]),
+    (["--parity", "3,1", "--optimizer", "adamw-groups"], ["3:during_parity:1"]),  # groups, each its own lr and decay
+    (["--overlap", "0.25", "--optimizer", "adamw-groups"], ["2:during_update:2"]),
 ]
 
 
 @pytest.mark.parametrize(("options", "kills"), CASES, ids=lambda value: " ".join(value))
 def test_exit_at_a_point_of_the_sharded_step(tmp_path: Path, options: list[str], kills: list[str]) -> None:
     codes = run_job(tmp_path, 4, [*options, *(f"--kill={kill}" for kill in kills)])
-    assert codes == [0, 0, 0, 0]
+    killed = {int(kill.split(":")[2]) for kill in kills}
+    assert codes == [-signal.SIGKILL if process in killed else 0 for process in range(4)]
     optimizer = options[options.index("--optimizer") + 1] if "--optimizer" in options else "adam"
     finished = check_run(tmp_path, optimizer, finishers=4 - len(kills))
     assert all(result["layout_processes"] == 4 - len(kills) for result in finished.values())
@@ -115,9 +118,9 @@ def test_two_processes_of_one_node_are_survived_by_node_aware_copies(tmp_path: P
     """Six processes on three nodes, overlap 1/3 (two copies): node b's two processes die at once."""
     nodes = "a,a,b,b,c,c"
     codes = run_job(
-        tmp_path, 6, ["--overlap", "0.34", "--nodes", nodes, "--kill=3:gather_started:2", "--kill=3:gather_started:3"]
+        tmp_path, 6, ["--overlap", "0.34", "--nodes", nodes, "--kill=3:during_gather:2", "--kill=3:during_gather:3"]
     )
-    assert codes == [0] * 6
+    assert codes == [0, 0, -signal.SIGKILL, -signal.SIGKILL, 0, 0]
     check_run(tmp_path, "adam", finishers=4)
 
 
@@ -132,8 +135,8 @@ def test_a_joiner_gets_its_shards_without_disk(tmp_path: Path) -> None:
 
 
 def test_more_failures_than_the_redundancy_covers_name_the_lost_shards(tmp_path: Path) -> None:
-    codes = run_job(tmp_path, 4, ["--overlap", "0", "--kill=2:gather_started:1"])
-    assert codes[1] == 0 and sorted(codes[:1] + codes[2:]) == [3, 3, 3]
+    codes = run_job(tmp_path, 4, ["--overlap", "0", "--kill=2:during_gather:1"])
+    assert codes[1] == -signal.SIGKILL and sorted(codes[:1] + codes[2:]) == [3, 3, 3]
     for rank in (0, 2, 3):
         lost = json.loads((tmp_path / f"lost-{rank}.json").read_text())
         assert lost["shards"] == [1]

@@ -2,9 +2,14 @@
 
 Process ``p`` of ``--world`` trains a small linear model with the same
 per-step gradients everywhere (as after an all-reduce); ``--kill STEP:POINT:P``
-makes process ``P`` exit at ``POINT`` of ``STEP`` (``before_update``,
-``gather_started``, ``parity_started``, ``after_sync``); the survivors form a
-new group (a new store prefix, ranks in order) and reshard; ``--join STEP``
+makes process ``P`` SIGKILL itself at ``POINT`` of ``STEP``, through the
+instrumented loop's :class:`~stalwart.launch.loop.Faults` and its point names
+(``step_started``: the top of the step, after the previous one's sync;
+``during_update``; ``during_gather`` and ``during_parity``, which the
+ShardedOptimizer's ``notify`` reaches as the Manager's ``on_event`` does),
+after saying so on the store (as the lighthouse's push would tell the others);
+the survivors form a new group (a new store prefix, ranks in order) and
+reshard; ``--join STEP``
 adds a new process at ``STEP`` (its parameters copied from the survivors, as
 a heal would). Each process writes its final parameters, optimizer rows and
 state bytes to ``OUT/rank-P.pt``.
@@ -16,6 +21,7 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -23,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from stalwart.launch.loop import Faults
 from stalwart.redundancy.config import Overlap, parse_parity
 from stalwart.redundancy.layout import ShardsLostError
 from stalwart.runtime.comm import CollectiveError, Communicator
@@ -102,15 +109,21 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     redundancy = args.parity if args.parity is not None else Overlap(args.overlap)
-    kills = {}
+    kills: dict[tuple[int, str], set[int]] = {}
     for text in args.kill:
         step, point, process = text.split(":")
         kills[(int(step), point)] = kills.get((int(step), point), set()) | {int(process)}
+    me = args.rank
+    mine = [at for at, processes in kills.items() if me in processes]
     nodes = args.nodes.split(",") if args.nodes else [f"node{p}" for p in range(args.world + 1)]
     model, template = model_and_optimizer(args.optimizer)
     sharded = ShardedOptimizer(list(model.parameters()), template, redundancy, node=nodes[args.rank])
     store = dist.TCPStore("127.0.0.1", args.port, is_master=False, timeout=datetime.timedelta(seconds=120))
-    me = args.rank
+
+    def announce_death() -> None:
+        store.set(f"dead/{me}", "1")
+
+    faults = Faults(kill_at=mine[0] if mine else None, before_kill=announce_death)
     joiner = args.join_at is not None and me == args.world
     alive = list(range(args.world))
     quorum = 0
@@ -135,28 +148,23 @@ def main(argv: list[str]) -> None:
             abandon=lambda: any(store.check([key]) for key in peers),
         )
 
-    def point(step: int, name: str) -> None:
-        if me in kills.get((step, name), ()):
-            store.set(f"dead/{me}", "1")
-            os._exit(0)
-
     def repair(failed: int, comm: Communicator, quorum: int, alive: list[int]) -> tuple[Communicator, int, list[int]]:
         """A new group of the survivors of step ``failed``'s failure, resharded.
 
         The processes agree on the group as the lighthouse would make them:
         each waits for the deaths its step's kills announce.
         """
-        # Dead by now: those killed in an earlier step or in this one, but for one killed after this step's sync,
-        # which died only if it said so (its sync ended before this process's failed).
+        # Dead by now: those killed in this step or an earlier one, and one killed at the top of the next,
+        # after this step's sync, if it said so (its sync ended before this process's failed).
         victims = {
             p
             for (at, name), ps in kills.items()
             for p in ps
-            if at < failed or (at == failed and (name != "after_sync" or store.check([f"dead/{p}"])))
+            if at <= failed or (at == failed + 1 and name == "step_started" and store.check([f"dead/{p}"]))
         }
         if me in victims:  # its step failed before it reached its own kill point: it dies all the same
-            store.set(f"dead/{me}", "1")
-            os._exit(0)
+            announce_death()
+            os.kill(os.getpid(), signal.SIGKILL)
         store.wait([f"dead/{p}" for p in victims & set(alive)], datetime.timedelta(seconds=120))
         alive = [p for p in alive if p not in victims]
         comm.abort()
@@ -177,6 +185,7 @@ def main(argv: list[str]) -> None:
         sys.exit(5)
     step = start
     while step < args.steps:
+        faults.kill_if("step_started", step)
         if args.join_at == step and not joiner:
             alive = [*alive, args.world]
             quorum += 1
@@ -193,7 +202,7 @@ def main(argv: list[str]) -> None:
             comm, quorum, alive = repair(step, comm, quorum, alive)
             step = sharded.updates  # a process behind the others (it missed the end of a step) catches up
             continue
-        point(step, "before_update")
+        faults.kill_if("during_update", step)
         sharded.take_gradients()  # what the user's optimizer.step() does under the Manager
         sharded.update()
         if args.flip_at == step and me == 0:
@@ -201,14 +210,13 @@ def main(argv: list[str]) -> None:
             copy.view(torch.int32)[0] ^= 1  # one bit of a copy's master
         step += 1
         try:
-            sharded.sync(comm, notify=lambda event, at=step - 1: point(at, event))
+            sharded.sync(comm, notify=lambda event, at=step - 1: faults.manager_event(event, at))
         except CopyMismatchError as error:
             (args.out / f"mismatch-{me}.txt").write_text(str(error))
             sys.exit(4)
         except CollectiveError:
             comm, quorum, alive = repair(step - 1, comm, quorum, alive)
             step = sharded.updates
-        point(step - 1, "after_sync")
     whole = sharded.gather_state(comm)  # the whole optimizer state, on the group's rank 0
     result = {
         "optimizer": None if whole is None else whole["state"],
