@@ -9,8 +9,10 @@ Run by :mod:`benchmarks.runtime` as ``python -m benchmarks._runtime_workers LOOP
   split of the plan's step, accumulates micro-batch gradients, all-reduces
   one flat buffer ``[gradient sums..., sample count]`` and steps.
 - ``stalwart``: the same loop under :class:`stalwart.runtime.manager.Manager`
-  and :class:`~stalwart.runtime.loader.ElasticLoader`, against a lighthouse;
-  ``--prefetch`` turns the loader's background prefetch on.
+  and :class:`~stalwart.runtime.loader.ElasticLoader`, against a lighthouse:
+  :func:`stalwart.launch.loop.train`, the loop the tests' and the demo's
+  worker runs, timed by a probe; ``--prefetch`` turns the loader's
+  background prefetch on.
 - ``fsdp2``: ``fully_shard`` on each linear layer and the root over all
   processes; ``hsdp``: the same over a 2-D mesh (replicate, shard) of
   ``--group-size`` processes per shard group. Both skip the gradient sync
