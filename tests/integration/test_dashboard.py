@@ -222,9 +222,14 @@ def status_figures(status: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def page_matching(browser: Any, wanted: dict[str, Any]) -> dict[str, Any]:
-    """Wait (bounded) until the page shows ``wanted``; its figures then."""
-    return wait_until(lambda: shown(p := page_figures(browser)) == wanted and p, 60, "the page to match /v1/status")
+def page_matching(browser: Any, wanted: dict[str, Any], timeout: float = 30.0) -> tuple[dict[str, Any], bool]:
+    """Wait (at most ``timeout`` s) until the page shows ``wanted``: its last figures, and whether they match."""
+    deadline = time.monotonic() + timeout
+    while True:
+        page = page_figures(browser)
+        if shown(page) == wanted or time.monotonic() >= deadline:
+            return page, shown(page) == wanted
+        time.sleep(0.05)
 
 
 def shown(page: dict[str, Any]) -> dict[str, Any]:
@@ -289,19 +294,24 @@ def cluster_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterRun
             "the heals the workers loaded to be counted in /metrics",
         )
         page = screenshot = None
-        for _ in range(30):  # the held job stands still; a read that straddles a change is taken again
+        matched = browser is None
+        for _ in range(8):  # the held job stands still; a read that straddles a change is taken again
             status = read_status(url, TOKEN)
             metrics = metric_values(url)
             if browser is not None:
-                page = page_matching(browser, status_figures(status))
+                page, matched = page_matching(browser, status_figures(status))
                 ARTIFACTS.mkdir(parents=True, exist_ok=True)
                 screenshot = ARTIFACTS / "dashboard.png"
                 browser.save_screenshot(str(screenshot))
-            if read_status(url, TOKEN)["ledger"] == status["ledger"] and settled(status):
+            if matched and read_status(url, TOKEN)["ledger"] == status["ledger"] and settled(status):
                 break
             time.sleep(0.5)
         else:
-            raise AssertionError("the held job never stood still")
+            shown_last = None if page is None else shown(page)
+            raise AssertionError(
+                f"the held job never stood still with the page showing it: /v1/status says "
+                f"{status_figures(status)}, the page {shown_last}"
+            )
         yield ClusterRun(status, metrics, healed_events(), page, after_kill, before, screenshot, missing)
         cluster.release()
         wait_until(lambda: not cluster.running(), 240, "the workers to finish")
