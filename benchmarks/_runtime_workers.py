@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -428,11 +427,10 @@ def run_plain(args: argparse.Namespace, spec: ModelSpec, log: StepLog, device: t
     params = list(model.parameters())
     dataset, plan = synthetic_dataset(spec), spec.plan()
     first = 0 if args.checkpoint_dir is None else load_checkpoint(args.checkpoint_dir, model, optimizer)
+    faults = step_top_kill(args, log)
     for step in range(first, args.steps):
         log.top(step=step)
-        if step == args.kill_at and args.rank in args.kill_ranks:
-            log.killed()
-            os.kill(os.getpid(), signal.SIGKILL)
+        faults.kill_if("step_started", step)
         _pace(args.step_seconds)
         epoch, start, stop = rank_positions(plan, step, args.rank, args.world)
         indices = plan.indices(epoch, start, stop).tolist()
@@ -550,6 +548,15 @@ def train_wrapped(
     dist.barrier()  # no peer still needs this process when it exits
 
 
+def step_top_kill(args: argparse.Namespace, log: StepLog) -> Faults:
+    """``--kill-at`` for this rank (one of ``--kill-ranks``): a SIGKILL at that step's top, after the ``killed`` line.
+
+    The same point, the instrumented loop's ``step_started``, for checkpoint-restart and for stalwart.
+    """
+    killed = args.kill_at is not None and args.rank in args.kill_ranks
+    return Faults(kill_at=(args.kill_at, "step_started") if killed else None, before_kill=log.killed)
+
+
 def run_stalwart(args: argparse.Namespace, spec: ModelSpec, log: StepLog, device: torch.device) -> None:
     """The plain loop under stalwart's Manager and ElasticLoader."""
     model = build_model(spec).to(device)
@@ -612,8 +619,7 @@ def train_stalwart(
         node=member,
     )
     loader = ElasticLoader(synthetic_dataset(spec), prefetch=args.prefetch)
-    killed = args.kill_at is not None and args.rank in args.kill_ranks
-    faults = Faults(kill_at=(args.kill_at, "step_started") if killed else None, before_kill=log.killed)
+    faults = step_top_kill(args, log)
     pacing = Pacing(step_seconds=args.step_seconds, sample_seconds=args.sample_seconds)
     try:
         train(

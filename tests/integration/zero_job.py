@@ -21,7 +21,6 @@ import argparse
 import datetime
 import json
 import os
-import signal
 import sys
 import traceback
 from pathlib import Path
@@ -163,8 +162,7 @@ def main(argv: list[str]) -> None:
             if at <= failed or (at == failed + 1 and name == "step_started" and store.check([f"dead/{p}"]))
         }
         if me in victims:  # its step failed before it reached its own kill point: it dies all the same
-            announce_death()
-            os.kill(os.getpid(), signal.SIGKILL)
+            faults.kill()
         store.wait([f"dead/{p}" for p in victims & set(alive)], datetime.timedelta(seconds=120))
         alive = [p for p in alive if p not in victims]
         comm.abort()

@@ -100,8 +100,12 @@ class Faults:
     def kill_if(self, point: str, step: int) -> None:
         """SIGKILL this process if ``kill_at`` is ``(step, point)``."""
         if self.kill_at == (step, point):
-            self.before_kill()
-            os.kill(os.getpid(), signal.SIGKILL)
+            self.kill()
+
+    def kill(self) -> None:
+        """``before_kill()``, then SIGKILL this process (also where a harness decides it dies all the same)."""
+        self.before_kill()
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def manager_event(self, event: str, step: int) -> bool:
         """The Manager's ``on_event``: kill if ``event`` is the kill point; whether ``event`` is a kill point."""
