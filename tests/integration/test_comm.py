@@ -61,7 +61,14 @@ def peer(rank: int, port: int, prefix: str, scenario: str, reports: Any, abandon
             comm.start_all_reduce_sum(values)()
             received = torch.tensor([float(rank)])
             comm.broadcast([received], source_rank=1)
-            reports.put((rank, "sum", (values.tolist(), received.item())))
+            # Gloo's all-gather goes through one kept buffer: sizes and dtypes that differ, growing and shrinking.
+            gathered = [
+                comm.all_gather(torch.full((5,), rank + 0.5)).tolist(),
+                comm.all_gather(torch.tensor([rank, -rank], dtype=torch.int64)).tolist(),
+                comm.all_gather(torch.arange(3.0) + 10 * rank, out=torch.empty(3 * WORLD)).tolist(),
+                comm.all_gather(torch.zeros(0)).tolist(),
+            ]
+            reports.put((rank, "sum", (values.tolist(), received.item(), gathered)))
         elif rank == VICTIM:
             time.sleep(2 * GROUP_TIMEOUT)
         else:
@@ -119,11 +126,17 @@ class Group:
             process.join(timeout=TEST_BOUND)
 
 
-def test_all_reduce_sums_and_broadcast_copies(store: dist.TCPStore) -> None:
+def test_all_reduce_sums_broadcast_copies_and_all_gather_concatenates(store: dist.TCPStore) -> None:
     group = Group(store.port, "sum")
     try:
         results = group.collect("sum", list(range(WORLD)))
-        assert results == dict.fromkeys(range(WORLD), ([6.0, 30.0], 1.0))
+        gathered = [
+            [rank + 0.5 for rank in range(WORLD) for _ in range(5)],
+            [value for rank in range(WORLD) for value in (rank, -rank)],
+            [10.0 * rank + i for rank in range(WORLD) for i in range(3)],
+            [],
+        ]
+        assert results == dict.fromkeys(range(WORLD), ([6.0, 30.0], 1.0, gathered))
     finally:
         group.close()
 

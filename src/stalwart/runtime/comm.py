@@ -135,6 +135,7 @@ class Communicator:
         self.store = store
         self._abandon = abandon
         self.timeout = timeout
+        self._spread: torch.Tensor | None = None
         self._group_timeout = timeout if rendezvous_timeout is None else rendezvous_timeout
         group_timeout = datetime.timedelta(seconds=self._group_timeout)
         try:
@@ -205,9 +206,24 @@ class Communicator:
         """
         if out is None:
             out = torch.empty(tensor.numel() * self.world_size, dtype=tensor.dtype, device=tensor.device)
-        gathered = out
-        self._run(lambda: self._group._allgather_base(gathered, tensor.reshape(-1)), "all-gather")
+        gathered, flat = out, tensor.reshape(-1)
+        if self.device.type == "cuda":
+            self._run(lambda: self._group._allgather_base(gathered, flat), "all-gather")
+            return out
+        # Gloo's all-gather is a ring: world_size - 1 steps, each waiting on the previous one's peer. Its
+        # all-to-all posts every exchange at once: with 8 processes on 2 cores, 3M elements took half the time
+        # and half the CPU (the redundancy benchmark's gather). The same bytes arrive in the same order.
+        spread = self._spread_buffer(flat)
+        spread.view(self.world_size, flat.numel()).copy_(flat.expand(self.world_size, flat.numel()))
+        self._run(lambda: self._group.alltoall_base(gathered, spread, [], [], dist.AllToAllOptions()), "all-gather")
         return out
+
+    def _spread_buffer(self, flat: torch.Tensor) -> torch.Tensor:
+        """Room for ``world_size`` copies of ``flat`` (Gloo's all-gather): the largest asked for so far, kept."""
+        size = flat.numel() * self.world_size * flat.element_size()
+        if self._spread is None or self._spread.numel() < size:
+            self._spread = torch.empty(size, dtype=torch.uint8, device=flat.device)
+        return self._spread[:size].view(flat.dtype)
 
     def all_to_all(self, tensor: torch.Tensor, send_sizes: list[int], receive_sizes: list[int]) -> torch.Tensor:
         """Send ``send_sizes[r]`` consecutive elements of ``tensor`` to each rank ``r``; what each rank sent here.
