@@ -96,6 +96,7 @@ CASES = [
     (["--overlap", "0.5", "--optimizer", "adamw"], ["4:during_gather:1", "4:during_update:2"]),
     (["--parity", "3,1", "--optimizer", "adamw-groups"], ["3:during_parity:1"]),  # groups, each its own lr and decay
     (["--overlap", "0.25", "--optimizer", "adamw-groups"], ["2:during_update:2"]),
+    (["--overlap", "1"], ["3:during_gather:1"]),  # every process holds every shard: no gather to die in
 ]
 
 

@@ -134,6 +134,11 @@ def test_layout_round_trips_and_holds_what_the_formula_says(world: tuple) -> Non
         elements += sum(layout.unit_length(stripe) for stripe, _ in layout.parity_units(process))
         held.append(elements * ROWS * 4)
     assert tuple(held) == state_bytes(layout.placement, parameters, state_elements=ROWS)
+    # replicated (the sharded step's gather is skipped): exactly when every process holds every shard.
+    everywhere = all(set(layout.held_shards(p)) == set(range(layout.processes)) for p in range(layout.processes))
+    assert layout.replicated == everywhere
+    if isinstance(redundancy, Overlap) and redundancy.fraction == 1.0:
+        assert layout.replicated
 
 
 def test_malformed_descriptions_are_refused() -> None:

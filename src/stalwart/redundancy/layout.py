@@ -70,6 +70,11 @@ class ShardLayout:
         copies = () if self.parity else tuple(stripe for stripe, _ in self.placement.redundant_units[process])
         return (process, *copies)
 
+    @cached_property
+    def replicated(self) -> bool:
+        """Whether every process holds every shard whole (overlap 1): each has all the parameters' masters."""
+        return all(len(self.held_shards(process)) == self.processes for process in range(self.processes))
+
     def holders(self, shard: int) -> tuple[int, ...]:
         """The processes holding ``shard`` whole: its primary, then (overlap) its copies."""
         redundant = () if self.parity else self.placement.stripes[shard].redundant

@@ -1,12 +1,12 @@
-"""The sharded step: update the held shards, gather the parameters, re-encode parity, check the copies.
+"""The sharded step: update the held shards, re-encode parity, gather the parameters, check the copies.
 
 A step is: the gradients are all-reduced (the Manager's bucketed path: every
 process keeps the whole mean gradient), the user's ``optimizer.step()`` hands
 them over (:meth:`ShardedOptimizer.take_gradients`) and
 :meth:`ShardedOptimizer.update` updates the held shards locally (no
 collective), each piece with its parameter group's hyper-parameters as they
-are then; :meth:`ShardedOptimizer.sync` all-gathers the updated parameters
-from the primaries, re-encodes parity and checks the copies. A failure during
+are then; :meth:`ShardedOptimizer.sync` re-encodes parity, all-gathers the
+updated parameters from the primaries and checks the copies. A failure during
 ``sync`` leaves every survivor with its updated shards; a parity process
 keeps its shard as it was before the update (and every process the
 gradients) until ``sync`` ends, so a lost cell is rebuilt from the old parity
@@ -122,9 +122,12 @@ class ShardedOptimizer:
         check: bool = True,
         gather: bool = True,
     ) -> None:
-        """All-gather the parameters from the primaries, re-encode parity, check copies, commit (collectives).
+        """Re-encode parity, all-gather the parameters from the primaries, check copies, commit (collectives).
 
-        ``notify`` is told ``gather_started`` and (parity) ``parity_started``.
+        ``notify`` is told (parity) ``parity_started``, then ``gather_started``.
+        A process commits only after a collective that every process enters
+        after its parity exchange (the gather, else the check's all-gather):
+        one that committed shows every survivor's new parity staged.
         ``check``: compare every copy's checksum with its primary's (the
         all-gather that ends ``sync`` runs either way). ``gather``: false when
         every process's parameters are its masters already (after a reshard
@@ -133,13 +136,13 @@ class ShardedOptimizer:
         state = self.state
         layout = state.layout
         assert layout is not None
-        notify("gather_started")
-        if gather:
-            self._gather_parameters(comm, layout)
         if layout.parity is not None:
             notify("parity_started")
             state.staged_parity = self._encode(comm)
-        self._check_copies(comm, check=check)
+        notify("gather_started")
+        if gather:
+            self._gather_parameters(comm, layout)
+        self._check_copies(comm, check=check, barrier=layout.parity is not None and not gather)
         if state.staged_parity is not None:
             state.parity, state.staged_parity = state.staged_parity, None
             state.parity_valid = True
@@ -201,9 +204,14 @@ class ShardedOptimizer:
         if self._gather is None or self._gather.layout is not layout or self._gather.device != comm.device:
             self._gather = GatherBuffers.make(layout, state.locals, comm.device)
         gather = self._gather
-        own = state.masters[state.rank]
-        gather.send[: own.numel()].copy_(own.detach())
-        comm.all_gather(gather.send, gather.received)
+        if layout.replicated:  # every process updated every shard itself: nothing to gather
+            longest = gather.send.numel()
+            for shard, master in state.masters.items():
+                gather.received[shard * longest : shard * longest + master.numel()].copy_(master.detach())
+        else:
+            own = state.masters[state.rank]
+            gather.send[: own.numel()].copy_(own.detach())
+            comm.all_gather(gather.send, gather.received)
         with torch.no_grad():
             for local, pieces in zip(state.locals, gather.pieces, strict=True):
                 if local.is_contiguous():
@@ -259,21 +267,21 @@ class ShardedOptimizer:
             units[(number, stripe.redundant.index(me))] = parity[stripe.redundant.index(me)]
         return units
 
-    def _check_copies(self, comm: Communicator, *, check: bool) -> None:
-        """Every holder of a shard has bitwise the same rows (checksums all-gathered; the gather also ends ``sync``).
+    def _check_copies(self, comm: Communicator, *, check: bool, barrier: bool) -> None:
+        """Every holder of a shard has bitwise the same rows (checksums all-gathered).
 
-        With parity but no check, only the all-gather runs: after it, every
-        process has passed the parity exchange, which is what a reshard relies
-        on. Without parity, and without copies or ``check``, nothing runs: the
-        parameters' all-gather has shown every process's update done.
+        ``barrier``: run the all-gather even when there is nothing to compare
+        (with parity and no parameter gather after the parity exchange, so
+        that a commit still shows every process past it). Without copies or
+        ``check``, and without ``barrier``, nothing runs.
         """
         state = self.state
         layout = state.layout
         assert layout is not None
         world = layout.processes
         copies = any(len(layout.holders(shard)) > 1 for shard in range(world))
-        if layout.parity is None and not (check and copies):
-            return  # nothing to compare, and no parity exchange to have passed
+        if not barrier and not (check and copies):
+            return
         sums = torch.zeros(world, 3, dtype=torch.int64)
         if check and len(state.masters) > 1:
             for shard in state.masters:
