@@ -225,15 +225,20 @@ class Communicator:
             self._spread = torch.empty(size, dtype=torch.uint8, device=flat.device)
         return self._spread[:size].view(flat.dtype)
 
-    def all_to_all(self, tensor: torch.Tensor, send_sizes: list[int], receive_sizes: list[int]) -> torch.Tensor:
+    def all_to_all(
+        self, tensor: torch.Tensor, send_sizes: list[int], receive_sizes: list[int], out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Send ``send_sizes[r]`` consecutive elements of ``tensor`` to each rank ``r``; what each rank sent here.
 
         Both size lists are per rank, in rank order; the result holds what
-        rank 0 sent, then rank 1, and so on.
+        rank 0 sent, then rank 1, and so on (in ``out`` when given: their sum
+        of elements, ``tensor``'s dtype and device).
         """
-        out = torch.empty(sum(receive_sizes), dtype=tensor.dtype, device=tensor.device)
+        if out is None:
+            out = torch.empty(sum(receive_sizes), dtype=tensor.dtype, device=tensor.device)
+        received = out
         self._run(
-            lambda: self._group.alltoall_base(out, tensor, receive_sizes, send_sizes, dist.AllToAllOptions()),
+            lambda: self._group.alltoall_base(received, tensor, receive_sizes, send_sizes, dist.AllToAllOptions()),
             "all-to-all",
         )
         return out

@@ -133,21 +133,34 @@ class ShardState:
 
     # --- rows ------------------------------------------------------------------------------------
 
-    def rows(self, shard: int) -> torch.Tensor:
+    def rows(self, shard: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Shard ``shard``'s rows: the master, then each per-element state tensor in key order (a copy).
 
-        Each element is copied once, straight into the result: the sharded
-        step takes the rows of its shard every step with parity.
+        Each element is copied once, straight into the result (``out`` when
+        given, rows x elements): the sharded step takes the rows of its shard
+        every step with parity, into a buffer it keeps.
         """
-        keys = self.keys()
         master = self.masters[shard]
-        rows = torch.empty(1 + len(keys), master.numel(), dtype=master.dtype, device=master.device)
-        rows[0].copy_(master.detach())
-        state = self.inner.state if self.inner is not None else {}
-        for row, key in enumerate(keys, start=1):
-            for _, offset, view in self.views[shard]:
-                rows[row, offset : offset + view.numel()].copy_(state[view][key].reshape(-1))
+        rows = self.row_buffer(shard) if out is None else out
+        self.copy_columns(shard, 0, master.numel(), rows)
         return rows
+
+    def row_buffer(self, shard: int) -> torch.Tensor:
+        """An uninitialised rows x elements tensor for shard ``shard``'s rows."""
+        master = self.masters[shard]
+        return torch.empty(1 + len(self.keys()), master.numel(), dtype=master.dtype, device=master.device)
+
+    def copy_columns(self, shard: int, low: int, high: int, out: torch.Tensor) -> None:
+        """Columns ``[low, high)`` of shard ``shard``'s rows into ``out`` (rows x ``high - low``, any strides)."""
+        master = self.masters[shard]
+        out[0].copy_(master.detach()[low:high])
+        state = self.inner.state if self.inner is not None else {}
+        for row, key in enumerate(self.keys(), start=1):
+            for _, offset, view in self.views[shard]:
+                first, last = max(low, offset), min(high, offset + view.numel())
+                if first < last:
+                    values = state[view][key].reshape(-1)[first - offset : last - offset]
+                    out[row, first - low : last - low].copy_(values)
 
     def rows_numel(self, shard: int) -> int:
         return (1 + len(self.keys())) * self.masters[shard].numel()

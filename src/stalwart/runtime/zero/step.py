@@ -57,6 +57,9 @@ class ShardedOptimizer:
         self.node = node
         self.state = ShardState(ordered, template, redundancy, node)
         self._gather: GatherBuffers | None = None
+        self._snapshot_rows: torch.Tensor | None = None
+        self._encode_send: torch.Tensor | None = None
+        self._encode_received: torch.Tensor | None = None
 
     @property
     def parameters(self) -> int:
@@ -101,7 +104,12 @@ class ShardedOptimizer:
         assert state.inner is not None and state.layout is not None
         hyperparameters = state.hyperparameters()
         state.set_hyperparameters(state.inner, state.inner_groups, hyperparameters)
-        rows = state.rows(state.rank) if state.layout.parity is not None else None  # rows() copies
+        rows = None
+        if state.layout.parity is not None:  # this shard's rows before the update: a buffer kept across steps
+            kept = self._snapshot_rows
+            if kept is None or kept.shape != (1 + len(state.keys()), state.masters[state.rank].numel()):
+                kept = self._snapshot_rows = state.row_buffer(state.rank)
+            rows = state.rows(state.rank, out=kept)
         state.snapshot = Snapshot(clone(state.scalars()), hyperparameters, rows)
         for shard, views in state.views.items():
             start = state.layout.shard_ranges[shard][0]
@@ -242,15 +250,15 @@ class ShardedOptimizer:
                 elif me in stripe.redundant:
                     receive_sizes[cell.shard] += rows * (end - start)
         send_sizes = [sum(rows * (high - low) for low, high in ranges) for ranges in sent]
-        own_rows = state.rows(me)
-        send = torch.empty(sum(send_sizes), dtype=own_rows.dtype, device=comm.device)
+        self._encode_send = send = _kept(self._encode_send, sum(send_sizes), comm.device)
+        self._encode_received = received = _kept(self._encode_received, sum(receive_sizes), comm.device)
         offset = 0
-        for ranges in sent:  # each cell as its rows x columns block, row-major: one copy per element sent
+        for ranges in sent:  # each cell as its rows x columns block, row-major, copied straight from the state
             for low, high in ranges:
                 size = rows * (high - low)
-                send[offset : offset + size].view(rows, high - low).copy_(own_rows[:, low:high])
+                state.copy_columns(me, low, high, send[offset : offset + size].view(rows, high - low))
                 offset += size
-        received = comm.all_to_all(send, send_sizes, receive_sizes)
+        comm.all_to_all(send, send_sizes, receive_sizes, out=received)
         offsets = [sum(receive_sizes[:rank]) for rank in range(world)]
         code = ParityCode(layout.parity)
         units: dict[tuple[int, int], torch.Tensor] = {}
@@ -333,6 +341,13 @@ class GatherBuffers:
             torch.empty(longest * layout.processes, device=device),
             tuple(pieces),
         )
+
+
+def _kept(buffer: torch.Tensor | None, size: int, device: torch.device) -> torch.Tensor:
+    """``buffer`` when it has ``size`` fp32 elements on ``device``, else a new one (a step's sizes repeat)."""
+    if buffer is None or buffer.numel() != size or buffer.device != device:
+        return torch.empty(size, device=device)
+    return buffer
 
 
 def _checksum(rows: torch.Tensor) -> tuple[int, int]:
