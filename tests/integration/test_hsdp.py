@@ -18,6 +18,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 from stalwart.coord.server import Lighthouse
@@ -108,7 +109,10 @@ def test_fsdp_groups_split_their_shards_optimizer_state_with_parity(tmp_path: Pa
     assert len(finished) == 4 and all(event["repairs"] >= 1 for event in finished)
 
 
-def test_fsdp_groups_killed_together_resume_from_their_checkpoint_at_another_number_of_groups(tmp_path: Path) -> None:
+@pytest.mark.parametrize("redundancy", [[], ["--overlap", "0"]], ids=["replicated", "sharded-across-groups"])
+def test_fsdp_groups_killed_together_resume_from_their_checkpoint_at_another_number_of_groups(
+    tmp_path: Path, redundancy: list[str]
+) -> None:
     """Durable checkpoints of FSDP2 groups: every process writes its shards, a resumed job may have other groups.
 
     Two groups checkpoint every 3 steps and are held at step 10; both are
@@ -116,10 +120,14 @@ def test_fsdp_groups_killed_together_resume_from_their_checkpoint_at_another_num
     newest checkpoint the lighthouse vouched for, each of its processes
     reading its shards, trains the steps after it again and ends with the
     failure-free parameters; every step keeps its planned samples once.
+    Sharded across groups (overlap 0), process r of each group holds half of
+    shard r's Adam state: process r of the other group sends its half to the
+    writer at each checkpoint, and the one resumed group holds it all.
     """
     checkpoints, hold = tmp_path / "checkpoints", tmp_path / "hold"
     hold.write_text("10")
     more = ["--fsdp", "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "3", "--hold-file", str(hold)]
+    more += redundancy
     with Lighthouse(PLAN, min_replicas=1, start_replicas=2, heartbeat_timeout=1.0, join_timeout=30.0) as server:
         agents = {name: launch_group(server.url, name, tmp_path, more) for name in ("group-a", "group-b")}
         resumed = None

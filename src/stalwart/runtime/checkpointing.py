@@ -7,7 +7,9 @@ lighthouse, again while its step is not committed there (heartbeats lag).
 Only a replica that trained the step itself writes it (one healed to it does
 not), so two quorums never write the same step. With sharded optimizer state
 every process sends its shard to the writer at the same steps (one
-all-to-all), so the whole state is saved and loads at any world size.
+all-to-all), so the whole state is saved and loads at any world size; in
+FSDP2 groups, process r of every group sends to process r of the writing
+group.
 
 A member that is an FSDP2 group (``fully_shard`` over its own processes)
 writes with all of its processes, each its shards, through a Gloo group made
@@ -159,13 +161,18 @@ class CheckpointPolicy:
         """Sharded state: every process sends its shard to the writer at the same steps; the writer saves it all.
 
         The whole optimizer state sits in the user's optimizer only while the
-        checkpoint stages it, so the checkpoint loads at any world size.
+        checkpoint stages it, so the checkpoint loads at any world size. In
+        FSDP2 groups the state of each FSDP shard is split across the groups:
+        process r of every group sends its part to process r of the writing
+        group (the quorum's first), and that group's processes save together.
         """
         assert self._sharded is not None
         step = self._replica.applied_step
         if not self._together_at(step, last=last):
             return True
-        comm = self._session.comm
+        if self._process_group is not None:
+            self._writer.wait()  # every process of the group decides with no checkpoint being written
+        comm = self._session.grad_comm  # the processes that share the state (FSDP2 groups: of this shard)
         assert comm is not None
         try:
             whole = self._sharded.gather_state(comm)

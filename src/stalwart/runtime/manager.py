@@ -186,11 +186,6 @@ class Manager:
         group = group or ReplicaGroup()
         transport = transport or Transport()
         fsdp = is_sharded(model)
-        if fsdp and checkpoint is not None and redundancy is not None:
-            raise ValueError(
-                f"checkpoint={checkpoint} with redundancy={redundancy}: durable checkpoints of FSDP2 groups whose "
-                "optimizer state is sharded across groups are not supported yet; leave one of them unset"
-            )
         if fsdp:
             prepare_fsdp(model)
         params = [param for param in model.parameters() if param.requires_grad]

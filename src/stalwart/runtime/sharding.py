@@ -57,6 +57,21 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
+def shaped_like(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``local`` (this process's elements of ``param``) as ``param`` holds them: a DTensor of its layout, or a view.
+
+    For the optimizer state a sharded optimizer hands back: a DTensor
+    parameter's state must be a DTensor of the same mesh and placements for
+    ``torch.distributed.checkpoint`` to save each process's shard.
+    """
+    if not is_dtensor(param):
+        return local.view_as(param)
+    view = local.view_as(param.to_local())
+    return type(param).from_local(
+        view, param.device_mesh, param.placements, run_check=False, shape=param.size(), stride=param.stride()
+    )
+
+
 def sharding_layout(model: torch.nn.Module) -> str:
     """A short digest of how this process holds ``model``'s parameters.
 

@@ -27,6 +27,7 @@ from stalwart.redundancy.config import Redundancy
 from stalwart.redundancy.layout import ShardLayout
 from stalwart.redundancy.parity import ParityCode, byte_view
 from stalwart.runtime.comm import Communicator
+from stalwart.runtime.sharding import shaped_like
 from stalwart.runtime.zero.repair import reshard
 from stalwart.runtime.zero.state import RepairStats, ShardState, Snapshot, check_template, clone
 
@@ -176,6 +177,8 @@ class ShardedOptimizer:
 
         Every primary sends its shard to ``to_rank`` (one all-to-all); other
         ranks get None. The masters are the parameters, so they are not sent.
+        A DTensor parameter's state comes as a DTensor of its layout (this
+        process's FSDP2 shard of it), as the user's optimizer would hold it.
         """
         state = self.state
         layout = state.layout
@@ -195,13 +198,14 @@ class ShardedOptimizer:
         )
         by_index: dict[int, dict[str, Any]] = {}
         offset = 0
-        for index, param in enumerate(state.params):
+        for index, (param, local) in enumerate(zip(state.params, state.locals, strict=True)):
             if keys:
                 values = {
-                    key: whole[i, offset : offset + param.numel()].view_as(param).clone() for i, key in enumerate(keys)
+                    key: shaped_like(whole[i, offset : offset + local.numel()].clone(), param)
+                    for i, key in enumerate(keys)
                 }
                 by_index[index] = values | clone(state.scalars())
-            offset += param.numel()
+            offset += local.numel()
         return {"state": by_index, "param_groups": state.template.state_dict()["param_groups"]}
 
     # --- collectives of the sync -----------------------------------------------------------------
