@@ -278,8 +278,11 @@ def _unit(state: ShardState, old: ShardLayout, rebuild: Rebuild, unit: int, comm
     start, end = old.stripe_cells(rebuild.stripe)[unit]
     own_start = old.shard_ranges[state.rank][0]
     snapshot = None if committed or state.snapshot is None else state.snapshot.rows
-    source = state.rows(state.rank) if snapshot is None else snapshot
-    return byte_view(source[:, start - own_start : end - own_start].contiguous()).cpu()
+    if snapshot is not None:
+        return byte_view(snapshot[:, start - own_start : end - own_start].contiguous()).cpu()
+    cell = torch.empty(1 + len(state.keys()), end - start, device=state.device)
+    state.copy_columns(state.rank, start - own_start, end - own_start, cell)
+    return byte_view(cell).cpu()
 
 
 def _replay(state: ShardState, before: torch.Tensor, cell: Range, keys: list[str]) -> torch.Tensor:
@@ -320,55 +323,71 @@ def _move(
     rebuilt: dict[Range, torch.Tensor],
     rows: int,
 ) -> dict[int, torch.Tensor]:
-    """Every element range to its new holders (one all-to-all); the rows of this process's new shards."""
+    """Every element range to its new holders (one all-to-all); the rows of this process's new shards.
+
+    Each range is copied once on its way: from the held state (or a rebuilt
+    cell) straight into the new shard when it stays here, else into its
+    place in the send buffer, and from the receive buffer into the new shard.
+    """
     me, world = comm.rank, comm.world_size
-    send: list[list[torch.Tensor]] = [[] for _ in range(world)]
-    receive_sizes = [0] * world
-    local: list[torch.Tensor] = []
-    for move in plan.moves:
-        length = move.elements[1] - move.elements[0]
-        if move.source == me:
-            chunk = _old_range(state, old, move.elements, rebuilt).reshape(-1)
-            (local if move.target == me else send[move.target]).append(chunk)
-        elif move.target == me:
-            receive_sizes[move.source] += rows * length
     device = state.device
-    flat = [torch.cat(chunks) if chunks else torch.zeros(0, device=device) for chunks in send]
-    received = comm.all_to_all(torch.cat(flat).to(comm.device), [c.numel() for c in flat], receive_sizes)
-    received = received.to(device)
-    offsets = [sum(receive_sizes[:rank]) for rank in range(world)]
     result = {
         s: torch.empty(rows, end - start, device=device)
         for s in new.held_shards(me)
         for start, end in [new.shard_ranges[s]]
     }
-    own = iter(local)
+    send_sizes, receive_sizes = [0] * world, [0] * world
     for move in plan.moves:
-        if move.target != me:
+        size = rows * (move.elements[1] - move.elements[0])
+        if move.source == me and move.target != me:
+            send_sizes[move.target] += size
+        elif move.target == me and move.source != me:
+            receive_sizes[move.source] += size
+    send = torch.empty(sum(send_sizes), device=device)
+    send_offsets = [sum(send_sizes[:rank]) for rank in range(world)]
+    for move in plan.moves:
+        if move.source != me:
             continue
         length = move.elements[1] - move.elements[0]
-        if move.source == me:
-            chunk = next(own)
+        if move.target == me:
+            out = _new_columns(result, new, move.elements)
         else:
-            chunk = received[offsets[move.source] : offsets[move.source] + rows * length]
-            offsets[move.source] += rows * length
-        shard = next(s for s in result if new.shard_ranges[s][0] <= move.elements[0] < new.shard_ranges[s][1])
-        start = move.elements[0] - new.shard_ranges[shard][0]
-        result[shard][:, start : start + length] = chunk.reshape(rows, length)
+            offset = send_offsets[move.target]
+            out = send[offset : offset + rows * length].view(rows, length)
+            send_offsets[move.target] += rows * length
+        _copy_old_range(state, old, move.elements, rebuilt, out)
+    received = comm.all_to_all(send.to(comm.device), send_sizes, receive_sizes).to(device)
+    offsets = [sum(receive_sizes[:rank]) for rank in range(world)]
+    for move in plan.moves:
+        if move.target != me or move.source == me:
+            continue
+        length = move.elements[1] - move.elements[0]
+        chunk = received[offsets[move.source] : offsets[move.source] + rows * length]
+        offsets[move.source] += rows * length
+        _new_columns(result, new, move.elements).copy_(chunk.view(rows, length))
     return result
 
 
-def _old_range(
-    state: ShardState, old: ShardLayout, elements: Range, rebuilt: dict[Range, torch.Tensor]
-) -> torch.Tensor:
-    """Rows of ``elements`` from a shard this process holds in the old layout, or from a cell it rebuilt."""
+def _new_columns(result: dict[int, torch.Tensor], new: ShardLayout, elements: Range) -> torch.Tensor:
+    """The columns of ``elements`` in the new shard of ``result`` that holds them (a view)."""
+    shard = next(s for s in result if new.shard_ranges[s][0] <= elements[0] < new.shard_ranges[s][1])
+    start = elements[0] - new.shard_ranges[shard][0]
+    return result[shard][:, start : start + elements[1] - elements[0]]
+
+
+def _copy_old_range(
+    state: ShardState, old: ShardLayout, elements: Range, rebuilt: dict[Range, torch.Tensor], out: torch.Tensor
+) -> None:
+    """Rows of ``elements`` into ``out``: from a shard this process holds in the old layout, or a cell it rebuilt."""
     for shard in state.masters:
         start, end = old.shard_ranges[shard]
         if start <= elements[0] and elements[1] <= end:
-            return state.rows(shard)[:, elements[0] - start : elements[1] - start]
+            state.copy_columns(shard, elements[0] - start, elements[1] - start, out)
+            return
     for (start, end), rows in rebuilt.items():
         if start <= elements[0] and elements[1] <= end:
-            return rows[:, elements[0] - start : elements[1] - start]
+            out.copy_(rows[:, elements[0] - start : elements[1] - start])
+            return
     raise AssertionError(f"elements {elements} are neither held nor rebuilt here")
 
 
