@@ -171,7 +171,8 @@ def test_fsdp_groups_killed_together_resume_from_their_checkpoint_at_another_num
     assert_finals_match_the_reference(tmp_path, "c")  # the killed groups wrote none
 
 
-def test_a_drifted_fsdp_group_is_found_shard_by_shard_and_healed_whole(tmp_path: Path) -> None:
+@pytest.mark.parametrize("redundancy", [[], ["--parity", "2,1"]], ids=["replicated", "parity-across-groups"])
+def test_a_drifted_fsdp_group_is_found_shard_by_shard_and_healed_whole(tmp_path: Path, redundancy: list[str]) -> None:
     """The replica checksum across FSDP2 groups: each process checksums its own shard.
 
     Group C's processes perturb their shards at the start of step 4 (after
@@ -180,9 +181,11 @@ def test_a_drifted_fsdp_group_is_found_shard_by_shard_and_healed_whole(tmp_path:
     check compares process r of each group with process r of the others; C is
     the odd one out and is healed whole from a group that agrees, recomputes
     its share, and the job ends with the failure-free parameters everywhere.
+    With parity (2, 1) across the groups the parameters are healed the same
+    way, while each process keeps its own part of the optimizer state.
     """
     with Lighthouse(PLAN, min_replicas=1, start_replicas=3, heartbeat_timeout=5.0, join_timeout=30.0) as server:
-        more = ["--fsdp", "--step-seconds", "0"]
+        more = ["--fsdp", "--step-seconds", "0", *redundancy]
         corrupt = ["--corrupt-at", "4"]
         codes = run_groups(server.url, tmp_path, {"group-a": more, "group-b": more, "group-c": [*more, *corrupt]})
     assert codes == {"group-a": 0, "group-b": 0, "group-c": 0}

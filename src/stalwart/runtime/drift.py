@@ -9,6 +9,8 @@ itself is not deterministic across them: :class:`~stalwart.runtime.consistency.R
 In FSDP2 groups each process checksums its own shard, and a group is
 compared with the others shard by shard (process r with process r of every
 group): a group that differs is healed whole, from a group that agrees.
+With sharded optimizer state (redundancy) the heal moves everything but that
+state, whose parts differ by process and are checked against their copies.
 """
 
 from __future__ import annotations

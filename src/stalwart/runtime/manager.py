@@ -223,7 +223,7 @@ class Manager:
         self._drift = DriftCheck(
             params,
             self.checks.every,
-            enabled=sync is None and not (fsdp and redundancy is not None),
+            enabled=sync is None,
             group_size=group.world.world_size if fsdp else 1,
         )
         self._balance = BalanceWindow()
