@@ -92,6 +92,8 @@ TRAINING_TITLE = "2. Partial redundancy in training"
 OVERLAP_STEP_GOAL = 1.10
 PARITY_EXTRA_GOAL = 1 / 7
 RECOVERY_GOAL = 20.0
+STEP_VS_DDP_GOALS = {"overlap 0": 1.02, "overlap 1/8": 1.08, "parity (7, 1)": 1.15, "parity (6, 2)": 1.25}
+"""Most step time against DDP with replicated Adam, by configuration."""
 
 
 @dataclass(frozen=True)
@@ -321,6 +323,15 @@ def training_goals(
         )
     else:
         goals.append(Goal("overlap 1/8 step time at most 1.10x overlap 0's", None, "not in this run"))
+    ddp = by_label.get("DDP")
+    for label, most in STEP_VS_DDP_GOALS.items():
+        title = f"{label} step time at most {most:.2f}x DDP's"
+        result = by_label.get(label)
+        if ddp and result and ddp.step_median_ms and result.step_median_ms:
+            ratio = result.step_median_ms / ddp.step_median_ms
+            goals.append(Goal(title, ratio <= most, f"{ratio:.3f}x"))
+        else:
+            goals.append(Goal(title, None, "not in this run"))
     parity = by_label.get("parity (7, 1)")
     if zero and parity and zero.state_bytes and parity.state_bytes:
         extra = max(p - z for p, z in zip(parity.state_bytes, zero.state_bytes, strict=True)) / max(zero.state_bytes)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -118,6 +119,7 @@ def test_redundancy_quick_training_run_measures_every_row(run_quick: Callable[..
     assert restart[10].startswith("first step ") and restart[11] == "0 (2 trained twice)", restart  # step 6 from 4
     assert "no step lost (2 survivable failure runs, 0 steps lost)" in output
     assert "faster than checkpoint-restart's" in output
+    assert re.search(r"(met|MISSED): overlap 0 step time at most 1\.02x DDP's \(\d+\.\d{3}x\)", output), output
 
 
 # The two refusals, too, run the benchmarks' ``main`` in this process: argparse refuses before anything is measured.
