@@ -280,7 +280,7 @@ def _unit(state: ShardState, old: ShardLayout, rebuild: Rebuild, unit: int, comm
     snapshot = None if committed or state.snapshot is None else state.snapshot.rows
     if snapshot is not None:
         return byte_view(snapshot[:, start - own_start : end - own_start].contiguous()).cpu()
-    cell = torch.empty(1 + len(state.keys()), end - start, device=state.device)
+    cell = state.row_buffer(state.rank, end - start)
     state.copy_columns(state.rank, start - own_start, end - own_start, cell)
     return byte_view(cell).cpu()
 

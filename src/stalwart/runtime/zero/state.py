@@ -145,10 +145,11 @@ class ShardState:
         self.copy_columns(shard, 0, master.numel(), rows)
         return rows
 
-    def row_buffer(self, shard: int) -> torch.Tensor:
-        """An uninitialised rows x elements tensor for shard ``shard``'s rows."""
+    def row_buffer(self, shard: int, columns: int | None = None) -> torch.Tensor:
+        """An uninitialised rows x ``columns`` tensor (default: the shard's elements) for shard ``shard``'s rows."""
         master = self.masters[shard]
-        return torch.empty(1 + len(self.keys()), master.numel(), dtype=master.dtype, device=master.device)
+        width = master.numel() if columns is None else columns
+        return torch.empty(1 + len(self.keys()), width, dtype=master.dtype, device=master.device)
 
     def copy_columns(self, shard: int, low: int, high: int, out: torch.Tensor) -> None:
         """Columns ``[low, high)`` of shard ``shard``'s rows into ``out`` (rows x ``high - low``, any strides)."""
