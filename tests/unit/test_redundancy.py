@@ -260,18 +260,22 @@ def test_state_bytes_follow_the_formula() -> None:
     assert set(state_bytes(place(Overlap(0), nodes), parameters, state_elements=adam)) == {whole // 64}
     assert set(state_bytes(place(Overlap(0.125), nodes), parameters, state_elements=adam)) == {9 * whole // 64}
     assert set(state_bytes(place(Overlap(1), nodes), parameters, state_elements=adam)) == {whole}
-    assert set(state_bytes(place(Parity(7, 1), nodes), parameters, state_elements=adam)) == {8 * whole // (64 * 7)}
+    # parity units hold the moments, not the masters (the parameters): Adam's 2 rows of 3, SGD momentum's 1 of 2
+    assert set(state_bytes(place(Parity(7, 1), nodes), parameters, state_elements=adam)) == {
+        whole // 64 + whole * 2 // (3 * 64 * 7)
+    }
     assert set(state_bytes(place(Parity(6, 2), nodes), parameters, state_elements=2, element_bytes=2)) == {
-        parameters * 2 * 2 * 8 // (64 * 6)
+        parameters * 2 * 2 // 64 + 2 * parameters * 2 // (64 * 6)
     }
 
 
 def test_parity_cells_are_padded_to_the_longest_in_their_stripe() -> None:
     placement = place(Parity(2, 1), ["a", "b", "c"])
-    # 7 elements: shards 3, 2, 2; cells (2, 1), (1, 1), (1, 1); each stripe's parity as long as its longest cell
-    held = state_bytes(placement, 7, state_elements=1, element_bytes=1)
+    # 7 elements: shards 3, 2, 2; cells (2, 1), (1, 1), (1, 1); each stripe's parity as long as its longest cell,
+    # one row (a master and one moment per element; parity holds the moment)
+    held = state_bytes(placement, 7, state_elements=2, element_bytes=1)
     parity = [max(((2, 1), (1, 1), (1, 1))[c.shard][c.index] for c in stripe.cells) for stripe in placement.stripes]
     assert held == tuple(
-        length + sum(parity[s] for s, _ in units)
+        2 * length + sum(parity[s] for s, _ in units)
         for length, units in zip((3, 2, 2), placement.redundant_units, strict=True)
     )

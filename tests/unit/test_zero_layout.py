@@ -59,8 +59,9 @@ def parity_units(layout: ShardLayout, state: torch.Tensor) -> dict[tuple[int, in
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(worlds())
-def test_a_plan_gives_every_new_process_exactly_its_old_values(world: tuple) -> None:
+@given(worlds(), st.data())
+def test_a_plan_gives_every_new_process_exactly_its_old_values(world: tuple, data: st.DataObject) -> None:
+    """Also with only some valid processes allowed to rebuild (those whose parameters are current)."""
     redundancy, labels, parameters, failed, joiners = world
     old = placeable(redundancy, labels, parameters)
     if old is None:
@@ -84,7 +85,10 @@ def test_a_plan_gives_every_new_process_exactly_its_old_values(world: tuple) -> 
             plan_repair(old, valid, new)
         assert error.value.shards == lost
         return
-    plan = plan_repair(old, valid, new)
+    rebuilders = data.draw(st.none() | st.sets(st.sampled_from(sorted(valid.values())), min_size=1))
+    plan = plan_repair(old, valid, new, rebuilders=rebuilders)
+    allowed = set(valid.values()) if rebuilders is None else rebuilders
+    assert all(rebuild.rebuilder in allowed for rebuild in plan.rebuilds)
     state = torch.randn(ROWS, parameters)
     parity = parity_units(old, state) if old.parity else {}
     # What each new rank holds before the moves: the old shards it held (if valid), and the cells it rebuilds.
@@ -131,8 +135,8 @@ def test_layout_round_trips_and_holds_what_the_formula_says(world: tuple) -> Non
     held = []
     for process in range(layout.processes):
         elements = sum(end - start for s in layout.held_shards(process) for start, end in [layout.shard_ranges[s]])
-        elements += sum(layout.unit_length(stripe) for stripe, _ in layout.parity_units(process))
-        held.append(elements * ROWS * 4)
+        parity = sum(layout.unit_length(stripe) for stripe, _ in layout.parity_units(process))
+        held.append((elements * ROWS + parity * (ROWS - 1)) * 4)  # parity units hold no master row
     assert tuple(held) == state_bytes(layout.placement, parameters, state_elements=ROWS)
     # replicated (the sharded step's gather is skipped): exactly when every process holds every shard.
     everywhere = all(set(layout.held_shards(p)) == set(range(layout.processes)) for p in range(layout.processes))
@@ -147,6 +151,14 @@ def test_malformed_descriptions_are_refused() -> None:
             layout_from(description)
     with pytest.raises(ValueError, match="overlap must be in"):
         layout_from({"redundancy": {"overlap": 2.0}, "nodes": ["a", "b"], "parameters": 4})
+
+
+def test_plan_refuses_rebuilders_that_are_not_valid_processes() -> None:
+    old = make_layout(Parity(2, 1), ["a", "b", "c"], 12)
+    new = make_layout(Parity(1, 1), ["a", "b"], 12)
+    for rebuilders in (set(), {2}):
+        with pytest.raises(ValueError, match=r"rebuilders must be a non-empty set of valid processes' new ranks"):
+            plan_repair(old, {0: 0, 1: 1}, new, rebuilders=rebuilders)
 
 
 def test_plan_refuses_a_new_world_of_other_parameters() -> None:

@@ -160,6 +160,7 @@ def plan_repair(
     *,
     parity_valid: Set[int] | None = None,
     behind: Mapping[int, int] | None = None,
+    rebuilders: Set[int] | None = None,
 ) -> RepairPlan:
     """How the new world gets its units from the old one.
 
@@ -170,8 +171,11 @@ def plan_repair(
     range a new process holds is sent by one valid old holder (itself if it
     held it: a move from a process to itself; else the lowest new rank), or by the valid process
     that rebuilt it: from parity, or from a holder that is behind (the
-    rebuilder then applies the last update again). Raises
-    :class:`ShardsLostError` when some shard cannot be rebuilt.
+    rebuilder then applies the last update again). ``rebuilders`` (new
+    ranks, default every valid one) are those that may rebuild: a parity
+    rebuild takes the cell's master from the rebuilder's parameters, which
+    only some processes hold current when a gather ended on some and not
+    others. Raises :class:`ShardsLostError` when some shard cannot be rebuilt.
     """
     if old.parameters != new.parameters:
         raise ValueError(f"the new layout has {new.parameters} elements, the old one {old.parameters}")
@@ -190,6 +194,9 @@ def plan_repair(
         )
     if not valid:
         raise ValueError("plan_repair needs at least one valid old process")
+    allowed = set(valid.values()) if rebuilders is None else set(rebuilders)
+    if not allowed or not allowed <= set(valid.values()):
+        raise ValueError(f"rebuilders must be a non-empty set of valid processes' new ranks, got {sorted(allowed)}")
     parity_usable = set(usable) if parity_valid is None else set(parity_valid) | set(behind)
     sources: list[tuple[Range, tuple[int, ...]]] = []  # element range -> the new ranks holding it after the rebuilds
     rebuilds: list[Rebuild] = []
@@ -203,9 +210,9 @@ def plan_repair(
         for index, cell in enumerate(old.cell_ranges[shard]):
             if old.parity is None:  # a copy one update behind, updated again by a valid process
                 holder = min(usable[h] for h in old.holders(shard) if h in usable)
-                rebuild = Rebuild(shard, 0, cell, min(valid.values()), ((0, holder),))
+                rebuild = Rebuild(shard, 0, cell, min(allowed), ((0, holder),))
             else:
-                rebuild = _rebuild(old, usable, parity_usable, set(valid.values()), shard, index, cell)
+                rebuild = _rebuild(old, usable, parity_usable, allowed, shard, index, cell)
             rebuilds.append(rebuild)
             sources.append((cell, (rebuild.rebuilder,)))
     moves = [

@@ -6,10 +6,12 @@ shards of consecutive parameters, the first ``P mod N`` one element longer
 (``torch.tensor_split``'s rule), and each shard into ``cells_per_shard``
 cells by the same rule. A process holds its own shard, and each redundant unit
 it holds is as long as the longest data cell of its stripe (shorter cells are
-zero-padded for parity). With ``S = P * s * b``, that is about
+zero-padded for parity). A copy holds all ``s`` rows; a parity unit holds the
+``s - 1`` state rows only, since the masters are the parameters, which every
+process holds. With ``S = P * s * b``, that is about
 
 - overlap with ``r`` copies: ``(1 + r) * S / N``
-- parity ``(k, m)``: ``(1 + m / k) * S / N``
+- parity ``(k, m)``: ``(1 + (s - 1) / s * m / k) * S / N``
 
 and exactly what :func:`state_bytes` returns, process by process. The model's
 parameters and gradients stay whole on every process and are not counted.
@@ -18,6 +20,7 @@ parameters and gradients stay whole on every process and are not counted.
 from __future__ import annotations
 
 from stalwart._validate import check_int
+from stalwart.redundancy.config import Parity
 from stalwart.redundancy.placement import Placement
 
 OPTIMIZER_STATE_ELEMENTS: dict[str, int] = {"adam": 3, "sgd": 2}
@@ -37,15 +40,16 @@ def split_lengths(total: int, parts: int) -> tuple[int, ...]:
 def state_bytes(
     placement: Placement, parameters: int, *, state_elements: int, element_bytes: int = FP32_BYTES
 ) -> tuple[int, ...]:
-    """Bytes of sharded state held by each process: its shard plus its copies or parity cells."""
+    """Bytes of sharded state held by each process: its shard plus its copies or parity units (no master rows)."""
     parameters = check_int("parameters", parameters, minimum=1)
     per_element = check_int("state_elements", state_elements, minimum=1) * check_int(
         "element_bytes", element_bytes, minimum=1
     )
+    per_unit = per_element - element_bytes if isinstance(placement.redundancy, Parity) else per_element
     shards = split_lengths(parameters, placement.processes)
     cells = [split_lengths(length, placement.cells_per_shard) for length in shards]
     unit = [max(cells[cell.shard][cell.index] for cell in stripe.cells) for stripe in placement.stripes]
     return tuple(
-        (shards[process] + sum(unit[stripe] for stripe, _ in held)) * per_element
+        shards[process] * per_element + sum(unit[stripe] for stripe, _ in held) * per_unit
         for process, held in enumerate(placement.redundant_units)
     )

@@ -108,8 +108,11 @@ def reshard(state: ShardState, comm: Communicator, applied_step: int) -> bool:
         behind = {} if committed else {int(p["rank"]): rank for rank, p in same if int(p["updates"]) == newest - 1}
         stale = [rank for rank, peer in enumerate(infos) if peer["layout"] is not None and rank not in valid.values()]
         replayed = bool(behind or stale) or not all(peer["committed"] for peer in infos)
+        # A parity rebuild takes the cell's master from the rebuilder's parameters: after a commit, only those of
+        # the processes that committed (their gather ended) are current; before it, no gather ended anywhere.
+        rebuilders = {rank for rank in valid.values() if infos[rank]["committed"]} if committed else None
         try:
-            plan = plan_repair(old, valid, new, parity_valid=parity_valid, behind=behind)
+            plan = plan_repair(old, valid, new, parity_valid=parity_valid, behind=behind, rebuilders=rebuilders)
         except ShardsLostError as error:
             state.stats.shards_lost += len(error.shards)
             raise
@@ -221,11 +224,14 @@ def _rebuild(
     Before the update's sync ended anywhere (``committed`` false), a cell
     is rebuilt as it was before the update, from the old parity and the
     other cells' snapshots (or from a copy one update behind), and updated
-    again with the kept gradient.
+    again with the kept gradient. Parity rebuilds a cell's state rows; its
+    master is the rebuilder's parameters (the plan picks a rebuilder whose
+    parameters are current).
     """
     if not plan.rebuilds:
         return {}
     code = None if old.parity is None else ParityCode(old.parity)
+    unit_rows = rows if code is None else rows - 1  # parity holds no masters
     me, world = comm.rank, comm.world_size
     send: list[list[torch.Tensor]] = [[] for _ in range(world)]
     local: dict[tuple[int, int], torch.Tensor] = {}
@@ -239,7 +245,7 @@ def _rebuild(
                 else:
                     send[rebuild.rebuilder].append(data)
             elif rebuild.rebuilder == me:
-                receive_sizes[sender] += _unit_bytes(old, rebuild, unit, rows)
+                receive_sizes[sender] += _unit_bytes(old, rebuild, unit, unit_rows)
     flat = [torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8) for chunks in send]
     received = comm.all_to_all(torch.cat(flat).to(comm.device), [chunk.numel() for chunk in flat], receive_sizes).cpu()
     offsets = [sum(receive_sizes[:rank]) for rank in range(world)]
@@ -252,15 +258,17 @@ def _rebuild(
             if sender == me:
                 units[unit] = local[(number, unit)]
             else:
-                size = _unit_bytes(old, rebuild, unit, rows)
+                size = _unit_bytes(old, rebuild, unit, unit_rows)
                 units[unit] = received[offsets[sender] : offsets[sender] + size]
                 offsets[sender] += size
+        length = rebuild.cell[1] - rebuild.cell[0]
         if code is None:
-            data = units[0]
+            cell = units[0].view(torch.float32).reshape(rows, length)
         else:
-            lengths = [(end - start) * rows * 4 for start, end in old.stripe_cells(rebuild.stripe)]
-            data = code.decode(units, lengths)[rebuild.unit]
-        cell = data.view(torch.float32).reshape(rows, rebuild.cell[1] - rebuild.cell[0])
+            lengths = [(end - start) * unit_rows * 4 for start, end in old.stripe_cells(rebuild.stripe)]
+            state_rows = code.decode(units, lengths)[rebuild.unit].view(torch.float32).reshape(unit_rows, length)
+            master = state.flat(state.locals, *rebuild.cell).cpu().reshape(1, length)
+            cell = torch.cat([master, state_rows])
         if not committed:
             cell = _replay(state, cell, rebuild.cell, keys)
         rebuilt[rebuild.cell] = cell.to(state.device)
@@ -268,7 +276,7 @@ def _rebuild(
 
 
 def _unit(state: ShardState, old: ShardLayout, rebuild: Rebuild, unit: int, committed: bool) -> torch.Tensor:
-    """Unit ``unit`` of a rebuild as this process holds it: a data cell's rows, a parity unit or a copy; bytes."""
+    """Unit ``unit`` of a rebuild as this process holds it: a data cell's state rows, a parity unit or a copy; bytes."""
     if old.parity is None:  # a copy held one update behind: this process's rows of that shard as they are
         return byte_view(state.rows(rebuild.stripe)).cpu()
     k = old.parity.k
@@ -280,8 +288,8 @@ def _unit(state: ShardState, old: ShardLayout, rebuild: Rebuild, unit: int, comm
     snapshot = None if committed or state.snapshot is None else state.snapshot.rows
     if snapshot is not None:
         return byte_view(snapshot[:, start - own_start : end - own_start].contiguous()).cpu()
-    cell = state.row_buffer(state.rank, end - start)
-    state.copy_columns(state.rank, start - own_start, end - own_start, cell)
+    cell = state.row_buffer(state.rank, end - start, master=False)
+    state.copy_columns(state.rank, start - own_start, end - own_start, cell, master=False)
     return byte_view(cell).cpu()
 
 
@@ -392,7 +400,7 @@ def _copy_old_range(
 
 
 def _unit_bytes(layout: ShardLayout, rebuild: Rebuild, unit: int, rows: int) -> int:
-    """Bytes of a rebuild's unit: a copy's or data cell's rows, or a parity unit (its stripe's longest cell's)."""
+    """Bytes of a rebuild's unit of ``rows`` rows: a copy or data cell, or parity (its stripe's longest cell's)."""
     if layout.parity is None:
         return rows * (rebuild.cell[1] - rebuild.cell[0]) * 4
     cells = layout.stripe_cells(rebuild.stripe)

@@ -39,7 +39,12 @@ class RepairStats:
 
 @dataclass
 class Snapshot:
-    """The scalar state and hyper-parameters before the update not yet synced; with parity, this shard's rows too."""
+    """The scalar state and hyper-parameters before the update not yet synced; with parity, this shard's state rows.
+
+    ``rows`` (parity) are the per-element state rows without the master: the
+    master before the update is the parameters, which the update leaves alone
+    until its gather.
+    """
 
     scalars: dict[str, Any]
     hyperparameters: list[dict[str, Any]]
@@ -137,26 +142,31 @@ class ShardState:
         """Shard ``shard``'s rows: the master, then each per-element state tensor in key order (a copy).
 
         Each element is copied once, straight into the result (``out`` when
-        given, rows x elements): the sharded step takes the rows of its shard
-        every step with parity, into a buffer it keeps.
+        given, rows x elements).
         """
         master = self.masters[shard]
         rows = self.row_buffer(shard) if out is None else out
         self.copy_columns(shard, 0, master.numel(), rows)
         return rows
 
-    def row_buffer(self, shard: int, columns: int | None = None) -> torch.Tensor:
-        """An uninitialised rows x ``columns`` tensor (default: the shard's elements) for shard ``shard``'s rows."""
-        master = self.masters[shard]
-        width = master.numel() if columns is None else columns
-        return torch.empty(1 + len(self.keys()), width, dtype=master.dtype, device=master.device)
+    def row_buffer(self, shard: int, columns: int | None = None, *, master: bool = True) -> torch.Tensor:
+        """An uninitialised rows x ``columns`` tensor (default: the shard's elements) for shard ``shard``'s rows.
 
-    def copy_columns(self, shard: int, low: int, high: int, out: torch.Tensor) -> None:
-        """Columns ``[low, high)`` of shard ``shard``'s rows into ``out`` (rows x ``high - low``, any strides)."""
-        master = self.masters[shard]
-        out[0].copy_(master.detach()[low:high])
+        ``master=False``: the state rows only (what parity protects).
+        """
+        held = self.masters[shard]
+        width = held.numel() if columns is None else columns
+        return torch.empty(int(master) + len(self.keys()), width, dtype=held.dtype, device=held.device)
+
+    def copy_columns(self, shard: int, low: int, high: int, out: torch.Tensor, *, master: bool = True) -> None:
+        """Columns ``[low, high)`` of shard ``shard``'s rows into ``out`` (rows x ``high - low``, any strides).
+
+        ``master=False``: the state rows only, from ``out``'s first row.
+        """
+        if master:
+            out[0].copy_(self.masters[shard].detach()[low:high])
         state = self.inner.state if self.inner is not None else {}
-        for row, key in enumerate(self.keys(), start=1):
+        for row, key in enumerate(self.keys(), start=int(master)):
             for _, offset, view in self.views[shard]:
                 first, last = max(low, offset), min(high, offset + view.numel())
                 if first < last:

@@ -8,9 +8,11 @@ collective), each piece with its parameter group's hyper-parameters as they
 are then; :meth:`ShardedOptimizer.sync` re-encodes parity, all-gathers the
 updated parameters from the primaries and checks the copies. A failure during
 ``sync`` leaves every survivor with its updated shards; a parity process
-keeps its shard as it was before the update (and every process the
-gradients) until ``sync`` ends, so a lost cell is rebuilt from the old parity
-and updated again (:mod:`stalwart.runtime.zero.repair`).
+keeps its shard's state rows as they were before the update (the master
+then is its parameters; every process keeps the gradients) until ``sync``
+ends, so a lost cell is rebuilt from the old parity and updated again
+(:mod:`stalwart.runtime.zero.repair`). Parity covers the state rows only:
+the masters are the parameters, which every process holds.
 """
 
 from __future__ import annotations
@@ -106,11 +108,13 @@ class ShardedOptimizer:
         hyperparameters = state.hyperparameters()
         state.set_hyperparameters(state.inner, state.inner_groups, hyperparameters)
         rows = None
-        if state.layout.parity is not None:  # this shard's rows before the update: a buffer kept across steps
+        if state.layout.parity is not None:  # this shard's state rows before the update: a buffer kept across steps
+            own = state.masters[state.rank].numel()
             kept = self._snapshot_rows
-            if kept is None or kept.shape != (1 + len(state.keys()), state.masters[state.rank].numel()):
-                kept = self._snapshot_rows = state.row_buffer(state.rank)
-            rows = state.rows(state.rank, out=kept)
+            if kept is None or kept.shape != (len(state.keys()), own):
+                kept = self._snapshot_rows = state.row_buffer(state.rank, master=False)
+            state.copy_columns(state.rank, 0, own, kept, master=False)
+            rows = kept
         state.snapshot = Snapshot(clone(state.scalars()), hyperparameters, rows)
         for shard, views in state.views.items():
             start = state.layout.shard_ranges[shard][0]
@@ -235,11 +239,17 @@ class ShardedOptimizer:
                     local.copy_(torch.cat([gather.received[low:high] for low, high in pieces]).view_as(local))
 
     def _encode(self, comm: Communicator) -> dict[tuple[int, int], torch.Tensor]:
-        """Send the data cells to their stripes' parity holders (one all-to-all); encode the units held here."""
+        """Send the data cells to their stripes' parity holders (one all-to-all); encode the units held here.
+
+        A data cell is its per-element state rows, without the master: the
+        masters are the parameters, which every process holds once the
+        gather is done, so parity protects only what exists nowhere else
+        (Adam: two rows of three, a third fewer bytes sent and encoded).
+        """
         state = self.state
         layout = state.layout
         assert layout is not None and layout.parity is not None
-        rows = 1 + len(state.keys())
+        rows = len(state.keys())
         me, world = comm.rank, comm.world_size
         stripes = layout.placement.stripes
         sent: list[list[tuple[int, int]]] = [[] for _ in range(world)]  # per holder: own cells' column ranges
@@ -260,7 +270,7 @@ class ShardedOptimizer:
         for ranges in sent:  # each cell as its rows x columns block, row-major, copied straight from the state
             for low, high in ranges:
                 size = rows * (high - low)
-                state.copy_columns(me, low, high, send[offset : offset + size].view(rows, high - low))
+                state.copy_columns(me, low, high, send[offset : offset + size].view(rows, high - low), master=False)
                 offset += size
         comm.all_to_all(send, send_sizes, receive_sizes, out=received)
         offsets = [sum(receive_sizes[:rank]) for rank in range(world)]
