@@ -120,7 +120,7 @@ def reshard(state: ShardState, comm: Communicator, applied_step: int) -> bool:
         scalars = _decode_scalars(reference["scalars"])
         unit_rows = 1 + len(keys) if committed else int(reference["rows_before"])
         rebuilt = _rebuild(state, comm, old, plan, committed, unit_rows, keys)
-        rows = _move(state, comm, old, new, plan, rebuilt, 1 + len(keys))
+        rows = _move(state, comm, old, new, plan, rebuilt, 1 + len(keys), masters_move=replayed)
         state.install(new, comm.rank, rows, keys, scalars)
         state.updates = newest
         changed = old.processes != new.processes or valid != {rank: rank for rank in range(new.processes)}
@@ -330,15 +330,22 @@ def _move(
     plan: RepairPlan,
     rebuilt: dict[Range, torch.Tensor],
     rows: int,
+    *,
+    masters_move: bool,
 ) -> dict[int, torch.Tensor]:
     """Every element range to its new holders (one all-to-all); the rows of this process's new shards.
 
     Each range is copied once on its way: from the held state (or a rebuilt
     cell) straight into the new shard when it stays here, else into its
     place in the send buffer, and from the receive buffer into the new shard.
+    Without ``masters_move`` (every process committed the last update, so
+    its parameters are the masters) only the state rows travel and each new
+    shard's master is read from this process's parameters.
     """
     me, world = comm.rank, comm.world_size
     device = state.device
+    first = 0 if masters_move else 1  # the first row that travels
+    moved = rows - first
     result = {
         s: torch.empty(rows, end - start, device=device)
         for s in new.held_shards(me)
@@ -346,7 +353,7 @@ def _move(
     }
     send_sizes, receive_sizes = [0] * world, [0] * world
     for move in plan.moves:
-        size = rows * (move.elements[1] - move.elements[0])
+        size = moved * (move.elements[1] - move.elements[0])
         if move.source == me and move.target != me:
             send_sizes[move.target] += size
         elif move.target == me and move.source != me:
@@ -358,21 +365,24 @@ def _move(
             continue
         length = move.elements[1] - move.elements[0]
         if move.target == me:
-            out = _new_columns(result, new, move.elements)
+            out = _new_columns(result, new, move.elements)[first:]
         else:
             offset = send_offsets[move.target]
-            out = send[offset : offset + rows * length].view(rows, length)
-            send_offsets[move.target] += rows * length
-        _copy_old_range(state, old, move.elements, rebuilt, out)
+            out = send[offset : offset + moved * length].view(moved, length)
+            send_offsets[move.target] += moved * length
+        _copy_old_range(state, old, move.elements, rebuilt, out, first)
     received = comm.all_to_all(send.to(comm.device), send_sizes, receive_sizes).to(device)
     offsets = [sum(receive_sizes[:rank]) for rank in range(world)]
     for move in plan.moves:
         if move.target != me or move.source == me:
             continue
         length = move.elements[1] - move.elements[0]
-        chunk = received[offsets[move.source] : offsets[move.source] + rows * length]
-        offsets[move.source] += rows * length
-        _new_columns(result, new, move.elements).copy_(chunk.view(rows, length))
+        chunk = received[offsets[move.source] : offsets[move.source] + moved * length]
+        offsets[move.source] += moved * length
+        _new_columns(result, new, move.elements)[first:].copy_(chunk.view(moved, length))
+    if not masters_move:
+        for shard, held in result.items():
+            held[0].copy_(state.flat(state.locals, *new.shard_ranges[shard]))
     return result
 
 
@@ -384,17 +394,22 @@ def _new_columns(result: dict[int, torch.Tensor], new: ShardLayout, elements: Ra
 
 
 def _copy_old_range(
-    state: ShardState, old: ShardLayout, elements: Range, rebuilt: dict[Range, torch.Tensor], out: torch.Tensor
+    state: ShardState,
+    old: ShardLayout,
+    elements: Range,
+    rebuilt: dict[Range, torch.Tensor],
+    out: torch.Tensor,
+    first: int,
 ) -> None:
-    """Rows of ``elements`` into ``out``: from a shard this process holds in the old layout, or a cell it rebuilt."""
+    """Rows ``first..`` of ``elements`` into ``out``: from a shard held in the old layout, or a cell rebuilt here."""
     for shard in state.masters:
         start, end = old.shard_ranges[shard]
         if start <= elements[0] and elements[1] <= end:
-            state.copy_columns(shard, elements[0] - start, elements[1] - start, out)
+            state.copy_columns(shard, elements[0] - start, elements[1] - start, out, master=first == 0)
             return
     for (start, end), rows in rebuilt.items():
         if start <= elements[0] and elements[1] <= end:
-            out.copy_(rows[:, elements[0] - start : elements[1] - start])
+            out.copy_(rows[first:, elements[0] - start : elements[1] - start])
             return
     raise AssertionError(f"elements {elements} are neither held nor rebuilt here")
 
