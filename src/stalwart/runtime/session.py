@@ -18,7 +18,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,7 @@ from stalwart.coord.client import (
     LighthouseUnreachable,
     QuorumAnswer,
 )
+from stalwart.coord.protocol import MAX_STORE_KEYS_PER_REQUEST
 from stalwart.coord.tls import client_context
 from stalwart.data.plan import EpochPlan
 from stalwart.data.shards import ShardIdentity, shard_difference
@@ -239,7 +240,7 @@ class QuorumSession:
             store.set(f"data/{self.member}/{self.group.rank}", self.data_fingerprint)
             shards = json.dumps([identity.to_list() for identity in self.data_identities])
             store.set(f"data-shards/{self.member}/{self.group.rank}", shards)
-            self.group_sizes = [_group_size(store, member) for member in answer.members]
+            self.group_sizes = _group_sizes(store, answer.members)
             self._check_layout(answer, store)
             self._check_data(answer, store)
         except (RuntimeError, dist.DistError) as error:  # a member that never wrote its keys: it died
@@ -449,9 +450,10 @@ class QuorumSession:
             )
 
 
-def _peer_text(store: dist.Store, key: str) -> str:
-    """A peer's text value (a layout, a fingerprint); malformed (not UTF-8, too long) is a failed collective."""
-    raw = bytes(store.get(key))
+def _peer_text(store: dist.Store, key: str, raw: bytes | None = None) -> str:
+    """A peer's text value (a layout, a fingerprint; ``raw`` when already read): malformed (not UTF-8, too long)
+    is a failed collective."""
+    raw = bytes(store.get(key)) if raw is None else raw
     try:
         if len(raw) > MAX_PEER_TEXT:
             raise ValueError(f"{len(raw)} bytes, over {MAX_PEER_TEXT}")
@@ -460,15 +462,26 @@ def _peer_text(store: dist.Store, key: str) -> str:
         raise CollectiveError(f"a peer's {key!r} in the quorum's store is malformed ({error})") from None
 
 
-def _group_size(store: dist.Store, member: str) -> int:
-    """Member ``member``'s group size from the store: an int in [1, MAX_GROUP_SIZE], else a failed collective."""
-    text = _peer_text(store, f"group_size/{member}")
-    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_GROUP_SIZE:
-        raise CollectiveError(
-            f"member {member!r} announced group size {text[:40]!r} in the quorum's store: not an int in "
-            f"[1, {MAX_GROUP_SIZE}]"
-        )
-    return int(text)
+def _group_sizes(store: dist.Store, members: Sequence[str]) -> list[int]:
+    """Each member's group size from the store: an int in [1, MAX_GROUP_SIZE], else a failed collective.
+
+    Read in one request per ``MAX_STORE_KEYS_PER_REQUEST`` members: a round trip per member took 13-16 ms of
+    an 8-process recovery on a busy lighthouse.
+    """
+    keys = [f"group_size/{member}" for member in members]
+    raws: list[bytes] = []
+    for start in range(0, len(keys), MAX_STORE_KEYS_PER_REQUEST):
+        raws += [bytes(raw) for raw in store.multi_get(keys[start : start + MAX_STORE_KEYS_PER_REQUEST])]
+    sizes = []
+    for member, key, raw in zip(members, keys, raws, strict=True):
+        text = _peer_text(store, key, raw)
+        if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_GROUP_SIZE:
+            raise CollectiveError(
+                f"member {member!r} announced group size {text[:40]!r} in the quorum's store: not an int in "
+                f"[1, {MAX_GROUP_SIZE}]"
+            )
+        sizes.append(int(text))
+    return sizes
 
 
 def _connect_client(
