@@ -68,7 +68,13 @@ def peer(rank: int, port: int, prefix: str, scenario: str, reports: Any, abandon
                 comm.all_gather(torch.arange(3.0) + 10 * rank, out=torch.empty(3 * WORLD)).tolist(),
                 comm.all_gather(torch.zeros(0)).tolist(),
             ]
-            reports.put((rank, "sum", (values.tolist(), received.item(), gathered)))
+            records = comm.all_gather_bytes(b"r" * rank + bytes([rank]), limit=16)  # lengths differ by rank
+            try:
+                comm.all_gather_bytes(b"x" * (rank + 1), limit=2)
+                over = "no error"
+            except CollectiveError as error:
+                over = str(error)
+            reports.put((rank, "sum", (values.tolist(), received.item(), gathered, records, over)))
         elif rank == VICTIM:
             time.sleep(2 * GROUP_TIMEOUT)
         else:
@@ -127,6 +133,7 @@ class Group:
 
 
 def test_all_reduce_sums_broadcast_copies_and_all_gather_concatenates(store: dist.TCPStore) -> None:
+    """Also records of any length gathered as bytes, and one over the limit refused on every rank."""
     group = Group(store.port, "sum")
     try:
         results = group.collect("sum", list(range(WORLD)))
@@ -136,7 +143,9 @@ def test_all_reduce_sums_broadcast_copies_and_all_gather_concatenates(store: dis
             [10.0 * rank + i for rank in range(WORLD) for i in range(3)],
             [],
         ]
-        assert results == dict.fromkeys(range(WORLD), ([6.0, 30.0], 1.0, gathered))
+        records = [b"r" * rank + bytes([rank]) for rank in range(WORLD)]
+        over = f"rank {WORLD - 1} sent a record of {WORLD} bytes, over 2"  # every rank refuses it alike
+        assert results == dict.fromkeys(range(WORLD), ([6.0, 30.0], 1.0, gathered, records, over))
     finally:
         group.close()
 

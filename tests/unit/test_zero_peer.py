@@ -66,7 +66,7 @@ def test_a_malformed_record_is_a_failed_collective(what: str, change: Any) -> No
     record = good_record(state)
     own_keys = ["exp_avg", "exp_avg_sq"] if what == "other keys" else []
     state.keys = lambda: own_keys  # type: ignore[method-assign]
-    with pytest.raises(CollectiveError, match=r"process 1's sharded-state record .* is malformed"):
+    with pytest.raises(CollectiveError, match=r"process 1's sharded-state record is malformed"):
         peer_info(change(record), 1, state)
 
 

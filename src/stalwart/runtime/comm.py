@@ -225,6 +225,22 @@ class Communicator:
             self._spread = torch.empty(size, dtype=torch.uint8, device=flat.device)
         return self._spread[:size].view(flat.dtype)
 
+    def all_gather_bytes(self, payload: bytes, limit: int) -> list[bytes]:
+        """Every rank's ``payload`` (at most ``limit`` bytes each), in rank order: its length, then its bytes.
+
+        For a small record each rank must read from every other (the sharded
+        state's reshard): two collectives instead of a store round trip per
+        peer. A length over ``limit`` is a failed collective on every rank.
+        """
+        sizes = self.all_gather(torch.tensor([len(payload)], dtype=torch.int64, device=self.device)).tolist()
+        longest = max(sizes)
+        if longest > limit:
+            raise CollectiveError(f"rank {sizes.index(longest)} sent a record of {longest} bytes, over {limit}")
+        padded = torch.zeros(max(longest, 1), dtype=torch.uint8)
+        padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        gathered = self.all_gather(padded.to(self.device)).cpu().view(self.world_size, -1)
+        return [gathered[rank, :size].numpy().tobytes() for rank, size in enumerate(sizes)]
+
     def all_to_all(
         self, tensor: torch.Tensor, send_sizes: list[int], receive_sizes: list[int], out: torch.Tensor | None = None
     ) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Repair and reshard of the sharded state when the quorum changes: rebuild the dead's shards, move every range.
 
-Every process of the new quorum publishes what it holds (layout, updates,
-whether its last update was synced); all derive the same new layout and
+Every process of the new quorum tells all others what it holds (layout,
+updates, whether its last update was synced: one all-gather of JSON
+records); all derive the same new layout and
 :func:`~stalwart.redundancy.layout.plan_repair` (pure) says which cells are
 rebuilt where, from copies or parity, and which element ranges move. One
 all-to-all carries the rebuilds' units, another the moves; a process keeps
@@ -48,7 +49,7 @@ log = logging.getLogger(__name__)
 PEER_FIELDS = frozenset(
     {"node", "layout", "rank", "updates", "committed", "parity_valid", "keys", "scalars", "rows_before", "loaded"}
 )
-"""What each process publishes of its sharded state (``zero/RANK`` in the quorum's store)."""
+"""What each process tells the others of its sharded state before a reshard."""
 MAX_PEER_BYTES = 1 << 20
 _MAX_NAME = 256
 _SCALAR_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "int32", "int64", "bool"})
@@ -76,8 +77,8 @@ def reshard(state: ShardState, comm: Communicator, applied_step: int) -> bool:
         "rows_before": len(state.keys()) + 1 if state.snapshot is None else len(_snapshot_keys(state)) + 1,
         "loaded": bool(state.template.state),
     }
-    comm.publish(f"zero/{comm.rank}", json.dumps(info))
-    infos = [peer_info(comm.read(f"zero/{rank}"), rank, state) for rank in range(comm.world_size)]
+    records = comm.all_gather_bytes(json.dumps(info).encode(), MAX_PEER_BYTES)
+    infos = [peer_info(record, rank, state) for rank, record in enumerate(records)]
     nodes = [str(peer["node"]) for peer in infos]
     holding = [peer for peer in infos if peer["layout"] is not None]
     # The job's first layout must fit as configured (a bad choice is an error before training); later ones adapt.
@@ -138,7 +139,7 @@ def peer_info(raw: bytes, rank: int, state: ShardState) -> dict[str, Any]:
     """Process ``rank``'s published state, checked; :class:`CollectiveError` (a failed collective) if malformed."""
 
     def refuse(why: str) -> CollectiveError:
-        return CollectiveError(f"process {rank}'s sharded-state record in the quorum's store is malformed: {why}")
+        return CollectiveError(f"process {rank}'s sharded-state record is malformed: {why}")
 
     if len(raw) > MAX_PEER_BYTES:
         raise refuse(f"{len(raw)} bytes, over {MAX_PEER_BYTES}")
