@@ -625,13 +625,14 @@ def test_a_garbage_group_size_in_the_store_is_a_failed_collective(
     lighthouse: LighthouseProcess, honest: Honest
 ) -> None:
     from stalwart.runtime.comm import CollectiveError, quorum_store
-    from stalwart.runtime.session import _group_size
+    from stalwart.runtime.session import _group_sizes
 
     answer: QuorumAnswer = honest.answers["a"]
     store = quorum_store(answer.store, 5.0, token=TOKEN)
+    store.set("group_size/c", b"2")
     for garbage in (b"1000000", b"-1", b"abc", b"\xff", b"1" * 5000):
         store.set("group_size/b", garbage)
-        with pytest.raises(CollectiveError, match=r"group_size|group size"):
-            _group_size(store, "b")
+        with pytest.raises(CollectiveError, match=r"'group_size/b'|member 'b' announced group size"):
+            _group_sizes(store, ["c", "b"])  # one multi_get through the lighthouse
     store.set("group_size/b", b"1")
-    assert _group_size(store, "b") == 1
+    assert _group_sizes(store, ["c", "b"]) == [2, 1]

@@ -1,4 +1,7 @@
-"""Members' group sizes read from the quorum's store in batched requests, each checked (a real loopback TCPStore)."""
+"""Members' group sizes read from the quorum's store in batched requests, in member order (a loopback TCPStore).
+
+Garbage sizes through the real lighthouse: ``test_hostile.py``.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +11,6 @@ import pytest
 import torch.distributed as dist
 
 from stalwart.coord.protocol import MAX_STORE_KEYS_PER_REQUEST
-from stalwart.runtime.comm import CollectiveError
 from stalwart.runtime.session import _group_sizes
 
 
@@ -22,11 +24,3 @@ def test_sizes_come_in_member_order_across_request_batches(store: dist.TCPStore)
     sizes = [1 + index % 7 for index in range(len(members))]
     store.multi_set([f"group_size/{member}" for member in members], [str(size) for size in sizes])
     assert _group_sizes(store, members) == sizes
-
-
-@pytest.mark.parametrize("announced", ["0", "abc", "-1", "9" * 40, "\u0663"])
-def test_a_malformed_size_is_a_failed_collective_naming_the_member(store: dist.TCPStore, announced: str) -> None:
-    store.set("group_size/a", "2")
-    store.set("group_size/b", announced)
-    with pytest.raises(CollectiveError, match=r"member 'b' announced group size .* not an int in \[1, "):
-        _group_sizes(store, ["a", "b"])
