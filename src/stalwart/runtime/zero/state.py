@@ -203,9 +203,14 @@ class ShardState:
     def install(
         self, layout: ShardLayout, rank: int, rows: dict[int, torch.Tensor], keys: list[str], scalars: dict[str, Any]
     ) -> None:
-        """Hold ``rows`` (per shard: master, then state ``keys``) under ``layout`` as process ``rank``."""
+        """Hold ``rows`` (per shard: master, then state ``keys``) under ``layout`` as process ``rank``.
+
+        The masters and the optimizer's state are views of ``rows``, which
+        the caller made for this and does not keep (no second copy of the
+        state: overlap 1 re-slices all of it at every reshard).
+        """
         self.layout, self.rank = layout, rank
-        self.masters = {shard: rows[shard][0].clone() for shard in layout.held_shards(rank)}
+        self.masters = {shard: rows[shard][0] for shard in layout.held_shards(rank)}
         self.views = {}
         for shard, master in self.masters.items():
             start, end = layout.shard_ranges[shard]
@@ -218,9 +223,7 @@ class ShardState:
         for shard in self.masters:
             for _, offset, view in self.views[shard]:
                 if keys:
-                    state = {
-                        key: rows[shard][1 + i][offset : offset + view.numel()].clone() for i, key in enumerate(keys)
-                    }
+                    state = {key: rows[shard][1 + i][offset : offset + view.numel()] for i, key in enumerate(keys)}
                     self.inner.state[view] = state | clone(scalars)
         self.parity, self.staged_parity, self.parity_valid = {}, None, False
         self.snapshot = None
