@@ -450,10 +450,13 @@ class QuorumSession:
             )
 
 
-def _peer_text(store: dist.Store, key: str, raw: bytes | None = None) -> str:
-    """A peer's text value (a layout, a fingerprint; ``raw`` when already read): malformed (not UTF-8, too long)
-    is a failed collective."""
-    raw = bytes(store.get(key)) if raw is None else raw
+def _peer_text(store: dist.Store, key: str) -> str:
+    """A peer's text value (a layout, a fingerprint); malformed (not UTF-8, too long) is a failed collective."""
+    return _decoded(key, bytes(store.get(key)))
+
+
+def _decoded(key: str, raw: bytes) -> str:
+    """The text a peer stored under ``key``; malformed (not UTF-8, too long) is a failed collective."""
     try:
         if len(raw) > MAX_PEER_TEXT:
             raise ValueError(f"{len(raw)} bytes, over {MAX_PEER_TEXT}")
@@ -474,7 +477,7 @@ def _group_sizes(store: dist.Store, members: Sequence[str]) -> list[int]:
         raws += [bytes(raw) for raw in store.multi_get(keys[start : start + MAX_STORE_KEYS_PER_REQUEST])]
     sizes = []
     for member, key, raw in zip(members, keys, raws, strict=True):
-        text = _peer_text(store, key, raw)
+        text = _decoded(key, raw)
         if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_GROUP_SIZE:
             raise CollectiveError(
                 f"member {member!r} announced group size {text[:40]!r} in the quorum's store: not an int in "
