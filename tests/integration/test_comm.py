@@ -47,16 +47,41 @@ VICTIM = 2
 GROUP_TIMEOUT = 30.0
 TEST_BOUND = 120.0  # a bound on a busy machine (spawned peers import torch first), not an expectation
 CONTEXT = preloaded_context()  # forked from one interpreter that imported torch once
+LATE_RENDEZVOUS = 5.0
+"""The "late" scenario's group timeout: its peers rendezvous right after a barrier, well within it."""
+LATE_BY = 2 * LATE_RENDEZVOUS
+"""How long the late peer sleeps before its collectives: past the group's timeout, within the collectives'."""
 
 
 def peer(rank: int, port: int, prefix: str, scenario: str, reports: Any, abandon: Any) -> None:
     """One member of the group; reports ``(rank, what, detail)`` tuples."""
     torch.set_num_threads(1)
     store = prefix_store(HOST, port, prefix, GROUP_TIMEOUT)
-    comm = Communicator(store, rank, WORLD, timeout=GROUP_TIMEOUT, device=torch.device("cpu"), abandon=abandon.is_set)
+    rendezvous = GROUP_TIMEOUT
+    if scenario == "late":  # every peer at the rendezvous together, so that its short timeout is never the issue
+        store.add("arrived", 1)
+        deadline = time.monotonic() + TEST_BOUND
+        while store.add("arrived", 0) < WORLD and time.monotonic() < deadline:
+            time.sleep(0.01)
+        rendezvous = LATE_RENDEZVOUS
+    comm = Communicator(
+        store,
+        rank,
+        WORLD,
+        timeout=GROUP_TIMEOUT,
+        device=torch.device("cpu"),
+        abandon=abandon.is_set,
+        rendezvous_timeout=rendezvous,
+    )
     reports.put((rank, "ready", None))
     try:
-        if scenario == "sum":
+        if scenario == "late":
+            if rank == VICTIM:
+                time.sleep(LATE_BY)
+            gathered = comm.all_gather(torch.tensor([float(rank)])).tolist()
+            exchanged = comm.all_to_all(torch.full((WORLD,), float(rank)), [1] * WORLD, [1] * WORLD).tolist()
+            reports.put((rank, "late", (gathered, exchanged)))
+        elif scenario == "sum":
             values = torch.tensor([rank + 1.0, 10.0 * rank])
             comm.start_all_reduce_sum(values)()
             received = torch.tensor([float(rank)])
@@ -146,6 +171,18 @@ def test_all_reduce_sums_broadcast_copies_and_all_gather_concatenates(store: dis
         records = [b"r" * rank + bytes([rank]) for rank in range(WORLD)]
         over = f"rank {WORLD - 1} sent a record of {WORLD} bytes, over 2"  # every rank refuses it alike
         assert results == dict.fromkeys(range(WORLD), ([6.0, 30.0], 1.0, gathered, records, over))
+    finally:
+        group.close()
+
+
+def test_a_slow_peer_has_the_collective_timeout_not_the_rendezvous_timeout(store: dist.TCPStore) -> None:
+    """A gather and an all-to-all wait ``timeout`` for a peer, as the all-reduce does (Gloo's own default for them
+    is the group's timeout, the rendezvous's: the peers would give up on the late one at 5 s)."""
+    group = Group(store.port, "late")
+    try:
+        results = group.collect("late", list(range(WORLD)))
+        ranks = [float(rank) for rank in range(WORLD)]
+        assert results == {rank: (ranks, ranks) for rank in range(WORLD)}
     finally:
         group.close()
 

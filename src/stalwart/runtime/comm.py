@@ -62,11 +62,11 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import WorkResult  # type: ignore[attr-defined]
+from torch._C._distributed_c10d import AllgatherOptions, WorkResult  # type: ignore[attr-defined]
 
 from stalwart.coord.protocol import StoreAddress
 from stalwart.errors import StalwartError
@@ -93,6 +93,7 @@ _ALIASES = {ASYNC_ERROR_HANDLING: ("NCCL_ASYNC_ERROR_HANDLING",)}
 """Older names torch still reads when the ``TORCH_`` one is unset."""
 
 log = logging.getLogger(__name__)
+_Options = TypeVar("_Options", dist.AllToAllOptions, AllgatherOptions)
 
 
 COLLECTIVE_SETTING = "collective_timeout (environment variable STALWART_COLLECTIVE_TIMEOUT)"
@@ -208,14 +209,16 @@ class Communicator:
             out = torch.empty(tensor.numel() * self.world_size, dtype=tensor.dtype, device=tensor.device)
         gathered, flat = out, tensor.reshape(-1)
         if self.device.type == "cuda":
-            self._run(lambda: self._group._allgather_base(gathered, flat), "all-gather")
+            options = self._options(AllgatherOptions)
+            self._run(lambda: self._group._allgather_base(gathered, flat, options), "all-gather")
             return out
         # Gloo's all-gather is a ring: world_size - 1 steps, each waiting on the previous one's peer. Its
         # all-to-all posts every exchange at once: with 8 processes on 2 cores, 3M elements took half the time
         # and half the CPU (the redundancy benchmark's gather). The same bytes arrive in the same order.
         spread = self._spread_buffer(flat)
         spread.view(self.world_size, flat.numel()).copy_(flat.expand(self.world_size, flat.numel()))
-        self._run(lambda: self._group.alltoall_base(gathered, spread, [], [], dist.AllToAllOptions()), "all-gather")
+        exchange = self._options(dist.AllToAllOptions)
+        self._run(lambda: self._group.alltoall_base(gathered, spread, [], [], exchange), "all-gather")
         return out
 
     def _spread_buffer(self, flat: torch.Tensor) -> torch.Tensor:
@@ -254,10 +257,19 @@ class Communicator:
             out = torch.empty(sum(receive_sizes), dtype=tensor.dtype, device=tensor.device)
         received = out
         self._run(
-            lambda: self._group.alltoall_base(received, tensor, receive_sizes, send_sizes, dist.AllToAllOptions()),
+            lambda: self._group.alltoall_base(
+                received, tensor, receive_sizes, send_sizes, self._options(dist.AllToAllOptions)
+            ),
             "all-to-all",
         )
         return out
+
+    def _options(self, kind: Callable[[], _Options]) -> _Options:
+        """A collective's options with the communicator's ``timeout``: unset, the backend would time it out at the
+        group's own timeout, which is the rendezvous's (a gather would give a slow peer the rendezvous timeout)."""
+        options = kind()
+        options.timeout = datetime.timedelta(seconds=self.timeout)
+        return options
 
     def _run(self, start: Callable[[], dist.Work], name: str) -> None:
         """Start a collective and wait for it within the collective timeout (``CollectiveError`` on failure)."""
