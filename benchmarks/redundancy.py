@@ -5,6 +5,7 @@ Run from the repository root, with the virtual environment active::
     python -m benchmarks.redundancy           # full run, about 10 minutes on 2 cores
     python -m benchmarks.redundancy --quick   # small sizes, about 2 minutes (numbers indicative only)
     python -m benchmarks.redundancy --sections 1   # only the codec table
+    python -m benchmarks.redundancy --sections 2 --run-dir out/redundancy   # keep the workers' logs and records
 
 Sections, each printed as a table:
 
@@ -54,6 +55,7 @@ with 4 workers on a tiny model and one failure (numbers indicative only).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import tempfile
 import time
@@ -411,7 +413,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.redundancy", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes and few repeats: about 2 minutes")
     parser.add_argument("--sections", type=_sections, default=(1, 2), help="comma-separated sections to run: 1,2")
+    parser.add_argument(
+        "--run-dir", type=Path, default=None, help="a new or empty folder: keep section 2's logs and records there"
+    )
     args = parser.parse_args(argv)
+    if args.run_dir is not None and args.run_dir.exists() and any(args.run_dir.iterdir()):
+        parser.error(f"--run-dir must be a new or empty folder (records are appended), got {str(args.run_dir)!r}")
     settings = QUICK if args.quick else FULL
     training = QUICK_TRAINING if args.quick else FULL_TRAINING
     console = make_console()
@@ -427,14 +434,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 progress.advance(task)
         print_codec(console, rows)
     if 2 in args.sections:
-        with progress_display(console) as progress, tempfile.TemporaryDirectory(prefix="stalwart-redbench-") as tmp:
+        with progress_display(console) as progress, contextlib.ExitStack() as stack:
+            run_dir = args.run_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="stalwart-red-")))
+            run_dir.mkdir(parents=True, exist_ok=True)
             task = progress.add_task("training", total=len(training.configs) * len(training.victims) + 1)
 
             def advance(label: str) -> None:
                 progress.update(task, description=label)
                 progress.advance(task)
 
-            results, restart = run_training(training, Path(tmp), advance, progress.refresh)
+            results, restart = run_training(training, run_dir, advance, progress.refresh)
         print_training(console, training, results, restart)
         print_goals(console, training_goals(training, results, restart))
     return 0
