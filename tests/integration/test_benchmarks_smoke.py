@@ -122,7 +122,28 @@ def test_redundancy_quick_training_run_measures_every_row(run_quick: Callable[..
     assert re.search(r"(met|MISSED): overlap 0 step time at most 1\.02x DDP's \(\d+\.\d{3}x\)", output), output
 
 
-# The two refusals, too, run the benchmarks' ``main`` in this process: argparse refuses before anything is measured.
+def test_sharded_wire_quick_run_measures_every_variant(run_quick: Callable[..., str]) -> None:
+    """Every variant timed; bytes by the algorithms' counts (4 processes: 3/4 of the gradient per collective).
+
+    The workers check first that the reduce-scattered path delivers the all-reduce's shards, forwards and
+    gather (a wrong one ends them, and the run with them).
+    """
+    output = run_quick("benchmarks.sharded_wire", "--quick")
+    expected = {
+        "ddp": ("1.500", "1.000x"),
+        "zero-1": ("2.250", "1.500x"),
+        "zero-2": ("1.500", "1.000x"),
+        "zero-2 +1": ("1.750", "1.167x"),
+        "zero-2 +2": ("2.000", "1.333x"),
+    }
+    for variant, sent in expected.items():
+        cells = _table_row(output, variant)
+        assert tuple(cells[1:3]) == sent, cells
+        assert float(cells[3].split()[0]) > 0 and cells[4].endswith("x") and float(cells[6]) >= 0, cells
+    assert _table_row(output, "ddp")[4] == "1.000x"
+
+
+# The refusals, too, run the benchmarks' ``main`` in this process: argparse refuses before anything is measured.
 def test_redundancy_rejects_an_unknown_section(capsys: pytest.CaptureFixture[str]) -> None:
     from benchmarks import redundancy
 
@@ -131,6 +152,18 @@ def test_redundancy_rejects_an_unknown_section(capsys: pytest.CaptureFixture[str
     assert exited.value.code == 2
     stderr = capsys.readouterr().err
     assert "--sections" in stderr and "'3'" in stderr
+
+
+def test_redundancy_refuses_a_run_dir_that_holds_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Records are appended to: an earlier run's would be read as this one's."""
+    from benchmarks import redundancy
+
+    (tmp_path / "earlier-worker-0.jsonl").write_text("{}\n", encoding="utf-8")
+    with pytest.raises(SystemExit) as exited:
+        redundancy.main(["--sections", "2", "--run-dir", str(tmp_path)])
+    assert exited.value.code == 2
+    stderr = capsys.readouterr().err
+    assert "--run-dir" in stderr and str(tmp_path) in stderr
 
 
 def test_unknown_argument_is_rejected(capsys: pytest.CaptureFixture[str]) -> None:
