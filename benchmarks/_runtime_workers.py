@@ -45,8 +45,10 @@ from before the model was built (CPU), or ``torch.cuda.max_memory_allocated``
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -236,6 +238,10 @@ def apply_flat(params: Sequence[torch.nn.Parameter], reduced: torch.Tensor) -> N
         offset += count
 
 
+STALL_DUMP_S = 20.0
+"""Seconds a step may take before the worker dumps its threads' stacks (a recovery takes well under 1 s here)."""
+
+
 class StepLog:
     """Per-step timings, written as JSON lines.
 
@@ -275,6 +281,9 @@ class StepLog:
         self._top, self._cpu_top, self._extra = now, cpu, extra
         self.compute = 0.0
         self._reduce_started = self._reduce_finished = None
+        # A step that stalls this long leaves every thread's stack in the worker's log (re-armed at each top;
+        # faulthandler's own thread writes it, even while the stalled thread holds the GIL).
+        faulthandler.dump_traceback_later(STALL_DUMP_S, file=sys.stderr)
 
     def annotate(self, **extra: Any) -> None:
         """Add fields to the line of the step in progress."""
@@ -331,6 +340,7 @@ class StepLog:
 
     def close(self) -> None:
         """Write the last step and close the file."""
+        faulthandler.cancel_dump_traceback_later()
         if self._top is not None:
             self._synchronize()
             self.write()
