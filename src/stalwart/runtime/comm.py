@@ -265,10 +265,11 @@ class Communicator:
         return out
 
     def _options(self, kind: Callable[[], _Options]) -> _Options:
-        """A collective's options with the communicator's ``timeout``: unset, the backend would time it out at the
-        group's own timeout, which is the rendezvous's (a gather would give a slow peer the rendezvous timeout)."""
+        """A collective's options whose timeout is the Communicator's own deadline (``timeout`` and a grace): left
+        unset, the backend times it out at the group's timeout, the rendezvous's, which can come first (a gather
+        gave a slow peer 10 s with a collective timeout of 60 s)."""
         options = kind()
-        options.timeout = datetime.timedelta(seconds=self.timeout)
+        options.timeout = datetime.timedelta(seconds=self.timeout + _GRACE)
         return options
 
     def _run(self, start: Callable[[], dist.Work], name: str) -> None:
