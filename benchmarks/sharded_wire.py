@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks._measure import add_rounds, make_console, print_table, progress_display
-from benchmarks._rounds import fixed, median_span, rotated, round_ratios, span
+from benchmarks._rounds import fixed, interleaved_rounds, median_span, round_ratios, span
 from benchmarks._runtime_workers import MODELS, build_model
 from benchmarks._workers import worker_env
 from stalwart.launch.processes import ForkedWorker
@@ -189,20 +189,19 @@ def measure_rounds(
 
     ``done`` is called after each variant's steps of a round (warm-up rounds included).
     """
-    results: dict[str, list[tuple[float, float]]] = {variant: [] for variant in VARIANTS}
-    for number in range(-settings.warmup_rounds, settings.rounds):
-        for variant in rotated(VARIANTS, number):
-            walls, cpus = [], []
-            for _ in range(settings.steps):
-                step.barrier()
-                wall, cpu = time.perf_counter(), time.process_time()
-                step.run(variant)
-                walls.append(time.perf_counter() - wall)
-                cpus.append(time.process_time() - cpu)
-            if number >= 0:
-                results[variant].append((statistics.median(walls), statistics.median(cpus)))
-            done()
-    return results
+
+    def measure(variant: str, _round: int) -> tuple[float, float]:
+        walls, cpus = [], []
+        for _ in range(settings.steps):
+            step.barrier()
+            wall, cpu = time.perf_counter(), time.process_time()
+            step.run(variant)
+            walls.append(time.perf_counter() - wall)
+            cpus.append(time.process_time() - cpu)
+        done()
+        return statistics.median(walls), statistics.median(cpus)
+
+    return interleaved_rounds(VARIANTS, settings.rounds, measure, warmup=settings.warmup_rounds)
 
 
 def worker_main() -> None:
@@ -279,12 +278,12 @@ def table_rows(results: dict[str, list[list[float]]], processes: int) -> list[li
     """One row per variant: bytes, wall and CPU median per step, their ratios to ``ddp`` and each round's ratio."""
     milliseconds = fixed(1, 1e3)
     ratio = fixed(3, suffix="x")
+    base_walls = [wall for wall, _ in results["ddp"]]
+    base_cpus = [cpu for _, cpu in results["ddp"]]
     rows = []
     for variant in VARIANTS:
         walls = [wall for wall, _ in results[variant]]
         cpus = [cpu for _, cpu in results[variant]]
-        base_walls = [wall for wall, _ in results["ddp"]]
-        base_cpus = [cpu for _, cpu in results["ddp"]]
         units = wire_units(variant, processes)
         rows.append(
             [
