@@ -237,11 +237,14 @@ def shown(page: dict[str, Any]) -> dict[str, Any]:
 
 
 def settled(status: dict[str, Any]) -> bool:
-    """Every worker alive in the quorum, none healing or asking: the held job stands still."""
-    members = status["members"]
+    """Every worker alive in the quorum at the hold, none healing or asking, each having reported the
+    ledger's step (heartbeats report it a moment after the commit): the held job stands still."""
+    members, step = status["members"], status["ledger"]["step"]
     return (
         len(members) == WORKERS
+        and step >= HOLD_STEP
         and all(m["state"] == "alive" and not m["healing"] and m["asking"] is None for m in members)
+        and all(m["applied_step"] == step for m in members)
         and not status["reconfigure_pending"]
         and status["counts"]["failures"] >= 1
     )
@@ -283,7 +286,11 @@ def cluster_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterRun
                 "the page to show the failure without a reload",
             )
         cluster.revive(KILLED)
-        wait_until(lambda: settled(read_status(url, TOKEN)), 240, "the restarted worker to rejoin, healed")
+        wait_until(
+            lambda: settled(read_status(url, TOKEN)),
+            240,
+            "the restarted worker to rejoin, healed, and the job to stand at the hold",
+        )
 
         def healed_events() -> int:
             return sum(e["event"] == "healed" for w in range(WORKERS) for e in worker_events(run_dir, w))
