@@ -140,7 +140,7 @@ class Communicator:
         self._group_timeout = timeout if rendezvous_timeout is None else rendezvous_timeout
         group_timeout = datetime.timedelta(seconds=self._group_timeout)
         try:
-            self._group: Any = _new_group(store, rank, world_size, group_timeout, device, host)
+            self._group: Any | None = _new_group(store, rank, world_size, group_timeout, device, host)
             if device.type == "cuda":
                 _connect(self._group, device, time.monotonic() + self._group_timeout, abandon)
                 self._cover(timeout + _GRACE)
@@ -158,7 +158,7 @@ class Communicator:
         options = dist.AllreduceOptions()
         options.timeout = datetime.timedelta(seconds=self.timeout)
         try:
-            work = self._group.allreduce([tensor], options)
+            work = self._live_group().allreduce([tensor], options)
         except (RuntimeError, dist.DistError) as error:
             raise CollectiveError(
                 f"all-reduce could not start on rank {self.rank}/{self.world_size}: {error}"
@@ -178,7 +178,7 @@ class Communicator:
             options = dist.BroadcastOptions()
             options.rootRank = source_rank
             options.timeout = datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3))
-            self._wait(self._group.broadcast([tensor], options), "broadcast", deadline + _GRACE, HEAL_SETTING)
+            self._wait(self._live_group().broadcast([tensor], options), "broadcast", deadline + _GRACE, HEAL_SETTING)
 
     def publish(self, key: str, value: str) -> None:
         """Put ``value`` under ``key`` in the quorum's store; :class:`CollectiveError` if the store is gone."""
@@ -210,7 +210,7 @@ class Communicator:
         gathered, flat = out, tensor.reshape(-1)
         if self.device.type == "cuda":
             options = self._options(AllgatherOptions)
-            self._run(lambda: self._group._allgather_base(gathered, flat, options), "all-gather")
+            self._run(lambda: self._live_group()._allgather_base(gathered, flat, options), "all-gather")
             return out
         # Gloo's all-gather is a ring: world_size - 1 steps, each waiting on the previous one's peer. Its
         # all-to-all posts every exchange at once: with 8 processes on 2 cores, 3M elements took half the time
@@ -218,7 +218,7 @@ class Communicator:
         spread = self._spread_buffer(flat)
         spread.view(self.world_size, flat.numel()).copy_(flat.expand(self.world_size, flat.numel()))
         exchange = self._options(dist.AllToAllOptions)
-        self._run(lambda: self._group.alltoall_base(gathered, spread, [], [], exchange), "all-gather")
+        self._run(lambda: self._live_group().alltoall_base(gathered, spread, [], [], exchange), "all-gather")
         return out
 
     def _spread_buffer(self, flat: torch.Tensor) -> torch.Tensor:
@@ -257,7 +257,7 @@ class Communicator:
             out = torch.empty(sum(receive_sizes), dtype=tensor.dtype, device=tensor.device)
         received = out
         self._run(
-            lambda: self._group.alltoall_base(
+            lambda: self._live_group().alltoall_base(
                 received, tensor, receive_sizes, send_sizes, self._options(dist.AllToAllOptions)
             ),
             "all-to-all",
@@ -283,6 +283,8 @@ class Communicator:
     def abort(self) -> None:
         """Abandon the group (NCCL: ``ncclCommAbort`` ends its kernels; Gloo: a collective already waiting on a live
         peer runs on to its timeout, see :meth:`retire`)."""
+        if self._group is None:
+            return
         with contextlib.suppress(RuntimeError):
             self._group.abort()
 
@@ -295,18 +297,27 @@ class Communicator:
         the middle of a later step), it would stall that thread until the
         peer's group goes or the collective's timeout passes. A process that
         retires its groups closes their sockets at once, which ends its
-        peers' waits.
+        peers' waits. A retired communicator's collectives raise
+        :class:`CollectiveError`; retiring it again does nothing.
         """
+        if self._group is None:
+            return
         self.abort()
         holder = [self._group]
         self._group = None
         threading.Thread(target=holder.clear, name="stalwart-retired-group", daemon=True).start()
 
+    def _live_group(self) -> Any:
+        """The process group; :class:`CollectiveError` once :meth:`retire` handed it away (its quorum is gone)."""
+        if self._group is None:
+            raise CollectiveError(f"rank {self.rank}/{self.world_size}'s communicator was retired: its quorum is gone")
+        return self._group
+
     def _cover(self, seconds: float) -> None:
         """Let NCCL's watchdog wait at least ``seconds`` on a collective (it times out at the group's timeout)."""
         if self.device.type == "cuda" and seconds > self._group_timeout:
             self._group_timeout = seconds
-            self._group.set_timeout(datetime.timedelta(seconds=seconds))
+            self._live_group().set_timeout(datetime.timedelta(seconds=seconds))
 
     def _wait(self, work: dist.Work, name: str, deadline: float, setting: str) -> None:
         """Wait for ``work`` while watching ``abandon()`` and the deadline.

@@ -261,9 +261,16 @@ class QuorumSession:
         self._leader_calls = 0
 
     def abort(self) -> None:
-        """Abandon the quorum's communicators (pending collectives end)."""
+        """Abandon the quorum's communicators: retired, so that no caller waits for a collective they left pending.
+
+        Aborted and merely dropped, a Gloo group is destroyed wherever its
+        last reference goes, often a failed collective's traceback dropped in
+        the middle of the retried step; its destructor then waits for a
+        collective still pending on a live peer until that collective's
+        timeout (the redundancy benchmark saw a survivor stall 60 s there).
+        """
         for comm in {id(comm): comm for comm in (self.comm, self.grad_comm) if comm is not None}.values():
-            comm.abort()
+            comm.retire()
         self.comm = self.grad_comm = None
 
     def heal(
