@@ -8,9 +8,7 @@ the weighted sum of what the groups sent, as exact as the codec allows.
 from __future__ import annotations
 
 import datetime
-import socket
 import threading
-import time
 import uuid
 from typing import Any
 
@@ -36,6 +34,7 @@ from stalwart.runtime.diloco.config import DiLoCo
 from stalwart.runtime.diloco.fragments import partition
 from stalwart.runtime.diloco.outer import OuterState
 from stalwart.runtime.diloco.schedule import at_round_end, fragment_launches, inner_plan, next_inner_positions
+from stalwart.testing.loopback import free_port
 
 
 @settings(max_examples=300, deadline=None)
@@ -167,12 +166,6 @@ def test_error_feedback_keeps_what_was_sent_within_one_rounding_of_what_was_trai
     assert float(residual) < 5e-3 * float(trained.abs().max())  # one rounding, not fifty
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.mark.parametrize("codec", [FLOAT32, BFLOAT16, INT8])
 def test_an_exchange_sums_the_weighted_contributions_with_the_same_bits_everywhere(codec: str) -> None:
     members, numel, block = 3, 1000, 64
@@ -215,40 +208,3 @@ def test_int8_sends_about_a_quarter_of_float32s_bytes() -> None:
     float32 = exchange.sent_bytes(FLOAT32, 1_000_000, 4, 256)
     assert 3.8 < float32 / exchange.sent_bytes(INT8, 1_000_000, 4, 256) < 4.0
     assert 1.9 < float32 / exchange.sent_bytes(BFLOAT16, 1_000_000, 4, 256) < 2.01
-
-
-def test_a_retired_group_with_a_collective_pending_on_a_live_peer_holds_up_no_caller() -> None:
-    """Rank 0 starts an all-reduce that rank 1 never joins, then retires its group (what a DiLoCo process does
-    with an exchange's group when its quorum breaks). Gloo's abort does not end the collective, and the group's
-    destructor waits for it: run on the caller's thread it would hold it for the collective's timeout (600 s
-    here) while rank 1 lives. retire() returns at once, and once rank 1 retires too, rank 0's group is gone."""
-    port = free_port()
-    master = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=30))
-    prefix = uuid.uuid4().hex
-    comms: dict[int, Communicator] = {}
-
-    def connect(rank: int) -> None:
-        store = dist.PrefixStore(prefix, dist.TCPStore("127.0.0.1", port, is_master=False))
-        comms[rank] = Communicator(store, rank, 2, timeout=600.0, device=torch.device("cpu"))
-
-    threads = [threading.Thread(target=connect, args=(rank,)) for rank in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert sorted(comms) == [0, 1]
-    comms[0].start_all_reduce_sum(torch.ones(1000))  # rank 1 never joins
-    retired = threading.Event()
-    threading.Thread(target=lambda: (comms[0].retire(), retired.set()), daemon=True).start()
-    assert retired.wait(60), "retire() waited for the collective pending on a live peer"
-
-    def retiring() -> list[threading.Thread]:
-        return [thread for thread in threading.enumerate() if thread.name == "stalwart-retired-group"]
-
-    assert retiring(), "rank 0's group is destroyed on a thread of its own, still waiting for its collective"
-    comms[1].retire()
-    deadline = time.monotonic() + 60
-    while retiring() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not retiring(), "rank 0's group outlived its peer's"
-    del master
