@@ -269,8 +269,9 @@ class QuorumSession:
         collective still pending on a live peer until that collective's
         timeout (the redundancy benchmark saw a survivor stall 60 s there).
         """
-        for comm in {id(comm): comm for comm in (self.comm, self.grad_comm) if comm is not None}.values():
-            comm.retire()
+        for comm in (self.comm, self.grad_comm):
+            if comm is not None:
+                comm.retire()  # a second retire of the same communicator (no FSDP2 groups) does nothing
         self.comm = self.grad_comm = None
 
     def heal(
