@@ -16,7 +16,6 @@ from __future__ import annotations
 import datetime
 import gc
 import threading
-import time
 import uuid
 
 import pytest
@@ -30,6 +29,7 @@ from stalwart.runtime.config import ReplicaGroup, Transport
 from stalwart.runtime.session import REPLICATED, QuorumSession
 from stalwart.runtime.timeouts import Timeouts
 from stalwart.testing.loopback import free_port
+from stalwart.testing.waiting import wait_until
 
 PLAN = EpochPlan(64, 8, seed=0)
 COLLECTIVE_TIMEOUT = 600.0
@@ -42,7 +42,7 @@ def connected_pair(timeout: float) -> tuple[dist.TCPStore, dict[int, Communicato
     """Two Gloo communicators of one group in this process (each rank meets the other from a thread of its own),
     over a fresh store; the store is returned so that it outlives them."""
     port = free_port()
-    master = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=60))
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=30))
     prefix = uuid.uuid4().hex
     comms: dict[int, Communicator] = {}
 
@@ -69,17 +69,14 @@ def test_a_retired_group_with_a_collective_pending_on_a_live_peer_holds_up_no_ca
     comms[0].start_all_reduce_sum(torch.ones(1000))  # rank 1 never joins
     retired = threading.Event()
     threading.Thread(target=lambda: (comms[0].retire(), retired.set()), daemon=True).start()
-    assert retired.wait(BOUND), "retire() waited for the collective pending on a live peer"
+    assert retired.wait(60), "retire() waited for the collective pending on a live peer"
 
     def retiring() -> list[threading.Thread]:
         return [thread for thread in threading.enumerate() if thread.name == "stalwart-retired-group"]
 
     assert retiring(), "rank 0's group is destroyed on a thread of its own, still waiting for its collective"
     comms[1].retire()
-    deadline = time.monotonic() + 60
-    while retiring() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not retiring(), "rank 0's group outlived its peer's"
+    wait_until(lambda: not retiring(), 60, "rank 0's group to go with its peer's")
     del master
 
 

@@ -40,6 +40,7 @@ from stalwart.runtime.comm import (
     work_failure,
 )
 from stalwart.testing.loopback import prefix_store
+from stalwart.testing.waiting import wait_until
 
 HOST = "127.0.0.1"
 WORLD = 3
@@ -60,9 +61,7 @@ def peer(rank: int, port: int, prefix: str, scenario: str, reports: Any, abandon
     rendezvous = GROUP_TIMEOUT
     if scenario == "late":  # every peer at the rendezvous together, so that its short timeout is never the issue
         store.add("arrived", 1)
-        deadline = time.monotonic() + TEST_BOUND
-        while store.add("arrived", 0) < WORLD and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: store.add("arrived", 0) >= WORLD, TEST_BOUND, "every peer at the barrier")
         rendezvous = LATE_RENDEZVOUS
     comm = Communicator(
         store,
