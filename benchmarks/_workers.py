@@ -52,6 +52,19 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+def wait_for(
+    processes: Sequence[subprocess.Popen[bytes] | ForkedWorker], timeout: float, tick: Callable[[], None] = lambda: None
+) -> bool:
+    """Wait until every process exited (True) or ``timeout`` passed (False); ``tick`` runs between two looks."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(process.poll() is not None for process in processes):
+            return True
+        tick()
+        time.sleep(POLL_S)
+    return False
+
+
 class WorkerGroup:
     """The worker processes of one run, logging to ``run_dir``; waits are bounded.
 
@@ -107,12 +120,8 @@ class WorkerGroup:
 
     def wait(self, timeout: float, tick: Callable[[], None] = lambda: None) -> bool:
         """Wait until every process exited (True) or ``timeout`` passed (False: they are killed)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if all(process.poll() is not None for process in self.processes):
-                return True
-            tick()
-            time.sleep(POLL_S)
+        if wait_for(self.processes, timeout, tick):
+            return True
         self.kill()
         return False
 

@@ -64,7 +64,7 @@ import torch.distributed as dist
 from benchmarks._measure import add_rounds, make_console, print_table, progress_display
 from benchmarks._rounds import fixed, interleaved_rounds, median_span, round_ratios, span
 from benchmarks._runtime_workers import MODELS, build_model
-from benchmarks._workers import worker_env
+from benchmarks._workers import wait_for, worker_env
 from stalwart.launch.processes import ForkedWorker
 from stalwart.runtime.comm import Communicator
 
@@ -257,12 +257,13 @@ def run(
         )
         for rank in range(settings.processes)
     ]
-    deadline = time.monotonic() + RUN_TIMEOUT_S
+
+    def report_progress() -> None:
+        if progress.exists():
+            advance(progress.read_text(encoding="utf-8").count("\n"))
+
     try:
-        while any(process.poll() is None for process in processes) and time.monotonic() < deadline:
-            if progress.exists():
-                advance(progress.read_text(encoding="utf-8").count("\n"))
-            time.sleep(0.1)
+        wait_for(processes, RUN_TIMEOUT_S, report_progress)
     finally:
         for process in processes:
             process.kill()
