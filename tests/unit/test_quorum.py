@@ -684,3 +684,148 @@ def test_a_formed_quorum_always_holds_the_state_while_a_live_member_holds_it(siz
             fleet.disclaimed.add(member)
             fleet.run(int(3 * JOIN_TIMEOUT / 0.25), members_too=False)  # while the others train a slow step
         fleet.run(int(3 * JOIN_TIMEOUT / 0.25))
+
+
+# --- reachability: members cut off from the others are left out, never the majority -----------------------------
+
+
+def report(
+    cluster: SimulatedFleet, member: str, reason: str, unreachable: list[str], last: int | None = None
+) -> dict[str, Any] | None:
+    """``member`` asks for a quorum, naming the members of its ``last`` quorum (the current one unless given) it
+    could not reach."""
+    quorum = cluster.state.quorum
+    quorum_id = last if last is not None or quorum is None else quorum.quorum_id
+    applied = cluster.processes[member].applied
+    asked = QuorumRequest(member, applied, quorum_id, reason, unreachable=tuple(unreachable))
+    return cluster.state.request(asked, cluster.now)
+
+
+def wait_for(cluster: SimulatedFleet, seconds: float) -> Formation | None:
+    """Let ``seconds`` pass in ticks (live processes heartbeating); the first quorum formed meanwhile, if any."""
+    end = cluster.now + seconds
+    while cluster.now < end:
+        cluster.now += 0.25
+        cluster.heartbeat()
+        formation = cluster.tick()
+        if formation is not None:
+            return formation
+    return None
+
+
+def test_an_asymmetric_partition_leaves_out_the_member_cut_off_not_the_majority_that_is_slower_to_tell() -> None:
+    cluster = SimulatedFleet(PLAN, heartbeat_timeout=HEARTBEAT_TIMEOUT, join_timeout=JOIN_TIMEOUT)
+    cluster.start(3)
+    cluster.run_steps(2)
+    w0, w1, w2 = cluster.members
+    report(cluster, w2, "failure", [w0, w1])  # its rendezvous failed at once
+    assert wait_for(cluster, JOIN_TIMEOUT * 4) is None, "w0 and w1 may still sit in the rendezvous w2 gave up on"
+    assert cluster.state.member_state(w0) == "alive" and cluster.state.counts["failures"] == 0
+    report(cluster, w0, "failure", [w2])
+    assert cluster.tick() is None, "w1 reaches w0 and has not asked: the quorum waits for it"
+    report(cluster, w1, "failure", [w2])
+    formation = cluster.tick()
+    assert formation is not None and formation.members == (w0, w1) and formation.reason == "failure"
+    assert cluster.state.quorums[-1]["unreachable"] == [w2]
+    assert cluster.state.counts["failures"] == 0, "a member cut off is left out, not failed"
+    assert w2 in cluster.state.pending and not cluster.state.reconfigure_pending, (
+        "a joiner cut from the quorum calls nobody to a boundary while its cuts last"
+    )
+    assert [cut["members"] for cut in cluster.state.to_status(cluster.now)["cuts"]] == [[w0, w2], [w1, w2]]
+
+
+def test_a_peer_partition_reported_by_all_keeps_the_pair_that_reach_each_other() -> None:
+    cluster = SimulatedFleet(PLAN, heartbeat_timeout=HEARTBEAT_TIMEOUT, join_timeout=JOIN_TIMEOUT)
+    cluster.start(3)
+    cluster.run_steps(1)
+    w0, w1, w2 = cluster.members
+    report(cluster, w1, "failure", [w0, w2])
+    assert cluster.tick() is None, "w0 and w2 reach each other: the quorum waits for them"
+    report(cluster, w2, "failure", [w1])
+    assert cluster.tick() is None, "w0 reaches w2 and has not asked"
+    report(cluster, w0, "failure", [w1])
+    formation = cluster.tick()
+    assert formation is not None and formation.members == (w0, w2)
+    assert formation.heal is None and cluster.state.quorums[-1]["unreachable"] == [w1]
+
+
+def test_the_members_of_the_best_set_form_without_waiting_for_a_silent_member_cut_off_from_them() -> None:
+    cluster = SimulatedFleet(PLAN, heartbeat_timeout=HEARTBEAT_TIMEOUT, join_timeout=JOIN_TIMEOUT)
+    cluster.start(3)
+    w0, w1, w2 = cluster.members
+    report(cluster, w0, "failure", [w2])
+    report(cluster, w1, "failure", [w2])
+    formation = cluster.tick()
+    assert formation is not None and formation.members == (w0, w1), "w2 is cut from both: nobody waits for it"
+    assert cluster.state.counts["failures"] == 0 and cluster.state.quorums[-1]["unreachable"] == [w2]
+    assert cluster.state.left_out(w2), "its heartbeat tells it to join again"
+
+
+def test_a_member_whose_cuts_expire_is_admitted_again_and_cut_longer_when_it_fails_again() -> None:
+    cluster = SimulatedFleet(PLAN, heartbeat_timeout=HEARTBEAT_TIMEOUT, join_timeout=JOIN_TIMEOUT)
+    cluster.start(3)
+    w0, w1, w2 = cluster.members
+    for member, peers in ((w2, [w0, w1]), (w0, [w2]), (w1, [w2])):
+        report(cluster, member, "failure", peers)
+    assert cluster.tick() is not None
+    left_at = cluster.now
+    report(cluster, w2, "join", [w0, w1], last=1)  # the excluded member asks again with what its probe found
+    while not cluster.state.reconfigure_pending:
+        assert wait_for(cluster, 0.25) is None
+        assert cluster.now - left_at <= JOIN_TIMEOUT + 0.5, "its cuts last one join timeout the first time"
+    assert cluster.now - left_at >= JOIN_TIMEOUT
+    assert cluster.state.to_status(cluster.now)["cuts"] == []
+    for member in (w0, w1):
+        report(cluster, member, "reconfigure", [])
+    formation = cluster.tick()
+    assert formation is not None and formation.members == (w0, w1, w2) and formation.reason == "boundary"
+    # it still cannot reach them: it fails at once and is cut again, twice as long
+    report(cluster, w2, "failure", [w0, w1])
+    for member in (w0, w1):
+        report(cluster, member, "failure", [w2])
+    assert cluster.tick() is not None
+    assert {cut["strikes"] for cut in cluster.state.to_status(cluster.now)["cuts"]} == {2}
+    assert wait_for(cluster, JOIN_TIMEOUT * 1.5) is None and not cluster.state.reconfigure_pending
+
+
+def test_a_member_back_from_the_dead_is_admitted_at_the_next_boundary() -> None:
+    cluster = SimulatedFleet(PLAN, heartbeat_timeout=HEARTBEAT_TIMEOUT, join_timeout=JOIN_TIMEOUT)
+    cluster.start(3)
+    w0, w1, w2 = cluster.members
+    cluster.state.disconnected(w2, cluster.now)  # its link went down
+    for member in (w0, w1):
+        report(cluster, member, "failure", [w2])
+    assert cluster.tick() is not None
+    cluster.state.connected(w2, cluster.now)  # and came back
+    report(cluster, w2, "join", [w0, w1], last=1)  # what its probe found while its link was down
+    assert cluster.state.to_status(cluster.now)["cuts"] == [], "back from the dead, it is cut from nobody"
+    assert cluster.state.reconfigure_pending
+    for member in (w0, w1):
+        report(cluster, member, "reconfigure", [])
+    formation = cluster.tick()
+    assert formation is not None and set(formation.members) == {w0, w1, w2}
+
+
+def test_a_cut_off_member_forms_alone_only_once_the_others_stay_silent_past_the_bound() -> None:
+    cluster = SimulatedFleet(PLAN, heartbeat_timeout=HEARTBEAT_TIMEOUT, join_timeout=JOIN_TIMEOUT, unreachable_wait=3.0)
+    cluster.start(3)
+    w0, w1, w2 = cluster.members
+    asked_at = cluster.now
+    report(cluster, w2, "failure", [w0, w1])
+    formation = wait_for(cluster, JOIN_TIMEOUT + 4.0)
+    assert formation is not None and formation.members == (w2,)
+    assert cluster.now - asked_at >= JOIN_TIMEOUT + 3.0
+    assert {f["member"] for f in cluster.state.failures} == {w0, w1}, "silent past the bound: excluded, as before"
+
+
+def test_without_reports_nothing_changes_and_unreachable_is_validated() -> None:
+    base = {"member": "w0", "applied_step": 0, "reason": "join"}
+    for bad in ("w1", ["w1", "w1"], ["w0"], ["a b"], [1], ["w1"] * 5000):
+        with pytest.raises(RequestError) as refused:
+            QuorumRequest.from_json({**base, "unreachable": bad})
+        assert refused.value.status == 400 and refused.value.details["field"] == "unreachable"
+        assert "unreachable" in refused.value.message
+    request = QuorumRequest.from_json({**base, "unreachable": ["w1", "w2"]})
+    assert request.unreachable == ("w1", "w2") and request == QuorumRequest("w0", 0, None, "join")
+    assert QuorumRequest.from_json(request.to_body()).unreachable == ("w1", "w2")
+    assert "unreachable" not in QuorumRequest("w0", 0, None, "join").to_body()

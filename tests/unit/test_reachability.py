@@ -189,11 +189,14 @@ def test_a_member_back_from_the_dead_is_cut_from_nobody() -> None:
     reach.report("w1", 1, ["w2"], 0.0)
     reach.report("w0", 1, ["w1", "w2"], 0.5)
     version = reach.version
-    reach.reconnected("w2", 1.0)
+    reach.reconnected("w2", 1, 1.0)
     assert sorted(reach.cuts) == [("w0", "w1")] and reach.version > version
     reach.report("w1", 1, ["w2"], 2.0)
-    assert sorted(reach.cuts) == [("w0", "w1")], "its old reports do not cut it again"
-    assert [c["members"] for c in reach.to_status(2.0)] == [["w0", "w1"]]
+    reach.report("w2", 1, ["w0", "w1"], 2.0)
+    assert sorted(reach.cuts) == [("w0", "w1")], "observations made before it came back do not cut it again"
+    reach.report("w2", 2, ["w0"], 3.0)
+    assert sorted(reach.cuts) == [("w0", "w1"), ("w0", "w2")], "an observation about a later quorum does"
+    assert [c["members"] for c in reach.to_status(3.0)] == [["w0", "w1"], ["w0", "w2"]]
 
 
 def test_cuts_are_bounded_and_arguments_checked(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -45,7 +45,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 import aiohttp
@@ -250,9 +250,20 @@ class LighthouseClient:
             raise TypeError(f"rounds must be callable, got {rounds!r}")
         self._rounds = rounds
 
-    def quorum(self, applied_step: int, quorum_id: int | None, reason: str, timeout: float = 60.0) -> QuorumAnswer:
+    def quorum(
+        self,
+        applied_step: int,
+        quorum_id: int | None,
+        reason: str,
+        timeout: float = 60.0,
+        *,
+        unreachable: Sequence[str] = (),
+    ) -> QuorumAnswer:
         """Ask for the next quorum (long poll); asks again after 408s, 502-504s and connection errors until
         ``timeout`` seconds (the Manager's ``quorum_timeout``) passed, however long the lighthouse keeps it waiting.
+
+        ``unreachable``: the members of this member's last quorum it could not
+        reach (``docs/protocol.md``, "Reachability").
 
         Raises ``TimeoutError`` when no quorum formed in time (the message names
         ``quorum_timeout`` and ``STALWART_QUORUM_TIMEOUT``),
@@ -263,6 +274,10 @@ class LighthouseClient:
         """
         body = {"member": self.member, "applied_step": applied_step, "quorum_id": quorum_id, "reason": reason}
         body.update(self._reported_at(applied_step))
+        if isinstance(unreachable, str):
+            raise TypeError(f"unreachable must be a sequence of member ids, not the string {unreachable!r}")
+        if unreachable:
+            body["unreachable"] = list(unreachable)
         try:
             body = QuorumRequest.from_json(body).to_body()
         except RequestError as error:

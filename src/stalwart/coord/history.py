@@ -73,14 +73,27 @@ class History:
         self._append("checkpoint_resumes", event)
 
     def quorum(
-        self, quorum_id: int, members: list[str], reason: str, now: float, applied_step: int, *, timed_out: bool
+        self,
+        quorum_id: int,
+        members: list[str],
+        reason: str,
+        now: float,
+        applied_step: int,
+        *,
+        timed_out: bool,
+        unreachable: list[str] | None = None,
     ) -> None:
-        """Record a formed quorum; it is the recovery of every failure since the last one."""
+        """Record a formed quorum; it is the recovery of every failure since the last one.
+
+        ``unreachable``: the live members it left out because they are cut off from it (no failure of theirs).
+        """
         for event in self.unrecovered:
             recovery = {"member": event["member"], "failed_at": event["time"], "recovered_at": now}
             self._append("recoveries", {**recovery, "quorum_id": quorum_id, "seconds": now - event["time"]})
         self.unrecovered = []
         entry = {"quorum_id": quorum_id, "members": list(members), "reason": reason, "time": now}
+        if unreachable:
+            entry["unreachable"] = list(unreachable)
         self._append("quorums", {**entry, "applied_step": applied_step, "timed_out": timed_out})
 
     def drain(self) -> list[tuple[str, dict[str, Any]]]:

@@ -156,9 +156,14 @@ class QuorumRequest:
     identity, so a retried long poll matches whatever it asks the answer in."""
     known: int | None = field(default=None, compare=False)
     """The quorum whose answer the member holds (wire 2): the members then come as a delta from it."""
+    unreachable: tuple[str, ...] = field(default=(), compare=False)
+    """The members of this member's last quorum that it could not reach (a failed rendezvous or collective, then a
+    probe): an observation that rides along (``docs/protocol.md``, "Reachability"), not part of the request's
+    identity, so a retried long poll matches whatever it reports."""
 
     def to_json(self) -> dict[str, Any]:
-        """Every field, as ``QuorumRequest(**...)`` takes them back (for persistence)."""
+        """Every field but ``unreachable``, as ``QuorumRequest(**...)`` takes them back (for persistence: the cuts a
+        report makes are not persisted either)."""
         return {
             "member": self.member,
             "applied_step": self.applied_step,
@@ -181,6 +186,8 @@ class QuorumRequest:
         }
         if self.wire == 2:
             body["known"] = self.known
+        if self.unreachable:
+            body["unreachable"] = list(self.unreachable)
         return body
 
     @classmethod
@@ -188,7 +195,7 @@ class QuorumRequest:
         """Validate a decoded JSON body; ``RequestError`` 400 names the bad field and value."""
         if not isinstance(body, Mapping):
             raise RequestError(400, f"the body must be a JSON object, got {type(body).__name__}")
-        unknown = sorted(set(body) - {"member", "applied_step", "quorum_id", "reason", "digest", "weights", "known"})
+        unknown = sorted(set(body) - _QUORUM_FIELDS)
         if unknown:
             raise RequestError(400, f"unknown fields {unknown}", field=unknown[0])
         for name in ("member", "applied_step", "reason"):
@@ -215,7 +222,34 @@ class QuorumRequest:
             parse_weights(body.get("weights")),
             wire=2 if "known" in body else 1,
             known=known,
+            unreachable=parse_unreachable(body.get("unreachable", []), member),
         )
+
+
+_QUORUM_FIELDS = {"member", "applied_step", "quorum_id", "reason", "digest", "weights", "known", "unreachable"}
+MAX_UNREACHABLE = 4096
+"""Most members one quorum request may report unreachable (the lighthouse's default ``max_members``)."""
+
+
+def parse_unreachable(value: Any, member: str) -> tuple[str, ...]:
+    """A quorum request's ``unreachable``: a list of at most ``MAX_UNREACHABLE`` distinct member ids, not ``member``.
+
+    Else ``RequestError`` 400 naming the field and the value.
+    """
+    if not isinstance(value, list) or len(value) > MAX_UNREACHABLE:
+        raise RequestError(
+            400,
+            f"unreachable must be a list of at most {MAX_UNREACHABLE} member ids, got {value!r:.200}",
+            field="unreachable",
+        )
+    peers = tuple(parse_member(peer, "unreachable") for peer in value)
+    if len(set(peers)) != len(peers) or member in peers:
+        raise RequestError(
+            400,
+            f"unreachable must name distinct members other than the sender {member!r}, got {value!r:.200}",
+            field="unreachable",
+        )
+    return peers
 
 
 # --- what the lighthouse answers -------------------------------------------------------------------------------

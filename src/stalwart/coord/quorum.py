@@ -108,6 +108,7 @@ from stalwart.coord.identity import parse_incarnation
 from stalwart.coord.membership import MemberRecord, Membership
 from stalwart.coord.pending import Pending
 from stalwart.coord.protocol import QuorumRequest, ledger_digest
+from stalwart.coord.reachability import Reachability, choose
 from stalwart.coord.registry import NO_PLAN, Registry
 from stalwart.coord.roster import Quorum, Roster
 from stalwart.coord.snapshot import STATE_VERSION, Changes, Dirty
@@ -147,6 +148,10 @@ __all__ = [
 
 MAX_MEMBERS = 4096
 """Default cap on live members (``max_members``)."""
+UNREACHABLE_WAIT_S = 30.0
+"""Default ``unreachable_wait``: three times the workers' default ``rendezvous_timeout`` (10 s)."""
+CUT_MAX_TTL = 12
+"""A cut's longest time to live, in join timeouts (its first is one join timeout; see ``reachability``)."""
 HUNG_CHECK_S = 0.5
 """How often, at most, :meth:`LighthouseState.tick` looks for hung members (a walk of the quorum); at least ten
 times per ``join_timeout``, so a hang is found within 110% of it."""
@@ -171,6 +176,7 @@ class LighthouseState:
         max_members: int = MAX_MEMBERS,
         require_digest: bool = False,
         balance_every: int = 0,
+        unreachable_wait: float = UNREACHABLE_WAIT_S,
     ) -> None:
         if plan is not None and not isinstance(plan, EpochPlan):
             raise TypeError(f"plan must be an EpochPlan or None, got {type(plan).__name__}")
@@ -181,6 +187,12 @@ class LighthouseState:
         self.heartbeat_timeout = check_seconds("heartbeat_timeout", heartbeat_timeout)
         self.join_timeout = check_seconds("join_timeout", join_timeout)
         self.max_members = check_int("max_members", max_members, minimum=1)
+        self.unreachable_wait = check_seconds("unreachable_wait", unreachable_wait)
+        """How long past ``join_timeout`` a quorum waits for members of the current quorum that have not asked when
+        they reach one another but not a member that asked (they may still sit in the rendezvous it gave up on)."""
+        self.reach = Reachability(self.join_timeout, CUT_MAX_TTL * self.join_timeout)
+        """The cuts members reported (``docs/protocol.md``, "Reachability"); not persisted."""
+        self._held: tuple[tuple[int, int], frozenset[str]] = ((-1, -1), frozenset())
         self.registry = Registry(self.max_members, self.heartbeat_timeout)
         """The identities of every member and the rules new registrations must pass."""
         self.dirty = Dirty()
@@ -294,8 +306,9 @@ class LighthouseState:
         """True while a joiner waits or a member of the quorum is dead: its members should come to a boundary."""
         if self.roster.quorum is None:
             return False
-        # every waiting request but the survivors' (failure or reconfigure from the quorum) is a joiner's
-        return self.roster.broken or len(self.asks) > self.asks.survivors
+        # every waiting request but the survivors' (failure or reconfigure from the quorum) is a joiner's; a joiner
+        # cut from a member of the quorum would be left out again: it calls nobody to a boundary until its cuts end
+        return self.roster.broken or len(self.asks) - self.asks.survivors > self._held_out_asking()
 
     @property
     def quorum_broken(self) -> bool:
@@ -407,8 +420,13 @@ class LighthouseState:
     # --- events ----------------------------------------------------------------------------------
 
     def connected(self, member: str, now: float) -> None:
-        """``member`` opened its heartbeat socket."""
-        self._touch(parse_member(member), now).connected = True
+        """``member`` opened its heartbeat socket; back from the dead (its link is up again), it is cut from nobody."""
+        member = parse_member(member)
+        came_back = member in self.membership and not self.membership.alive(member)
+        self._touch(member, now).connected = True
+        if came_back:
+            quorum = self.roster.quorum
+            self.reach.reconnected(member, None if quorum is None else quorum.quorum_id, now)
 
     def disconnected(self, member: str, now: float) -> None:
         """``member``'s heartbeat socket closed: it is dead at once (a killed process closes its sockets)."""
@@ -520,6 +538,7 @@ class LighthouseState:
             record.report(request.applied_step)
             self.commits.progress(self.roster, request.member, request.applied_step, request.weights)
         self.asks.add(request, now, self.roster.counts(request.member))
+        self.reach.report(request.member, request.quorum_id, request.unreachable, now)
         self._take_verdicts()
         return None
 
@@ -594,8 +613,14 @@ class LighthouseState:
         pending, roster = self.asks, self.roster
         if not len(pending):
             return None
-        unaccounted = roster.counting - pending.ours
+        if not pending.ours:
+            self.reach.expire(now)  # never while a quorum waits for its members (the cuts decide whom it waits for)
         since = pending.first_time()
+        left_out = self._left_out(now, since)
+        if left_out is None:
+            return None
+        cut_off_silent = sum(1 for m in left_out if roster.counts(m) and m not in pending)
+        unaccounted = roster.counting - pending.ours - cut_off_silent
         timed_out = now - since >= self.join_timeout
         if unaccounted and not timed_out:
             return None
@@ -604,11 +629,61 @@ class LighthouseState:
         if roster.counting and not pending.ours:
             return None
         carries_on = pending.survivors > 0  # at most: the walk below tells whether one of them holds the state
-        if not pending.failures and not self._may_form(len(pending), False, timed_out, carries_on):
+        size = len(pending) - (len(left_out) - cut_off_silent)
+        if not pending.failures and not self._may_form(size, False, timed_out, carries_on, cut_off_silent):
             return None  # without a failure every asker joins the quorum: the counts decide, no walk needed
-        return self._form_from_pending(now, timed_out, since)
+        return self._form_from_pending(now, timed_out, since, left_out)
 
-    def _may_form(self, size: int, failure: bool, timed_out: bool, carries_on: bool) -> bool:
+    def _left_out(self, now: float, since: float) -> frozenset[str] | None:
+        """The askers and silent members of the quorum that cuts leave out of the next quorum; None: wait.
+
+        The candidates are the askers and, until ``unreachable_wait`` past the
+        join timeout, the members of the current quorum that count and have not
+        asked; :func:`~stalwart.coord.reachability.choose` keeps the largest set
+        of them that reach one another, holders of the state first. When it
+        keeps a silent member cut from an asker it leaves out, the quorum waits
+        for that member (it may sit in the rendezvous the asker gave up on):
+        an asker cut off from the others never forms a quorum alone in place
+        of them. Costs what the cuts touch (nothing without cuts).
+        """
+        if not self.reach.cuts:
+            return frozenset()
+        pending, roster, healing = self.asks, self.roster, self.commits.healing
+        patient = now - since < self.join_timeout + self.unreachable_wait
+
+        def holder(member: str) -> bool:
+            ask = pending.get(member)
+            return roster.counts(member) and member not in healing and (ask is None or ask.request.reason != "join")
+
+        choice = choose(
+            self.reach.peers,
+            lambda m: m in pending or (patient and roster.counts(m)),
+            holder,
+            lambda m: (roster.ranks.get(m, len(roster.ranks)), m),
+        )
+        for member in choice.left_out:
+            if member in pending and any(
+                roster.counts(peer) and peer not in pending and peer not in choice.left_out
+                for peer in self.reach.peers[member]
+            ):
+                return None
+        return choice.left_out
+
+    def _held_out_asking(self) -> int:
+        """How many waiting joiners are cut from a member of the current quorum (cached per cut set and quorum)."""
+        if not self.reach.cuts:
+            return 0
+        quorum = self.roster.quorum
+        key = (self.reach.version, 0 if quorum is None else quorum.quorum_id)
+        if self._held[0] != key:
+            held = frozenset(
+                m for m, peers in self.reach.peers.items() if m not in self.roster and peers & self.roster.ranks.keys()
+            )
+            self._held = (key, held)
+        pending = self.asks
+        return sum(1 for m in self._held[1] if (ask := pending.get(m)) is not None and not ask.ours)
+
+    def _may_form(self, size: int, failure: bool, timed_out: bool, carries_on: bool, cut_off: int = 0) -> bool:
         """Whether a quorum of ``size`` members may form now (``min_replicas``, ``start_replicas``, stragglers).
 
         ``min_replicas`` does not hold back a quorum that ``carries_on``: one
@@ -616,28 +691,32 @@ class LighthouseState:
         survivors of a failure train on below ``min_replicas`` rather than wait
         (and lose the state if they die waiting); restarted members join them
         at the next step boundary. It gates the first quorum, and a quorum of
-        newcomers only (a fleet restarted from a checkpoint).
+        newcomers only (a fleet restarted from a checkpoint). ``cut_off``: live
+        members of the quorum that have not asked and are cut off (nobody waits
+        for them).
         """
         if not size or (size < self.min_replicas and not carries_on):
             return False
         if self.roster.quorum is None and size < self.start_replicas and not timed_out:
             return False
-        return failure or timed_out or not self._yet_to_ask()
+        return failure or timed_out or not self._yet_to_ask(cut_off)
 
-    def _yet_to_ask(self) -> bool:
-        """Whether a live member that counts (not evicted) has not asked: a boundary quorum waits for it."""
+    def _yet_to_ask(self, cut_off: int = 0) -> bool:
+        """Whether a live member that counts (not evicted, not ``cut_off``) has not asked: a boundary quorum waits."""
         pending, alive = self.asks, self.membership.alive
         evicted_silent = sum(1 for m in self.roster.evicted if alive(m) and m not in pending)
-        return self.membership.live - len(pending) - evicted_silent > 0  # every waiting member is alive
+        return self.membership.live - len(pending) - evicted_silent - cut_off > 0  # every waiting member is alive
 
-    def _form_from_pending(self, now: float, timed_out: bool, since: float) -> Formation | None:
+    def _form_from_pending(
+        self, now: float, timed_out: bool, since: float, left_out: frozenset[str]
+    ) -> Formation | None:
         pending, roster = self.asks, self.roster
         quorum_members = roster.quorum.members if roster.quorum else ()
-        asked = [m for m in quorum_members if roster.counts(m) and m in pending]
+        asked = [m for m in quorum_members if roster.counts(m) and m in pending and m not in left_out]
         unaccounted = [m for m in quorum_members if roster.counts(m) and m not in pending]
         survivors = [m for m in asked if pending[m].request.reason != "join"]
         chosen = set(survivors)
-        joiners = [m for m, _ in pending.items() if m not in chosen]
+        joiners = [m for m, _ in pending.items() if m not in chosen and m not in left_out]
         # a restarted or hung member of the quorum may come back only as a joiner
         trusted = [m for m in survivors if m not in self.commits.healing]
         target, mode = self._target_step(trusted)
@@ -646,14 +725,17 @@ class LighthouseState:
         )
         members = survivors if failure else survivors + joiners
         carries_on = any(pending[m].request.applied_step == target for m in trusted)
-        if not self._may_form(len(members), failure, timed_out, carries_on):
+        cut_off = [m for m in unaccounted if m in left_out]
+        if not self._may_form(len(members), failure, timed_out, carries_on, len(cut_off)):
             return None
         stateless = roster.quorum is not None and not any(pending[m].request.applied_step == target for m in members)
         if stateless and any(m not in self.commits.healing for m in unaccounted):
             # no member of this quorum holds the job's state at the target step: never form it (and exclude the
             # members that do) while one of them lives; the joiners wait for it (a survivor alone in a slow step)
             return None
-        return self._form(now, members, target, mode, failure, timed_out, unaccounted, since)
+        excluded = [m for m in unaccounted if m not in left_out]
+        unreachable = cut_off + [m for m, _ in pending.items() if m in left_out]
+        return self._form(now, members, target, mode, failure, timed_out, excluded, since, unreachable)
 
     def _target_step(self, trusted: list[str]) -> tuple[int, str]:
         """``A`` and how the ledger reaches it: ``catch-up``, ``rollback`` or ``keep`` (no survivor holds more)."""
@@ -676,8 +758,10 @@ class LighthouseState:
         timed_out: bool,
         excluded: list[str],
         since: float,
+        unreachable: list[str],
     ) -> Formation:
-        """Form the quorum; members of the old one that did not ask by the timeout are excluded as of ``since``."""
+        """Form the quorum; members of the old one that did not ask by the timeout are excluded as of ``since``;
+        ``unreachable`` members are left out because cuts keep them from it (no failure: they may ask again)."""
         previous = self.roster.quorum
         if mode == "catch-up":
             asked = [self.asks[m].request for m in members if m not in self.commits.healing]
@@ -744,7 +828,10 @@ class LighthouseState:
         self.formation = formation
         self.answered = requests
         self.dirty.formation = True
-        self.history.quorum(quorum_id, list(members), reason, now, target, timed_out=timed_out)
+        self.history.quorum(quorum_id, list(members), reason, now, target, timed_out=timed_out, unreachable=unreachable)
+        for member in unreachable:
+            self.reach.renew(member, now)  # it stays out a time to live from now
+        self.reach.prune(self.membership.__contains__, now)
         self.dirty.revision += 1
         return formation
 

@@ -18,13 +18,18 @@ Expiry
     A cut lasts while a report of either end holds it, and each report holds
     it for a time to live: ``ttl`` for the pair's first cut, doubled for each
     further cut of the same pair that follows within ``max_ttl`` of the last
-    one ending, up to ``max_ttl``. So a member left out because it is cut off
-    is tried again after ``ttl``, ``2 ttl``, ``4 ttl``... and then every
-    ``max_ttl``: the members that reach one another pay at most one failed
-    rendezvous per try, however long the partition lasts. A member that comes
-    back from the dead (its heartbeat reconnects after it died: its link was
-    down and is up) clears every cut it is part of at once; its next
-    observation is needed to cut it again.
+    one ending, up to ``max_ttl``. It counts from the report, and again from
+    the formation of a quorum that leaves a member out for the cut
+    (:meth:`Reachability.renew`; the lighthouse expires nothing while a
+    quorum waits for its members). So a member left out because it is cut off
+    is tried again ``ttl``, ``2 ttl``, ``4 ttl``... and then every ``max_ttl``
+    after it was left out: the members that reach one another pay at most one
+    failed rendezvous per try, however long the partition lasts. A member
+    that comes back from the dead (its heartbeat reconnects after it died:
+    its link was down and is up) clears every cut it is part of at once; what
+    it observed about the quorums formed before (while its link was down)
+    cuts nothing, and neither do the other ends' observations sent again:
+    only an observation about a later quorum cuts it again.
 
 The choice (:func:`choose`)
     Among the candidates, the largest set that all reach one another is a
@@ -93,13 +98,13 @@ class Cut:
         """When the last report holding the cut lapses."""
         return max(self.by.values())
 
-    def to_json(self, now: float) -> dict[str, Any]:
-        """The cut as ``/v1/status`` shows it."""
+    def to_json(self, now: float | None) -> dict[str, Any]:
+        """The cut as ``/v1/status`` shows it (``expires_in`` seconds from ``now``, None without it)."""
         return {
             "members": list(self.members),
             "reported_by": sorted(self.by),
             "since": self.since,
-            "expires_in": max(0.0, self.expires - now),
+            "expires_in": None if now is None else max(0.0, self.expires - now),
             "strikes": self.strikes,
         }
 
@@ -122,6 +127,8 @@ class Reachability:
         """Pairs whose cut ended: its strikes and when it ended (forgotten ``max_ttl`` later)."""
         self._deadlines: list[tuple[float, Pair]] = []
         """``(expiry, pair)`` for every report holding a cut (a heap; stale entries skipped)."""
+        self._back: dict[str, int | None] = {}
+        """Members back from the dead, and the last quorum formed before: their observations up to it are stale."""
 
     def __len__(self) -> int:
         return len(self.cuts)
@@ -141,6 +148,12 @@ class Reachability:
         if old is not None and old.quorum_id == quorum_id and old.peers == named:
             return  # the same observation sent again
         renewed = named if old is None or old.quorum_id != quorum_id else named - old.peers
+        if member in self._back:
+            back = self._back[member]
+            if quorum_id is None or (back is not None and quorum_id <= back):
+                renewed = frozenset()  # made while its link was down
+            else:
+                del self._back[member]
         if named:
             self.reports[member] = Report(quorum_id, named, now)
         else:
@@ -150,10 +163,24 @@ class Reachability:
         for peer in sorted(renewed):
             self._assert(member, peer, now)
 
-    def reconnected(self, member: str, now: float) -> None:
-        """``member`` came back from the dead (its link is up again): every cut it is part of ends now."""
+    def reconnected(self, member: str, quorum_id: int | None, now: float) -> None:
+        """``member`` came back from the dead (its link is up again): every cut it is part of ends now, and what it
+        observed about quorum ``quorum_id`` (the last formed) and earlier ones cuts nothing."""
+        self._back[member] = quorum_id
         for peer in sorted(self.peers.get(member, ())):
             self._end(pair(member, peer), now)
+
+    def renew(self, member: str, now: float) -> None:
+        """A quorum formed without ``member`` because of its cuts: each report holding one holds it a time to live
+        from ``now`` at least."""
+        for peer in sorted(self.peers.get(member, ())):
+            members = pair(member, peer)
+            cut = self.cuts[members]
+            until = now + self.time_to_live(cut.strikes)
+            for end, held in cut.by.items():
+                if held < until:
+                    cut.by[end] = until
+                    heapq.heappush(self._deadlines, (until, members))
 
     def expire(self, now: float) -> None:
         """End the reports (and the cuts) whose time ran out by ``now``; costs what expired."""
@@ -174,10 +201,12 @@ class Reachability:
         """
         for member in [m for m in self.reports if not known(m)]:
             del self.reports[member]
+        for member in [m for m in self._back if not known(m)]:
+            del self._back[member]
         for members in [p for p, (_, ended) in self._ended.items() if now - ended > self.max_ttl]:
             del self._ended[members]
 
-    def to_status(self, now: float) -> list[dict[str, Any]]:
+    def to_status(self, now: float | None) -> list[dict[str, Any]]:
         """Every cut, as ``/v1/status`` shows them (sorted by pair)."""
         return [self.cuts[members].to_json(now) for members in sorted(self.cuts)]
 

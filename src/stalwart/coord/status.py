@@ -60,6 +60,7 @@ def status(state: LighthouseState, now: float | None = None) -> dict[str, Any]:
         "recoveries": list(history.recoveries),
         "departures": list(history.departures),
         "quorums": list(history.quorums),
+        "cuts": state.reach.to_status(now),
     }
 
 
