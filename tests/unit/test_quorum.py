@@ -829,3 +829,28 @@ def test_without_reports_nothing_changes_and_unreachable_is_validated() -> None:
     assert request.unreachable == ("w1", "w2") and request == QuorumRequest("w0", 0, None, "join")
     assert QuorumRequest.from_json(request.to_body()).unreachable == ("w1", "w2")
     assert "unreachable" not in QuorumRequest("w0", 0, None, "join").to_body()
+
+
+@settings(max_examples=60, deadline=None)
+@given(size=st.integers(3, 7), data=st.data())
+def test_whatever_the_order_of_reports_a_cut_off_minority_never_forms_in_place_of_the_majority(size: int, data) -> None:
+    cluster = SimulatedFleet(PLAN, heartbeat_timeout=HEARTBEAT_TIMEOUT, join_timeout=JOIN_TIMEOUT)
+    cluster.start(size)
+    cluster.run_steps(1)
+    members = cluster.members
+    cut_off = data.draw(st.lists(st.sampled_from(members), min_size=1, max_size=(size - 1) // 2, unique=True))
+    majority = [m for m in members if m not in cut_off]
+    order = data.draw(st.permutations(members))
+    formed, asked = None, set()
+    for member in order:
+        report(cluster, member, "failure", majority if member in cut_off else cut_off)
+        asked.add(member)
+        cluster.now += data.draw(st.sampled_from([0.0, 0.5, JOIN_TIMEOUT]))
+        cluster.heartbeat()
+        formed = cluster.tick()
+        if formed is not None:
+            break
+    assert formed is not None, "once every member of the majority asked the quorum forms"
+    assert formed.members == tuple(majority), "the members that reach one another, in their ranks"
+    assert asked >= set(majority), "it formed only once every member of the majority had asked"
+    assert cluster.state.counts["failures"] == 0

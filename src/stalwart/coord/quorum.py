@@ -616,14 +616,13 @@ class LighthouseState:
         if not pending.ours:
             self.reach.expire(now)  # never while a quorum waits for its members (the cuts decide whom it waits for)
         since = pending.first_time()
-        left_out = self._left_out(now, since)
-        if left_out is None:
-            return None
+        patient = now - since < self.join_timeout + self.unreachable_wait
+        left_out = self._left_out(patient)
         cut_off_silent = sum(1 for m in left_out if roster.counts(m) and m not in pending)
         unaccounted = roster.counting - pending.ours - cut_off_silent
         timed_out = now - since >= self.join_timeout
-        if unaccounted and not timed_out:
-            return None
+        if unaccounted and (not timed_out or (patient and any(m in roster for m in left_out))):
+            return None  # a member of the quorum is cut off: the others may sit in the rendezvous it gave up on
         # After the join timeout the members that did not ask are excluded: they no longer count for the
         # majority rule, so the askers are the majority of what counts; some member of the quorum must ask.
         if roster.counting and not pending.ours:
@@ -634,40 +633,34 @@ class LighthouseState:
             return None  # without a failure every asker joins the quorum: the counts decide, no walk needed
         return self._form_from_pending(now, timed_out, since, left_out)
 
-    def _left_out(self, now: float, since: float) -> frozenset[str] | None:
-        """The askers and silent members of the quorum that cuts leave out of the next quorum; None: wait.
+    def _left_out(self, patient: bool) -> frozenset[str]:
+        """The askers and silent members of the quorum that cuts leave out of the next quorum.
 
-        The candidates are the askers and, until ``unreachable_wait`` past the
-        join timeout, the members of the current quorum that count and have not
-        asked; :func:`~stalwart.coord.reachability.choose` keeps the largest set
-        of them that reach one another, holders of the state first. When it
-        keeps a silent member cut from an asker it leaves out, the quorum waits
-        for that member (it may sit in the rendezvous the asker gave up on):
-        an asker cut off from the others never forms a quorum alone in place
-        of them. Costs what the cuts touch (nothing without cuts).
+        The candidates are the askers and, while ``patient`` (until
+        ``unreachable_wait`` past the join timeout), the members of the current
+        quorum that count and have not asked;
+        :func:`~stalwart.coord.reachability.choose` keeps the largest set of
+        them that reach one another, holders of the state first. While it
+        leaves out a member of the quorum, the quorum waits for the silent
+        members it keeps (they may sit in the rendezvous the cut-off member
+        gave up on), so a member cut off from the others never forms a
+        quorum alone in place of them. Costs what the cuts touch (nothing
+        without cuts).
         """
         if not self.reach.cuts:
             return frozenset()
         pending, roster, healing = self.asks, self.roster, self.commits.healing
-        patient = now - since < self.join_timeout + self.unreachable_wait
 
         def holder(member: str) -> bool:
             ask = pending.get(member)
             return roster.counts(member) and member not in healing and (ask is None or ask.request.reason != "join")
 
-        choice = choose(
+        return choose(
             self.reach.peers,
             lambda m: m in pending or (patient and roster.counts(m)),
             holder,
             lambda m: (roster.ranks.get(m, len(roster.ranks)), m),
-        )
-        for member in choice.left_out:
-            if member in pending and any(
-                roster.counts(peer) and peer not in pending and peer not in choice.left_out
-                for peer in self.reach.peers[member]
-            ):
-                return None
-        return choice.left_out
+        ).left_out
 
     def _held_out_asking(self) -> int:
         """How many waiting joiners are cut from a member of the current quorum (cached per cut set and quorum)."""
@@ -967,8 +960,10 @@ class LighthouseState:
         on_commit: CommitListener | None = None,
         max_members: int = MAX_MEMBERS,
         require_digest: bool = False,
+        unreachable_wait: float = UNREACHABLE_WAIT_S,
     ) -> LighthouseState:
-        """Resume from ``state_dict()``: the quorum's members count as alive (seen at ``now``), others as dead.
+        """Resume from ``state_dict()``: the quorum's members count as alive (seen at ``now``), others as dead; no
+        member is cut from another (cuts are not persisted: a cut-off member is reported again at its next failure).
 
         A version 1 state resumes without its last formation: a member whose answer was lost asks again and is
         told to join.
@@ -984,6 +979,7 @@ class LighthouseState:
             on_commit=on_commit,
             max_members=max_members,
             require_digest=require_digest,
+            unreachable_wait=unreachable_wait,
         )
         snapshot.restore(restored, state, now)
         return restored
