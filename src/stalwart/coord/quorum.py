@@ -31,7 +31,9 @@ Cost, with M members: a heartbeat, a request that forms nothing, a death and
 :meth:`LighthouseState.try_form` take constant time (commits aside: each
 replays one step of the ledger); forming a quorum, :meth:`~LighthouseState.tick`
 (hung members) and ``to_status`` are linear. So a failure of many members at
-once is handled in time linear in M, and forms one quorum.
+once is handled in time linear in M, and forms one quorum. While members are
+cut from one another, :meth:`~LighthouseState.try_form` also costs what the
+cuts touch.
 
 Liveness
     A member is alive while its heartbeat socket is open and it sent something
@@ -58,6 +60,15 @@ Quorums
     members is at the target step (it would have to resume from a checkpoint,
     or lose the state) never forms while a live member of the current quorum
     that holds the state has not asked: nobody excludes it, the others wait.
+
+Reachability
+    Members name the peers they could not reach (``unreachable``); the
+    quorum keeps the largest set of candidates that reach one another,
+    holders of the state first, and leaves out the rest without counting a
+    failure; while it leaves out a member of the current quorum it waits up
+    to ``unreachable_wait`` past the join timeout for the silent members it
+    keeps, so a member cut off from the others never forms a quorum alone in
+    place of them (:mod:`~stalwart.coord.reachability`; ``reach``).
 
 The ledger
     The hosted :class:`~stalwart.data.DataLedger` is kept committed through

@@ -270,7 +270,7 @@ def choose(
     candidates touch, not the number of candidates.
     """
     touched = {m for m in peers if candidate(m)}
-    graph = {m: sorted((p for p in peers[m] if p in touched), key=priority) for m in touched}
+    graph = {m: [p for p in peers[m] if p in touched] for m in touched}  # any order: components are sorted
     order = sorted((m for m in touched if graph[m]), key=priority)
     seen: set[str] = set()
     left_out: set[str] = set()
