@@ -620,23 +620,26 @@ class LighthouseState:
     # --- quorum formation ------------------------------------------------------------------------
 
     def try_form(self, now: float) -> Formation | None:
-        """Form the next quorum if the rules allow at ``now``; constant time unless it forms (or a failure waits)."""
+        """Form the next quorum if the rules allow at ``now``; constant time unless it forms (or a failure waits, or
+        cuts touch the candidates: then what they touch)."""
         pending, roster = self.asks, self.roster
         if not len(pending):
             return None
         if not pending.ours:
             self.reach.expire(now)  # never while a quorum waits for its members (the cuts decide whom it waits for)
+        # Some member of the quorum must ask (only joiners wait: nothing forms, whatever the cuts).
+        if roster.counting and not pending.ours:
+            return None
         since = pending.first_time()
         patient = now - since < self.join_timeout + self.unreachable_wait
         left_out = self._left_out(patient)
         cut_off_silent = sum(1 for m in left_out if roster.counts(m) and m not in pending)
         unaccounted = roster.counting - pending.ours - cut_off_silent
         timed_out = now - since >= self.join_timeout
-        if unaccounted and (not timed_out or (patient and any(m in roster for m in left_out))):
-            return None  # a member of the quorum is cut off: the others may sit in the rendezvous it gave up on
         # After the join timeout the members that did not ask are excluded: they no longer count for the
-        # majority rule, so the askers are the majority of what counts; some member of the quorum must ask.
-        if roster.counting and not pending.ours:
+        # majority rule, so the askers are the majority of what counts. While a member of the quorum is cut off the
+        # others may sit in the rendezvous it gave up on: the silent members of the best set are waited for longer.
+        if unaccounted and (not timed_out or (patient and any(m in roster for m in left_out))):
             return None
         carries_on = pending.survivors > 0  # at most: the walk below tells whether one of them holds the state
         size = len(pending) - (len(left_out) - cut_off_silent)
