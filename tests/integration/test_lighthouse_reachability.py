@@ -40,6 +40,9 @@ def test_a_member_cut_off_from_its_peers_is_left_out_not_the_majority_and_readmi
     try:
         for client in clients.values():
             client.start_heartbeat(lambda: 0)
+        wait_until(  # else the first quorum may form before the last member is seen, and without it
+            lambda: sum(m["connected"] for m in lighthouse.status()["members"]) == 3, what="three heartbeats"
+        )
         first = ask_all(clients, {m: (0, None, "join", 30, ()) for m in clients})
         members = first["a"].members
         a, b, c = members

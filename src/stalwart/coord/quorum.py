@@ -199,8 +199,8 @@ class LighthouseState:
         self.join_timeout = check_seconds("join_timeout", join_timeout)
         self.max_members = check_int("max_members", max_members, minimum=1)
         self.unreachable_wait = check_seconds("unreachable_wait", unreachable_wait)
-        """How long past ``join_timeout`` a quorum waits for members of the current quorum that have not asked when
-        they reach one another but not a member that asked (they may still sit in the rendezvous it gave up on)."""
+        """How long past ``join_timeout`` a quorum that leaves out a member of the current quorum for its cuts waits
+        for the silent members it keeps (they may still sit in the rendezvous the cut-off member gave up on)."""
         self.reach = Reachability(self.join_timeout, CUT_MAX_TTL * self.join_timeout)
         """The cuts members reported (``docs/protocol.md``, "Reachability"); not persisted."""
         self._held: tuple[tuple[int, int], frozenset[str]] = ((-1, -1), frozenset())
