@@ -45,7 +45,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 import aiohttp
@@ -250,7 +250,15 @@ class LighthouseClient:
             raise TypeError(f"rounds must be callable, got {rounds!r}")
         self._rounds = rounds
 
-    def quorum(self, applied_step: int, quorum_id: int | None, reason: str, timeout: float = 60.0) -> QuorumAnswer:
+    def quorum(
+        self,
+        applied_step: int,
+        quorum_id: int | None,
+        reason: str,
+        timeout: float = 60.0,
+        *,
+        unreachable: Sequence[str] = (),
+    ) -> QuorumAnswer:
         """Ask for the next quorum (long poll); asks again after 408s, 502-504s and connection errors until
         ``timeout`` seconds (the Manager's ``quorum_timeout``) passed, however long the lighthouse keeps it waiting.
 
@@ -260,8 +268,12 @@ class LighthouseClient:
         meanwhile, and :class:`LighthouseError` when it refuses the request
         (``status`` 409 with ``body["quorum_id"]``: stale, ask with ``join``; 409
         ``plan_mismatch`` / ``no_plan`` at registration, see the module doc).
+        ``unreachable`` names the members of this member's last quorum it
+        could not reach (sent only when any).
         """
         body = {"member": self.member, "applied_step": applied_step, "quorum_id": quorum_id, "reason": reason}
+        if unreachable:
+            body["unreachable"] = list(unreachable)
         body.update(self._reported_at(applied_step))
         try:
             body = QuorumRequest.from_json(body).to_body()

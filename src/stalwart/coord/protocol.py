@@ -33,6 +33,8 @@ SECRET_HEADER = "X-Stalwart-Secret"
 STORE_KEY_HEADER = "X-Stalwart-Store-Key"
 """The quorum store's key (told only in quorum answers): every store request carries it."""
 MAX_HEADER_CHARS = 512
+MAX_UNREACHABLE = 4096
+"""Most members a quorum request may name unreachable."""
 """Longest credential header accepted (a bearer token, an incarnation, a secret, a store key)."""
 _HEADER_PATTERN = re.compile(r"[\x20-\x7e]*")
 
@@ -156,6 +158,11 @@ class QuorumRequest:
     identity, so a retried long poll matches whatever it asks the answer in."""
     known: int | None = field(default=None, compare=False)
     """The quorum whose answer the member holds (wire 2): the members then come as a delta from it."""
+    unreachable: tuple[str, ...] = ()
+    """The members of this member's last quorum it could not reach (its probes failed); sent only when any."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "unreachable", tuple(self.unreachable))  # a persisted request holds a list
 
     def to_json(self) -> dict[str, Any]:
         """Every field, as ``QuorumRequest(**...)`` takes them back (for persistence)."""
@@ -168,6 +175,7 @@ class QuorumRequest:
             "weights": self.weights,
             "wire": self.wire,
             "known": self.known,
+            "unreachable": list(self.unreachable),
         }
 
     def to_body(self) -> dict[str, Any]:
@@ -181,6 +189,8 @@ class QuorumRequest:
         }
         if self.wire == 2:
             body["known"] = self.known
+        if self.unreachable:
+            body["unreachable"] = list(self.unreachable)
         return body
 
     @classmethod
@@ -188,7 +198,8 @@ class QuorumRequest:
         """Validate a decoded JSON body; ``RequestError`` 400 names the bad field and value."""
         if not isinstance(body, Mapping):
             raise RequestError(400, f"the body must be a JSON object, got {type(body).__name__}")
-        unknown = sorted(set(body) - {"member", "applied_step", "quorum_id", "reason", "digest", "weights", "known"})
+        fields = {"member", "applied_step", "quorum_id", "reason", "digest", "weights", "known", "unreachable"}
+        unknown = sorted(set(body) - fields)
         if unknown:
             raise RequestError(400, f"unknown fields {unknown}", field=unknown[0])
         for name in ("member", "applied_step", "reason"):
@@ -206,6 +217,13 @@ class QuorumRequest:
             raise RequestError(400, f"quorum_id must be an int for reason {reason!r}, got None", field="quorum_id")
         known = body.get("known")
         known = None if known is None else parse_step(known, "known")
+        unreachable = body.get("unreachable", [])
+        if not isinstance(unreachable, list) or len(unreachable) > MAX_UNREACHABLE:
+            raise RequestError(
+                400,
+                f"unreachable must be a list of at most {MAX_UNREACHABLE} members, got {unreachable!r:.80}",
+                field="unreachable",
+            )
         return cls(
             member,
             applied_step,
@@ -215,6 +233,7 @@ class QuorumRequest:
             parse_weights(body.get("weights")),
             wire=2 if "known" in body else 1,
             known=known,
+            unreachable=tuple(parse_member(name) for name in unreachable),
         )
 
 
