@@ -211,7 +211,9 @@ class Communicator:
             missing = _missing(store, rank, world_size)
             lacking = f"; ranks {list(missing)} never came" if missing else ""
             raise CollectiveError(
-                f"rendezvous of rank {rank}/{world_size} failed: {error}{lacking}", missing=missing
+                f"rendezvous of rank {rank}/{world_size} failed: {error}{lacking}",
+                failure=_failure_of(error),
+                missing=missing,
             ) from error
 
     def start_all_reduce_sum(self, tensor: torch.Tensor) -> Callable[[], None]:
@@ -370,8 +372,9 @@ class Communicator:
         if self._group is None:
             return
         self.abort()
-        group, self._group = self._group, None
-        _drop_elsewhere(group)
+        holder = [self._group]  # no local name may hold the group: the caller's frame would destroy it last
+        self._group = None
+        threading.Thread(target=holder.clear, name="stalwart-retired-group", daemon=True).start()
 
     def _live_group(self) -> Any:
         """The process group; :class:`CollectiveError` once :meth:`retire` handed it away (its quorum is gone)."""
@@ -604,13 +607,13 @@ class _Rendezvous:
     def _give_up(self) -> bool:
         """Give the rendezvous up unless it finished meanwhile; abort what exists of the group (NCCL: that ends its
         connect). The helper thread still holds the group, and drops it."""
-        with self._lock:
+        with self._lock:  # no local name holds the group: the helper thread's is the last reference
             if self._done.is_set():
                 return False
             self._given_up = True
-            group, self._group = self._group, None
-        if group is not None:
-            _abort(group)
+            if self._group is not None:
+                _abort(self._group)
+            self._group = None
         return True
 
 
@@ -618,13 +621,6 @@ def _abort(group: Any) -> None:
     """Abort ``group``, whatever its state."""
     with contextlib.suppress(RuntimeError):
         group.abort()
-
-
-def _drop_elsewhere(group: Any) -> None:
-    """Let go of ``group`` on a daemon thread: its destructor can wait for a collective pending on a live peer."""
-    holder = [group]
-    del group
-    threading.Thread(target=holder.clear, name="stalwart-retired-group", daemon=True).start()
 
 
 def _group_builder(
