@@ -202,7 +202,7 @@ class Communicator:
             missing = _missing(store, rank, world_size)
             lacking = f"ranks {list(missing)} never came" if missing else "every rank came, not every peer connected"
             raise CollectiveError(
-                f"rendezvous of rank {rank}/{world_size} given up: {given_up} ({lacking})",
+                f"rendezvous of rank {rank}/{world_size} failed: given up, {given_up} ({lacking})",
                 failure=given_up.failure,
                 missing=missing,
             ) from None
