@@ -8,6 +8,7 @@ liveness bounds several times the timeouts, never expectations.
 
 from __future__ import annotations
 
+import pickle
 import socket
 import threading
 import time
@@ -145,3 +146,9 @@ def test_a_peer_found_dead_after_a_failure_is_reported_unreachable_with_the_next
         finally:
             peer.close(0, leave=False)
             survivor.close(0, leave=False)
+
+
+def test_a_collective_error_keeps_how_it_ended_and_who_never_came_when_pickled() -> None:
+    """Errors cross process boundaries (queues of spawned peers): their keyword arguments must come back."""
+    error = pickle.loads(pickle.dumps(CollectiveError("gave up", failure=Failure.TIMEOUT, missing=[2, 5])))
+    assert (str(error), error.failure, error.missing) == ("gave up", Failure.TIMEOUT, (2, 5))
