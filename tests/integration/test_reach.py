@@ -94,7 +94,9 @@ def test_the_probe_tells_a_listening_peer_from_a_closed_port_and_a_malformed_add
     assert probe({"gone": listener.address}, timeout=5.0) == {"gone": Reach.REFUSED}  # its process's port closed
 
 
-def test_the_probe_refuses_bad_arguments_naming_them() -> None:
+def test_the_probe_refuses_bad_arguments_naming_them(store: dist.TCPStore) -> None:
+    with pytest.raises(ValueError, match="reach must be a host:port of at most 300 characters"):
+        Communicator(store, 0, 1, timeout=1.0, device=torch.device("cpu"), reach="h" * 301)
     with pytest.raises(ValueError, match="timeout must be a positive number of seconds, got 0"):
         probe({"a": f"{HOST}:1"}, timeout=0)
     with pytest.raises(ValueError, match="host must be a non-empty address"):

@@ -180,6 +180,8 @@ class Communicator:
         collective is given up at once rather than at its timeout, since a
         survivor can be blocked on a peer that has itself left the collective.
         """
+        if not isinstance(reach, str) or len(reach) > _MAX_ADDRESS:
+            raise ValueError(f"reach must be a host:port of at most {_MAX_ADDRESS} characters, got {reach!r:.80}")
         self.rank = rank
         self.world_size = world_size
         self.device = device
