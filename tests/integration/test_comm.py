@@ -34,7 +34,8 @@ from stalwart.runtime.comm import (
     NCCL_ENVIRONMENT,
     CollectiveError,
     Communicator,
-    _connect,
+    _GaveUp,
+    _Rendezvous,
     nccl_environment,
     quorum_store,
     work_failure,
@@ -307,25 +308,48 @@ class _Group:
         self.released.set()
 
 
+def _rendezvous(group: _Group, seconds: float, abandon: Any = lambda: False) -> Any:
+    """The group connected the NCCL way (created, then its eager connect) by the helper thread."""
+    connect = _Rendezvous(lambda: group, lambda made: made.eager_connect_single_device(torch.device("cuda", 0)))
+    return connect.result(time.monotonic() + seconds, abandon)
+
+
 def test_a_connect_that_does_not_finish_is_given_up_at_the_deadline_and_the_group_aborted() -> None:
     group = _Group()
     start = time.monotonic()
-    with pytest.raises(CollectiveError, match="not every rank came before the deadline"):
-        _connect(group, torch.device("cuda", 0), time.monotonic() + 0.3, lambda: False)
+    with pytest.raises(_GaveUp, match="its deadline passed"):
+        _rendezvous(group, 0.3)
     assert 0.3 <= time.monotonic() - start < 5 and group.aborted
 
 
 def test_a_connect_is_given_up_when_the_quorum_breaks_and_its_error_is_raised() -> None:
     group = _Group()
-    with pytest.raises(CollectiveError, match="a member of this quorum is dead"):
-        _connect(group, torch.device("cuda", 0), time.monotonic() + 30, lambda: True)
+    with pytest.raises(_GaveUp, match="a member of this quorum is dead"):
+        _rendezvous(group, 30, lambda: True)
     assert group.aborted
     with pytest.raises(RuntimeError, match="store timed out"):
-        _connect(_Group(RuntimeError("store timed out")), torch.device("cuda", 0), time.monotonic() + 30, lambda: False)
+        _rendezvous(_Group(RuntimeError("store timed out")), 30)
     released = _Group()
     released.released.set()
-    _connect(released, torch.device("cuda", 0), time.monotonic() + 30, lambda: False)
+    assert _rendezvous(released, 30) is released
     assert not released.aborted
+
+
+def test_a_group_whose_creation_outlives_its_deadline_is_aborted_by_the_helper_thread_when_it_comes() -> None:
+    """Gloo's constructor cannot be interrupted: the caller leaves at its deadline, and the group the constructor
+    returns later is aborted there, never handed to anyone."""
+    late = _Group()
+    created = threading.Event()
+
+    def create() -> _Group:
+        created.wait(30)
+        return late
+
+    connect = _Rendezvous(create, lambda _: None)
+    with pytest.raises(_GaveUp):
+        connect.result(time.monotonic() + 0.2, lambda: False)
+    created.set()
+    wait_until(lambda: late.aborted, 30, "the late group aborted by the helper thread")
 
 
 def test_a_key_a_dead_peer_never_wrote_is_a_failed_collective(store: dist.TCPStore) -> None:

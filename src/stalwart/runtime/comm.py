@@ -37,11 +37,24 @@ polled with ``is_completed()`` and waited on only once complete.
 
 An NCCL group is bound to this process's GPU (``torch.cuda.set_device``) and
 connected eagerly, so that its rendezvous, like Gloo's, happens when the
-Communicator is built. NCCL's connect (blocking mode, torch's default) waits
-for every rank with no timeout, so it runs on a helper thread: the
-Communicator gives it up at the rendezvous deadline (or when ``abandon()``
-turns true), aborts the group and raises; a connect that never returns
-leaves that thread behind. NCCL's watchdog times every collective out at the
+Communicator is built.
+
+Neither backend's rendezvous keeps to its timeout. NCCL's connect (blocking
+mode, torch's default) waits for every rank with no timeout. Gloo's
+``connectFullMesh`` (inside ``ProcessGroupGloo``'s constructor) applies the
+timeout to each of its waits, not to the whole: one store key after another,
+then one pair after another, and a pair's passive side waits for its
+initiator whatever the initiator's fate. With a peer that fails its connects
+at once (its routes to the others blackholed), the ranks waiting for it sat
+five timeouts (50 s under a 10 s ``rendezvous_timeout``) in the constructor,
+which cannot be interrupted. So both run on a helper thread
+(:class:`_Rendezvous`): the Communicator gives it up at the rendezvous deadline
+(or when ``abandon()`` turns true), aborts what exists of the group, and
+raises; the thread ends when the backend gives up, and drops whatever it
+built then. Before it connects each rank writes ``arrived/<rank>`` (with the
+address of its reachability probe, :mod:`stalwart.runtime.probe`) to the
+store, so that a rendezvous given up names the ranks that never came
+(:func:`arrivals`). NCCL's watchdog times every collective out at the
 group's timeout, not the collective's own, so the group's timeout is raised
 to cover the longest collective (a heal's broadcast); the Communicator's own
 deadlines come first. A collective whose communicator the watchdog aborted
@@ -56,12 +69,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import enum
 import logging
 import os
 import ssl
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -79,6 +93,10 @@ _ABANDON_CHECK = 0.005
 """Seconds between two looks at ``abandon()`` while a Gloo collective's future is awaited."""
 _GRACE = 1.0
 """Seconds past a collective's timeout before the Communicator gives up itself (the backend should have first)."""
+ARRIVED = "arrived/"
+"""Each rank's key in its group's store, written before it connects: its probe address (see :func:`arrivals`)."""
+_MAX_ADDRESS = 300
+"""Longest probe address read from a peer (a host name and a port)."""
 ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 CLEAN_UP_ONLY = "2"
 _TEAR_DOWN_MODES = frozenset({"1", "3"})
@@ -100,8 +118,36 @@ COLLECTIVE_SETTING = "collective_timeout (environment variable STALWART_COLLECTI
 HEAL_SETTING = "heal_timeout or heal_min_bandwidth (STALWART_HEAL_TIMEOUT, STALWART_HEAL_MIN_BANDWIDTH)"
 
 
+class Failure(enum.Enum):
+    """How a collective or a rendezvous ended: what a diagnosis of its peers starts from."""
+
+    ERROR = "error"
+    """The backend raised: a socket closed or reset, a connect refused, a store that did not answer."""
+    TIMEOUT = "timeout"
+    """Its deadline passed with a peer silent."""
+    ABANDONED = "abandoned"
+    """Given up because the lighthouse reported a member of the quorum dead."""
+
+
 class CollectiveError(StalwartError, RuntimeError):
-    """A collective or a group's rendezvous failed: a peer died, hung or never came."""
+    """A collective or a group's rendezvous failed: a peer died, hung or never came.
+
+    ``failure`` says how it ended; ``missing`` lists the ranks that never came
+    to a rendezvous given up (empty for a collective).
+    """
+
+    def __init__(self, message: str, *, failure: Failure = Failure.ERROR, missing: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.failure = failure
+        self.missing = tuple(missing)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuilt_error, (str(self), self.failure, self.missing)
+
+
+def _rebuilt_error(message: str, failure: Failure, missing: tuple[int, ...]) -> CollectiveError:
+    """A pickled CollectiveError back (its keyword arguments are not positional)."""
+    return CollectiveError(message, failure=failure, missing=missing)
 
 
 class Communicator:
@@ -118,11 +164,15 @@ class Communicator:
         host: str = "127.0.0.1",
         abandon: Callable[[], bool] = lambda: False,
         rendezvous_timeout: float | None = None,
+        reach: str = "",
     ) -> None:
         """Rendezvous as ``rank`` of ``world_size`` on ``store`` (see :func:`quorum_store`).
 
         The rendezvous may take ``rendezvous_timeout`` seconds (default
         ``timeout``); each collective ``timeout`` seconds unless given its own.
+        Given up, it raises :class:`CollectiveError` naming the ranks that
+        never came. ``reach`` (the ``host:port`` of this process's probe
+        listener, or empty) is published with this rank's arrival.
 
         ``host`` is the address peers reach this process on. While a collective
         runs (or an NCCL communicator connects), ``abandon()`` is polled: when it
@@ -130,6 +180,8 @@ class Communicator:
         collective is given up at once rather than at its timeout, since a
         survivor can be blocked on a peer that has itself left the collective.
         """
+        if not isinstance(reach, str) or len(reach) > _MAX_ADDRESS:
+            raise ValueError(f"reach must be a host:port of at most {_MAX_ADDRESS} characters, got {reach!r:.80}")
         self.rank = rank
         self.world_size = world_size
         self.device = device
@@ -139,13 +191,32 @@ class Communicator:
         self._spread: torch.Tensor | None = None
         self._group_timeout = timeout if rendezvous_timeout is None else rendezvous_timeout
         group_timeout = datetime.timedelta(seconds=self._group_timeout)
+        deadline = time.monotonic() + self._group_timeout
         try:
-            self._group: Any | None = _new_group(store, rank, world_size, group_timeout, device, host)
+            store.set(f"{ARRIVED}{rank}", reach)
+            # the builder's closures go to the helper thread only: a group given up is dropped there, never here
+            rendezvous = _Rendezvous(*_group_builder(store, rank, world_size, group_timeout, device, host))
+            self._group: Any | None = rendezvous.result(deadline, abandon)
             if device.type == "cuda":
-                _connect(self._group, device, time.monotonic() + self._group_timeout, abandon)
                 self._cover(timeout + _GRACE)
+        except _GaveUp as given_up:
+            self._group = None
+            missing = _missing(store, rank, world_size)
+            lacking = f"ranks {list(missing)} never came" if missing else "every rank came, not every peer connected"
+            raise CollectiveError(
+                f"rendezvous of rank {rank}/{world_size} failed: given up, {given_up} ({lacking})",
+                failure=given_up.failure,
+                missing=missing,
+            ) from None
         except (RuntimeError, dist.DistError) as error:
-            raise CollectiveError(f"rendezvous of rank {rank}/{world_size} failed: {error}") from error
+            self._group = None
+            missing = _missing(store, rank, world_size)
+            lacking = f"; ranks {list(missing)} never came" if missing else ""
+            raise CollectiveError(
+                f"rendezvous of rank {rank}/{world_size} failed: {error}{lacking}",
+                failure=_failure_of(error),
+                missing=missing,
+            ) from error
 
     def start_all_reduce_sum(self, tensor: torch.Tensor) -> Callable[[], None]:
         """Start summing ``tensor`` across the group in place; call the result to wait for it.
@@ -303,7 +374,7 @@ class Communicator:
         if self._group is None:
             return
         self.abort()
-        holder = [self._group]
+        holder = [self._group]  # no local name may hold the group: the caller's frame would destroy it last
         self._group = None
         threading.Thread(target=holder.clear, name="stalwart-retired-group", daemon=True).start()
 
@@ -334,11 +405,14 @@ class Communicator:
         delay = _FIRST_POLL
         while not (done.is_set() or work.is_completed()):
             if self._abandon():
-                raise CollectiveError(f"{name} abandoned on rank {self.rank}: a member of this quorum is dead")
+                raise CollectiveError(
+                    f"{name} abandoned on rank {self.rank}: a member of this quorum is dead", failure=Failure.ABANDONED
+                )
             if time.monotonic() > deadline:
                 raise CollectiveError(
                     f"{name} on rank {self.rank}/{self.world_size} passed its deadline (raise {setting} if the "
-                    "peers are alive but slow)"
+                    "peers are alive but slow)",
+                    failure=Failure.TIMEOUT,
                 )
             if self.device.type == "cuda":
                 time.sleep(delay)
@@ -348,10 +422,15 @@ class Communicator:
         try:
             work.wait()
         except (RuntimeError, dist.DistError) as error:
-            raise CollectiveError(f"{name} failed on rank {self.rank}/{self.world_size}: {error}") from error
+            raise CollectiveError(
+                f"{name} failed on rank {self.rank}/{self.world_size}: {error}", failure=_failure_of(error)
+            ) from error
         failure = work_failure(work) if self.device.type == "cuda" else None
         if failure is not None:
-            raise CollectiveError(f"{name} failed on rank {self.rank}/{self.world_size}: NCCL reported {failure}")
+            raise CollectiveError(
+                f"{name} failed on rank {self.rank}/{self.world_size}: NCCL reported {failure}",
+                failure=Failure.TIMEOUT if failure == "TIMEOUT" else Failure.ERROR,
+            )
 
 
 def quorum_store(
@@ -438,36 +517,124 @@ def _setting(environ: Mapping[str, str], name: str) -> str | None:
     return None
 
 
-def _connect(group: Any, device: torch.device, deadline: float, abandon: Callable[[], bool]) -> None:
-    """Create ``group``'s NCCL communicator on a helper thread; abort the group and raise if it is not up in time."""
-    failure: list[BaseException] = []
+def arrivals(store: dist.Store, world_size: int) -> dict[int, str] | None:
+    """The ranks of ``store``'s group that came to its rendezvous, each with the probe address it published ("" if
+    none); None when the store stopped answering (nobody can be named then).
 
-    def connect() -> None:
+    One look when every rank came (a collective's failure), one per rank
+    otherwise.
+    """
+    keys = [f"{ARRIVED}{rank}" for rank in range(world_size)]
+    try:
+        if store.check(keys):
+            return {rank: _address(value) for rank, value in enumerate(store.multi_get(keys))}
+        return {rank: _address(store.get(key)) for rank, key in enumerate(keys) if store.check([key])}
+    except (RuntimeError, dist.DistError) as error:
+        log.info("the quorum's store did not answer who came to the rendezvous (%s)", error)
+        return None
+
+
+def _address(value: bytes) -> str:
+    """A published probe address, or "" when it is not one this process would read (not ASCII, too long)."""
+    raw = bytes(value)
+    return raw.decode("ascii") if len(raw) <= _MAX_ADDRESS and raw.isascii() else ""
+
+
+def _missing(store: dist.Store, rank: int, world_size: int) -> tuple[int, ...]:
+    """The ranks other than ``rank`` that never wrote their arrival to ``store`` (none named if it did not answer)."""
+    came = arrivals(store, world_size)
+    return () if came is None else tuple(peer for peer in range(world_size) if peer != rank and peer not in came)
+
+
+def _failure_of(error: BaseException) -> Failure:
+    """A backend's error as a :class:`Failure`: Gloo and NCCL say "timed out"/"timeout" when a deadline passed."""
+    text = str(error).lower()
+    return Failure.TIMEOUT if "timed out" in text or "timeout" in text else Failure.ERROR
+
+
+class _GaveUp(Exception):
+    """A rendezvous given up at its deadline or because the quorum broke."""
+
+    def __init__(self, why: str, failure: Failure) -> None:
+        super().__init__(why)
+        self.failure = failure
+
+
+class _Rendezvous:
+    """One group's creation and connect on a helper thread, which the caller can give up without waiting for it.
+
+    ``create`` builds the group (Gloo: its whole rendezvous, in the
+    constructor); ``connect`` finishes it (NCCL: the eager connect). A thread
+    whose rendezvous was given up aborts and drops what it built when the
+    backend returns: a group's destructor can block, and this thread may.
+    """
+
+    def __init__(self, create: Callable[[], Any], connect: Callable[[Any], None]) -> None:
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._group: Any | None = None
+        self._failure: BaseException | None = None
+        self._given_up = False
+        threading.Thread(target=self._run, args=(create, connect), name="stalwart-rendezvous", daemon=True).start()
+
+    def _run(self, create: Callable[[], Any], connect: Callable[[Any], None]) -> None:
+        group: Any | None = None
         try:
-            group.eager_connect_single_device(device)
+            group = create()
+            with self._lock:
+                if not self._given_up:
+                    self._group = group
+            if self._group is group:
+                connect(group)
         except BaseException as error:  # handed to the caller
-            failure.append(error)
+            self._failure = error
+        with self._lock:
+            self._done.set()
+            if self._given_up and group is not None:
+                _abort(group)  # the caller has gone: this thread drops the group (its frame's end)
 
-    thread = threading.Thread(target=connect, name="stalwart-nccl-connect", daemon=True)
-    thread.start()
-    delay = _FIRST_POLL
-    while thread.is_alive():
-        abandoned = abandon()
-        if abandoned or time.monotonic() > deadline:
-            with contextlib.suppress(RuntimeError):
-                group.abort()
-            why = "a member of this quorum is dead" if abandoned else "not every rank came before the deadline"
-            raise CollectiveError(f"NCCL communicator on {device} not created: {why}")
-        thread.join(delay)
-        delay = min(2 * delay, _LAST_POLL)
-    if failure:
-        raise failure[0]
+    def result(self, deadline: float, abandon: Callable[[], bool]) -> Any:
+        """The connected group; the backend's error; :class:`_GaveUp` at ``deadline`` or once ``abandon()``."""
+        delay = _FIRST_POLL
+        while not self._done.wait(delay):
+            abandoned = abandon()
+            if (abandoned or time.monotonic() > deadline) and self._give_up():
+                why = "a member of this quorum is dead" if abandoned else "its deadline passed"
+                raise _GaveUp(why, Failure.ABANDONED if abandoned else Failure.TIMEOUT)
+            delay = min(2 * delay, _LAST_POLL)
+        if self._failure is not None:
+            raise self._failure
+        return self._group
+
+    def _give_up(self) -> bool:
+        """Give the rendezvous up unless it finished meanwhile; abort what exists of the group (NCCL: that ends its
+        connect). The helper thread still holds the group, and drops it."""
+        with self._lock:  # no local name holds the group: the helper thread's is the last reference
+            if self._done.is_set():
+                return False
+            self._given_up = True
+            if self._group is not None:
+                _abort(self._group)
+            self._group = None
+        return True
 
 
-def _new_group(
+def _abort(group: Any) -> None:
+    """Abort ``group``, whatever its state."""
+    with contextlib.suppress(RuntimeError):
+        group.abort()
+
+
+def _group_builder(
     store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta, device: torch.device, host: str
-) -> Any:
-    """A Gloo or NCCL group (their common base class is not typed in torch's stubs)."""
+) -> tuple[Callable[[], Any], Callable[[Any], None]]:
+    """How to build a Gloo or NCCL group (their common base class is not typed in torch's stubs): what creates it
+    and what connects it, both for :class:`_Rendezvous`'s helper thread.
+
+    The NCCL group is created here, on the caller's thread (its constructor
+    returns at once, and the CUDA device set is per thread); Gloo's
+    constructor is its rendezvous.
+    """
     if device.type == "cuda":
         changes = nccl_environment(os.environ)
         for name, value in changes.items():
@@ -477,8 +644,9 @@ def _new_group(
         torch.cuda.set_device(device)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world_size, options)
-    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-    options._timeout = timeout
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-    return dist.ProcessGroupGloo(store, rank, world_size, options)
+        group = dist.ProcessGroupNCCL(store, rank, world_size, options)
+        return (lambda: group), (lambda made: made.eager_connect_single_device(device))
+    gloo = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    gloo._timeout = timeout
+    gloo._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return (lambda: dist.ProcessGroupGloo(store, rank, world_size, gloo)), (lambda _: None)

@@ -450,13 +450,17 @@ class Manager:
             if not self._session.group_agrees(failure is None) and failure is None:
                 failure = CollectiveError("another process of this replica group failed it")
             if failure is not None:
+                diagnosis = self._session.diagnose(failure)
                 log.warning(
-                    "%s: step %d all-reduce failed (%s); asking for a new quorum (a peer that is alive but busy, "
-                    "e.g. evaluating, needs manager.on_leader() or a larger %s)",
+                    "%s: step %d all-reduce failed (%s); peers: %s; asking for a new quorum%s",
                     self.member,
                     self.ledger.step,
                     failure,
-                    self.timeouts.describe("collective_timeout"),
+                    diagnosis.describe(),
+                    f" (a peer that is alive but busy, e.g. evaluating, needs manager.on_leader() or a larger "
+                    f"{self.timeouts.describe('collective_timeout')})"
+                    if diagnosis.busy_hint
+                    else "",
                 )
                 self._join(reason="failure")
                 self.recoveries += 1
@@ -642,10 +646,11 @@ class Manager:
                     self._zero.reshard(session.grad_comm, self._replica.applied_step)
             except CollectiveError as error:
                 log.warning(
-                    "%s: quorum %d could not start (%s); asking again (attempt %d of %d)",
+                    "%s: quorum %d could not start (%s); peers: %s; asking again (attempt %d of %d)",
                     self.member,
                     answer.quorum_id,
                     error,
+                    session.diagnose(error).describe(),
                     attempt,
                     attempts,
                 )

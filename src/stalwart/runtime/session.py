@@ -9,6 +9,16 @@ quorum's heal plan: a broadcast from a live member
 It also carries what the heartbeat reports, the farewell that ends a job
 together, and the wait while the leader runs work of its own
 (:meth:`QuorumSession.wait_for_leader`).
+
+After a failed rendezvous or collective, :meth:`QuorumSession.diagnose` probes
+the quorum's peers (:mod:`stalwart.runtime.probe`: every process listens on
+its transport host and publishes the address with its arrival) and says what
+each looked like (:mod:`stalwart.runtime.diagnosis`). The members it could
+not reach go to the lighthouse with the next quorum request; only the group's
+leader sends that request, so only the leader's own probes are reported (a
+non-leader's findings serve its error message: a member cut off from some
+processes of a group and not from its leader is left to the collective's
+next failure).
 """
 
 from __future__ import annotations
@@ -37,9 +47,11 @@ from stalwart.coord.tls import client_context
 from stalwart.data.plan import EpochPlan
 from stalwart.data.shards import ShardIdentity, shard_difference
 from stalwart.errors import JoinError, PlanMismatchError, ShardingMismatchError, StateLostError
-from stalwart.runtime.comm import CollectiveError, Communicator, quorum_store
+from stalwart.runtime.comm import CollectiveError, Communicator, arrivals, quorum_store
 from stalwart.runtime.config import ReplicaGroup, Transport
+from stalwart.runtime.diagnosis import Diagnosis, diagnose
 from stalwart.runtime.group import GroupLink
+from stalwart.runtime.probe import ProbeListener, Reach, probe
 from stalwart.runtime.replica import Replica
 from stalwart.runtime.timeouts import Timeouts
 
@@ -116,9 +128,18 @@ class QuorumSession:
         self._heals = 0
         self._leader_calls = 0
         self._diverged = False
+        self._view: tuple[dist.Store, list[int]] | None = None
+        """The current quorum's store and group sizes, once known: what :meth:`diagnose` reads and probes."""
+        self._unreachable: tuple[str, ...] = ()
+        """The members the last diagnosis could not reach: sent with the next quorum request (the leader's)."""
+        self._probe = ProbeListener(transport.host)
         self._client: LighthouseClient | None = None
         if self.group.is_leader:
-            self._client = _connect_client(lighthouse, member, token, plan, transport, timeouts)
+            try:
+                self._client = _connect_client(lighthouse, member, token, plan, transport, timeouts)
+            except BaseException:
+                self._probe.close()
+                raise
             self._client.start_heartbeat(lambda: self.report)
 
     # --- the quorum as this process sees it --------------------------------------------------------
@@ -201,12 +222,14 @@ class QuorumSession:
                     f"{self.member}: the group's leader relayed no quorum answer within "
                     f"{self.timeouts.describe('quorum_timeout')}: {error}"
                 ) from error
+        unreachable, self._unreachable = self._unreachable, ()
         try:
             answer = self._client.quorum(
                 applied_step=0 if self._diverged and reason == "join" else applied_step,
                 quorum_id=self.quorum_id if self.answer else None,
                 reason=reason,
                 timeout=self.timeouts.quorum_timeout,
+                unreachable=unreachable,
             )
         except TimeoutError as error:
             raise JoinError(
@@ -233,6 +256,7 @@ class QuorumSession:
     def connect(self, answer: QuorumAnswer) -> None:
         """Build the quorum's process group over every process of every member group (and, for FSDP2, per shard)."""
         store = quorum_store(answer.store, self.timeouts.rendezvous_timeout, token=self._token, ssl_context=self._ssl)
+        self._view = None
         try:
             if self.group.is_leader:
                 store.set(f"group_size/{self.member}", str(self.group.size))
@@ -241,6 +265,7 @@ class QuorumSession:
             shards = json.dumps([identity.to_list() for identity in self.data_identities])
             store.set(f"data-shards/{self.member}/{self.group.rank}", shards)
             self.group_sizes = _group_sizes(store, answer.members)
+            self._view = (store, self.group_sizes)
             self._check_layout(answer, store)
             self._check_data(answer, store)
         except (RuntimeError, dist.DistError) as error:  # a member that never wrote its keys: it died
@@ -252,6 +277,7 @@ class QuorumSession:
             "device": self.device,
             "host": self.transport.host,
             "abandon": self.abandon,
+            "reach": self._probe.address,
         }
         self.comm = self.grad_comm = Communicator(store, offset + self.group.rank, sum(self.group_sizes), **options)
         if self.sharded:
@@ -259,6 +285,34 @@ class QuorumSession:
             self.grad_comm = Communicator(shard_store, answer.rank, len(answer.members), **options)
         self._heals = 0  # heal keys count from 0 in each quorum's store, the same on every member
         self._leader_calls = 0
+
+    def diagnose(self, error: CollectiveError) -> Diagnosis:
+        """What each peer member of the current quorum looked like when ``error`` happened (probed now, bounded by
+        :data:`~stalwart.runtime.probe.PROBE_TIMEOUT`); the leader reports the unreachable ones with its next quorum
+        request.
+
+        Processes are read from the quorum's store: those that never wrote
+        their arrival never came; the others are probed at the address they
+        published. Nothing is known before the group sizes were read.
+        """
+        if self._view is None or self.answer is None:
+            return Diagnosis(error.failure, {})
+        store, sizes = self._view
+        came = arrivals(store, sum(sizes))
+        if came is None:
+            return Diagnosis(error.failure, {})
+        owners = [member for member, size in zip(self.answer.members, sizes, strict=True) for _ in range(size)]
+        peers = {rank: member for rank, member in enumerate(owners) if member != self.member}
+        found = probe({rank: came[rank] for rank in peers if came.get(rank)})
+        reached: dict[str, list[Reach | None]] = {member: [] for member in self.answer.members if member != self.member}
+        for rank, member in peers.items():
+            if rank not in came:
+                reached[member].append(None)
+            elif rank in found:
+                reached[member].append(found[rank])
+        diagnosis = diagnose(error.failure, reached)
+        self._unreachable = diagnosis.unreachable
+        return diagnosis
 
     def abort(self) -> None:
         """Abandon the quorum's communicators: retired, so that no caller waits for a collective they left pending.
@@ -399,6 +453,7 @@ class QuorumSession:
         checkpoint).
         """
         self.abort()
+        self._probe.close()
         if self._client is not None:
             if leave:
                 self._client.leave(applied_step)

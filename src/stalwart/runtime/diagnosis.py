@@ -1,0 +1,74 @@
+"""What a failed collective or rendezvous says about each peer: dead, cut off, slow, never came, or alive. Pure.
+
+The facts come from the failure itself (:class:`~stalwart.runtime.comm.Failure`:
+a socket error, a deadline passed, or the lighthouse reporting a member dead)
+and from probing each peer process (:mod:`stalwart.runtime.probe`; None for a
+process that never came to the rendezvous). A member is as bad as its worst
+process: cut off, then dead, then never came; a member all of whose processes
+were reachable is slow when the failure was a deadline (it was alive,
+reachable and silent), else alive. Only a slow peer earns the hint about busy
+peers (``manager.on_leader()``, a larger ``collective_timeout``); a member
+cut off or dead is what the leader reports to the lighthouse as unreachable.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from stalwart.runtime.comm import Failure
+from stalwart.runtime.probe import Reach
+
+
+class Verdict(enum.Enum):
+    """What one peer member looked like when a collective or rendezvous failed."""
+
+    CUT_OFF = "cut off (unreachable from here: the connect timed out or found no route)"
+    DEAD = "dead (nothing listens at its address: its process is gone)"
+    ABSENT = "never came to the rendezvous (dead, or cut off from the lighthouse)"
+    SLOW = "slow (reachable, but silent until the deadline)"
+    ALIVE = "alive (reachable)"
+
+
+_WORST_FIRST = (Verdict.CUT_OFF, Verdict.DEAD, Verdict.ABSENT)
+_OF_REACH = {Reach.CUT_OFF: Verdict.CUT_OFF, Reach.REFUSED: Verdict.DEAD}
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """Each peer member's verdict after one failure, in the quorum's order."""
+
+    failure: Failure
+    verdicts: Mapping[str, Verdict]
+
+    @property
+    def unreachable(self) -> tuple[str, ...]:
+        """The members this process could not reach (cut off or dead): what its next quorum request reports."""
+        return tuple(member for member, verdict in self.verdicts.items() if verdict in (Verdict.CUT_OFF, Verdict.DEAD))
+
+    @property
+    def busy_hint(self) -> bool:
+        """True when the deadline passed with every peer alive and reachable: a peer busy elsewhere (evaluating)."""
+        return bool(self.verdicts) and all(verdict is Verdict.SLOW for verdict in self.verdicts.values())
+
+    def describe(self) -> str:
+        """One line naming each peer and its verdict."""
+        if not self.verdicts:
+            return "no peer could be examined (the quorum's store did not answer)"
+        return "; ".join(f"{member} {verdict.value}" for member, verdict in self.verdicts.items())
+
+
+def diagnose(failure: Failure, peers: Mapping[str, Sequence[Reach | None]]) -> Diagnosis:
+    """The diagnosis of ``failure`` from what probing each peer member's processes found (None: never came).
+
+    A member with no process examined is left out.
+    """
+    verdicts: dict[str, Verdict] = {}
+    for member, found in peers.items():
+        if not found:
+            continue
+        seen = {Verdict.ABSENT if reach is None else _OF_REACH.get(reach) for reach in found}
+        worst = next((verdict for verdict in _WORST_FIRST if verdict in seen), None)
+        verdicts[member] = worst or (Verdict.SLOW if failure is Failure.TIMEOUT else Verdict.ALIVE)
+    return Diagnosis(failure, verdicts)

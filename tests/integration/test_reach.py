@@ -1,0 +1,156 @@
+"""Reachability: a rendezvous that ends at its deadline naming who never came, the peer probe, and the members a
+failure could not reach reported to a real lighthouse with the next quorum request.
+
+The rendezvous and the sessions run their ranks on threads of this process
+(real Gloo groups over loopback sockets, a real lighthouse); the bounds are
+liveness bounds several times the timeouts, never expectations.
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from stalwart.coord.server import Lighthouse
+from stalwart.data.plan import EpochPlan
+from stalwart.runtime.comm import CollectiveError, Communicator, Failure
+from stalwart.runtime.config import ReplicaGroup, Transport
+from stalwart.runtime.diagnosis import Verdict
+from stalwart.runtime.probe import ProbeListener, Reach, probe
+from stalwart.runtime.session import REPLICATED, QuorumSession
+from stalwart.runtime.timeouts import Timeouts
+from stalwart.testing.loopback import HOST
+
+PLAN = EpochPlan(64, 8, seed=0)
+RENDEZVOUS_TIMEOUT = 2.0
+BOUND = 60.0
+"""A liveness bound on a busy machine, not an expectation."""
+
+
+def on_threads(calls: dict[str, Callable[[], Any]]) -> dict[str, Any]:
+    """Run each call on a thread of its own; what each returned or raised, by name."""
+    outcomes: dict[str, Any] = {}
+
+    def run(name: str, call: Callable[[], Any]) -> None:
+        try:
+            outcomes[name] = call()
+        except Exception as error:  # the test looks at it
+            outcomes[name] = error
+
+    threads = [threading.Thread(target=run, args=item, daemon=True) for item in calls.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(BOUND)
+    assert set(outcomes) == set(calls), f"{sorted(set(calls) - set(outcomes))} still running after {BOUND} s"
+    return outcomes
+
+
+def test_a_rendezvous_one_rank_never_comes_to_ends_at_its_deadline_naming_that_rank(store: dist.TCPStore) -> None:
+    prefix = f"lonely-{uuid.uuid4().hex}/"
+
+    def rank(number: int) -> Callable[[], Communicator]:
+        def connect() -> Communicator:
+            return Communicator(
+                dist.PrefixStore(prefix, store),
+                number,
+                3,
+                timeout=BOUND,
+                device=torch.device("cpu"),
+                rendezvous_timeout=RENDEZVOUS_TIMEOUT,
+                reach=f"{HOST}:{number + 1}",
+            )
+
+        return connect
+
+    started = time.monotonic()
+    outcomes = on_threads({"0": rank(0), "1": rank(1)})  # rank 2 never comes
+    assert time.monotonic() - started < 10 * RENDEZVOUS_TIMEOUT
+    for number, error in outcomes.items():
+        assert isinstance(error, CollectiveError), error
+        assert error.missing == (2,)
+        assert f"rendezvous of rank {number}/3" in str(error) and "ranks [2] never came" in str(error)
+    assert dist.PrefixStore(prefix, store).get("arrived/1") == f"{HOST}:2".encode()  # the probe address it published
+
+
+def test_the_probe_tells_a_listening_peer_from_a_closed_port_and_a_malformed_address() -> None:
+    listener = ProbeListener(HOST)
+    with socket.socket() as closed:
+        closed.bind((HOST, 0))
+        closed_port = closed.getsockname()[1]  # bound, never listening: connects are refused
+        found = probe({"live": listener.address, "closed": f"{HOST}:{closed_port}", "junk": "no-port"}, timeout=5.0)
+    assert found == {"live": Reach.REACHABLE, "closed": Reach.REFUSED, "junk": Reach.CUT_OFF}
+    assert [reach.unreachable for reach in found.values()] == [False, True, True]
+    listener.close()
+    assert probe({"gone": listener.address}, timeout=5.0) == {"gone": Reach.REFUSED}  # its process's port closed
+
+
+def test_the_probe_refuses_bad_arguments_naming_them(store: dist.TCPStore) -> None:
+    with pytest.raises(ValueError, match="reach must be a host:port of at most 300 characters"):
+        Communicator(store, 0, 1, timeout=1.0, device=torch.device("cpu"), reach="h" * 301)
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds, got 0"):
+        probe({"a": f"{HOST}:1"}, timeout=0)
+    with pytest.raises(ValueError, match="host must be a non-empty address"):
+        ProbeListener("")
+
+
+def session(url: str, member: str) -> QuorumSession:
+    timeouts = Timeouts.resolve(rendezvous_timeout=30.0, collective_timeout=30.0, quorum_timeout=BOUND)
+    return QuorumSession(
+        url,
+        member,
+        token=None,
+        plan=PLAN,
+        group=ReplicaGroup(),
+        transport=Transport(host=HOST),
+        timeouts=timeouts,
+        device=torch.device("cpu"),
+        layout=REPLICATED,
+    )
+
+
+def join(member: QuorumSession) -> None:
+    answer = member.next_answer("join", 0)
+    assert answer is not None
+    member.adopt(answer)
+    member.connect(answer)
+
+
+def test_a_peer_found_dead_after_a_failure_is_reported_unreachable_with_the_next_quorum_request() -> None:
+    """Two members form a quorum; a timed-out collective with the peer alive and reachable is "slow" (the busy hint,
+    nothing reported); once the peer's process is gone its probe is refused, and the survivor's next quorum request
+    carries it in ``unreachable`` to the lighthouse."""
+    with Lighthouse(PLAN, min_replicas=1, start_replicas=2, heartbeat_timeout=1.0, join_timeout=BOUND) as server:
+        survivor, peer = session(server.url, "survivor"), session(server.url, "peer")
+        try:
+            outcomes = on_threads({"survivor": lambda: join(survivor), "peer": lambda: join(peer)})
+            assert outcomes == {"survivor": None, "peer": None}
+            slow = survivor.diagnose(CollectiveError("all-reduce passed its deadline", failure=Failure.TIMEOUT))
+            assert slow.verdicts == {"peer": Verdict.SLOW} and slow.busy_hint and slow.unreachable == ()
+
+            peer.close(0, leave=False)  # its probe listener closes, its heartbeat socket too
+            dead = survivor.diagnose(CollectiveError("all-reduce failed: connection closed by peer"))
+            assert dead.verdicts == {"peer": Verdict.DEAD} and not dead.busy_hint and dead.unreachable == ("peer",)
+
+            answer = survivor.next_answer("failure", 0)
+            assert answer is not None and answer.members == ("survivor",)
+            assert server.state.answered["survivor"].unreachable == ("peer",)
+            assert server.state.answered["survivor"].reason == "failure"
+        finally:
+            peer.close(0, leave=False)
+            survivor.close(0, leave=False)
+
+
+def test_a_collective_error_keeps_how_it_ended_and_who_never_came_when_pickled() -> None:
+    """Errors cross process boundaries (queues of spawned peers): their keyword arguments must come back."""
+    error = pickle.loads(pickle.dumps(CollectiveError("gave up", failure=Failure.TIMEOUT, missing=[2, 5])))
+    assert (str(error), error.failure, error.missing) == ("gave up", Failure.TIMEOUT, (2, 5))
