@@ -636,3 +636,72 @@ def test_a_garbage_group_size_in_the_store_is_a_failed_collective(
             _group_sizes(store, ["c", "b"])  # one multi_get through the lighthouse
     store.set("group_size/b", b"1")
     assert _group_sizes(store, ["c", "b"]) == [2, 1]
+
+
+# --- 9. the attacks of issue 36 ---------------------------------------------------------------------------------
+
+
+def exits(process: LighthouseProcess) -> int:
+    """The exit status of a lighthouse that must refuse to start (an AssertionError when it serves instead)."""
+    wait_until(lambda: process.process.poll() is not None or "listening on" in process.log(), BOUND, "its verdict")
+    assert process.process.poll() is not None, f"it serves: {process.log()}"
+    return process.process.returncode
+
+
+def one_line(process: LighthouseProcess) -> str:
+    """The one line a refused start printed (no traceback)."""
+    lines = [line for line in process.log().splitlines() if line.strip()]
+    assert len(lines) == 1, process.log()
+    return lines[0]
+
+
+def raw(port: int, method: str, path: str, headers: dict[str, str], body: bytes | None = None) -> tuple[int, Any]:
+    """One request with exactly these headers (``Host`` included, as a browser under DNS rebinding sends it)."""
+    import http.client
+
+    connection = http.client.HTTPConnection(HOST, port, timeout=BOUND)
+    try:
+        connection.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
+        for name, value in headers.items():
+            connection.putheader(name, value)
+        connection.putheader("Content-Length", str(len(body or b"")))
+        connection.endheaders(body)
+        response = connection.getresponse()
+        text = response.read()
+        return response.status, json.loads(text) if text.startswith(b"{") else text
+    finally:
+        connection.close()
+
+
+def test_a_heartbeat_with_a_number_of_400_digits_is_refused_and_the_socket_serves_on(
+    lighthouse: LighthouseProcess, honest: Honest
+) -> None:
+    code, mallory = register(lighthouse.url, "mallory")
+    assert code == 200
+    message = {"applied_step": 0, "heal": {"heals": 1, "bytes": 10**400, "seconds": 1.0}}
+
+    async def send() -> list[str]:
+        errors = []
+        async with (
+            aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as session,
+            session.ws_connect(
+                lighthouse.url + "/v1/heartbeat", params={"member": "mallory"}, headers=mallory["headers"]
+            ) as ws,
+        ):
+            for text in (json.dumps(message), json.dumps({"applied_step": 10**400}), "not json"):
+                await ws.send_str(text)
+                for _ in range(20):  # a reconfigure push may come first
+                    reply = await ws.receive(timeout=BOUND)
+                    assert reply.type == aiohttp.WSMsgType.TEXT, f"the socket closed: {reply}"
+                    if json.loads(reply.data)["type"] == "error":
+                        errors.append(json.loads(reply.data)["error"])
+                        break
+        return errors
+
+    heal, step, text = asyncio.run(send())
+    assert "heal['bytes']" in heal and "1000000000" in heal, heal
+    assert "applied_step" in step and "1000000000" in step, step
+    assert "JSON" in text, text
+    healthz(lighthouse.url)
+    honest.advance(3)
+    assert "Traceback" not in lighthouse.log() and "OverflowError" not in lighthouse.log()

@@ -56,6 +56,7 @@ from stalwart.coord import quiet_log
 from stalwart.coord.collector import QuietCollector
 from stalwart.coord.connections import HEADER_TIMEOUT, RESERVED_FDS, ConnectionGuard, descriptor_limit
 from stalwart.coord.dashboard import Dashboard, browser_credential
+from stalwart.coord.heartbeat import read_heartbeat
 from stalwart.coord.metrics import LighthouseMetrics
 from stalwart.coord.persist import StateStore
 from stalwart.coord.protocol import (
@@ -81,7 +82,6 @@ from stalwart.coord.quorum import (
     check_seconds,
     parse_digest,
     parse_member,
-    parse_report,
     parse_step,
     parse_weights,
 )
@@ -659,22 +659,20 @@ class Lighthouse:
                 if message.type != WSMsgType.TEXT:
                     await _send(ws, {"type": "error", "error": "heartbeats must be JSON text messages"})
                     continue
-                heal_error: str | None = None
-                rounds_error: str | None = None
-                refused: str | None = None
-                try:
-                    report = json.loads(message.data)
-                    heal_error = self.metrics.take_heal_report(member, self.state.incarnation(member), report)
-                    rounds_error = self.rounds.take(member, self.state.incarnation(member), report)
-                    applied_step, digest, weights = parse_report(report)
-                    self.state.heartbeat(member, applied_step, time.time(), digest, weights)
-                except (ValueError, RecursionError, RequestError) as error:
-                    refused = error.message if isinstance(error, RequestError) else f"not JSON: {error}"
+                reading = read_heartbeat(message.data, member, self.state.incarnation(member), self.metrics,
+                                         self.rounds)  # fmt: skip
+                errors = list(reading.errors)
+                refused = reading.applied_step is None
+                if reading.applied_step is not None:
+                    try:
+                        self.state.heartbeat(member, reading.applied_step, time.time(), reading.digest, reading.weights)
+                    except RequestError as error:
+                        errors.append(error.message)
+                        refused = True
                 self._deliver_refusals()
-                for text in (heal_error, rounds_error, refused):
-                    if text is not None:
-                        await _send(ws, {"type": "error", "error": text})
-                if refused is not None:
+                for text in errors:
+                    await _send(ws, {"type": "error", "error": text})
+                if refused:
                     continue
                 quorum = self.state.quorum
                 if quorum is not None and self.state.should_reconfigure(member):
