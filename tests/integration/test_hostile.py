@@ -655,6 +655,32 @@ def one_line(process: LighthouseProcess) -> str:
     return lines[0]
 
 
+def test_a_store_answer_is_capped_and_a_key_named_twice_is_refused(
+    lighthouse: LighthouseProcess, honest: Honest
+) -> None:
+    from stalwart.coord.store import StoreLimits
+    from stalwart.runtime.comm import quorum_store
+    from stalwart.runtime.session import _group_sizes
+
+    answer = honest.answers["a"]
+    store = quorum_store(answer.store, 30.0, token=TOKEN)
+    path, key = f"{lighthouse.url}/v1/store/{answer.quorum_id}", {"X-Stalwart-Store-Key": answer.store.key}
+    store.set("big", b"x" * 32 * 1024)
+    code, body = http(path, "POST", {"op": "multi_get", "keys": ["big"] * 4096, "wait": 0}, key)
+    assert code == 400 and body["field"] == "keys" and "'big'" in body["error"], (code, str(body)[:300])
+    cap, part = StoreLimits().answer_bytes, 6 << 20
+    for number in range(3):
+        store.set(f"part{number}", bytes([number]) * part)
+    code, body = http(path, "POST", {"op": "multi_get", "keys": ["part0", "part1", "part2"], "wait": 0}, key)
+    assert code == 413 and body["cap"] == "answer_bytes", (code, str(body)[:300])
+    assert str(cap) in body["error"] and str(3 * part) in body["error"], "the refusal names the limit and the size"
+    assert [len(value) for value in store.multi_get(["part0", "part1"])] == [part, part], "under the cap: served"
+    store.set("group_size/a", b"1")
+    store.set("group_size/b", b"2")
+    assert _group_sizes(store, ["a", "b"]) == [1, 2], "the runtime's own multi_get still works"
+    honest.advance(3)
+
+
 def raw(port: int, method: str, path: str, headers: dict[str, str], body: bytes | None = None) -> tuple[int, Any]:
     """One request with exactly these headers (``Host`` included, as a browser under DNS rebinding sends it)."""
     import http.client

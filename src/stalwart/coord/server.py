@@ -86,7 +86,7 @@ from stalwart.coord.quorum import (
     parse_weights,
 )
 from stalwart.coord.rounds import RoundsBoard
-from stalwart.coord.store import QuorumStores, StoreLimits
+from stalwart.coord.store import QuorumStores, StoreLimits, answer_bytes, encode_answer
 from stalwart.coord.tls import is_loopback, server_context
 from stalwart.coord.wire import parse_plan
 from stalwart.data.plan import EpochPlan
@@ -842,10 +842,10 @@ class Lighthouse:
         else:
             operation = _parse_store_request(raw, limit)
         answer = await store.apply(operation)
-        if _large(answer):
-            body = await loop.run_in_executor(None, _encode_json, answer)
+        if answer_bytes(answer) > MAX_BODY_BYTES:  # at most StoreLimits.answer_bytes
+            body = await loop.run_in_executor(None, encode_answer, answer)
         else:
-            body = _encode_json(answer)
+            body = encode_answer(answer)
         return web.Response(body=body, content_type="application/json")
 
     def _deliver_refusals(self) -> None:
@@ -907,16 +907,6 @@ async def _json_body(request: web.BaseRequest) -> Any:
 
 def _parse_store_request(raw: bytes, max_value_bytes: int) -> StoreRequest:
     return StoreRequest.from_json(_decode_json(raw), max_value_bytes)
-
-
-def _encode_json(answer: dict[str, Any]) -> bytes:
-    return json.dumps(answer, separators=(",", ":")).encode()
-
-
-def _large(answer: dict[str, Any]) -> bool:
-    """Whether a store answer carries more than ``MAX_BODY_BYTES`` of values."""
-    values = answer.get("values") or [answer.get("value")]
-    return sum(len(value) for value in values if isinstance(value, str)) > MAX_BODY_BYTES
 
 
 async def _send(socket: web.WebSocketResponse, message: dict[str, Any]) -> None:
