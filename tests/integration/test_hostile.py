@@ -681,6 +681,31 @@ def test_a_store_answer_is_capped_and_a_key_named_twice_is_refused(
     honest.advance(3)
 
 
+def test_a_second_lighthouse_on_a_link_to_the_state_file_refuses_to_start(tmp_path: Path) -> None:
+    state = tmp_path / "state.db"
+    first = LighthouseProcess(tmp_path, "--state", str(state))
+    honest = Honest(first.url)
+    try:
+        honest.advance(1)
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        symlink, hardlink = elsewhere / "symlink.db", elsewhere / "hardlink.db"
+        symlink.symlink_to(state)
+        os.link(state, hardlink)
+        for link in (symlink, hardlink):
+            second = LighthouseProcess(tmp_path, "--state", str(link), wait=False)
+            try:
+                assert exits(second) == 1
+                line = one_line(second)
+                assert str(link) in line and "in use" in line and f"pid {first.process.pid}" in line, line
+            finally:
+                second.stop()
+        honest.advance(2)
+    finally:
+        honest.close()
+        first.stop()
+
+
 def raw(port: int, method: str, path: str, headers: dict[str, str], body: bytes | None = None) -> tuple[int, Any]:
     """One request with exactly these headers (``Host`` included, as a browser under DNS rebinding sends it)."""
     import http.client
