@@ -706,6 +706,49 @@ def test_a_second_lighthouse_on_a_link_to_the_state_file_refuses_to_start(tmp_pa
         first.stop()
 
 
+def test_a_lighthouse_on_the_network_without_tls_refuses_to_start_unless_insecure(tmp_path: Path) -> None:
+    refused = LighthouseProcess(tmp_path, "--host", "0.0.0.0", wait=False)  # a token, but no TLS
+    try:
+        assert exits(refused) == 1
+        line = one_line(refused)
+        for needle in ("0.0.0.0", "--tls-cert", "--tls-key", "--insecure"):
+            assert needle in line, line
+    finally:
+        refused.stop()
+    allowed = LighthouseProcess(tmp_path, "--host", "0.0.0.0", "--insecure")
+    try:
+        healthz(f"http://{HOST}:{allowed.port}")
+    finally:
+        allowed.stop()
+
+
+def test_a_token_file_or_tls_key_readable_by_others_is_refused(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("needs the openssl command to make a certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+         "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True, timeout=BOUND,
+    )  # fmt: skip
+    tls = ("--tls-cert", str(cert), "--tls-key", str(key))
+    for path, mode, flags in ((token_file, 0o644, ("--token-file", str(token_file))), (key, 0o640, tls)):
+        path.chmod(mode)
+        refused = LighthouseProcess(tmp_path, *flags, token=None, wait=False)
+        try:
+            assert exits(refused) == 1
+            line = one_line(refused)
+            assert str(path) in line and oct(mode)[2:] in line and f"chmod 600 {path}" in line, line
+        finally:
+            refused.stop()
+        path.chmod(0o600)
+    allowed = LighthouseProcess(tmp_path, "--token-file", str(token_file), *tls, token=None)
+    allowed.stop()
+
+
 def raw(port: int, method: str, path: str, headers: dict[str, str], body: bytes | None = None) -> tuple[int, Any]:
     """One request with exactly these headers (``Host`` included, as a browser under DNS rebinding sends it)."""
     import http.client

@@ -20,8 +20,8 @@ one tick (coalesced: a commit lost with the process is replayed identically
 from the members' next heartbeats).
 
 Safe on a shared network (``docs/design.md``, "Security model"): bound to an
-address other than loopback it refuses to start without a token unless told
-``insecure``; it serves TLS with ``tls_cert``/``tls_key``; every connection
+address other than loopback it refuses to start without a token and TLS
+(``tls_cert``/``tls_key``) unless told ``insecure``; every connection
 must send its headers within a timeout and the open and unauthenticated
 connections are capped (:mod:`stalwart.coord.connections`); a quorum long poll
 per incarnation; client errors are logged once per kind per interval
@@ -136,10 +136,11 @@ class Lighthouse:
     measured throughput, decided every ``K`` steps (None: as persisted, else
     0, off; a persisted state must agree).
 
-    On a ``host`` other than loopback a ``token`` is required unless
-    ``insecure=True`` (:class:`InsecureLighthouseError`); ``tls_cert`` and
-    ``tls_key`` (PEM files) serve HTTPS, and without them a token on such a
-    host travels in cleartext (a warning says so).
+    On a ``host`` other than loopback a ``token`` and TLS (``tls_cert`` and
+    ``tls_key``, PEM files: HTTPS) are required unless ``insecure=True``
+    (:class:`InsecureLighthouseError`); with ``insecure`` a token on such a
+    host travels in cleartext (a warning says so). A ``tls_key`` its group or
+    others may read is refused (:class:`~stalwart.coord.tls.ExposedSecretError`).
     ``max_connections`` (default: the process's file-descriptor limit less
     ``RESERVED_FDS``) and ``max_unauthenticated`` cap open connections;
     a connection that has not sent a request's headers ``header_timeout``
@@ -177,14 +178,10 @@ class Lighthouse:
         if token is not None and (not isinstance(token, str) or not token or parse_header(token, "token") is None):
             raise ValueError("token must be a non-empty string of printable ASCII or None")
         check_bool("insecure", insecure)
-        if token is None and not insecure and not is_loopback(host):
-            raise InsecureLighthouseError(
-                f"host={host!r} is reachable from other machines and no token is set: anyone there could register, "
-                "report checkpoints and read the quorum's keys. Give a token (STALWART_LIGHTHOUSE_TOKEN, or "
-                "--token-file), or say insecure=True (--insecure) on a network you trust"
-            )
         if (tls_cert is None) != (tls_key is None):
             raise ValueError("tls_cert and tls_key go together: give both PEM files, or neither")
+        if not insecure and not is_loopback(host):
+            _check_exposed(host, token, tls_cert)
         self._ssl = None if tls_cert is None or tls_key is None else server_context(tls_cert, tls_key)
         if token is not None and self._ssl is None and not is_loopback(host):
             logger.warning(
@@ -920,6 +917,23 @@ def _path_int(value: str, name: str) -> int:
     if not (value.isascii() and value.isdigit()) or len(value) > 18:
         raise RequestError(400, f"{name} must be a non-negative integer, got {value[:40]!r}", field=name)
     return int(value)
+
+
+def _check_exposed(host: str, token: str | None, tls_cert: object) -> None:
+    """On an address other machines reach, refuse to serve without a token or without TLS (one line, naming the
+    address and the ways out)."""
+    if token is None:
+        raise InsecureLighthouseError(
+            f"host={host!r} is reachable from other machines and no token is set: anyone there could register, "
+            "report checkpoints and read the quorum's keys. Give a token (STALWART_LIGHTHOUSE_TOKEN, or "
+            "--token-file) and --tls-cert/--tls-key, or say insecure=True (--insecure) on a network you trust"
+        )
+    if tls_cert is None:
+        raise InsecureLighthouseError(
+            f"host={host!r} is reachable from other machines and TLS is not set: the token and the quorum's keys "
+            "would cross the network in cleartext. Give --tls-cert/--tls-key (tls_cert, tls_key), or say "
+            "insecure=True (--insecure) on a network you trust"
+        )
 
 
 def _check_same_plan(given: EpochPlan, persisted: EpochPlan, path: object) -> None:
