@@ -767,6 +767,33 @@ def raw(port: int, method: str, path: str, headers: dict[str, str], body: bytes 
         connection.close()
 
 
+def test_without_a_token_a_browser_page_of_another_site_cannot_reach_the_lighthouse() -> None:
+    with Lighthouse(PLAN, min_replicas=1) as server:  # loopback, no token: the default
+        port = server.port
+        register = json.dumps({"member": "mallory", "incarnation": uuid.uuid4().hex}).encode()
+        rebound = {"Host": f"attacker.example:{port}"}  # DNS rebinding: the attacker's name, our address
+        for path in ("/healthz", "/v1/status", "/", "/metrics"):
+            code, body = raw(port, "GET", path, rebound)
+            assert code == 403 and "attacker.example" in str(body), (path, code, body)
+        code, body = raw(port, "POST", "/v1/register", {**rebound, "Content-Type": "application/json"}, register)
+        assert code == 403, (code, body)
+        here = {"Host": f"127.0.0.1:{port}"}
+        origin = {**here, "Origin": "http://attacker.example", "Content-Type": "application/json"}
+        code, body = raw(port, "POST", "/v1/register", origin, register)
+        assert code == 403 and "http://attacker.example" in body["error"], (code, body)
+        for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+            code, body = raw(port, "POST", "/v1/register", {**here, "Content-Type": content_type}, register)
+            assert code == 415 and content_type.split(";")[0] in body["error"], (content_type, code, body)
+        code, body = raw(port, "POST", "/v1/register", here, register)  # no Content-Type at all (a Blob body)
+        assert code == 415, (code, body)
+        assert server.status()["members"] == [], "no request registered mallory"
+        for host in (f"localhost:{port}", f"127.0.0.2:{port}", "[::1]", "LOCALHOST"):
+            assert raw(port, "GET", "/healthz", {"Host": host})[0] == 200, host
+        local = {**here, "Origin": f"http://localhost:{port}", "Content-Type": "application/json; charset=utf-8"}
+        code, body = raw(port, "POST", "/v1/register", local, register)
+        assert code == 200 and body["member"] == "mallory", (code, body)
+
+
 def test_a_heartbeat_with_a_number_of_400_digits_is_refused_and_the_socket_serves_on(
     lighthouse: LighthouseProcess, honest: Honest
 ) -> None:

@@ -87,7 +87,7 @@ from stalwart.coord.quorum import (
 )
 from stalwart.coord.rounds import RoundsBoard
 from stalwart.coord.store import QuorumStores, StoreLimits, answer_bytes, encode_answer
-from stalwart.coord.tls import is_loopback, server_context
+from stalwart.coord.tls import is_loopback, is_loopback_authority, is_loopback_origin, server_context
 from stalwart.coord.wire import parse_plan
 from stalwart.data.plan import EpochPlan
 from stalwart.errors import StalwartError
@@ -592,6 +592,8 @@ class Lighthouse:
         if guard is not None:
             guard.request_started(request)
         try:
+            if self._token is None:
+                self._check_browser(request)
             if request.path not in _PUBLIC_PATHS:
                 self._check_token(request)
                 if guard is not None:
@@ -620,6 +622,34 @@ class Lighthouse:
                 "(the dashboard's / and /v1/events also take ?token= or the stalwart_token cookie)",
                 headers={"WWW-Authenticate": "Bearer"},
             )
+
+    def _check_browser(self, request: web.Request) -> None:
+        """Without a token, what keeps a browser page of another site out (``docs/protocol.md``, "Security").
+
+        On loopback, a ``Host`` that is not a loopback name is refused (403): a page of another site reaching
+        us through DNS rebinding sends its own name. A write (any method but GET and HEAD, or a websocket) with
+        an ``Origin`` that is not a loopback page is refused (403), and a write must be JSON (415): a
+        cross-origin page can send text/plain, a form or an untyped body without asking first, never JSON.
+        """
+        host = request.headers.get("Host", "")
+        if is_loopback(self.host) and not is_loopback_authority(host):
+            raise RequestError(
+                403, f"the Host header {host[:100]!r} does not name this machine: without a token the lighthouse "
+                "serves only localhost, 127.0.0.0/8 and [::1] (a page of another site reaching it through DNS "
+                "rebinding names its own site); give the lighthouse a token to serve other names", code="host",
+            )  # fmt: skip
+        upgrade = request.headers.get("Upgrade", "").lower() == "websocket"
+        if request.method in ("GET", "HEAD") and not upgrade:
+            return
+        origin = request.headers.get("Origin")
+        if origin is not None and not is_loopback_origin(origin):
+            raise RequestError(
+                403, f"a write from the page {origin[:100]!r} is refused: without a token the lighthouse takes "
+                "writes only from its own machine (a cross-origin request)", code="origin",
+            )  # fmt: skip
+        content_type = request.headers.get("Content-Type", "").partition(";")[0].strip().lower()
+        if not upgrade and content_type != "application/json":
+            raise RequestError(415, f"a write must be JSON (Content-Type: application/json), got {content_type!r:.100}")
 
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True})

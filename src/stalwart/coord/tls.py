@@ -37,6 +37,29 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def is_loopback_authority(authority: str) -> bool:
+    """Whether a ``Host`` header (``name``, ``name:port``, ``[v6]``, ``[v6]:port``) names this machine only.
+
+    What a browser under DNS rebinding sends is the attacker's name: it is not loopback, whatever address it
+    resolved to.
+    """
+    if authority.startswith("["):
+        host, bracket, rest = authority[1:].partition("]")
+        if not bracket or (rest and not (rest.startswith(":") and rest[1:].isdigit())):
+            return False
+        return ":" in host and is_loopback(host)
+    host, colon, port = authority.partition(":")
+    if colon and not port.isdigit():
+        return False
+    return is_loopback(host) and ":" not in host
+
+
+def is_loopback_origin(origin: str) -> bool:
+    """Whether an ``Origin`` header is a page served from this machine (``http(s)://`` and a loopback host)."""
+    scheme, separator, authority = origin.partition("://")
+    return bool(separator) and scheme.lower() in ("http", "https") and is_loopback_authority(authority)
+
+
 class ExposedSecretError(StalwartError, ValueError):
     """A private key or token file that its group or others may read or write (the message says the fix)."""
 
