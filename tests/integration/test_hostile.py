@@ -1,6 +1,6 @@
 """A hostile client on the cluster network, against real lighthouses (and workers) on 127.0.0.1.
 
-Each test performs one attack of issue 17 and asserts that it is refused and
+Each test performs one attack of issue 17 or 36 and asserts that it is refused and
 that the job goes on with nothing lost: honest members (real
 ``LighthouseClient``s, heartbeating the digests of their ledgers) keep
 committing steps, their quorum store keys are intact. The attacks speak the

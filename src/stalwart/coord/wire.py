@@ -22,11 +22,11 @@ from stalwart.errors import StalwartError
 REASONS = ("join", "failure", "reconfigure")
 PLAN_FIELDS = tuple(f.name for f in fields(EpochPlan))
 """The fields of a plan on the wire: ``EpochPlan``'s, as ``EpochPlan.to_dict()`` writes them."""
-MAX_PLAN_INT = 1 << 62
-"""Largest integer a plan field may hold on the wire (positions are int64 in the ledger)."""
 MAX_WIRE_INT = 1 << 62
 """Largest integer any count on the wire may hold (a step, a weight, a heal's bytes): an int64 with room to add,
 and a float without overflow."""
+MAX_PLAN_INT = MAX_WIRE_INT
+"""Largest integer a plan field may hold on the wire (positions are int64 in the ledger)."""
 _MEMBER_PATTERN = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")
 _DIGEST_PATTERN = re.compile(r"[0-9a-f]{32}")
 
