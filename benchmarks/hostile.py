@@ -216,6 +216,21 @@ def attack_store_large_values(target: Target) -> int:
     return 12
 
 
+def attack_store_repeated_keys(target: Target) -> int:
+    """A quorum member asks for a 32 KiB value 4,096 times in one multi_get (171 MiB of answer before the cap)."""
+    answer = target.answers["a"]
+    headers = {**AUTH, "Content-Type": "application/json", "X-Stalwart-Store-Key": answer.store.key}
+    connection = http.client.HTTPConnection(HOST, target.port, timeout=60)
+    path = f"/v1/store/{answer.quorum_id}"
+    value = base64.b64encode(os.urandom(32 << 10)).decode()
+    connection.request("POST", path, json.dumps({"op": "set", "key": "wide", "value": value}), headers)
+    connection.getresponse().read()
+    for _ in range(4):
+        connection.request("POST", path, json.dumps({"op": "multi_get", "keys": ["wide"] * 4096, "wait": 0}), headers)
+        connection.getresponse().read()
+    return 5
+
+
 def attack_binary_header(target: Target) -> int:
     payload = b"GET /v1/status HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\nConnection: close\r\n\r\n"
     for _ in range(200):
@@ -251,6 +266,7 @@ ATTACKS: list[tuple[str, Callable[[Target], int]]] = [
     ("heartbeat heal totals of 10^12 heals", attack_heal_totals),
     ("store requests without token or key", attack_store_without_credentials),
     ("a quorum member's 8 MiB store values", attack_store_large_values),
+    ("a multi_get naming a 32 KiB key 4,096 times", attack_store_repeated_keys),
     ("non-UTF-8 Authorization headers", attack_binary_header),
     ("300 half-sent and silent connections", attack_half_sent),
     ("registration burst (fresh names)", attack_registration_burst),

@@ -26,7 +26,11 @@ one (e.g. the Service of ``deploy/kubernetes/lighthouse.yaml``).
 
 The shared token is read here from the environment variable ``token_env``
 and handed to every role as ``STALWART_LIGHTHOUSE_TOKEN``, never on a
-command line. This module sits at the launch layer; nothing imports it.
+command line. A lighthouse role that other pods reach (``host`` not loopback)
+serves plain HTTP only when told ``insecure=True`` (a pod network you trust):
+the lighthouse refuses such a bind without TLS; for TLS, run the lighthouse of
+``deploy/kubernetes/lighthouse.yaml`` and join it with ``lighthouse_url``.
+This module sits at the launch layer; nothing imports it.
 Its annotations stay real types (no ``from __future__ import annotations``):
 ``torchx run`` reads them to parse the component's arguments.
 """
@@ -39,6 +43,7 @@ from pathlib import PurePosixPath
 import torchx.specs as specs
 
 from stalwart._validate import check_int
+from stalwart.coord.tls import is_loopback
 
 TOKEN_VARIABLE = "STALWART_LIGHTHOUSE_TOKEN"
 """Where the lighthouse and the workers read the shared token (see ``stalwart lighthouse --token``)."""
@@ -71,6 +76,7 @@ def job(
     cpu: int = 2,
     memMB: int = 4096,
     token_env: str = TOKEN_VARIABLE,
+    insecure: bool = False,
 ) -> specs.AppDef:
     """A stalwart job: a lighthouse role and ``groups`` replica-group roles, each a torchrun launch with retries.
 
@@ -98,6 +104,7 @@ def job(
         cpu: CPUs per role
         memMB: memory per role in MB
         token_env: the environment variable (here) holding the lighthouse's shared token
+        insecure: let a lighthouse role that other pods reach serve plain HTTP (a network you trust)
     """
     check_int("groups", groups, minimum=1)
     check_int("nproc_per_group", nproc_per_group, minimum=1)
@@ -129,6 +136,14 @@ def job(
             f"token_env names the variable holding the lighthouse's token, but ${token_env} is unset or empty; "
             'set it, e.g. to the output of: python -c "import secrets; print(secrets.token_urlsafe(32))"'
         )
+    if not isinstance(insecure, bool):
+        raise TypeError(f"insecure must be a bool, got {insecure!r} ({type(insecure).__name__})")
+    if not lighthouse_url and not is_loopback(host) and not insecure:
+        raise ValueError(
+            f"the lighthouse role would bind {host or '0.0.0.0 (its pod addresses)'}, which other machines "
+            "reach, over plain HTTP, which the lighthouse refuses: say insecure=True (--insecure) on a pod network "
+            "you trust, or run a lighthouse with TLS (deploy/kubernetes/lighthouse.yaml) and give lighthouse_url"
+        )
     env = {TOKEN_VARIABLE: token}
     resource = specs.Resource(cpu=cpu, gpu=0, memMB=memMB)
     replicas = ["--min-replicas", str(min_replicas), "--start-replicas", str(start_replicas or groups)]
@@ -148,6 +163,7 @@ def job(
                 env=env,
                 resource=resource,
                 max_retries=max_retries,
+                insecure=insecure,
             )
         )
     url = lighthouse_url or _lighthouse_url(host, port)
@@ -196,6 +212,7 @@ def _lighthouse_role(
     env: dict[str, str],
     resource: specs.Resource,
     max_retries: int,
+    insecure: bool,
 ) -> specs.Role:
     """``stalwart lighthouse`` bound to ``host`` (all interfaces of its pod when empty), its state on the claim."""
     mounts: list[specs.BindMount | specs.VolumeMount | specs.DeviceMount] = []
@@ -203,7 +220,7 @@ def _lighthouse_role(
     if state_claim:
         mounts.append(specs.VolumeMount(src=state_claim, dst_path=STATE_MOUNT))
         state_path = str(PurePosixPath(STATE_MOUNT) / state)
-    options = ["--host", host or "0.0.0.0", "--port", str(port)]
+    options = ["--host", host or "0.0.0.0", "--port", str(port), *(["--insecure"] if insecure else [])]
     return specs.Role(
         name=LIGHTHOUSE_ROLE,
         image=image,

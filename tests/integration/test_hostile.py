@@ -1,6 +1,6 @@
 """A hostile client on the cluster network, against real lighthouses (and workers) on 127.0.0.1.
 
-Each test performs one attack of issue 17 and asserts that it is refused and
+Each test performs one attack of issue 17 or 36 and asserts that it is refused and
 that the job goes on with nothing lost: honest members (real
 ``LighthouseClient``s, heartbeating the digests of their ledgers) keep
 committing steps, their quorum store keys are intact. The attacks speak the
@@ -636,3 +636,193 @@ def test_a_garbage_group_size_in_the_store_is_a_failed_collective(
             _group_sizes(store, ["c", "b"])  # one multi_get through the lighthouse
     store.set("group_size/b", b"1")
     assert _group_sizes(store, ["c", "b"]) == [2, 1]
+
+
+# --- 9. the attacks of issue 36 ---------------------------------------------------------------------------------
+
+
+def exits(process: LighthouseProcess) -> int:
+    """The exit status of a lighthouse that must refuse to start (an AssertionError when it serves instead)."""
+    wait_until(lambda: process.process.poll() is not None or "listening on" in process.log(), BOUND, "its verdict")
+    assert process.process.poll() is not None, f"it serves: {process.log()}"
+    return process.process.returncode
+
+
+def one_line(process: LighthouseProcess) -> str:
+    """The one line a refused start printed (no traceback)."""
+    lines = [line for line in process.log().splitlines() if line.strip()]
+    assert len(lines) == 1, process.log()
+    return lines[0]
+
+
+def test_a_store_answer_is_capped_and_a_key_named_twice_is_refused(
+    lighthouse: LighthouseProcess, honest: Honest
+) -> None:
+    from stalwart.coord.store import StoreLimits
+    from stalwart.runtime.comm import quorum_store
+    from stalwart.runtime.session import _group_sizes
+
+    answer = honest.answers["a"]
+    store = quorum_store(answer.store, 30.0, token=TOKEN)
+    path, key = f"{lighthouse.url}/v1/store/{answer.quorum_id}", {"X-Stalwart-Store-Key": answer.store.key}
+    store.set("big", b"x" * 32 * 1024)
+    code, body = http(path, "POST", {"op": "multi_get", "keys": ["big"] * 4096, "wait": 0}, key)
+    assert code == 400 and body["field"] == "keys" and "'big'" in body["error"], (code, str(body)[:300])
+    cap, part = StoreLimits().answer_bytes, 6 << 20
+    for number in range(3):
+        store.set(f"part{number}", bytes([number]) * part)
+    code, body = http(path, "POST", {"op": "multi_get", "keys": ["part0", "part1", "part2"], "wait": 0}, key)
+    assert code == 413 and body["cap"] == "answer_bytes", (code, str(body)[:300])
+    assert str(cap) in body["error"] and str(3 * part) in body["error"], "the refusal names the limit and the size"
+    assert [len(value) for value in store.multi_get(["part0", "part1"])] == [part, part], "under the cap: served"
+    store.set("group_size/a", b"1")
+    store.set("group_size/b", b"2")
+    assert _group_sizes(store, ["a", "b"]) == [1, 2], "the runtime's own multi_get still works"
+    honest.advance(3)
+
+
+def test_a_second_lighthouse_on_a_link_to_the_state_file_refuses_to_start(tmp_path: Path) -> None:
+    state = tmp_path / "state.db"
+    first = LighthouseProcess(tmp_path, "--state", str(state))
+    honest = Honest(first.url)
+    try:
+        honest.advance(1)
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        symlink, hardlink = elsewhere / "symlink.db", elsewhere / "hardlink.db"
+        symlink.symlink_to(state)
+        os.link(state, hardlink)
+        for link in (symlink, hardlink):
+            second = LighthouseProcess(tmp_path, "--state", str(link), wait=False)
+            try:
+                assert exits(second) == 1
+                line = one_line(second)
+                assert str(link) in line and "in use" in line and f"pid {first.process.pid}" in line, line
+            finally:
+                second.stop()
+        honest.advance(2)
+    finally:
+        honest.close()
+        first.stop()
+
+
+def test_a_lighthouse_on_the_network_without_tls_refuses_to_start_unless_insecure(tmp_path: Path) -> None:
+    refused = LighthouseProcess(tmp_path, "--host", "0.0.0.0", wait=False)  # a token, but no TLS
+    try:
+        assert exits(refused) == 1
+        line = one_line(refused)
+        for needle in ("0.0.0.0", "--tls-cert", "--tls-key", "--insecure"):
+            assert needle in line, line
+    finally:
+        refused.stop()
+    allowed = LighthouseProcess(tmp_path, "--host", "0.0.0.0", "--insecure")
+    try:
+        healthz(f"http://{HOST}:{allowed.port}")
+    finally:
+        allowed.stop()
+
+
+def test_a_token_file_or_tls_key_readable_by_others_is_refused(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("needs the openssl command to make a certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+         "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True, timeout=BOUND,
+    )  # fmt: skip
+    tls = ("--tls-cert", str(cert), "--tls-key", str(key))
+    for path, mode, flags in ((token_file, 0o644, ("--token-file", str(token_file))), (key, 0o640, tls)):
+        path.chmod(mode)
+        refused = LighthouseProcess(tmp_path, *flags, token=None, wait=False)
+        try:
+            assert exits(refused) == 1
+            line = one_line(refused)
+            assert str(path) in line and oct(mode)[2:] in line and f"chmod 600 {path}" in line, line
+        finally:
+            refused.stop()
+        path.chmod(0o600)
+    allowed = LighthouseProcess(tmp_path, "--token-file", str(token_file), *tls, token=None)
+    allowed.stop()
+
+
+def raw(port: int, method: str, path: str, headers: dict[str, str], body: bytes | None = None) -> tuple[int, Any]:
+    """One request with exactly these headers (``Host`` included, as a browser under DNS rebinding sends it)."""
+    import http.client
+
+    connection = http.client.HTTPConnection(HOST, port, timeout=BOUND)
+    try:
+        connection.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
+        for name, value in headers.items():
+            connection.putheader(name, value)
+        connection.putheader("Content-Length", str(len(body or b"")))
+        connection.endheaders(body)
+        response = connection.getresponse()
+        text = response.read()
+        return response.status, json.loads(text) if text.startswith(b"{") else text
+    finally:
+        connection.close()
+
+
+def test_without_a_token_a_browser_page_of_another_site_cannot_reach_the_lighthouse() -> None:
+    with Lighthouse(PLAN, min_replicas=1) as server:  # loopback, no token: the default
+        port = server.port
+        register = json.dumps({"member": "mallory", "incarnation": uuid.uuid4().hex}).encode()
+        rebound = {"Host": f"attacker.example:{port}"}  # DNS rebinding: the attacker's name, our address
+        for path in ("/healthz", "/v1/status", "/", "/metrics"):
+            code, body = raw(port, "GET", path, rebound)
+            assert code == 403 and "attacker.example" in str(body), (path, code, body)
+        code, body = raw(port, "POST", "/v1/register", {**rebound, "Content-Type": "application/json"}, register)
+        assert code == 403, (code, body)
+        here = {"Host": f"127.0.0.1:{port}"}
+        origin = {**here, "Origin": "http://attacker.example", "Content-Type": "application/json"}
+        code, body = raw(port, "POST", "/v1/register", origin, register)
+        assert code == 403 and "http://attacker.example" in body["error"], (code, body)
+        for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+            code, body = raw(port, "POST", "/v1/register", {**here, "Content-Type": content_type}, register)
+            assert code == 415 and content_type.split(";")[0] in body["error"], (content_type, code, body)
+        code, body = raw(port, "POST", "/v1/register", here, register)  # no Content-Type at all (a Blob body)
+        assert code == 415, (code, body)
+        assert server.status()["members"] == [], "no request registered mallory"
+        for host in (f"localhost:{port}", f"127.0.0.2:{port}", "[::1]", "LOCALHOST"):
+            assert raw(port, "GET", "/healthz", {"Host": host})[0] == 200, host
+        local = {**here, "Origin": f"http://localhost:{port}", "Content-Type": "application/json; charset=utf-8"}
+        code, body = raw(port, "POST", "/v1/register", local, register)
+        assert code == 200 and body["member"] == "mallory", (code, body)
+
+
+def test_a_heartbeat_with_a_number_of_400_digits_is_refused_and_the_socket_serves_on(
+    lighthouse: LighthouseProcess, honest: Honest
+) -> None:
+    code, mallory = register(lighthouse.url, "mallory")
+    assert code == 200
+    message = {"applied_step": 0, "heal": {"heals": 1, "bytes": 10**400, "seconds": 1.0}}
+
+    async def send() -> list[str]:
+        errors = []
+        async with (
+            aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as session,
+            session.ws_connect(
+                lighthouse.url + "/v1/heartbeat", params={"member": "mallory"}, headers=mallory["headers"]
+            ) as ws,
+        ):
+            for text in (json.dumps(message), json.dumps({"applied_step": 10**400}), "not json"):
+                await ws.send_str(text)
+                for _ in range(20):  # a reconfigure push may come first
+                    reply = await ws.receive(timeout=BOUND)
+                    assert reply.type == aiohttp.WSMsgType.TEXT, f"the socket closed: {reply}"
+                    if json.loads(reply.data)["type"] == "error":
+                        errors.append(json.loads(reply.data)["error"])
+                        break
+        return errors
+
+    heal, step, text = asyncio.run(send())
+    assert "heal['bytes']" in heal and "1000000000" in heal, heal
+    assert "applied_step" in step and "1000000000" in step, step
+    assert "JSON" in text, text
+    healthz(lighthouse.url)
+    honest.advance(3)
+    assert "Traceback" not in lighthouse.log() and "OverflowError" not in lighthouse.log()

@@ -55,6 +55,8 @@ def http(
     """One HTTP request; returns (status, decoded JSON body)."""
     data = raw if raw is not None else None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, method=method, headers=headers or {})
+    if data is not None and "Content-Type" not in (headers or {}):
+        request.add_header("Content-Type", "application/json")  # a tokenless lighthouse takes JSON writes only
     if token is not None:
         request.add_header("Authorization", f"Bearer {token}")
     try:

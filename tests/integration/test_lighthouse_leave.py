@@ -38,7 +38,9 @@ def lighthouse() -> Iterator[Lighthouse]:
 
 
 def post(url: str, body: Any, headers: dict[str, str]) -> tuple[int, dict[str, Any]]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers=headers)
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json", **headers}
+    )
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
             return response.status, json.loads(response.read())

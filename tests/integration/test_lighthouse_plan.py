@@ -45,7 +45,9 @@ def other_plan(field: str) -> EpochPlan:
 
 def register(lighthouse: Lighthouse, body: Any) -> tuple[int, dict[str, Any]]:
     """POST /v1/register with ``body`` as JSON; returns (status, JSON answer)."""
-    request = urllib.request.Request(lighthouse.url + "/v1/register", data=json.dumps(body).encode(), method="POST")
+    request = urllib.request.Request(
+        lighthouse.url + "/v1/register", json.dumps(body).encode(), {"Content-Type": "application/json"}, method="POST"
+    )
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
             return response.status, json.loads(response.read())

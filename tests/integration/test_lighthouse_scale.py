@@ -348,7 +348,9 @@ def test_a_delta_from_a_quorum_the_member_does_not_hold_is_stale() -> None:
 
 
 def _post(url: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, str]:
-    request = urllib.request.Request(url, json.dumps(body).encode(), method="POST", headers=headers or {})
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
             return response.status, response.read().decode()

@@ -22,7 +22,9 @@ PLAN = EpochPlan(64, 8, seed=2)
 
 
 def post(url: str, body: Any, headers: dict[str, str]) -> tuple[int, dict[str, Any]]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers=headers)
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json", **headers}
+    )
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
             return response.status, json.loads(response.read())

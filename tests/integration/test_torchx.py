@@ -191,7 +191,7 @@ def _to_dict(value: Any) -> Any:
 
 
 def test_the_kubernetes_rendering_has_the_roles_retries_service_and_secret(token: str, runner: Runner) -> None:
-    resource = rendered(runner, groups=3, nproc_per_group=4, max_retries=5, state_claim="stalwart-state")
+    resource = rendered(runner, groups=3, nproc_per_group=4, max_retries=5, state_claim="stalwart-state", insecure=True)
     assert (resource["apiVersion"], resource["kind"]) == ("batch.volcano.sh/v1alpha1", "Job")
     spec = resource["spec"]
     assert spec["queue"] == "default"
@@ -210,7 +210,7 @@ def test_the_kubernetes_rendering_has_the_roles_retries_service_and_secret(token
     lighthouse = typed(tasks["lighthouse-0"]["template"], "V1PodTemplateSpec").spec
     command = lighthouse.containers[0].command
     assert command[1:3] == ["-m", "stalwart.cli.lighthouse"]
-    assert command[command.index("--host") + 1] == "0.0.0.0"
+    assert command[command.index("--host") + 1] == "0.0.0.0" and "--insecure" in command
     assert command[command.index("--state") + 1] == f"{STATE_MOUNT}/lighthouse.sqlite"
     assert command[command.index("--start-replicas") + 1] == "3"
     assert command[command.index("--join-timeout") + 1] == "30.0"
@@ -230,7 +230,8 @@ def test_the_kubernetes_rendering_has_the_roles_retries_service_and_secret(token
 
 
 def test_the_worker_command_expands_the_lighthouse_host_in_bash(token: str, runner: Runner) -> None:
-    resource = rendered(runner, python="echo")  # the rendered script, with echo in place of the interpreter
+    # the rendered script, with echo in place of the interpreter
+    resource = rendered(runner, python="echo", insecure=True)
     script = resource["spec"]["tasks"][1]["template"]["spec"]["containers"][0]["command"][2]
     environ = {**os.environ, "VC_LIGHTHOUSE_0_HOSTS": "stalwart-x-lighthouse-0.stalwart-x"}
     shown = subprocess.run(["bash", "-c", script], env=environ, capture_output=True, text=True, timeout=60).stdout
@@ -262,6 +263,8 @@ def test_an_external_lighthouse_leaves_only_the_groups(token: str) -> None:
         ({"run_dir": " "}, "run_dir must not be empty"),
         ({"join_timeout": 0}, "join_timeout must be a number of seconds in (0, inf), got 0"),
         ({"token_env": "STALWART_NO_SUCH_TOKEN"}, "$STALWART_NO_SUCH_TOKEN is unset or empty"),
+        ({"host": "10.0.0.7"}, "would bind 10.0.0.7, which other machines reach, over plain HTTP"),
+        ({}, "say insecure=True (--insecure)"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(token: str, options: dict[str, Any], message: str) -> None:

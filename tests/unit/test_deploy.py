@@ -6,7 +6,8 @@ model does not know would vanish on the way, so the round trip must give the
 document unchanged. Then the pieces must fit: the workers reach the
 lighthouse by its Service's name and ports, the Service selects the
 lighthouse's pod, the state lies on the claim, the token comes from one
-Secret, and failed groups are replaced one index at a time.
+Secret, the certificate from another (HTTPS, the key its owner's alone, the
+workers verifying it), and failed groups are replaced one index at a time.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ MODELS = {
     ("batch/v1", "Job"): "V1Job",
 }
 TOKEN_SECRET = {"name": "stalwart-lighthouse-token", "key": "token"}
+TLS_SECRET = "stalwart-lighthouse-tls"
 
 
 def documents(name: str) -> dict[str, Any]:
@@ -81,14 +83,19 @@ def test_the_lighthouse_runs_alone_on_its_state_volume_behind_a_service() -> Non
     assert {port.name: (port.port, port.target_port) for port in service.spec.ports} == {
         name: (number, name) for name, number in ports.items()
     }
-    assert option(container.args, "--host") == "0.0.0.0"
+    assert option(container.args, "--host") == "0.0.0.0", "other pods reach it: TLS and a token are required"
     for probe in (container.readiness_probe, container.liveness_probe):
-        assert (probe.http_get.path, probe.http_get.port) == ("/healthz", "http")
-    (mount,) = container.volume_mounts
-    assert option(container.args, "--state").startswith(mount.mount_path + "/")
-    (volume,) = pod.spec.volumes
-    assert volume.name == mount.name and volume.persistent_volume_claim.claim_name == claim.metadata.name
+        assert (probe.http_get.path, probe.http_get.port, probe.http_get.scheme) == ("/healthz", "http", "HTTPS")
+    mounts = {mount.name: mount.mount_path for mount in container.volume_mounts}
+    volumes = {volume.name: volume for volume in pod.spec.volumes}
+    assert set(mounts) == set(volumes) == {"state", "tls"}
+    assert option(container.args, "--state").startswith(mounts["state"] + "/")
+    assert volumes["state"].persistent_volume_claim.claim_name == claim.metadata.name
     assert claim.spec.access_modes == ["ReadWriteOnce"]
+    tls = volumes["tls"].secret
+    assert tls.secret_name == TLS_SECRET and tls.default_mode & 0o077 == 0, "a key others may read is refused"
+    assert option(container.args, "--tls-cert") == mounts["tls"] + "/tls.crt"
+    assert option(container.args, "--tls-key") == mounts["tls"] + "/tls.key"
     assert secret_of(container, "STALWART_LIGHTHOUSE_TOKEN") == TOKEN_SECRET
 
 
@@ -109,10 +116,14 @@ def test_the_workers_are_indexed_groups_that_reach_the_service_and_are_replaced_
     args = container.args
     assert "--standalone" in args and args[args.index("-m") + 1] == "stalwart.launch.worker"
     http = next(port.port for port in service.spec.ports if port.name == "http")
-    assert option(args, "--lighthouse") == f"http://{service.metadata.name}:{http}"
+    assert option(args, "--lighthouse") == f"https://{service.metadata.name}:{http}"
     assert option(args, "--member") == "group-$(GROUP_INDEX)"
     assert option(args, "--host") == "$(POD_IP)"
-    fields = {env.name: env.value_from.field_ref.field_path for env in container.env if env.value_from.field_ref}
+    fields = {
+        env.name: env.value_from.field_ref.field_path
+        for env in container.env
+        if env.value_from and env.value_from.field_ref
+    }
     assert fields == {
         "GROUP_INDEX": "metadata.annotations['batch.kubernetes.io/job-completion-index']",
         "POD_IP": "status.podIP",
@@ -120,3 +131,7 @@ def test_the_workers_are_indexed_groups_that_reach_the_service_and_are_replaced_
     assert secret_of(container, "STALWART_LIGHTHOUSE_TOKEN") == TOKEN_SECRET
     mounts = {mount.name: mount.mount_path for mount in container.volume_mounts}
     assert option(args, "--run-dir") == mounts["run"]
+    (ca,) = [env.value for env in container.env if env.name == "STALWART_LIGHTHOUSE_CA"]
+    (tls,) = [volume.secret for volume in spec.template.spec.volumes if volume.name == "tls"]
+    assert tls.secret_name == TLS_SECRET and [item.key for item in tls.items] == ["tls.crt"], "no key in the workers"
+    assert ca == mounts["tls"] + "/tls.crt"

@@ -141,10 +141,15 @@ def test_malformed_heal_totals_name_the_field_and_value() -> None:
         ({"heals": 1, "bytes": 2.5, "seconds": 0.0}, "heal['bytes']"),
         ({"heals": 1, "bytes": 2, "seconds": float("nan")}, "heal['seconds']"),
         ({"heals": 1, "bytes": 2, "seconds": -1}, "heal['seconds']"),
+        ({"heals": 1, "bytes": 10**400, "seconds": 0.0}, "heal['bytes']"),  # a float overflow once it was counted
+        ({"heals": 2**62 + 1, "bytes": 2, "seconds": 0.0}, "heal['heals']"),
+        ({"heals": 1, "bytes": 2, "seconds": float("inf")}, "heal['seconds']"),
+        ({"heals": 1, "bytes": 2, "seconds": 10**400}, "heal['seconds']"),
     ]:
         try:
             parse_heal_totals(value)
         except RequestError as error:
-            assert error.status == 400 and needle in error.message and error.details["field"] == "heal"
+            assert error.status == 400 and needle in error.message
+            assert error.details["field"] == needle.removesuffix(" must be")
         else:
             raise AssertionError(f"{value!r} was accepted")

@@ -16,6 +16,7 @@ from click.core import ParameterSource
 from stalwart.coord.connections import HEADER_TIMEOUT
 from stalwart.coord.persist import StateLockedError, read_ledger, read_plan
 from stalwart.coord.server import InsecureLighthouseError, Lighthouse
+from stalwart.coord.tls import ExposedSecretError, check_private
 from stalwart.data.plan import EpochPlan
 
 _PLAN_OPTIONS = {
@@ -67,7 +68,7 @@ def _non_empty(context: click.Context, parameter: click.Parameter, value: str | 
     default="127.0.0.1",
     show_default=True,
     callback=_non_empty,
-    help="Address to bind. Any other than loopback needs a token, or --insecure.",
+    help="Address to bind. Any other than loopback needs a token and --tls-cert/--tls-key, or --insecure.",
 )
 @click.option(
     "--port",
@@ -94,12 +95,14 @@ def _non_empty(context: click.Context, parameter: click.Parameter, value: str | 
 @click.option(
     "--token-file",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="A file holding the bearer token (its first line), instead of --token.",
+    help="A file holding the bearer token (its first line), instead of --token; readable by its owner only "
+    "(chmod 600), as ssh wants a key.",
 )
 @click.option(
     "--insecure",
     is_flag=True,
-    help="Serve a --host other than loopback without a token: anyone who reaches the port drives the job.",
+    help="Serve a --host other than loopback without a token or without TLS, on a network you trust: anyone who "
+    "reaches the port (or, without TLS, reads the traffic) drives the job.",
 )
 @click.option(
     "--tls-cert", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="PEM certificate (chain)."
@@ -107,7 +110,8 @@ def _non_empty(context: click.Context, parameter: click.Parameter, value: str | 
 @click.option(
     "--tls-key",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="PEM private key of --tls-cert: the lighthouse serves HTTPS (workers verify it with STALWART_LIGHTHOUSE_CA).",
+    help="PEM private key of --tls-cert, readable by its owner only (chmod 600): the lighthouse serves HTTPS "
+    "(workers verify it with STALWART_LIGHTHOUSE_CA).",
 )
 @click.option(
     "--heartbeat-timeout",
@@ -208,6 +212,12 @@ def lighthouse_command(
             f"must be at least --min-replicas ({min_replicas}), got {start_replicas}", param_hint="'--start-replicas'"
         )
     context = click.get_current_context()
+    for secret, flag in ((token_file, "--token-file"), (tls_key, "--tls-key")):
+        if secret is not None:
+            try:
+                check_private(secret, flag)
+            except ExposedSecretError as error:
+                raise click.ClickException(str(error)) from None
     token = _token(context, token, token_file)
     if (tls_cert is None) != (tls_key is None):
         missing = "--tls-key" if tls_key is None else "--tls-cert"
@@ -231,7 +241,7 @@ def lighthouse_command(
             tls_cert=tls_cert,
             tls_key=tls_key,
         )
-    except (InsecureLighthouseError, StateLockedError) as error:
+    except (InsecureLighthouseError, StateLockedError, ExposedSecretError) as error:
         raise click.ClickException(str(error)) from error
     except _MALFORMED_STATE as error:
         # The arguments are checked above: what is left to fail is reading the persisted state.

@@ -8,12 +8,11 @@ a lost or repeated heartbeat neither loses nor doubles a heal. Pure: no I/O.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from stalwart.coord.wire import RequestError
+from stalwart.coord.wire import MAX_WIRE_INT, RequestError, parse_count
 
 HEAL_FIELD = "heal"
 """The heartbeat field that carries :class:`HealTotals`."""
@@ -42,14 +41,12 @@ def parse_heal_totals(value: Any) -> HealTotals:
         raise RequestError(
             400, f'heal must be {{"heals": int, "bytes": int, "seconds": float}}, got {value!r:.200}', field="heal"
         )
-    for name in ("heals", "bytes"):
-        count = value[name]
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise RequestError(400, f"heal['{name}'] must be an int >= 0, got {count!r}", field="heal")
+    heals, nbytes = (parse_count(value[name], f"heal['{name}']") for name in ("heals", "bytes"))
     seconds = value["seconds"]
-    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not math.isfinite(seconds) or seconds < 0:
-        raise RequestError(400, f"heal['seconds'] must be a finite number >= 0, got {seconds!r}", field="heal")
-    return HealTotals(value["heals"], value["bytes"], float(seconds))
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 <= seconds <= MAX_WIRE_INT:
+        raise RequestError(400, f"heal['seconds'] must be a finite number in [0, 2**62], got {seconds!r:.60}",
+                           field="heal['seconds']")  # fmt: skip
+    return HealTotals(heals, nbytes, float(seconds))
 
 
 def heal_growth(previous: HealTotals | None, current: HealTotals) -> HealTotals | None:

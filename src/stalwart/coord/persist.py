@@ -17,16 +17,21 @@ being killed; ``benchmarks/persist_save.py`` measures what the sync costs.
 A file written before the parts existed (one row holding the whole state)
 loads as before.
 
-One lighthouse at a time: the file ``PATH.lock`` is locked exclusively
-(``flock``) while a :class:`StateStore` is open, and names its holder, so a
-second lighthouse on the same state refuses to start (:class:`StateLockedError`)
-instead of serving a split brain. The database, its ``-wal`` and ``-shm``
-files and the lock are created readable by their owner only (0600): they hold
-the quorum's members, incarnations and the hashes of their secrets.
+One lighthouse at a time: the database file itself is locked exclusively
+(``flock`` on a descriptor of the file, so a symlink or a hard link to it
+meets the same lock; SQLite's own locks are POSIX record locks, which do not
+interact with it) while a :class:`StateStore` is open, so a second lighthouse
+on the same state, by whatever name, refuses to start
+(:class:`StateLockedError`, naming the holder's pid from ``/proc/locks``, or
+the note ``REALPATH.lock`` the holder writes) instead of serving a split
+brain. The database, its ``-wal`` and ``-shm`` files and the note are
+created readable by their owner only (0600): they hold the quorum's members,
+incarnations and the hashes of their secrets.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -89,8 +94,6 @@ class StateStore:
         self.path = Path(path)
         self._lock = _lock(self.path)
         try:
-            descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT, FILE_MODE)
-            os.close(descriptor)
             for suffix in ("", "-wal", "-shm"):
                 _owner_only(Path(f"{self.path}{suffix}"))
             self._connection = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
@@ -181,21 +184,26 @@ class StateStore:
             raise
 
     def close(self) -> None:
-        """Close the database and release the lock."""
+        """Close the database, remove the holder's note and release the lock."""
         self._connection.close()
         if self._lock >= 0:
+            with contextlib.suppress(OSError):
+                Path(f"{self.path.resolve()}.lock").unlink(missing_ok=True)
             os.close(self._lock)
             self._lock = -1
 
 
 def _lock(path: Path) -> int:
-    """Lock ``PATH.lock`` exclusively and write who holds it; :class:`StateLockedError` naming the holder if taken."""
-    lock_path = Path(f"{path}.lock")
-    descriptor = os.open(lock_path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+    """Open the database file (created 0600 when missing) and lock it exclusively: its descriptor.
+
+    :class:`StateLockedError` naming ``path`` and the holder when another process holds it.
+    """
+    descriptor = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+    note = Path(f"{path.resolve()}.lock")
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.pread(descriptor, 512, 0).decode(errors="replace").strip() or "an unknown process"
+        holder = _holder(os.fstat(descriptor), note)
         os.close(descriptor)
         raise StateLockedError(
             f"the lighthouse state {path} is in use by another lighthouse ({holder}); stop it first, or give this "
@@ -204,11 +212,34 @@ def _lock(path: Path) -> int:
     except BaseException:
         os.close(descriptor)
         raise
-    os.ftruncate(descriptor, 0)
-    holder = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
-    os.pwrite(descriptor, holder.encode(), 0)
-    _owner_only(lock_path)
+    try:
+        holder = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+        note.unlink(missing_ok=True)
+        note_descriptor = os.open(note, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+        try:
+            os.write(note_descriptor, holder.encode())
+        finally:
+            os.close(note_descriptor)
+    except OSError:
+        pass  # the note only helps name the holder; the lock is the database's
     return descriptor
+
+
+def _holder(stat: os.stat_result, note: Path) -> str:
+    """Who holds the lock on the file of ``stat``: the pid from ``/proc/locks`` (Linux, this machine), else the
+    holder's note, else "an unknown process"."""
+    inode = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
+    try:
+        for line in Path("/proc/locks").read_text().splitlines():
+            fields = line.split()
+            if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == inode:
+                return f"pid {fields[4]}"
+    except OSError:
+        pass
+    try:
+        return note.read_text(errors="replace").strip()[:200] or "an unknown process"
+    except OSError:
+        return "an unknown process"
 
 
 def _owner_only(path: Path) -> None:

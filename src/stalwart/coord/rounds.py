@@ -23,14 +23,13 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from stalwart.coord.wire import RequestError, take_field
+from stalwart.coord.wire import RequestError, parse_count, take_field
 
 logger = logging.getLogger(__name__)
 
 ROUNDS_FIELD = "rounds"
 """The heartbeat field that carries :class:`RoundsReport`."""
 _FIELDS = ("inner_steps", "fragments", "inner_step", "in_flight", "bytes", "exchanges")
-_MAX = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -54,14 +53,8 @@ def parse_rounds_report(value: Any) -> RoundsReport:
         raise RequestError(
             400, f"rounds must be an object of the fields {list(_FIELDS)}, got {value!r:.200}", field="rounds"
         )
-    for name in _FIELDS:
-        number = value[name]
-        low = 1 if name in ("inner_steps", "fragments") else 0
-        if isinstance(number, bool) or not isinstance(number, int) or not low <= number <= _MAX:
-            raise RequestError(
-                400, f"rounds['{name}'] must be an int in [{low}, 2**62], got {number!r}", field="rounds"
-            )
-    return RoundsReport(**{name: value[name] for name in _FIELDS})
+    least = {"inner_steps": 1, "fragments": 1}
+    return RoundsReport(**{name: parse_count(value[name], f"rounds['{name}']", least.get(name, 0)) for name in _FIELDS})
 
 
 class RoundsBoard:

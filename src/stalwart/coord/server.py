@@ -20,8 +20,8 @@ one tick (coalesced: a commit lost with the process is replayed identically
 from the members' next heartbeats).
 
 Safe on a shared network (``docs/design.md``, "Security model"): bound to an
-address other than loopback it refuses to start without a token unless told
-``insecure``; it serves TLS with ``tls_cert``/``tls_key``; every connection
+address other than loopback it refuses to start without a token and TLS
+(``tls_cert``/``tls_key``) unless told ``insecure``; every connection
 must send its headers within a timeout and the open and unauthenticated
 connections are capped (:mod:`stalwart.coord.connections`); a quorum long poll
 per incarnation; client errors are logged once per kind per interval
@@ -56,6 +56,7 @@ from stalwart.coord import quiet_log
 from stalwart.coord.collector import QuietCollector
 from stalwart.coord.connections import HEADER_TIMEOUT, RESERVED_FDS, ConnectionGuard, descriptor_limit
 from stalwart.coord.dashboard import Dashboard, browser_credential
+from stalwart.coord.heartbeat import read_heartbeat
 from stalwart.coord.metrics import LighthouseMetrics
 from stalwart.coord.persist import StateStore
 from stalwart.coord.protocol import (
@@ -81,13 +82,12 @@ from stalwart.coord.quorum import (
     check_seconds,
     parse_digest,
     parse_member,
-    parse_report,
     parse_step,
     parse_weights,
 )
 from stalwart.coord.rounds import RoundsBoard
-from stalwart.coord.store import QuorumStores, StoreLimits
-from stalwart.coord.tls import is_loopback, server_context
+from stalwart.coord.store import QuorumStores, StoreLimits, answer_bytes, encode_answer
+from stalwart.coord.tls import is_loopback, is_loopback_authority, is_loopback_origin, server_context
 from stalwart.coord.wire import parse_plan
 from stalwart.data.plan import EpochPlan
 from stalwart.errors import StalwartError
@@ -136,10 +136,11 @@ class Lighthouse:
     measured throughput, decided every ``K`` steps (None: as persisted, else
     0, off; a persisted state must agree).
 
-    On a ``host`` other than loopback a ``token`` is required unless
-    ``insecure=True`` (:class:`InsecureLighthouseError`); ``tls_cert`` and
-    ``tls_key`` (PEM files) serve HTTPS, and without them a token on such a
-    host travels in cleartext (a warning says so).
+    On a ``host`` other than loopback a ``token`` and TLS (``tls_cert`` and
+    ``tls_key``, PEM files: HTTPS) are required unless ``insecure=True``
+    (:class:`InsecureLighthouseError`); with ``insecure`` a token on such a
+    host travels in cleartext (a warning says so). A ``tls_key`` its group or
+    others may read is refused (:class:`~stalwart.coord.tls.ExposedSecretError`).
     ``max_connections`` (default: the process's file-descriptor limit less
     ``RESERVED_FDS``) and ``max_unauthenticated`` cap open connections;
     a connection that has not sent a request's headers ``header_timeout``
@@ -177,14 +178,10 @@ class Lighthouse:
         if token is not None and (not isinstance(token, str) or not token or parse_header(token, "token") is None):
             raise ValueError("token must be a non-empty string of printable ASCII or None")
         check_bool("insecure", insecure)
-        if token is None and not insecure and not is_loopback(host):
-            raise InsecureLighthouseError(
-                f"host={host!r} is reachable from other machines and no token is set: anyone there could register, "
-                "report checkpoints and read the quorum's keys. Give a token (STALWART_LIGHTHOUSE_TOKEN, or "
-                "--token-file), or say insecure=True (--insecure) on a network you trust"
-            )
         if (tls_cert is None) != (tls_key is None):
             raise ValueError("tls_cert and tls_key go together: give both PEM files, or neither")
+        if not insecure and not is_loopback(host):
+            _check_exposed(host, token, tls_cert)
         self._ssl = None if tls_cert is None or tls_key is None else server_context(tls_cert, tls_key)
         if token is not None and self._ssl is None and not is_loopback(host):
             logger.warning(
@@ -595,6 +592,8 @@ class Lighthouse:
         if guard is not None:
             guard.request_started(request)
         try:
+            if self._token is None:
+                self._check_browser(request)
             if request.path not in _PUBLIC_PATHS:
                 self._check_token(request)
                 if guard is not None:
@@ -623,6 +622,34 @@ class Lighthouse:
                 "(the dashboard's / and /v1/events also take ?token= or the stalwart_token cookie)",
                 headers={"WWW-Authenticate": "Bearer"},
             )
+
+    def _check_browser(self, request: web.Request) -> None:
+        """Without a token, what keeps a browser page of another site out (``docs/protocol.md``, "Security").
+
+        On loopback, a ``Host`` that is not a loopback name is refused (403): a page of another site reaching
+        us through DNS rebinding sends its own name. A write (any method but GET and HEAD, or a websocket) with
+        an ``Origin`` that is not a loopback page is refused (403), and a write must be JSON (415): a
+        cross-origin page can send text/plain, a form or an untyped body without asking first, never JSON.
+        """
+        host = request.headers.get("Host", "")
+        if is_loopback(self.host) and not is_loopback_authority(host):
+            raise RequestError(
+                403, f"the Host header {host[:100]!r} does not name this machine: without a token the lighthouse "
+                "serves only localhost, 127.0.0.0/8 and [::1] (a page of another site reaching it through DNS "
+                "rebinding names its own site); give the lighthouse a token to serve other names", code="host",
+            )  # fmt: skip
+        upgrade = request.headers.get("Upgrade", "").lower() == "websocket"
+        if request.method in ("GET", "HEAD") and not upgrade:
+            return
+        origin = request.headers.get("Origin")
+        if origin is not None and not is_loopback_origin(origin):
+            raise RequestError(
+                403, f"a write from the page {origin[:100]!r} is refused: without a token the lighthouse takes "
+                "writes only from its own machine (a cross-origin request)", code="origin",
+            )  # fmt: skip
+        content_type = request.headers.get("Content-Type", "").partition(";")[0].strip().lower()
+        if not upgrade and content_type != "application/json":
+            raise RequestError(415, f"a write must be JSON (Content-Type: application/json), got {content_type!r:.100}")
 
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
@@ -659,22 +686,20 @@ class Lighthouse:
                 if message.type != WSMsgType.TEXT:
                     await _send(ws, {"type": "error", "error": "heartbeats must be JSON text messages"})
                     continue
-                heal_error: str | None = None
-                rounds_error: str | None = None
-                refused: str | None = None
-                try:
-                    report = json.loads(message.data)
-                    heal_error = self.metrics.take_heal_report(member, self.state.incarnation(member), report)
-                    rounds_error = self.rounds.take(member, self.state.incarnation(member), report)
-                    applied_step, digest, weights = parse_report(report)
-                    self.state.heartbeat(member, applied_step, time.time(), digest, weights)
-                except (ValueError, RecursionError, RequestError) as error:
-                    refused = error.message if isinstance(error, RequestError) else f"not JSON: {error}"
+                reading = read_heartbeat(message.data, member, self.state.incarnation(member), self.metrics,
+                                         self.rounds)  # fmt: skip
+                errors = list(reading.errors)
+                refused = reading.applied_step is None
+                if reading.applied_step is not None:
+                    try:
+                        self.state.heartbeat(member, reading.applied_step, time.time(), reading.digest, reading.weights)
+                    except RequestError as error:
+                        errors.append(error.message)
+                        refused = True
                 self._deliver_refusals()
-                for text in (heal_error, rounds_error, refused):
-                    if text is not None:
-                        await _send(ws, {"type": "error", "error": text})
-                if refused is not None:
+                for text in errors:
+                    await _send(ws, {"type": "error", "error": text})
+                if refused:
                     continue
                 quorum = self.state.quorum
                 if quorum is not None and self.state.should_reconfigure(member):
@@ -844,10 +869,10 @@ class Lighthouse:
         else:
             operation = _parse_store_request(raw, limit)
         answer = await store.apply(operation)
-        if _large(answer):
-            body = await loop.run_in_executor(None, _encode_json, answer)
+        if answer_bytes(answer) > MAX_BODY_BYTES:  # at most StoreLimits.answer_bytes
+            body = await loop.run_in_executor(None, encode_answer, answer)
         else:
-            body = _encode_json(answer)
+            body = encode_answer(answer)
         return web.Response(body=body, content_type="application/json")
 
     def _deliver_refusals(self) -> None:
@@ -911,16 +936,6 @@ def _parse_store_request(raw: bytes, max_value_bytes: int) -> StoreRequest:
     return StoreRequest.from_json(_decode_json(raw), max_value_bytes)
 
 
-def _encode_json(answer: dict[str, Any]) -> bytes:
-    return json.dumps(answer, separators=(",", ":")).encode()
-
-
-def _large(answer: dict[str, Any]) -> bool:
-    """Whether a store answer carries more than ``MAX_BODY_BYTES`` of values."""
-    values = answer.get("values") or [answer.get("value")]
-    return sum(len(value) for value in values if isinstance(value, str)) > MAX_BODY_BYTES
-
-
 async def _send(socket: web.WebSocketResponse, message: dict[str, Any]) -> None:
     """Send a message on a member's socket; a socket closing meanwhile misses it (the member is gone)."""
     with contextlib.suppress(*_SOCKET_ERRORS):
@@ -932,6 +947,23 @@ def _path_int(value: str, name: str) -> int:
     if not (value.isascii() and value.isdigit()) or len(value) > 18:
         raise RequestError(400, f"{name} must be a non-negative integer, got {value[:40]!r}", field=name)
     return int(value)
+
+
+def _check_exposed(host: str, token: str | None, tls_cert: object) -> None:
+    """On an address other machines reach, refuse to serve without a token or without TLS (one line, naming the
+    address and the ways out)."""
+    if token is None:
+        raise InsecureLighthouseError(
+            f"host={host!r} is reachable from other machines and no token is set: anyone there could register, "
+            "report checkpoints and read the quorum's keys. Give a token (STALWART_LIGHTHOUSE_TOKEN, or "
+            "--token-file) and --tls-cert/--tls-key, or say insecure=True (--insecure) on a network you trust"
+        )
+    if tls_cert is None:
+        raise InsecureLighthouseError(
+            f"host={host!r} is reachable from other machines and TLS is not set: the token and the quorum's keys "
+            "would cross the network in cleartext. Give --tls-cert/--tls-key (tls_cert, tls_key), or say "
+            "insecure=True (--insecure) on a network you trust"
+        )
 
 
 def _check_same_plan(given: EpochPlan, persisted: EpochPlan, path: object) -> None:

@@ -7,7 +7,12 @@ store"). Only the current quorum has a store: forming the next one deletes
 the older one's keys and ends its waits (410), so keys never pile up. Each
 store is capped in value size, total bytes, keys and pending waits, and a
 wait lasts at most :data:`~stalwart.coord.protocol.MAX_STORE_WAIT_S` per
-request (the client asks again until its own timeout).
+request (the client asks again until its own timeout). A request names each
+key once (400 naming a repeated one), and one answer carries at most
+``answer_bytes`` of values (413 naming the limit and the size): a
+``multi_get`` naming a large key 4,096 times would otherwise build hundreds of
+MiB. Answers hold the values as bytes; :func:`encode_answer` makes their JSON
+(the server does it off the event loop when it is large).
 
 The values and their semantics (``compare_set`` as c10d's stores) are plain
 Python; the waits are asyncio futures woken per key, so a set costs what
@@ -19,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -38,6 +44,8 @@ class StoreLimits:
     keys: int = 1 << 16
     waits: int = 1 << 14
     """Store requests waiting for keys at once."""
+    answer_bytes: int = 16 << 20
+    """Most bytes of values one answer carries: a ``multi_get`` returns together what one ``get`` may."""
 
 
 class StoreGone(RequestError):
@@ -74,6 +82,7 @@ class QuorumStore:
     async def apply(self, request: StoreRequest) -> dict[str, Any]:
         """Run one operation; the answer's JSON."""
         op, keys = request.op, request.keys
+        _check_distinct(keys)
         if op in ("get", "wait", "multi_get") and request.wait > 0:
             await self._wait_for(keys, request.wait)
         if self.closed:
@@ -85,14 +94,23 @@ class QuorumStore:
             self._put(keys[0], self.values.get(keys[0], b"") + request.values[0])
             return {}
         if op == "get":
-            return {"value": store_answer_values([self.values.get(keys[0])])[0]}
+            return {"value": self.values.get(keys[0])}
         if op == "multi_get":
             found = [self.values.get(key) for key in keys]
-            return {"values": None if any(value is None for value in found) else store_answer_values(found)}
+            if any(value is None for value in found):
+                return {"values": None}
+            size = sum(len(value) for value in found if value is not None)
+            if size > self.limits.answer_bytes:
+                raise RequestError(
+                    413, f"the values of these {len(keys)} keys hold {size} bytes, over the store's limit of "
+                    f"{self.limits.answer_bytes} bytes per answer; ask for fewer keys at a time",
+                    cap="answer_bytes", size=size,
+                )  # fmt: skip
+            return {"values": found}
         if op == "add":
             return {"value": self._add(keys[0], request.amount)}
         if op == "compare_set":
-            return {"value": store_answer_values([self._compare_set(keys[0], *request.values)])[0]}
+            return {"value": self._compare_set(keys[0], *request.values)}
         if op in ("check", "wait"):
             return {"present": all(key in self.values for key in keys)}
         if op == "delete":
@@ -189,6 +207,35 @@ class QuorumStore:
                             waits.remove(wait)
                         if not waits:
                             del self._waits[key]
+
+
+def _check_distinct(keys: tuple[str, ...]) -> None:
+    """400 naming the first key a request names twice."""
+    if len(set(keys)) == len(keys):
+        return
+    seen: set[str] = set()
+    for key in keys:
+        if key in seen:
+            raise RequestError(400, f"keys names {key[:80]!r} more than once: name each key once", field="keys")
+        seen.add(key)
+
+
+def answer_bytes(answer: dict[str, Any]) -> int:
+    """Bytes of values an answer of :meth:`QuorumStore.apply` carries (what its JSON costs to build)."""
+    values = answer.get("values") or [answer.get("value")]
+    return sum(len(value) for value in values if isinstance(value, bytes))
+
+
+def encode_answer(answer: dict[str, Any]) -> bytes:
+    """The JSON of an answer of :meth:`QuorumStore.apply`: its values in base64 (None for a key not there)."""
+    wire = dict(answer)
+    for name in ("value", "values"):
+        value = wire.get(name)
+        if isinstance(value, bytes):
+            wire[name] = store_answer_values([value])[0]
+        elif isinstance(value, list):
+            wire[name] = store_answer_values(value)
+    return json.dumps(wire, separators=(",", ":")).encode()
 
 
 class QuorumStores:

@@ -22,7 +22,10 @@ from stalwart.errors import StalwartError
 REASONS = ("join", "failure", "reconfigure")
 PLAN_FIELDS = tuple(f.name for f in fields(EpochPlan))
 """The fields of a plan on the wire: ``EpochPlan``'s, as ``EpochPlan.to_dict()`` writes them."""
-MAX_PLAN_INT = 1 << 62
+MAX_WIRE_INT = 1 << 62
+"""Largest integer any count on the wire may hold (a step, a weight, a heal's bytes): an int64 with room to add,
+and a float without overflow."""
+MAX_PLAN_INT = MAX_WIRE_INT
 """Largest integer a plan field may hold on the wire (positions are int64 in the ledger)."""
 _MEMBER_PATTERN = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")
 _DIGEST_PATTERN = re.compile(r"[0-9a-f]{32}")
@@ -51,11 +54,22 @@ def parse_member(value: Any, name: str = "member") -> str:
     return value
 
 
-def parse_step(value: Any, name: str = "applied_step") -> int:
-    """Return a non-negative int step; else ``RequestError`` 400 naming the field."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise RequestError(400, f"{name} must be an int >= 0, got {value!r}", field=name)
+def parse_count(value: Any, name: str, minimum: int = 0) -> int:
+    """Return an int in ``[minimum, MAX_WIRE_INT]``; else ``RequestError`` 400 naming the field and the value."""
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= MAX_WIRE_INT:
+        raise RequestError(400, f"{name} must be an int in [{minimum}, 2**62], got {_shown(value)}", field=name)
     return value
+
+
+def parse_step(value: Any, name: str = "applied_step") -> int:
+    """Return a step: an int in ``[0, MAX_WIRE_INT]``; else ``RequestError`` 400 naming the field."""
+    return parse_count(value, name)
+
+
+def _shown(value: Any) -> str:
+    """``value`` for an error message: its repr, cut at 60 characters (a number of 400 digits is named, not copied)."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
 
 
 def parse_digest(value: Any, name: str = "digest") -> str | None:
@@ -81,9 +95,7 @@ def parse_weights(value: Any, name: str = "weights") -> dict[str, Any] | None:
     weights = {}
     for member, weight in value["weights"].items():
         parse_member(member, f"{name}['weights']")
-        if isinstance(weight, bool) or not isinstance(weight, int) or weight < 1:
-            raise RequestError(400, f"{name}['weights'][{member!r}] must be an int >= 1, got {weight!r}", field=name)
-        weights[member] = weight
+        weights[member] = parse_count(weight, f"{name}['weights'][{member!r}]", minimum=1)
     return {"step": parse_step(value["step"], f"{name}['step']"), "weights": weights}
 
 
@@ -131,9 +143,8 @@ def parse_report(body: Any) -> tuple[int, str | None, dict[str, Any] | None]:
     (``weights``: see :func:`parse_weights`; balanced ledgers only).
     """
     if not isinstance(body, Mapping) or "applied_step" not in body:
-        raise RequestError(
-            400, f'a heartbeat must be an object {{"applied_step": int, "digest"?: str, "weights"?: ...}}, got {body!r}'
-        )
+        shape = '{"applied_step": int, "digest"?: str, "weights"?: ...}'
+        raise RequestError(400, f"a heartbeat must be an object {shape}, got {body!r:.200}")
     unknown = sorted(set(body) - {"applied_step", "digest", "weights"})
     if unknown:
         raise RequestError(400, f"unknown heartbeat fields {unknown}", field=unknown[0])
