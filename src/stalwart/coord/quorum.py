@@ -38,7 +38,11 @@ Liveness
     (a heartbeat or a quorum request) within ``heartbeat_timeout``. A closed
     socket, a timeout or a ``leave`` makes it dead; a later heartbeat or
     request revives it (a SIGSTOPped process that resumes), but a quorum
-    formed without it stays formed.
+    formed without it stays formed. Silence is evidence only while the
+    lighthouse hears others: when every member goes silent together the
+    lighthouse is the one cut off, and waits up to ``outage_timeout`` for them
+    to come back (the rules: :mod:`~stalwart.coord.membership`); members that
+    come back are alive again, with no failure counted.
 
 Quorums
     The next quorum forms when every member of the current quorum has asked or
@@ -105,7 +109,7 @@ from stalwart.coord.formation import Formation, MemberDelta
 from stalwart.coord.history import HISTORY_LIMIT, History
 from stalwart.coord.hosted_ledger import HostedLedger, StepRecord
 from stalwart.coord.identity import parse_incarnation
-from stalwart.coord.membership import MemberRecord, Membership
+from stalwart.coord.membership import DEFAULT_OUTAGE_TIMEOUT, MemberRecord, Membership
 from stalwart.coord.pending import Pending
 from stalwart.coord.protocol import QuorumRequest, ledger_digest
 from stalwart.coord.registry import NO_PLAN, Registry
@@ -171,6 +175,7 @@ class LighthouseState:
         max_members: int = MAX_MEMBERS,
         require_digest: bool = False,
         balance_every: int = 0,
+        outage_timeout: float = DEFAULT_OUTAGE_TIMEOUT,
     ) -> None:
         if plan is not None and not isinstance(plan, EpochPlan):
             raise TypeError(f"plan must be an EpochPlan or None, got {type(plan).__name__}")
@@ -194,7 +199,7 @@ class LighthouseState:
         self.commits.on_commit = on_commit
         self.checkpoint: CheckpointRecord | None = None
         self.roster = Roster()
-        self.membership = Membership(self.heartbeat_timeout)
+        self.membership = Membership(self.heartbeat_timeout, check_seconds("outage_timeout", outage_timeout))
         self.asks = Pending()
         self.formation: Formation | None = None
         self.answered: dict[str, QuorumRequest] = {}

@@ -1,0 +1,200 @@
+"""The liveness rule of :mod:`stalwart.coord.membership`, over random sighting sequences (pure, ``now`` passed).
+
+Silence is a death only when the lighthouse heard another member after the
+silent one's deadline; when every member goes silent together the lighthouse
+is the one cut off and waits (up to ``outage_timeout``) for them to come back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stalwart.coord.membership import Membership
+
+TIMEOUT = 1.0
+OUTAGE = 10.0
+TICK = 0.05
+MEMBERS = ("a", "b", "c")
+
+
+@dataclass
+class Run:
+    """A membership driven by a time-ordered list of events; records every expiry and every sighting."""
+
+    membership: Membership = field(default_factory=lambda: Membership(TIMEOUT, OUTAGE))
+    sightings: list[tuple[float, str]] = field(default_factory=list)
+    deaths: list[tuple[float, str]] = field(default_factory=list)
+
+    def see(self, member: str, now: float) -> None:
+        self.membership.touch(member, now)
+        self.sightings.append((now, member))
+
+    def tick(self, now: float) -> list[str]:
+        expired = self.membership.expired(now)
+        for member in expired:
+            self.membership.mark_dead(member)
+            self.deaths.append((now, member))
+        return expired
+
+    def play(self, events: list[tuple[float, str | None]]) -> None:
+        """``(time, member)`` is a sighting, ``(time, None)`` a tick; sorted by time, ticks after sightings."""
+        for now, member in sorted(events, key=lambda event: (event[0], event[1] is None)):
+            if member is None:
+                self.tick(now)
+            else:
+                self.see(member, now)
+
+
+def ticks(start: float, end: float) -> list[tuple[float, str | None]]:
+    """The lighthouse's periodic ticks from ``start`` to ``end``."""
+    count = int((end - start) / TICK) + 1
+    return [(start + i * TICK, None) for i in range(count)]
+
+
+def beats(member: str, start: float, end: float, interval: float, phase: float) -> list[tuple[float, str | None]]:
+    """``member``'s heartbeats every ``interval`` from ``start + phase`` while before ``end``."""
+    times = []
+    now = start + phase
+    while now < end:
+        times.append((now, member))
+        now += interval
+    return times
+
+
+intervals = st.floats(0.05, 0.3 * TIMEOUT)
+phases = st.floats(0.0, 0.05)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    interval=intervals,
+    phase=st.tuples(phases, phases, phases),
+    outage_start=st.floats(0.5, 3.0),
+    outage=st.floats(1.5 * TIMEOUT, OUTAGE - 2 * TIMEOUT),
+    comeback=st.tuples(*[st.floats(0.0, 0.9 * TIMEOUT)] * 3),
+)
+def test_an_outage_of_the_lighthouse_is_no_failure(
+    interval: float,
+    phase: tuple[float, float, float],
+    outage_start: float,
+    outage: float,
+    comeback: tuple[float, float, float],
+) -> None:
+    """Every member reports until the lighthouse is cut off, nothing reaches it for longer than the heartbeat
+    timeout, then each comes back within a heartbeat timeout of the first: nobody is ever dead."""
+    outage_end = outage_start + outage
+    first = min(comeback)
+    end = outage_end + first + 3 * TIMEOUT
+    events = ticks(0.0, end)
+    for member, offset, back in zip(MEMBERS, phase, comeback, strict=True):
+        events += beats(member, 0.0, outage_start, interval, offset)
+        events += beats(member, outage_end + back, end, interval, 0.0)
+    run = Run()
+    run.play(events)
+    assert run.deaths == []
+    assert run.membership.live == len(MEMBERS)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    interval=intervals,
+    phase=st.tuples(phases, phases, phases),
+    stops=st.floats(0.2, 3.0),
+    outage_start=st.one_of(st.none(), st.floats(0.5, 4.0)),
+    outage=st.floats(1.5 * TIMEOUT, 4.0),
+)
+def test_a_member_silent_while_others_report_dies_after_the_first_report_past_its_deadline(
+    interval: float,
+    phase: tuple[float, float, float],
+    stops: float,
+    outage_start: float | None,
+    outage: float,
+) -> None:
+    """A hung member (its socket open, nothing sent) is dead at the first tick after another member was heard
+    past its deadline, never before its deadline; the others live, across an outage of the lighthouse too."""
+    end = 12.0
+    events = ticks(0.0, end)
+    silent, *talkers = MEMBERS
+    events += beats(silent, 0.0, stops, interval, phase[0])
+    for member, offset in zip(talkers, phase[1:], strict=True):
+        events += beats(member, 0.0, end, interval, offset)
+    if outage_start is not None:  # nothing reaches the lighthouse for a while (the silent member is silent anyway)
+        events = [e for e in events if e[1] is None or not outage_start <= e[0] < outage_start + outage]
+    run = Run()
+    run.play(events)
+    assert [member for _, member in run.deaths] == [silent]
+    died = run.deaths[0][0]
+    last_seen = max(t for t, m in run.sightings if m == silent)
+    assert died - last_seen > TIMEOUT
+    evidence = [t for t, m in run.sightings if m != silent and t > last_seen + TIMEOUT and t <= died]
+    assert evidence, "it died though nobody was heard after its deadline"
+    if outage_start is None:
+        first_evidence = min(t for t, m in run.sightings if m != silent and t > last_seen + TIMEOUT)
+        assert died <= first_evidence + TICK + 1e-9, "it must die at the first tick after the evidence"
+
+
+@settings(max_examples=40, deadline=None)
+@given(interval=intervals, phase=st.tuples(phases, phases, phases), silent_from=st.floats(0.2, 2.0))
+def test_a_lighthouse_that_hears_nobody_waits_outage_timeout_then_counts_the_silent_dead(
+    interval: float, phase: tuple[float, float, float], silent_from: float
+) -> None:
+    """Nobody is heard after ``silent_from``: no member dies before ``outage_timeout`` of silence, each dies at
+    the first tick after it."""
+    end = silent_from + OUTAGE + 1.0
+    events = ticks(0.0, end)
+    for member, offset in zip(MEMBERS, phase, strict=True):
+        events += beats(member, 0.0, silent_from, interval, offset)
+    run = Run()
+    run.play(events)
+    assert sorted(member for _, member in run.deaths) == sorted(MEMBERS)
+    assert run.membership.cut_off_since is not None
+    for died, member in run.deaths:
+        last_seen = max(t for t, m in run.sightings if m == member)
+        assert OUTAGE < died - last_seen <= OUTAGE + TICK + 1e-9
+
+
+events_anyhow = st.lists(
+    st.tuples(st.floats(0.0, 0.8), st.sampled_from((*MEMBERS, None))), min_size=1, max_size=80
+).map(
+    lambda steps: [
+        (sum(gap for gap, _ in steps[: i + 1]), member) for i, (_, member) in enumerate(steps)
+    ]  # times: running sums of the gaps
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(events=events_anyhow)
+def test_whatever_the_sequence_a_death_has_evidence_or_outlasted_the_bound(
+    events: list[tuple[float, str | None]],
+) -> None:
+    """Any sightings and ticks: a member dies only past its deadline, and only if another member was heard after
+    it or its silence outlasted ``outage_timeout``; after any tick no live member was silent longer than that."""
+    run = Run()
+    for now, member in events:
+        if member is not None:
+            run.see(member, now)
+            continue
+        for dead in run.tick(now):
+            last_seen = max(t for t, m in run.sightings if m == dead)
+            assert now - last_seen > TIMEOUT
+            heard_after = any(m != dead and last_seen + TIMEOUT < t <= now for t, m in run.sightings)
+            assert heard_after or now - last_seen > OUTAGE
+        for name, record in run.membership.records.items():
+            if record.alive:
+                assert now - record.last_seen <= OUTAGE, f"{name} outlived the outage bound"
+
+
+def test_a_restarted_lighthouse_gives_expected_members_a_heartbeat_timeout_whatever_it_hears() -> None:
+    membership = Membership(TIMEOUT, OUTAGE)
+    membership.expect("a", 10.0)
+    membership.expect("b", 10.0)
+    membership.touch("a", 10.5)
+    assert membership.expired(10.0 + TIMEOUT) == []
+    assert membership.expired(10.0 + TIMEOUT + 0.1) == ["b"]
+
+
+def test_the_outage_bound_is_at_least_the_heartbeat_timeout() -> None:
+    assert Membership(2.0, 1.0).outage_timeout == 2.0
