@@ -198,3 +198,17 @@ def test_a_restarted_lighthouse_gives_expected_members_a_heartbeat_timeout_whate
 
 def test_the_outage_bound_is_at_least_the_heartbeat_timeout() -> None:
     assert Membership(2.0, 1.0).outage_timeout == 2.0
+
+
+def test_a_lighthouse_whose_loop_stood_still_reads_the_waiting_heartbeats_before_judging() -> None:
+    """A stopped lighthouse (SIGSTOP) resumes: it reads the first members' heartbeats, then its tick excuses the
+    time it stood still: the member whose heartbeat it has not read yet is not dead."""
+    run = Run()
+    run.play(ticks(0.0, 1.0) + [beat for member in MEMBERS for beat in beats(member, 0.0, 1.0, 0.1, 0.0)])
+    resumed = 1.0 + 3 * TIMEOUT
+    run.see("a", resumed)
+    run.see("b", resumed)
+    run.membership.excuse(resumed - 1.0, resumed)
+    assert run.tick(resumed) == []
+    run.see("c", resumed + 0.01)
+    assert run.tick(resumed + 2 * TIMEOUT) == [] and run.membership.live == 3

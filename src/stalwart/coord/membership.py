@@ -14,7 +14,9 @@ outage is not a failure):
 - a member silent past its deadline (its last sighting plus
   ``heartbeat_timeout``) is dead once the lighthouse *heard another member
   after that deadline*: its own network works, so the silent one is cut off,
-  hung or gone;
+  hung or gone (judged at each tick, with that tick's timeout: a lighthouse
+  whose own loop stood still reads what waited in its sockets first, see
+  :meth:`Membership.excuse`);
 - when a tick finds nobody heard for more than ``heartbeat_timeout`` (every
   member silent together), the lighthouse is the one cut off: nobody expires
   while it hears nothing, and when it hears again every deadline counts from
@@ -85,8 +87,6 @@ class Membership:
         """Since when it hears again after it found itself cut off (every deadline counts from here at the least)."""
         self.cut_off_since: float | None = None
         """Set (to when it last heard anyone) while a tick found nobody heard for more than the timeout."""
-        self._condemned: dict[str, float] = {}
-        """Members silent past their deadline when another member was heard: ``member -> its last sighting``."""
         self._expected: dict[str, None] = {}
         """Members a restarted lighthouse expects and has not heard since (they expire by the plain timeout)."""
 
@@ -155,34 +155,29 @@ class Membership:
         return record is not None and record.alive and record.last_seen == seen
 
     def _hear(self, now: float) -> None:
-        """A member was heard at ``now``: the lighthouse hears again; members silent past their deadline (counted
-        from when it heard again, at the least) are condemned. Costs what it condemns."""
+        """A member was heard at ``now``: a lighthouse that found itself cut off hears again, and every deadline
+        counts from ``now`` at the least."""
         if self.cut_off_since is not None:
             self.cut_off_since = None
             self.heard_since = max(self.heard_since, now)
         self.last_heard = max(self.last_heard, now)
-        timeout = self._timeout(now)
-        if now - self.heard_since <= timeout:
-            return  # every deadline counts from heard_since: none passed yet
-        sightings = self._sightings
-        while sightings and now - sightings[0][0] > timeout:
-            seen, name = heapq.heappop(sightings)
-            if self._current(name, seen):
-                self._condemned[name] = seen
 
     def expired(self, now: float) -> list[str]:
         """Live members dead by silence at ``now`` (the rules of the module's doc); costs what expired (and the
         members a restarted lighthouse still expects).
 
-        Finding nobody heard for more than the timeout marks the lighthouse cut off (:attr:`cut_off_since`).
+        Judged at ``now``, with the timeout of ``now``: a lighthouse whose loop was blocked (:meth:`excuse`) reads
+        the heartbeats that waited in its sockets before it judges. Finding nobody heard for more than the timeout
+        marks the lighthouse cut off (:attr:`cut_off_since`).
         """
         timeout = self._timeout(now)
         if self.cut_off_since is None and self.live and now - self.last_heard > timeout:
             self.cut_off_since = self.last_heard
-        expired = {name: None for name, seen in self._condemned.items() if self._current(name, seen)}
-        self._condemned.clear()
+        # heard after the deadline: the last sighting (of another member) is past max(seen, heard_since) + timeout
+        heard = self.last_heard if self.last_heard - self.heard_since > timeout else float("-inf")
+        expired: dict[str, None] = {}
         sightings = self._sightings
-        while sightings and now - sightings[0][0] > self.outage_timeout:
+        while sightings and (heard - sightings[0][0] > timeout or now - sightings[0][0] > self.outage_timeout):
             seen, name = heapq.heappop(sightings)
             if self._current(name, seen):
                 expired[name] = None  # a member seen twice at the same instant has two equal sightings
