@@ -415,13 +415,15 @@ class LighthouseState:
         """``member`` opened its heartbeat socket."""
         self._touch(parse_member(member), now).connected = True
 
-    def disconnected(self, member: str, now: float) -> None:
-        """``member``'s heartbeat socket closed: it is dead at once (a killed process closes its sockets)."""
+    def disconnected(self, member: str, now: float, *, reconnecting: bool = False) -> None:
+        """``member``'s heartbeat socket closed: it is dead at once (a killed process closes its sockets), unless
+        ``reconnecting`` (its member closed it to open another, or it carried no heartbeat): then its silence is
+        judged by the heartbeat timeout."""
         record = self.membership.get(member)
         if record is None:
             return
         record.connected = False
-        if record.alive:
+        if record.alive and not reconnecting:
             self._mark_dead(member, now, "socket closed")
 
     def heartbeat(

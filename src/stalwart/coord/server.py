@@ -62,6 +62,7 @@ from stalwart.coord.protocol import (
     AUTHORIZATION_HEADER,
     CHECKPOINT_PATH,
     HEARTBEAT_PATH,
+    HEARTBEAT_RECONNECT_CODE,
     INCARNATION_HEADER,
     LEAVE_PATH,
     QUORUM_PATH,
@@ -651,6 +652,7 @@ class Lighthouse:
             return ws
         self.state.connected(member, time.time())
         self._advance()
+        spoke = False
         try:
             async for message in ws:
                 # no await from this check to the state's: a leave (which retires this socket) cannot come between
@@ -659,6 +661,7 @@ class Lighthouse:
                 if message.type != WSMsgType.TEXT:
                     await _send(ws, {"type": "error", "error": "heartbeats must be JSON text messages"})
                     continue
+                spoke = True
                 heal_error: str | None = None
                 rounds_error: str | None = None
                 refused: str | None = None
@@ -687,7 +690,10 @@ class Lighthouse:
             if self._sockets.get(member) is ws:
                 del self._sockets[member]
                 if not self._stopping:
-                    self.state.disconnected(member, time.time())
+                    # a socket its member closed to reconnect, or one that carried no heartbeat (a reconnection
+                    # abandoned while the lighthouse did not answer), is no sign of death
+                    reconnecting = not spoke or ws.close_code == HEARTBEAT_RECONNECT_CODE
+                    self.state.disconnected(member, time.time(), reconnecting=reconnecting)
                     self._advance()
         return ws
 
