@@ -1,0 +1,242 @@
+"""A lighthouse outage is not a failure, and a path that comes back is used at once.
+
+A real lighthouse process (``python -m stalwart lighthouse``) stopped with
+SIGSTOP: a real outage, its sockets stay open and nothing answers (what a dead
+path looks like from the members); real clients on loopback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stalwart.coord.client import LighthouseClient
+from stalwart.coord.protocol import ledger_digest
+from stalwart.data.ledger import DataLedger
+from stalwart.data.plan import EpochPlan
+from stalwart.testing.loopback import HOST, free_port
+from stalwart.testing.waiting import wait_until
+
+HEARTBEAT_TIMEOUT = 1.0
+MEMBERS = ("a", "b", "c")
+PLAN = ("--dataset-size", "64", "--global-batch", "8")
+UNREACHABLE = "unreachable ("
+REACHABLE = "reachable again after"
+
+
+@contextmanager
+def lighthouse_process(log: Path, *options: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """A lighthouse in its own process, answering at the URL yielded; resumed and ended afterwards."""
+    port = free_port()
+    command = [sys.executable, "-m", "stalwart", "lighthouse", "--host", HOST, "--port", str(port)]
+    command += ["--heartbeat-timeout", str(HEARTBEAT_TIMEOUT), *options, *PLAN]
+    with log.open("wb") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+    url = f"http://{HOST}:{port}"
+    try:
+        wait_until(lambda: answers(url), timeout=60, what=f"the lighthouse at {url} (its log: {log})")
+        yield process, url
+    finally:
+        process.send_signal(signal.SIGCONT)
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(30)
+
+
+def answers(url: str) -> bool:
+    try:
+        status(url)
+    except OSError:
+        return False
+    return True
+
+
+def status(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url + "/v1/status", timeout=10) as response:
+        result: dict[str, Any] = json.loads(response.read())
+        return result
+
+
+def logged(caplog: pytest.LogCaptureFixture, text: str) -> int:
+    return sum(text in record.getMessage() for record in caplog.records)
+
+
+def digests(plan: dict[str, Any], members: tuple[str, ...], steps: int) -> dict[int, str]:
+    """The ledger digest after each of ``steps`` steps trained by ``members`` (what a member reports with its step)."""
+    ledger = DataLedger(EpochPlan(**plan))
+    found = {0: ledger_digest(ledger.state_dict())}
+    for step in range(1, steps + 1):
+        ledger.begin_step(list(members))
+        ledger.commit()
+        found[step] = ledger_digest(ledger.state_dict())
+    return found
+
+
+@contextmanager
+def stopped(process: subprocess.Popen[bytes]) -> Iterator[None]:
+    process.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        process.send_signal(signal.SIGCONT)
+
+
+def test_a_lighthouse_stopped_longer_than_the_heartbeat_timeout_counts_no_failure(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The quorum trains on while the lighthouse is stopped (its members go silent for it all together); when it
+    resumes they report their steps: no failure, no member dead, the quorum not broken, nothing to re-form."""
+    caplog.set_level(logging.WARNING, logger="stalwart.coord.client")
+    steps = dict.fromkeys(MEMBERS, 0)
+    digest: dict[int, str] = {}
+    with lighthouse_process(tmp_path / "lighthouse.log", "--min-replicas", "3") as (process, url):
+        clients = {m: LighthouseClient(url, m, heartbeat_interval=0.05) for m in MEMBERS}
+        try:
+            for member, client in clients.items():
+                client.start_heartbeat(lambda member=member: (steps[member], digest.get(steps[member])))
+            with ThreadPoolExecutor(len(MEMBERS)) as pool:
+                answers = list(pool.map(lambda m: clients[m].quorum(0, None, "join", 60), MEMBERS))
+            digest.update(digests(status(url)["plan"], answers[0].members, 5))
+            formed = {"quorum_id": answers[0].quorum_id, "members": list(answers[0].members)}
+            steps.update(dict.fromkeys(MEMBERS, 2))
+            wait_until(lambda: status(url)["ledger"]["step"] == 2, timeout=30, what="two steps committed")
+
+            with stopped(process):
+                steps.update(dict.fromkeys(MEMBERS, 5))  # the fast path needs no lighthouse
+                # each client waited silence_timeout (>= 2 s, twice the heartbeat timeout) for an answer
+                wait_until(
+                    lambda: logged(caplog, UNREACHABLE) >= len(MEMBERS), timeout=60, what="every client to notice"
+                )
+                assert all(c.silence_timeout > HEARTBEAT_TIMEOUT for c in clients.values())
+
+            def reconciled() -> bool:
+                now = status(url)
+                alive = all(m["state"] == "alive" and m["connected"] for m in now["members"])
+                return now["ledger"]["step"] == 5 and alive and len(now["members"]) == len(MEMBERS)
+
+            wait_until(reconciled, timeout=60, what="the members' steps reported and all of them alive")
+            after = status(url)
+            assert after["failures"] == [] and after["recoveries"] == [], after["failures"]
+            assert after["counts"]["failures"] == 0 and after["counts"]["recoveries"] == 0
+            assert after["quorum"] == formed and not after["reconfigure_pending"]
+            assert not any(c.quorum_broken or c.reconfigure_requested for c in clients.values())
+            wait_until(
+                lambda: logged(caplog, REACHABLE) == logged(caplog, UNREACHABLE) == len(MEMBERS),
+                timeout=30,
+                what="one line per client and change: unreachable, then reachable again",
+            )
+        finally:
+            for client in clients.values():
+                client.close()
+
+
+def test_a_quorum_request_after_a_stalled_connection_goes_through_once_the_lighthouse_answers(
+    tmp_path: Path,
+) -> None:
+    """A member asks for a quorum while the lighthouse is stopped: its request stalls on a connection nothing
+    answers; once the lighthouse resumes, the request (asked again on a fresh connection) is answered within a
+    bound of a few retry pauses, not after TCP's backoff or the long poll's timeout."""
+    with lighthouse_process(tmp_path / "lighthouse.log", "--min-replicas", "1", "--join-timeout", "30") as (
+        process,
+        url,
+    ):
+        client = LighthouseClient(url, "a", heartbeat_interval=0.05)
+        try:
+            client.start_heartbeat(lambda: 0)
+            wait_until(client.heartbeat_connected.is_set, timeout=30, what="the heartbeat")
+            with ThreadPoolExecutor(1) as pool, stopped(process):
+                asking = pool.submit(client.quorum, 0, None, "join", 120)
+                wait_until(lambda: not client.heartbeat_connected.is_set(), timeout=60, what="the path found dead")
+                assert not asking.done()
+            resumed = time.monotonic()
+            answer = asking.result(timeout=60)
+            took = time.monotonic() - resumed
+            assert answer.members == ("a",)
+            bound = 2 * client.silence_timeout + client.connect_attempt_timeout + client.retry_cap + 10.0
+            assert took < bound, f"answered {took:.1f} s after the lighthouse resumed (bound {bound:g} s)"
+        finally:
+            client.close()
+
+
+MEMBERS_PROCESS = """
+import json, sys
+from concurrent.futures import ThreadPoolExecutor
+from stalwart.coord.client import LighthouseClient
+url, members = sys.argv[1], sys.argv[2].split(",")
+reports = {m: (0, None) for m in members}
+clients = {m: LighthouseClient(url, m, heartbeat_interval=0.05) for m in members}
+for m, client in clients.items():
+    client.start_heartbeat(lambda m=m: reports[m])
+with ThreadPoolExecutor(len(members)) as pool:
+    answers = list(pool.map(lambda m: clients[m].quorum(0, None, "join", 60), members))
+print(json.dumps(list(answers[0].members)), flush=True)
+for line in sys.stdin:
+    step, digest = json.loads(line)
+    reports.update(dict.fromkeys(members, (step, digest)))
+    told = any(c.quorum_broken or c.reconfigure_requested for c in clients.values())
+    print(json.dumps({"told_to_reconfigure": told}), flush=True)
+"""
+
+
+def test_members_silent_together_for_longer_than_the_heartbeat_timeout_are_alive_when_they_report_again(
+    tmp_path: Path,
+) -> None:
+    """Every member goes silent at once (their process stopped: for the lighthouse, whose loop runs on, that is its
+    own link down) for three heartbeat timeouts: none is dead meanwhile; when they report again, their steps
+    commit, no failure is counted and nobody is told to reconfigure."""
+    with lighthouse_process(tmp_path / "lighthouse.log", "--min-replicas", "3") as (_, url):
+        members = subprocess.Popen(
+            [sys.executable, "-c", MEMBERS_PROCESS, url, ",".join(MEMBERS)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert members.stdin is not None and members.stdout is not None
+        try:
+            order = tuple(json.loads(members.stdout.readline()))
+            digest = digests(status(url)["plan"], order, 5)
+
+            def report(step: int) -> dict[str, Any]:
+                assert members.stdin is not None and members.stdout is not None
+                members.stdin.write(json.dumps([step, digest[step]]) + "\n")
+                members.stdin.flush()
+                answer: dict[str, Any] = json.loads(members.stdout.readline())
+                return answer
+
+            assert report(2) == {"told_to_reconfigure": False}
+            wait_until(lambda: status(url)["ledger"]["step"] == 2, timeout=30, what="two steps committed")
+            with stopped(members):
+                wait_until(
+                    lambda: all(m["seconds_since_seen"] > 3 * HEARTBEAT_TIMEOUT for m in status(url)["members"]),
+                    timeout=60,
+                    what="three heartbeat timeouts of silence",
+                )
+                during = status(url)
+                assert [m["state"] for m in during["members"]] == ["alive"] * len(MEMBERS), during["members"]
+                assert during["failures"] == [] and not during["reconfigure_pending"]
+            assert report(5) == {"told_to_reconfigure": False}
+            wait_until(lambda: status(url)["ledger"]["step"] == 5, timeout=30, what="the steps trained meanwhile")
+            after = status(url)
+            assert after["counts"]["failures"] == 0 and after["failures"] == [] and after["recoveries"] == []
+            assert after["quorum"] == {"quorum_id": 1, "members": list(order)}
+            assert [m["state"] for m in after["members"]] == ["alive"] * len(MEMBERS)
+            assert report(5) == {"told_to_reconfigure": False}
+        finally:
+            members.send_signal(signal.SIGCONT)
+            members.kill()
+            members.wait(30)
