@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from stalwart.coord.client import LighthouseClient
+from stalwart.coord.client import LighthouseClient, LighthouseUnreachable
 from stalwart.coord.protocol import ledger_digest
 from stalwart.data.ledger import DataLedger
 from stalwart.data.plan import EpochPlan
@@ -240,3 +242,42 @@ def test_members_silent_together_for_longer_than_the_heartbeat_timeout_are_alive
             members.send_signal(signal.SIGCONT)
             members.kill()
             members.wait(30)
+
+
+def test_a_quorum_request_to_a_stopped_lighthouse_raises_lighthouse_unreachable_naming_the_setting(
+    tmp_path: Path,
+) -> None:
+    """The library's error when nothing answers for the whole quorum_timeout: LighthouseUnreachable naming the URL,
+    the setting and its environment variable (not a TimeoutError about quorums)."""
+    with lighthouse_process(tmp_path / "lighthouse.log", "--min-replicas", "1") as (process, url):
+        client = LighthouseClient(url, "a", heartbeat_interval=0.05)
+        try:
+            client.start_heartbeat(lambda: 0)
+            wait_until(client.heartbeat_connected.is_set, timeout=30, what="the heartbeat")
+            with stopped(process), pytest.raises(LighthouseUnreachable) as unreachable:
+                client.quorum(0, None, "join", 3.0)
+        finally:
+            client.close()
+    message = str(unreachable.value)
+    assert f"cannot reach the lighthouse at {url}" in message and "gave up after 3 s" in message
+    assert "quorum_timeout" in message and "STALWART_QUORUM_TIMEOUT" in message
+
+
+def test_a_worker_whose_lighthouse_does_not_answer_exits_2_with_one_line_naming_url_and_setting(
+    tmp_path: Path,
+) -> None:
+    """A lighthouse address where connections are accepted (by the kernel) and nothing answers: the worker gives up
+    after STALWART_CONNECT_TIMEOUT with one line, exit status 2, no traceback."""
+    with socket.socket() as silent:
+        silent.bind((HOST, 0))
+        silent.listen(16)  # never accepted: every request waits for an answer that never comes
+        url = f"http://{HOST}:{silent.getsockname()[1]}"
+        command = [sys.executable, "-m", "stalwart.launch.worker", "--lighthouse", url, "--member", "w0"]
+        command += ["--run-dir", str(tmp_path), "--max-steps", "1"]
+        environment = {**os.environ, "STALWART_CONNECT_TIMEOUT": "2"}
+        done = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=300, check=False)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("stalwart worker w0: cannot reach the lighthouse at " + url), last
+    assert "gave up after 2 s" in last and "connect_timeout" in last and "STALWART_CONNECT_TIMEOUT" in last
