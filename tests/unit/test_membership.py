@@ -13,6 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stalwart.coord.membership import Membership
+from stalwart.coord.quorum import LighthouseState, RequestError
+from stalwart.data.plan import EpochPlan
 
 TIMEOUT = 1.0
 OUTAGE = 10.0
@@ -212,3 +214,26 @@ def test_a_lighthouse_whose_loop_stood_still_reads_the_waiting_heartbeats_before
     assert run.tick(resumed) == []
     run.see("c", resumed + 0.01)
     assert run.tick(resumed + 2 * TIMEOUT) == [] and run.membership.live == 3
+
+
+def test_a_new_process_registering_is_heard_so_the_hung_old_one_dies_by_heartbeat() -> None:
+    """The job's only member hangs (its socket open): the lighthouse hears nobody and waits; a new process of the
+    member registering is heard (the lighthouse's network works), so the old one is dead a heartbeat timeout later
+    and the new one registers, well before ``outage_timeout``."""
+    state = LighthouseState(EpochPlan(64, 8), heartbeat_timeout=TIMEOUT, outage_timeout=OUTAGE)
+    old, new = "1" * 32, "2" * 32
+    state.register("a", old, 0.0)
+    now = 0.0
+    for now in (t for t, _ in ticks(0.0, 3.0)):
+        state.tick(now)
+    assert state.membership.alive("a") and state.membership.cut_off_since is not None
+    registered = None
+    while registered is None and now < OUTAGE / 2:
+        now += TICK
+        state.tick(now)
+        try:
+            registered = state.register("a", new, now)
+        except RequestError as refused:
+            assert refused.details["code"] == "member_alive"
+    assert registered is not None and now <= 3.0 + 2 * TIMEOUT + 2 * TICK
+    assert [(f["member"], f["reason"]) for f in state.failures] == [("a", "heartbeat timeout")]

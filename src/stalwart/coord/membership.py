@@ -114,7 +114,7 @@ class Membership:
         record.last_seen = max(record.last_seen, now)
         self._expected.pop(member, None)
         self._revive(record)
-        self._hear(now)
+        self.heard(now)
         return record
 
     def expect(self, member: str, now: float) -> None:
@@ -154,9 +154,9 @@ class Membership:
         record = self.records.get(name)
         return record is not None and record.alive and record.last_seen == seen
 
-    def _hear(self, now: float) -> None:
-        """A member was heard at ``now``: a lighthouse that found itself cut off hears again, and every deadline
-        counts from ``now`` at the least."""
+    def heard(self, now: float) -> None:
+        """A member (or a process registering as one) was heard at ``now``: a lighthouse that found itself cut off
+        hears again, and every deadline counts from ``now`` at the least."""
         if self.cut_off_since is not None:
             self.cut_off_since = None
             self.heard_since = max(self.heard_since, now)

@@ -379,6 +379,7 @@ class LighthouseState:
         """
         member = parse_member(member)
         incarnation = parse_incarnation(incarnation)
+        self.membership.heard(now)  # its network works: the silence of an old incarnation counts
         self.registry.admit(member, incarnation, now, self.membership, (self.plan, plan), current)
         secret, replaced = self.registry.identities.register(member, incarnation)
         if self.commits.hosted is None:
