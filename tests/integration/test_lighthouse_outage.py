@@ -25,10 +25,8 @@ from typing import Any
 import pytest
 
 from stalwart.coord.client import LighthouseClient, LighthouseUnreachable
-from stalwart.coord.protocol import ledger_digest
-from stalwart.data.ledger import DataLedger
-from stalwart.data.plan import EpochPlan
 from stalwart.testing.loopback import HOST, free_port
+from stalwart.testing.reports import remember, report
 from stalwart.testing.waiting import wait_until
 
 HEARTBEAT_TIMEOUT = 1.0
@@ -78,17 +76,6 @@ def logged(caplog: pytest.LogCaptureFixture, text: str) -> int:
     return sum(text in record.getMessage() for record in caplog.records)
 
 
-def digests(plan: dict[str, Any], members: tuple[str, ...], steps: int) -> dict[int, str]:
-    """The ledger digest after each of ``steps`` steps trained by ``members`` (what a member reports with its step)."""
-    ledger = DataLedger(EpochPlan(**plan))
-    found = {0: ledger_digest(ledger.state_dict())}
-    for step in range(1, steps + 1):
-        ledger.begin_step(list(members))
-        ledger.commit()
-        found[step] = ledger_digest(ledger.state_dict())
-    return found
-
-
 @contextmanager
 def stopped(process: subprocess.Popen[bytes]) -> Iterator[None]:
     process.send_signal(signal.SIGSTOP)
@@ -105,15 +92,13 @@ def test_a_lighthouse_stopped_longer_than_the_heartbeat_timeout_counts_no_failur
     resumes they report their steps: no failure, no member dead, the quorum not broken, nothing to re-form."""
     caplog.set_level(logging.WARNING, logger="stalwart.coord.client")
     steps = dict.fromkeys(MEMBERS, 0)
-    digest: dict[int, str] = {}
     with lighthouse_process(tmp_path / "lighthouse.log", "--min-replicas", "3") as (process, url):
         clients = {m: LighthouseClient(url, m, heartbeat_interval=0.05) for m in MEMBERS}
         try:
             for member, client in clients.items():
-                client.start_heartbeat(lambda member=member: (steps[member], digest.get(steps[member])))
+                client.start_heartbeat(lambda member=member: report(member, steps[member]))
             with ThreadPoolExecutor(len(MEMBERS)) as pool:
-                answers = list(pool.map(lambda m: clients[m].quorum(0, None, "join", 60), MEMBERS))
-            digest.update(digests(status(url)["plan"], answers[0].members, 5))
+                answers = list(pool.map(lambda m: remember(clients[m].quorum(0, None, "join", 60)), MEMBERS))
             formed = {"quorum_id": answers[0].quorum_id, "members": list(answers[0].members)}
             steps.update(dict.fromkeys(MEMBERS, 2))
             wait_until(lambda: status(url)["ledger"]["step"] == 2, timeout=30, what="two steps committed")
@@ -179,17 +164,17 @@ MEMBERS_PROCESS = """
 import json, sys
 from concurrent.futures import ThreadPoolExecutor
 from stalwart.coord.client import LighthouseClient
+from stalwart.testing.reports import remember, report
 url, members = sys.argv[1], sys.argv[2].split(",")
-reports = {m: (0, None) for m in members}
+steps = dict.fromkeys(members, 0)
 clients = {m: LighthouseClient(url, m, heartbeat_interval=0.05) for m in members}
 for m, client in clients.items():
-    client.start_heartbeat(lambda m=m: reports[m])
+    client.start_heartbeat(lambda m=m: report(m, steps[m]))
 with ThreadPoolExecutor(len(members)) as pool:
-    answers = list(pool.map(lambda m: clients[m].quorum(0, None, "join", 60), members))
+    answers = list(pool.map(lambda m: remember(clients[m].quorum(0, None, "join", 60)), members))
 print(json.dumps(list(answers[0].members)), flush=True)
 for line in sys.stdin:
-    step, digest = json.loads(line)
-    reports.update(dict.fromkeys(members, (step, digest)))
+    steps.update(dict.fromkeys(members, json.loads(line)))
     told = any(c.quorum_broken or c.reconfigure_requested for c in clients.values())
     print(json.dumps({"told_to_reconfigure": told}), flush=True)
 """
@@ -211,16 +196,15 @@ def test_members_silent_together_for_longer_than_the_heartbeat_timeout_are_alive
         assert members.stdin is not None and members.stdout is not None
         try:
             order = tuple(json.loads(members.stdout.readline()))
-            digest = digests(status(url)["plan"], order, 5)
 
-            def report(step: int) -> dict[str, Any]:
+            def train_to(step: int) -> dict[str, Any]:
                 assert members.stdin is not None and members.stdout is not None
-                members.stdin.write(json.dumps([step, digest[step]]) + "\n")
+                members.stdin.write(json.dumps(step) + "\n")
                 members.stdin.flush()
                 answer: dict[str, Any] = json.loads(members.stdout.readline())
                 return answer
 
-            assert report(2) == {"told_to_reconfigure": False}
+            assert train_to(2) == {"told_to_reconfigure": False}
             wait_until(lambda: status(url)["ledger"]["step"] == 2, timeout=30, what="two steps committed")
             with stopped(members):
                 wait_until(
@@ -231,13 +215,13 @@ def test_members_silent_together_for_longer_than_the_heartbeat_timeout_are_alive
                 during = status(url)
                 assert [m["state"] for m in during["members"]] == ["alive"] * len(MEMBERS), during["members"]
                 assert during["failures"] == [] and not during["reconfigure_pending"]
-            assert report(5) == {"told_to_reconfigure": False}
+            assert train_to(5) == {"told_to_reconfigure": False}
             wait_until(lambda: status(url)["ledger"]["step"] == 5, timeout=30, what="the steps trained meanwhile")
             after = status(url)
             assert after["counts"]["failures"] == 0 and after["failures"] == [] and after["recoveries"] == []
             assert after["quorum"] == {"quorum_id": 1, "members": list(order)}
             assert [m["state"] for m in after["members"]] == ["alive"] * len(MEMBERS)
-            assert report(5) == {"told_to_reconfigure": False}
+            assert train_to(5) == {"told_to_reconfigure": False}
         finally:
             members.send_signal(signal.SIGCONT)
             members.kill()
