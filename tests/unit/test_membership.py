@@ -237,3 +237,28 @@ def test_a_new_process_registering_is_heard_so_the_hung_old_one_dies_by_heartbea
             assert refused.details["code"] == "member_alive"
     assert registered is not None and now <= 3.0 + 2 * TIMEOUT + 2 * TICK
     assert [(f["member"], f["reason"]) for f in state.failures] == [("a", "heartbeat timeout")]
+
+
+def test_a_member_one_step_behind_when_the_lighthouse_is_cut_off_is_not_hung() -> None:
+    """Heartbeats lag fast steps, so at any moment a member may look one step behind; an outage longer than the
+    patience must not make it hung, nor must the first reports after it (the others' are on their way)."""
+    run = Run()
+    run.play(ticks(0.0, 1.0) + [beat for member in MEMBERS for beat in beats(member, 0.0, 1.0, 0.1, 0.0)])
+    membership = run.membership
+    for member, step in zip(MEMBERS, (5, 4, 5), strict=True):
+        membership[member].report(step)
+
+    def hung(now: float) -> list[str]:
+        return membership.hung(MEMBERS, lambda m: True, lambda m: False, now, patience=1.0)
+
+    for now, _ in ticks(1.0, 1.0 + 4 * TIMEOUT):
+        assert run.tick(now) == [] and hung(now) == []
+    back = 1.0 + 4 * TIMEOUT
+    run.see("a", back)
+    membership["a"].report(9)
+    for now, _ in ticks(back, back + 0.5):
+        assert run.tick(now) == [] and hung(now) == []
+    for member in ("b", "c"):
+        run.see(member, back + 0.5)
+        membership[member].report(9)
+    assert hung(back + 3.0) == [] and membership.live == len(MEMBERS)

@@ -211,8 +211,12 @@ class Membership:
         Among ``members`` (a quorum's) that are ``compared`` and reported a
         step, those behind the furthest one are waited on since the first time
         seen behind (unless ``at_boundary``: they are not known to be behind);
-        progress ends a wait. Linear in the members.
+        progress ends a wait. Linear in the members. Nobody is found hung
+        while the lighthouse is cut off, and a member not heard since it
+        hears again is not known to be behind (its reports are on their way).
         """
+        if self.cut_off_since is not None:
+            return []
         records = self.records
         steps = {m: records[m].applied_step for m in members if records[m].applied_step is not None and compared(m)}
         if not steps:
@@ -221,7 +225,7 @@ class Membership:
         found = []
         for member, step in steps.items():
             record = records[member]
-            if step is None or step >= ahead or at_boundary(member):
+            if step is None or step >= ahead or at_boundary(member) or record.last_seen < self.heard_since:
                 record.waited_since = None
             elif record.waited_since is None:
                 record.waited_since = now
