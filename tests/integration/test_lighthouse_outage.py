@@ -265,3 +265,100 @@ def test_a_worker_whose_lighthouse_does_not_answer_exits_2_with_one_line_naming_
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("stalwart worker w0: cannot reach the lighthouse at " + url), last
     assert "gave up after 2 s" in last and "connect_timeout" in last and "STALWART_CONNECT_TIMEOUT" in last
+
+
+STATUS_SCRIPT = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())"
+
+
+@contextmanager
+def linked_namespaces() -> Iterator[tuple[str, str, str]]:
+    """Two network namespaces of this test joined by a veth pair: ``(lighthouse's, members', lighthouse's link)``;
+    removed afterwards (with their links)."""
+    tag = f"so{os.getpid() % 100000}"
+    lighthouse_ns, members_ns, link = f"{tag}-lh", f"{tag}-w", f"{tag}l"
+    try:
+        for command in (
+            ["ip", "netns", "add", lighthouse_ns],
+            ["ip", "netns", "add", members_ns],
+            ["ip", "link", "add", link, "type", "veth", "peer", "name", f"{tag}w"],
+            ["ip", "link", "set", link, "netns", lighthouse_ns],
+            ["ip", "link", "set", f"{tag}w", "netns", members_ns],
+            ["ip", "-n", lighthouse_ns, "addr", "add", "10.213.7.1/24", "dev", link],
+            ["ip", "-n", members_ns, "addr", "add", "10.213.7.2/24", "dev", f"{tag}w"],
+            *(["ip", "-n", ns, "link", "set", "lo", "up"] for ns in (lighthouse_ns, members_ns)),
+            ["ip", "-n", lighthouse_ns, "link", "set", link, "up"],
+            ["ip", "-n", members_ns, "link", "set", f"{tag}w", "up"],
+        ):
+            subprocess.run(command, check=True, capture_output=True, timeout=30)
+        yield lighthouse_ns, members_ns, link
+    finally:
+        for ns in (lighthouse_ns, members_ns):
+            subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True, timeout=30)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root (CI runs as root)")
+def test_the_lighthouse_s_link_down_longer_than_the_heartbeat_timeout_counts_no_failure(tmp_path: Path) -> None:
+    """The lighthouse's link goes down (its process runs on and hears nobody) while the quorum trains on, for three
+    heartbeat timeouts; when the link comes back the members' reports commit the steps, nobody died, nothing
+    failed, nobody was told to reconfigure."""
+    with linked_namespaces() as (lighthouse_ns, members_ns, link):
+        url = "http://10.213.7.1:29600"
+        command = ["ip", "netns", "exec", lighthouse_ns, sys.executable, "-m", "stalwart", "lighthouse", "--insecure"]
+        command += ["--host", "10.213.7.1", "--port", "29600", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT)]
+        command += ["--min-replicas", "3", *PLAN]
+        with (tmp_path / "lighthouse.log").open("wb") as log:
+            lighthouse = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+
+        def seen() -> dict[str, Any]:
+            """The lighthouse's status, read inside its namespace (whatever the link)."""
+            done = subprocess.run(
+                ["ip", "netns", "exec", lighthouse_ns, sys.executable, "-c", STATUS_SCRIPT, url + "/v1/status"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+            return json.loads(done.stdout) if done.returncode == 0 else {}
+
+        members = subprocess.Popen(
+            ["ip", "netns", "exec", members_ns, sys.executable, "-c", MEMBERS_PROCESS, url, ",".join(MEMBERS)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert members.stdin is not None and members.stdout is not None
+        try:
+            order = tuple(json.loads(members.stdout.readline()))
+
+            def train_to(step: int) -> dict[str, Any]:
+                assert members.stdin is not None and members.stdout is not None
+                members.stdin.write(json.dumps(step) + "\n")
+                members.stdin.flush()
+                answer: dict[str, Any] = json.loads(members.stdout.readline())
+                return answer
+
+            assert train_to(2) == {"told_to_reconfigure": False}
+            wait_until(lambda: seen().get("ledger", {}).get("step") == 2, timeout=60, what="two steps committed")
+            subprocess.run(["ip", "-n", lighthouse_ns, "link", "set", link, "down"], check=True, timeout=30)
+            try:
+                assert train_to(5) == {"told_to_reconfigure": False}  # the fast path needs no lighthouse
+                wait_until(
+                    lambda: all(m["seconds_since_seen"] > 3 * HEARTBEAT_TIMEOUT for m in seen()["members"]),
+                    timeout=60,
+                    what="three heartbeat timeouts without a heartbeat",
+                )
+                during = seen()
+                assert [m["state"] for m in during["members"]] == ["alive"] * len(MEMBERS), during["members"]
+                assert during["failures"] == [] and not during["reconfigure_pending"]
+            finally:
+                subprocess.run(["ip", "-n", lighthouse_ns, "link", "set", link, "up"], check=True, timeout=30)
+            wait_until(lambda: seen().get("ledger", {}).get("step") == 5, timeout=60, what="the steps trained")
+            after = seen()
+            assert after["counts"]["failures"] == 0 and after["failures"] == [] and after["recoveries"] == []
+            assert after["quorum"] == {"quorum_id": 1, "members": list(order)}
+            assert [m["state"] for m in after["members"]] == ["alive"] * len(MEMBERS)
+            assert train_to(5) == {"told_to_reconfigure": False}
+        finally:
+            for process in (members, lighthouse):
+                process.kill()
+                process.wait(30)
