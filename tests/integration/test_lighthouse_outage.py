@@ -362,3 +362,11 @@ def test_the_lighthouse_s_link_down_longer_than_the_heartbeat_timeout_counts_no_
             for process in (members, lighthouse):
                 process.kill()
                 process.wait(30)
+
+
+def test_a_request_that_reaches_nothing_raises_lighthouse_unreachable_naming_the_url() -> None:
+    """Not aiohttp's own error: the library's, with the address (the worker prints it as its one line)."""
+    url = f"http://{HOST}:{free_port()}"
+    with LighthouseClient(url, "a") as client, pytest.raises(LighthouseUnreachable) as unreachable:
+        client.status()
+    assert f"cannot reach the lighthouse at {url}" in str(unreachable.value)

@@ -402,6 +402,8 @@ class LighthouseClient:
         future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
         try:
             return future.result(limit)
+        except aiohttp.ClientConnectionError as error:  # refused, reset, cut short: say where, in the library's terms
+            raise LighthouseUnreachable(f"cannot reach the lighthouse at {self.url} ({_reason(error)})") from None
         except concurrent.futures.TimeoutError:
             if future.done():  # the coroutine's own TimeoutError, already worded
                 raise
@@ -450,7 +452,7 @@ class LighthouseClient:
         return data
 
     def _no_answer(self, method: str, path: str) -> TimeoutError:
-        return TimeoutError(
+        return _NoAnswer(
             f"the lighthouse at {self.url} did not answer {method} {path} within {self.request_timeout:g} s "
             "(LighthouseClient's request_timeout)"
         )
@@ -737,6 +739,10 @@ class LighthouseClient:
                         self._broken.set()
             elif data.get("type") == "error":
                 logger.warning("lighthouse refused a heartbeat of %s: %s", self.member, data.get("error"))
+
+
+class _NoAnswer(LighthouseUnreachable, TimeoutError):
+    """A request the lighthouse did not answer within ``request_timeout`` (a timeout, retried where requests are)."""
 
 
 class _PathLost(Exception):
