@@ -262,3 +262,15 @@ def test_a_member_one_step_behind_when_the_lighthouse_is_cut_off_is_not_hung() -
         run.see(member, back + 0.5)
         membership[member].report(9)
     assert hung(back + 3.0) == [] and membership.live == len(MEMBERS)
+
+
+def test_a_socket_closed_to_reconnect_is_no_death_a_socket_closed_otherwise_is() -> None:
+    state = LighthouseState(EpochPlan(64, 8), heartbeat_timeout=TIMEOUT, outage_timeout=OUTAGE)
+    state.register("a", "1" * 32, 0.0)
+    state.register("b", "2" * 32, 0.0)
+    state.connected("a", 0.1)
+    state.connected("b", 0.1)
+    state.disconnected("a", 0.2, reconnecting=True)
+    state.disconnected("b", 0.2)
+    assert state.membership.alive("a") and not state.membership["a"].connected
+    assert [(f["member"], f["reason"]) for f in state.failures] == [("b", "socket closed")]
