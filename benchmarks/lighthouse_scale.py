@@ -211,7 +211,7 @@ class Fleet:
     async def serve(self) -> None:
         """Answer the driver's commands until ``stop``."""
         loop = asyncio.get_running_loop()
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60.0)  # as LighthouseClient's
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)  # as LighthouseClient's: a connection per request
         self.session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=PHASE_LIMIT))
         try:
             while True:

@@ -32,6 +32,29 @@ nothing it sends after the leave makes the member alive again.
 The Manager passes its settings as plain seconds; timeout messages name them
 and their environment variables (:data:`QUORUM_TIMEOUT_SETTING`,
 :data:`CONNECT_TIMEOUT_SETTING`).
+
+Dead paths (a link down, a lighthouse that stopped answering) are given up
+fast, and a path that comes back is used at once:
+
+- every request has a connect timeout (one attempt:
+  :attr:`LighthouseClient.connect_attempt_timeout`, twice the heartbeat
+  interval, at least 1 s) and a read timeout (``request_timeout``; a quorum
+  request's long poll: what is left of its ``timeout``); each request opens its
+  own connection, so none is reused after its path died (a pooled keep-alive
+  connection would carry the next request into TCP's retransmission backoff);
+- a quorum request that fails is asked again on a fresh connection after a
+  pause that grows up to about a heartbeat interval
+  (:attr:`LighthouseClient.retry_cap`), and one in flight is given up (and
+  asked again) as soon as the heartbeat finds the path dead;
+- heartbeats are the latest value, not a queue: each goes with a websocket
+  ping, and the next is sent only once the lighthouse answered the ping (it
+  read everything before); a socket left without an answer for
+  :attr:`LighthouseClient.silence_timeout` (four heartbeat intervals, at least
+  2 s) is closed with :data:`~stalwart.coord.protocol.HEARTBEAT_RECONNECT_CODE`
+  (the lighthouse does not count that as a death) and opened again;
+- the lighthouse becoming unreachable and reachable again is logged once per
+  change; a quorum request that reached nothing within its timeout raises
+  :class:`LighthouseUnreachable` naming the URL and the setting.
 """
 
 from __future__ import annotations
@@ -55,6 +78,7 @@ from stalwart.coord.heal_report import HealTotals
 from stalwart.coord.protocol import (
     CHECKPOINT_PATH,
     HEARTBEAT_PATH,
+    HEARTBEAT_RECONNECT_CODE,
     LEAVE_PATH,
     QUORUM_PATH,
     REGISTER_PATH,
@@ -95,6 +119,12 @@ logger = logging.getLogger(__name__)
 MIN_BACKOFF = 0.05
 MAX_BACKOFF = 0.5
 """Reconnection backoff bounds (seconds): well under the default heartbeat timeout of 2 s."""
+MIN_CONNECT_S = 1.0
+"""Floor of one connection attempt's timeout (a SYN lost on a dead path is retransmitted after 1 s)."""
+MIN_SILENCE_S = 2.0
+"""Floor of how long the heartbeat socket may go without the lighthouse's answer before it is reopened."""
+CLOSE_S = 1.0
+"""How long closing a heartbeat socket waits for the lighthouse's close frame."""
 _RETRIED_STATUSES = frozenset({408, 502, 503, 504})
 """Answers a quorum request is asked again after, until its timeout: the long poll's end, and a lighthouse (or a
 proxy before it) that cannot answer now."""
@@ -102,8 +132,6 @@ _STICKY_CODES = frozenset({"superseded", "plan_mismatch", "no_plan"})
 """Registration refusals that no retry can change: every later call raises the same error."""
 QUORUM_TIMEOUT_SETTING = "the Manager's quorum_timeout, or the STALWART_QUORUM_TIMEOUT environment variable"
 CONNECT_TIMEOUT_SETTING = "the Manager's connect_timeout, or the STALWART_CONNECT_TIMEOUT environment variable"
-KEEPALIVE_S = 60.0
-"""How long an idle connection to the lighthouse is kept for the next request (aiohttp's server keeps it 75 s)."""
 _REGISTER_RETRIED = frozenset({"member_alive", "rate_limited"})
 """Registration refusals asked again until ``register_timeout``: the member's old process is alive (it will be dead
 by heartbeat soon, or it really is alive), or registrations come too fast."""
@@ -188,6 +216,10 @@ class LighthouseClient:
         self._rounds: Callable[[], dict[str, Any]] | None = None
         """What ``report_rounds`` gave: each heartbeat's ``rounds`` field (DiLoCo members)."""
         self._closed = False
+        self._reachability = _Reachability(self.url)
+        self._path_lost: asyncio.Future[None] | None = None
+        """Done when the heartbeat finds the path to the lighthouse dead (then replaced): quorum requests in flight
+        give up their connection and ask again."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"lighthouse-client-{member}", daemon=True)
         self._thread.start()
@@ -204,6 +236,24 @@ class LighthouseClient:
     def quorum_broken(self) -> bool:
         """True once the lighthouse reported a member of this member's quorum dead (cleared by ``quorum()``)."""
         return self._broken.is_set()
+
+    @property
+    def connect_attempt_timeout(self) -> float:
+        """One connection attempt's timeout (s): twice the heartbeat interval, at least ``MIN_CONNECT_S``, at most
+        ``request_timeout``; a failed attempt is followed by a fresh one."""
+        return min(self.request_timeout, max(MIN_CONNECT_S, 2 * self.effective_heartbeat_interval))
+
+    @property
+    def silence_timeout(self) -> float:
+        """How long (s) a heartbeat may go unanswered before its socket is given up: four heartbeat intervals, at
+        least ``MIN_SILENCE_S``."""
+        return max(MIN_SILENCE_S, 4 * self.effective_heartbeat_interval)
+
+    @property
+    def retry_cap(self) -> float:
+        """The longest pause (s) before a failed quorum request or heartbeat connection is tried again: about a
+        heartbeat interval."""
+        return max(MIN_BACKOFF, self.effective_heartbeat_interval)
 
     def wait_reachable(self, timeout: float = 60.0) -> None:
         """Return once the lighthouse answers ``GET /healthz``; :class:`LighthouseUnreachable` after ``timeout`` s.
@@ -367,6 +417,8 @@ class LighthouseClient:
         future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
         try:
             return future.result(limit)
+        except aiohttp.ClientConnectionError as error:  # refused, reset, cut short: say where, in the library's terms
+            raise LighthouseUnreachable(f"cannot reach the lighthouse at {self.url} ({_reason(error)})") from None
         except concurrent.futures.TimeoutError:
             if future.done():  # the coroutine's own TimeoutError, already worded
                 raise
@@ -379,9 +431,22 @@ class LighthouseClient:
 
     async def _open_session(self) -> aiohttp.ClientSession:
         self._register_lock = asyncio.Lock()
-        # a quorum request after a failure reuses the connection of the last one (the lighthouse keeps it 75 s)
-        connector = aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S, ssl=self.ssl_context or True)
-        return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=self.request_timeout))
+        self._path_lost = asyncio.get_running_loop().create_future()
+        # a connection per request: none outlives a dead path (see the module's doc)
+        connector = aiohttp.TCPConnector(force_close=True, ssl=self.ssl_context or True)
+        return aiohttp.ClientSession(connector=connector, timeout=self._timeouts(self.request_timeout))
+
+    def _timeouts(self, read: float) -> aiohttp.ClientTimeout:
+        """A request's timeouts: ``read`` in all and between reads, one connection attempt's to connect."""
+        return aiohttp.ClientTimeout(total=read, sock_connect=self.connect_attempt_timeout, sock_read=read)
+
+    def _lose_path(self, reason: str) -> None:
+        """The path to the lighthouse is dead: log it (once), and make quorum requests in flight ask again."""
+        self._reachability.lost(reason, self.retry_cap)
+        lost = self._path_lost
+        if lost is not None and not lost.done():
+            lost.set_result(None)
+        self._path_lost = asyncio.get_running_loop().create_future()
 
     async def _shutdown(self) -> None:
         if self._heartbeat_task is not None:
@@ -391,7 +456,9 @@ class LighthouseClient:
 
     async def _request(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
         try:
-            async with self._session.request(method, self.url + path, json=body, headers=self._headers) as response:
+            async with self._session.request(
+                method, self.url + path, json=body, headers=self._headers, timeout=self._timeouts(self.request_timeout)
+            ) as response:
                 data = await _json(response)
         except asyncio.TimeoutError:
             raise self._no_answer(method, path) from None
@@ -400,31 +467,28 @@ class LighthouseClient:
         return data
 
     def _no_answer(self, method: str, path: str) -> TimeoutError:
-        return TimeoutError(
+        return _NoAnswer(
             f"the lighthouse at {self.url} did not answer {method} {path} within {self.request_timeout:g} s "
             "(LighthouseClient's request_timeout)"
         )
 
     async def _wait_reachable(self, deadline: float, timeout: float) -> None:
         backoff = MIN_BACKOFF
-        warned = False
         while True:
+            left = min(self.request_timeout, deadline - time.monotonic())
             try:
-                async with self._session.get(self.url + "/healthz") as response:
-                    await response.read()
+                async with self._session.get(self.url + "/healthz", timeout=self._timeouts(max(left, 0.01))) as answer:
+                    await answer.read()
+                    self._reachability.answered()
                     return
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as error:
-                reason = str(error) or type(error).__name__
+                reason = _reason(error)
                 if time.monotonic() + backoff >= deadline:
                     raise LighthouseUnreachable(
                         f"cannot reach the lighthouse at {self.url} ({reason}); gave up after {timeout:g} s "
                         f"({CONNECT_TIMEOUT_SETTING})"
                     ) from None
-                if not warned:
-                    logger.warning(
-                        "lighthouse at %s unreachable (%s); retrying for up to %g s", self.url, reason, timeout
-                    )
-                    warned = True
+                self._reachability.lost(reason, MAX_BACKOFF)
             await asyncio.sleep(backoff)
             backoff = min(2 * backoff, MAX_BACKOFF)
 
@@ -486,7 +550,9 @@ class LighthouseClient:
         for attempt in range(2):
             headers = await self._identity_headers()
             try:
-                async with self._session.request(method, self.url + path, json=body, headers=headers) as response:
+                async with self._session.request(
+                    method, self.url + path, json=body, headers=headers, timeout=self._timeouts(self.request_timeout)
+                ) as response:
                     data = await _json(response)
             except asyncio.TimeoutError:
                 raise self._no_answer(method, path) from None
@@ -499,7 +565,10 @@ class LighthouseClient:
         raise AssertionError("unreachable")
 
     async def _ask_quorum(self, body: dict[str, Any], deadline: float, timeout: float) -> QuorumAnswer:
-        """Ask until answered; the request names the quorum this member holds, so the answer may be a delta."""
+        """Ask until answered; the request names the quorum this member holds, so the answer may be a delta.
+
+        Each attempt is a fresh connection; one the heartbeat finds cut off is given up and asked again; pauses
+        between attempts grow up to :attr:`retry_cap`."""
         previous = self._answer
         body = {**body, "known": None if previous is None else previous.quorum_id}
         backoff = MIN_BACKOFF
@@ -515,37 +584,55 @@ class LighthouseClient:
                 raise TimeoutError(_no_quorum(self.member, timeout))
             try:
                 headers = await self._identity_headers()
-                async with self._session.post(
-                    self.url + QUORUM_PATH,
-                    json=body,
-                    headers=headers,
-                    timeout=aiohttp.ClientTimeout(total=remaining),
-                ) as response:
-                    data = await _json(response)
-                    unreachable = None
-                    if response.status == 200:
-                        self._adopt_interval(data)
-                        try:
-                            return QuorumAnswer.from_json(data, previous, url=self.url)
-                        except StaleAnswer as error:
-                            logger.warning("%s: %s; asking for the whole answer", self.member, error)
-                            body["known"] = previous = None
-                            continue
-                    if response.status == 403 and data.get("code") == "unregistered":
-                        self._forget_secret(headers[SECRET_HEADER])
-                        continue
-                    if response.status not in _RETRIED_STATUSES:
-                        raise LighthouseError(response.status, data)
-                    if response.status == 408:
-                        continue
-            except aiohttp.ClientError as error:  # refused, reset, or an answer cut short (the lighthouse restarts)
-                if unreachable is None:
-                    logger.warning("lighthouse at %s unreachable (%s); retrying", self.url, error)
-                unreachable = str(error) or type(error).__name__
+                status, data = await self._post_quorum(body, headers, remaining)
+            except aiohttp.ClientError as error:  # refused, reset, cut short (a restart), no connection in time
+                unreachable = _reason(error)
+                self._reachability.lost(unreachable, self.retry_cap)
             except asyncio.TimeoutError:
                 logger.debug("quorum request for %s timed out; asking again", self.member)
+            except _PathLost:
+                unreachable = f"no answer for {self.silence_timeout:g} s"
+            else:
+                unreachable = None
+                self._reachability.answered()
+                if status == 200:
+                    self._adopt_interval(data)
+                    try:
+                        return QuorumAnswer.from_json(data, previous, url=self.url)
+                    except StaleAnswer as error:
+                        logger.warning("%s: %s; asking for the whole answer", self.member, error)
+                        body["known"] = previous = None
+                        continue
+                if status == 403 and data.get("code") == "unregistered":
+                    self._forget_secret(headers[SECRET_HEADER])
+                    continue
+                if status not in _RETRIED_STATUSES:
+                    raise LighthouseError(status, data)
+                if status == 408:
+                    continue
             await asyncio.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
-            backoff = min(2 * backoff, MAX_BACKOFF)
+            backoff = min(2 * backoff, self.retry_cap)
+
+    async def _post_quorum(self, body: dict[str, Any], headers: dict[str, str], read: float) -> tuple[int, Any]:
+        """One quorum request on its own connection: the status and JSON; :class:`_PathLost` when the heartbeat
+        finds the path dead meanwhile (the request is abandoned, its connection closed)."""
+        lost = self._path_lost
+        assert lost is not None
+
+        async def post() -> tuple[int, Any]:
+            async with self._session.post(
+                self.url + QUORUM_PATH, json=body, headers=headers, timeout=self._timeouts(read)
+            ) as response:
+                return response.status, await _json(response)
+
+        attempt = asyncio.ensure_future(post())
+        either: set[asyncio.Future[Any]] = {attempt, lost}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        if attempt.done():
+            return attempt.result()
+        attempt.cancel()
+        await asyncio.gather(attempt, return_exceptions=True)
+        raise _PathLost
 
     async def _heartbeat_forever(self) -> None:
         backoff = MIN_BACKOFF
@@ -553,16 +640,21 @@ class LighthouseClient:
             headers: dict[str, str] = {}
             try:
                 headers = await self._identity_headers()
-                async with self._session.ws_connect(
-                    self.url + HEARTBEAT_PATH,
-                    params={"member": self.member},
-                    headers=headers,
-                    heartbeat=None,
-                    timeout=aiohttp.ClientWSTimeout(ws_close=1.0),
-                ) as socket:
+                async with asyncio.timeout(self.silence_timeout):  # the handshake: answered, or the path is dead
+                    socket = await self._session.ws_connect(
+                        self.url + HEARTBEAT_PATH,
+                        params={"member": self.member},
+                        headers=headers,
+                        heartbeat=None,
+                        autoping=False,  # the pongs are the lighthouse's answers (see _beat)
+                        timeout=aiohttp.ClientWSTimeout(ws_close=CLOSE_S),
+                    )
+                async with socket:
                     backoff = MIN_BACKOFF
                     self.heartbeat_connected.set()
-                    await self._beat(socket)
+                    if await self._beat(socket):
+                        self._lose_path(f"no answer on the heartbeat socket for {self.silence_timeout:g} s")
+                        await socket.close(code=HEARTBEAT_RECONNECT_CODE, message=b"no answer: reconnecting")
             except asyncio.CancelledError:
                 raise
             except aiohttp.WSServerHandshakeError as error:
@@ -578,41 +670,68 @@ class LighthouseClient:
                 logger.warning("heartbeat of %s cannot register (%s); retrying", self.member, error)
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as error:
                 logger.debug("heartbeat of %s lost (%s); reconnecting", self.member, error)
+                self._lose_path(_reason(error))
             except Exception:
                 logger.exception("heartbeat of %s failed; reconnecting", self.member)
             finally:
                 self.heartbeat_connected.clear()
             await asyncio.sleep(backoff)
-            backoff = min(2 * backoff, MAX_BACKOFF)
+            backoff = min(2 * backoff, self.retry_cap)
 
-    async def _beat(self, socket: aiohttp.ClientWebSocketResponse) -> None:
-        """Send the applied step every interval until the socket closes."""
+    async def _beat(self, socket: aiohttp.ClientWebSocketResponse) -> bool:
+        """Send the latest report every interval until the socket closes; True when the lighthouse stopped answering.
+
+        Each report goes with a ping; the next only once the pong came back (the lighthouse read the report), so a
+        dead path holds one report, never a queue: the report sent next is the latest. A report unanswered for
+        :attr:`silence_timeout` gives the socket up.
+        """
         assert self._get_applied_step is not None
-        receiver = asyncio.create_task(self._receive(socket))
+        answered = asyncio.Event()
+        answered.set()
+        receiver = asyncio.create_task(self._receive(socket, answered))
+        sent = time.monotonic()
         try:
             while not receiver.done():
                 if self._leaving:  # the lighthouse closes the socket once the leave is in
                     await receiver
-                    return
-                message = self._report()
-                heal = self._heal_totals
-                rounds = None if self._rounds is None else self._rounds()
-                if heal.heals or rounds is not None:
-                    message = heartbeat_message(
-                        message["applied_step"],
-                        message.get("digest"),
-                        message.get("weights"),
-                        heal.to_json() if heal.heals else None,
-                        rounds,
-                    )
-                await socket.send_json(message)
+                    return False
+                if answered.is_set():
+                    answered.clear()
+                    await socket.send_json(self._heartbeat_message())
+                    await socket.ping()
+                    sent = time.monotonic()
+                elif time.monotonic() - sent > self.silence_timeout:
+                    return True
                 await asyncio.wait({receiver}, timeout=self.effective_heartbeat_interval)
+            return False
         finally:
             receiver.cancel()
             await asyncio.gather(receiver, return_exceptions=True)
 
-    async def _receive(self, socket: aiohttp.ClientWebSocketResponse) -> None:
+    def _heartbeat_message(self) -> dict[str, Any]:
+        """The report, with the heal totals and DiLoCo's rounds when there are any."""
+        message = self._report()
+        heal = self._heal_totals
+        rounds = None if self._rounds is None else self._rounds()
+        if heal.heals or rounds is not None:
+            message = heartbeat_message(
+                message["applied_step"],
+                message.get("digest"),
+                message.get("weights"),
+                heal.to_json() if heal.heals else None,
+                rounds,
+            )
+        return message
+
+    async def _receive(self, socket: aiohttp.ClientWebSocketResponse, answered: asyncio.Event) -> None:
         async for message in socket:
+            if message.type == aiohttp.WSMsgType.PONG:
+                answered.set()
+                self._reachability.answered()
+                continue
+            if message.type == aiohttp.WSMsgType.PING:
+                await socket.pong(message.data)
+                continue
             if message.type != aiohttp.WSMsgType.TEXT:
                 continue
             try:
@@ -635,6 +754,43 @@ class LighthouseClient:
                         self._broken.set()
             elif data.get("type") == "error":
                 logger.warning("lighthouse refused a heartbeat of %s: %s", self.member, data.get("error"))
+
+
+class _NoAnswer(LighthouseUnreachable, TimeoutError):
+    """A request the lighthouse did not answer within ``request_timeout`` (a timeout, retried where requests are)."""
+
+
+class _PathLost(Exception):
+    """The heartbeat found the path to the lighthouse dead while a request was in flight."""
+
+
+class _Reachability:
+    """Logs the lighthouse becoming unreachable, and reachable again, once per change (not per failed attempt)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.since: float | None = None
+        """Since when (monotonic) nothing answered; None while the lighthouse answers."""
+
+    def lost(self, reason: str, retry: float) -> None:
+        if self.since is None:
+            self.since = time.monotonic()
+            logger.warning(
+                "lighthouse at %s unreachable (%s); training goes on, retrying every %.2g s at most",
+                self.url,
+                reason,
+                retry,
+            )
+
+    def answered(self) -> None:
+        if self.since is not None:
+            logger.warning("lighthouse at %s reachable again after %.1f s", self.url, time.monotonic() - self.since)
+            self.since = None
+
+
+def _reason(error: BaseException) -> str:
+    """What went wrong, in a few words (aiohttp's timeouts have no message)."""
+    return str(error) or type(error).__name__
 
 
 def _no_quorum(member: str, timeout: float) -> str:

@@ -7,6 +7,28 @@ members costs what expired, so heartbeats stay cheap with thousands of
 members. Dead members outside the quorum are forgotten beyond
 ``HISTORY_LIMIT``, those that died longest ago first. A live member whose
 peers wait on it without progress is found hung (:meth:`Membership.hung`).
+
+Silence is evidence of death only while the lighthouse can hear (a lighthouse
+outage is not a failure):
+
+- a member silent past its deadline (its last sighting plus
+  ``heartbeat_timeout``) is dead once the lighthouse *heard another member
+  after that deadline*: its own network works, so the silent one is cut off,
+  hung or gone (judged at each tick, with that tick's timeout: a lighthouse
+  whose own loop stood still reads what waited in its sockets first, see
+  :meth:`Membership.excuse`);
+- when a tick finds nobody heard for more than ``heartbeat_timeout`` (every
+  member silent together), the lighthouse is the one cut off: nobody expires
+  while it hears nothing, and when it hears again every deadline counts from
+  that moment (the members get ``heartbeat_timeout`` to come back, so the
+  first to reconnect does not condemn the others);
+- whatever it hears, a member silent for more than ``outage_timeout`` (60 s by
+  default) is dead: the bound on how long a cut-off lighthouse waits;
+- a member a restarted lighthouse only expects (:meth:`Membership.expect`) and
+  never heard is dead ``heartbeat_timeout`` after the restart, as before.
+
+A closed socket is a death at once, whatever the lighthouse hears (a killed
+process closes its sockets).
 """
 
 from __future__ import annotations
@@ -16,6 +38,10 @@ from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass
 
 from stalwart.coord.history import HISTORY_LIMIT
+
+DEFAULT_OUTAGE_TIMEOUT = 60.0
+"""How long (seconds) a lighthouse that hears nobody waits before silent members count as dead (at least
+``heartbeat_timeout``): it tolerates its own network outages that long."""
 
 
 @dataclass
@@ -42,8 +68,10 @@ class MemberRecord:
 class Membership:
     """The :class:`MemberRecord` of every member seen, by id, and how many are alive."""
 
-    def __init__(self, heartbeat_timeout: float) -> None:
+    def __init__(self, heartbeat_timeout: float, outage_timeout: float = DEFAULT_OUTAGE_TIMEOUT) -> None:
         self.heartbeat_timeout = heartbeat_timeout
+        self.outage_timeout = max(outage_timeout, heartbeat_timeout)
+        """The longest a member's silence is excused while the lighthouse hears nobody."""
         self.records: dict[str, MemberRecord] = {}
         self.live = 0
         """How many members are alive."""
@@ -53,6 +81,14 @@ class Membership:
         """Dead members, those that died first first."""
         self._excuse = 0.0
         self._excused_until = float("-inf")
+        self.last_heard = float("-inf")
+        """When the lighthouse last heard any member."""
+        self.heard_since = float("-inf")
+        """Since when it hears again after it found itself cut off (every deadline counts from here at the least)."""
+        self.cut_off_since: float | None = None
+        """Set (to when it last heard anyone) while a tick found nobody heard for more than the timeout."""
+        self._expected: dict[str, None] = {}
+        """Members a restarted lighthouse expects and has not heard since (they expire by the plain timeout)."""
 
     def __contains__(self, member: object) -> bool:
         return member in self.records
@@ -76,13 +112,16 @@ class Membership:
         if record is None:
             record = self.records[member] = MemberRecord(member, alive=False, last_seen=now)
         record.last_seen = max(record.last_seen, now)
+        self._expected.pop(member, None)
         self._revive(record)
+        self.heard(now)
         return record
 
     def expect(self, member: str, now: float) -> None:
         """Count ``member`` alive as of ``now`` (a restarted lighthouse gives it a heartbeat timeout to reconnect)."""
         record = self.records.setdefault(member, MemberRecord(member, alive=False))
         record.last_seen = now
+        self._expected[member] = None
         self._revive(record)
 
     def restore(self, member: str, applied_step: int | None, now: float) -> MemberRecord:
@@ -107,16 +146,48 @@ class Membership:
         self._excuse += seconds
         self._excused_until = now + self.heartbeat_timeout + self._excuse
 
+    def _timeout(self, now: float) -> float:
+        return self.heartbeat_timeout + (self._excuse if now < self._excused_until else 0.0)
+
+    def _current(self, name: str, seen: float) -> bool:
+        """Whether ``seen`` is still the last sighting of ``name``, a live member."""
+        record = self.records.get(name)
+        return record is not None and record.alive and record.last_seen == seen
+
+    def heard(self, now: float) -> None:
+        """A member (or a process registering as one) was heard at ``now``: a lighthouse that found itself cut off
+        hears again, and every deadline counts from ``now`` at the least."""
+        if self.cut_off_since is not None:
+            self.cut_off_since = None
+            self.heard_since = max(self.heard_since, now)
+        self.last_heard = max(self.last_heard, now)
+
     def expired(self, now: float) -> list[str]:
-        """Live members silent for more than ``heartbeat_timeout`` (and any excuse) at ``now``; costs what expired."""
-        timeout = self.heartbeat_timeout + (self._excuse if now < self._excused_until else 0.0)
+        """Live members dead by silence at ``now`` (the rules of the module's doc); costs what expired (and the
+        members a restarted lighthouse still expects).
+
+        Judged at ``now``, with the timeout of ``now``: a lighthouse whose loop was blocked (:meth:`excuse`) reads
+        the heartbeats that waited in its sockets before it judges. Finding nobody heard for more than the timeout
+        marks the lighthouse cut off (:attr:`cut_off_since`).
+        """
+        timeout = self._timeout(now)
+        if self.cut_off_since is None and self.live and now - self.last_heard > timeout:
+            self.cut_off_since = self.last_heard
+        # heard after the deadline: the last sighting (of another member) is past max(seen, heard_since) + timeout
+        heard = self.last_heard if self.last_heard - self.heard_since > timeout else float("-inf")
         expired: dict[str, None] = {}
         sightings = self._sightings
-        while sightings and now - sightings[0][0] > timeout:
+        while sightings and (heard - sightings[0][0] > timeout or now - sightings[0][0] > self.outage_timeout):
             seen, name = heapq.heappop(sightings)
-            record = self.records.get(name)
-            if record is not None and record.alive and record.last_seen == seen:
+            if self._current(name, seen):
                 expired[name] = None  # a member seen twice at the same instant has two equal sightings
+        for name in list(self._expected):
+            record = self.records.get(name)
+            if record is None or not record.alive:
+                del self._expected[name]
+            elif now - record.last_seen > timeout:
+                expired[name] = None
+                del self._expected[name]
         return list(expired)
 
     def mark_dead(self, member: str) -> None:
@@ -140,8 +211,12 @@ class Membership:
         Among ``members`` (a quorum's) that are ``compared`` and reported a
         step, those behind the furthest one are waited on since the first time
         seen behind (unless ``at_boundary``: they are not known to be behind);
-        progress ends a wait. Linear in the members.
+        progress ends a wait. Linear in the members. Nobody is found hung
+        while the lighthouse is cut off, and a member not heard since it
+        hears again is not known to be behind (its reports are on their way).
         """
+        if self.cut_off_since is not None:
+            return []
         records = self.records
         steps = {m: records[m].applied_step for m in members if records[m].applied_step is not None and compared(m)}
         if not steps:
@@ -150,7 +225,7 @@ class Membership:
         found = []
         for member, step in steps.items():
             record = records[member]
-            if step is None or step >= ahead or at_boundary(member):
+            if step is None or step >= ahead or at_boundary(member) or record.last_seen < self.heard_since:
                 record.waited_since = None
             elif record.waited_since is None:
                 record.waited_since = now

@@ -39,6 +39,9 @@ _HEADER_PATTERN = re.compile(r"[\x20-\x7e]*")
 REGISTER_PATH = "/v1/register"
 QUORUM_PATH = "/v1/quorum"
 HEARTBEAT_PATH = "/v1/heartbeat"
+HEARTBEAT_RECONNECT_CODE = 4001
+"""The close code of a heartbeat socket its member closes to open another (the lighthouse stopped answering on it):
+the member lives on, judged by the heartbeat timeout, not dead as a socket closed without it."""
 LEAVE_PATH = "/v1/leave"
 CHECKPOINT_PATH = "/v1/checkpoint"
 STORE_PATH = "/v1/store"

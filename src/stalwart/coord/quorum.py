@@ -40,7 +40,11 @@ Liveness
     (a heartbeat or a quorum request) within ``heartbeat_timeout``. A closed
     socket, a timeout or a ``leave`` makes it dead; a later heartbeat or
     request revives it (a SIGSTOPped process that resumes), but a quorum
-    formed without it stays formed.
+    formed without it stays formed. Silence is evidence only while the
+    lighthouse hears others: when every member goes silent together the
+    lighthouse is the one cut off, and waits up to ``outage_timeout`` for them
+    to come back (the rules: :mod:`~stalwart.coord.membership`); members that
+    come back are alive again, with no failure counted.
 
 Quorums
     The next quorum forms when every member of the current quorum has asked or
@@ -116,7 +120,7 @@ from stalwart.coord.formation import Formation, MemberDelta
 from stalwart.coord.history import HISTORY_LIMIT, History
 from stalwart.coord.hosted_ledger import HostedLedger, StepRecord
 from stalwart.coord.identity import parse_incarnation
-from stalwart.coord.membership import MemberRecord, Membership
+from stalwart.coord.membership import DEFAULT_OUTAGE_TIMEOUT, MemberRecord, Membership
 from stalwart.coord.pending import Pending
 from stalwart.coord.protocol import QuorumRequest, ledger_digest
 from stalwart.coord.reachability import Reachability, choose
@@ -188,6 +192,7 @@ class LighthouseState:
         require_digest: bool = False,
         balance_every: int = 0,
         unreachable_wait: float = UNREACHABLE_WAIT_S,
+        outage_timeout: float = DEFAULT_OUTAGE_TIMEOUT,
     ) -> None:
         if plan is not None and not isinstance(plan, EpochPlan):
             raise TypeError(f"plan must be an EpochPlan or None, got {type(plan).__name__}")
@@ -217,7 +222,7 @@ class LighthouseState:
         self.commits.on_commit = on_commit
         self.checkpoint: CheckpointRecord | None = None
         self.roster = Roster()
-        self.membership = Membership(self.heartbeat_timeout)
+        self.membership = Membership(self.heartbeat_timeout, check_seconds("outage_timeout", outage_timeout))
         self.asks = Pending()
         self.formation: Formation | None = None
         self.answered: dict[str, QuorumRequest] = {}
@@ -398,6 +403,7 @@ class LighthouseState:
         """
         member = parse_member(member)
         incarnation = parse_incarnation(incarnation)
+        self.membership.heard(now)  # its network works: the silence of an old incarnation counts
         self.registry.admit(member, incarnation, now, self.membership, (self.plan, plan), current)
         secret, replaced = self.registry.identities.register(member, incarnation)
         if self.commits.hosted is None:
@@ -439,13 +445,15 @@ class LighthouseState:
             quorum = self.roster.quorum
             self.reach.reconnected(member, None if quorum is None else quorum.quorum_id, now)
 
-    def disconnected(self, member: str, now: float) -> None:
-        """``member``'s heartbeat socket closed: it is dead at once (a killed process closes its sockets)."""
+    def disconnected(self, member: str, now: float, *, reconnecting: bool = False) -> None:
+        """``member``'s heartbeat socket closed: it is dead at once (a killed process closes its sockets), unless
+        ``reconnecting`` (its member closed it to open another, or it carried no heartbeat): then its silence is
+        judged by the heartbeat timeout."""
         record = self.membership.get(member)
         if record is None:
             return
         record.connected = False
-        if record.alive:
+        if record.alive and not reconnecting:
             self._mark_dead(member, now, "socket closed")
 
     def heartbeat(

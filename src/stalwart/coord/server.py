@@ -63,6 +63,7 @@ from stalwart.coord.protocol import (
     AUTHORIZATION_HEADER,
     CHECKPOINT_PATH,
     HEARTBEAT_PATH,
+    HEARTBEAT_RECONNECT_CODE,
     INCARNATION_HEADER,
     LEAVE_PATH,
     QUORUM_PATH,
@@ -678,6 +679,7 @@ class Lighthouse:
             return ws
         self.state.connected(member, time.time())
         self._advance()
+        spoke = False
         try:
             async for message in ws:
                 # no await from this check to the state's: a leave (which retires this socket) cannot come between
@@ -686,6 +688,7 @@ class Lighthouse:
                 if message.type != WSMsgType.TEXT:
                     await _send(ws, {"type": "error", "error": "heartbeats must be JSON text messages"})
                     continue
+                spoke = True
                 reading = read_heartbeat(message.data, member, self.state.incarnation(member), self.metrics,
                                          self.rounds)  # fmt: skip
                 errors = list(reading.errors)
@@ -712,7 +715,10 @@ class Lighthouse:
             if self._sockets.get(member) is ws:
                 del self._sockets[member]
                 if not self._stopping:
-                    self.state.disconnected(member, time.time())
+                    # a socket its member closed to reconnect, or one that carried no heartbeat (a reconnection
+                    # abandoned while the lighthouse did not answer), is no sign of death
+                    reconnecting = not spoke or ws.close_code == HEARTBEAT_RECONNECT_CODE
+                    self.state.disconnected(member, time.time(), reconnecting=reconnecting)
                     self._advance()
         return ws
 

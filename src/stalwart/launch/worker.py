@@ -178,7 +178,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rendezvous-timeout", type=float, default=None, help="Default: STALWART_RENDEZVOUS_TIMEOUT.")
     parser.add_argument("--heal-timeout", type=float, default=None, help="Default: STALWART_HEAL_TIMEOUT.")
     parser.add_argument(
-        "--connect-timeout", type=float, default=60.0, help="Seconds to wait for the lighthouse to answer at start."
+        "--connect-timeout",
+        type=float,
+        default=None,
+        help="Seconds to wait for the lighthouse to answer at start. Default: STALWART_CONNECT_TIMEOUT, else 60.",
     )
     parser.add_argument("--kill-at", type=parse_kill_at, default=None, help="STEP:POINT to SIGKILL itself (tests).")
     parser.add_argument(
