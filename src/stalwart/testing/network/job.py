@@ -31,6 +31,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from stalwart.launch.cluster import HOLD_FILE, latest_step, read_status
+from stalwart.launch.processes import ForkedWorker
 from stalwart.launch.report import committed_steps
 from stalwart.testing.digits_job import PLAN, worker_args
 from stalwart.testing.network.netns import Bridge
@@ -76,7 +77,7 @@ class NetworkJob:
         self.token = secrets.token_urlsafe(16)
         self.url = f"http://{bridge.address(LIGHTHOUSE)}:{LIGHTHOUSE_PORT}"
         self.lighthouse: subprocess.Popen[bytes] | None = None
-        self.workers: dict[str, subprocess.Popen[bytes]] = {}
+        self.workers: dict[str, ForkedWorker] = {}
         run_dir.mkdir(parents=True, exist_ok=True)
         self.hold_file = run_dir / HOLD_FILE
 
@@ -107,13 +108,13 @@ class NetworkJob:
             self.start_worker(node)
 
     def start_worker(self, node: str) -> None:
-        """Start worker ``node`` (a fresh ``python -m stalwart.launch.worker``), logging to ``RUN_DIR/<node>.log``."""
-        command = [
-            sys.executable, "-m", "stalwart.launch.worker", "--lighthouse", self.url,
+        """Start worker ``node`` (``python -m stalwart.launch.worker``, forked), logging to ``RUN_DIR/<node>.log``."""
+        argv = [
+            "--lighthouse", self.url,
             "--member", member_of(node), "--run-dir", str(self.run_dir), "--hold-file", str(self.hold_file),
             "--host", self.bridge.address(node), *worker_args(self.steps, self.step_seconds), *self.extra,
         ]  # fmt: skip
-        self.workers[node] = self.bridge.spawn(node, command, self.run_dir / f"{node}.log", self._env())
+        self.workers[node] = self.bridge.fork(node, argv, self.run_dir / f"{node}.log", self._env())
 
     def hold(self, step: int) -> None:
         """Make the workers wait before any step >= ``step`` (a membership change still gets its step)."""
