@@ -165,7 +165,7 @@ class NetworkJob:
     def wait_exits(self, timeout: float = FINISH_TIMEOUT) -> dict[str, int]:
         """Wait (bounded) until every worker has exited; their exit statuses by node."""
         wait_until(lambda: all(p.poll() is not None for p in self.workers.values()), timeout, "every worker to exit")
-        return {node: int(process.returncode) for node, process in self.workers.items()}
+        return {node: process.wait(timeout=0) for node, process in self.workers.items()}
 
     def logs(self, limit: int = 3000) -> str:
         """The tail of every log of the run, for an assertion's message."""
