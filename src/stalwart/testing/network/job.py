@@ -24,7 +24,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,10 @@ class NetworkJob:
     def __init__(
         self, bridge: Bridge, run_dir: Path, steps: int, step_seconds: float = 0.0, extra: Sequence[str] = ()
     ) -> None:
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+        if not 0 <= step_seconds < float("inf"):
+            raise ValueError(f"step_seconds must be a finite number of seconds >= 0, got {step_seconds!r}")
         self.bridge = bridge
         self.run_dir = run_dir
         self.steps = steps
@@ -237,7 +241,6 @@ class FaultTimeline:
     reassigned_before: float = 0.0
     progressed: bool = False
     """Whether the job committed the steps asked of it while the fault lasted."""
-    notes: list[str] = field(default_factory=list)
 
 
 def inject_fault(
@@ -256,6 +259,9 @@ def inject_fault(
     instead of where it was held (None: release it), so that it cannot end
     before the fault is healed.
     """
+    for name, value in (("duration", duration), ("progress", progress), ("progress_timeout", progress_timeout)):
+        if not 0 <= value < float("inf"):
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     status = job.status()
     timeline = FaultTimeline(
         fault.name,
