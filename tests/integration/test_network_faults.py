@@ -19,6 +19,8 @@ Needs root (``ip netns``); skipped, with the reason, only where that is missing.
 
 from __future__ import annotations
 
+import socket
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +52,8 @@ PROGRESS_TIMEOUT = 30.0
 BACK_TIMEOUT = 60.0
 """Seconds the worker a healed fault hit has to be back in the quorum."""
 EVERYONE = [member_of(node) for node in WORKERS]
+PROBE_TIMEOUT = 2.0
+"""Seconds a probe connection waits before it calls a path silent."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,65 @@ def check_scenario(outcome: Outcome, scenario: Scenario, reference: dict[str, to
     job = outcome.job
     assert outcome.exits == dict.fromkeys(WORKERS, 0), f"{outcome.exits}\n{job.logs()}"
     check_job(job.run_dir, reference, finishers=len(WORKERS) - scenario.departs, steps_run=STEPS)
+
+
+def _listen(bridge: Bridge, node: str) -> socket.socket:
+    """A TCP listener on ``node``'s address, port 5000 (opened inside its namespace)."""
+
+    def listen() -> socket.socket:
+        listener = socket.create_server((bridge.address(node), 5000))
+        listener.settimeout(PROBE_TIMEOUT)
+        return listener
+
+    return bridge.call_in(node, listen)
+
+
+def _connect(bridge: Bridge, source: str, target: str) -> str:
+    """``ok``, ``refused at once`` (the kernel said no) or ``silence`` (a timeout): a connect from ``source``."""
+
+    def connect() -> str:
+        try:
+            socket.create_connection((bridge.address(target), 5000), timeout=PROBE_TIMEOUT).close()
+        except TimeoutError:
+            return "silence"
+        except OSError:
+            return "refused at once"
+        return "ok"
+
+    return bridge.call_in(source, connect)
+
+
+def _qdisc(bridge: Bridge, node: str) -> str:
+    """What ``tc`` shows of the queueing discipline on ``node``'s link."""
+    command = ["tc", "-n", bridge.namespace(node), "qdisc", "show", "dev", "eth0"]
+    return subprocess.run(command, capture_output=True, text=True, check=True, timeout=30).stdout
+
+
+def test_each_fault_cuts_what_it_says_and_nothing_is_left_behind() -> None:
+    with Bridge(["a", "b", "c"]) as bridge:
+        listeners = {node: _listen(bridge, node) for node in ("a", "b")}
+        assert _connect(bridge, "a", "b") == _connect(bridge, "b", "a") == "ok"
+        bridge.set_blackhole("a", ["b"], True)  # a's side only
+        assert (_connect(bridge, "a", "b"), _connect(bridge, "b", "a")) == ("refused at once", "silence")
+        assert _connect(bridge, "c", "a") == "ok"
+        bridge.set_blackhole("a", ["b"], False)
+        bridge.set_partition(["a"], ["b"], True)
+        assert (_connect(bridge, "a", "b"), _connect(bridge, "b", "a")) == ("silence", "silence")
+        assert _connect(bridge, "c", "b") == "ok"
+        bridge.set_partition(["a"], ["b"], False)
+        bridge.set_link("b", False)
+        assert _connect(bridge, "a", "b") in ("silence", "refused at once")
+        bridge.set_link("b", True)
+        bridge.set_rate("b", "128kbit")
+        assert _connect(bridge, "a", "b") == "ok"
+        assert "tbf" in _qdisc(bridge, "b") and "128Kbit" in _qdisc(bridge, "b")
+        bridge.set_rate("b", None)
+        assert "tbf" not in _qdisc(bridge, "b")
+        for listener in listeners.values():
+            listener.close()
+        namespaces = bridge.topology.namespaces
+    remaining = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert not [name for name in namespaces if name in remaining.split()]
 
 
 def test_nic_down_and_up_again(bridge: Bridge, tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
