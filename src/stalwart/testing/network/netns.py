@@ -2,7 +2,10 @@
 
 :class:`Bridge` builds a :class:`~stalwart.testing.network.topology.Topology`
 (root only: ``ip netns``, veth pairs, a bridge), runs processes inside its
-namespaces (``ip netns exec``), and injects the faults real networks have:
+namespaces (:meth:`Bridge.spawn`: ``ip netns exec``; :meth:`Bridge.fork`: a
+stalwart worker forked from the preloaded forkserver, which enters its
+namespace with ``setns``), talks to servers there from a thread that entered
+the namespace (:meth:`Bridge.call_in`), and injects the faults real networks have:
 
 - :meth:`Bridge.set_link`: a node's NIC down (or up again);
 - :meth:`Bridge.set_blackhole`: a blackhole route on one side only (an asymmetric cut);
