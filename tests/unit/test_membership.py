@@ -274,3 +274,21 @@ def test_a_socket_closed_to_reconnect_is_no_death_a_socket_closed_otherwise_is()
     state.disconnected("b", 0.2)
     assert state.membership.alive("a") and not state.membership["a"].connected
     assert [(f["member"], f["reason"]) for f in state.failures] == [("b", "socket closed")]
+
+
+def test_a_stale_socket_closing_after_an_outage_is_no_death_a_fresh_one_closing_is() -> None:
+    """After the lighthouse's link was down, the reset of a socket its member gave up meanwhile arrives when the link
+    returns: its member was silent past the heartbeat timeout, so the close is judged by the silence rules, which
+    count no failure while the lighthouse heard nobody. A socket closing right after a heartbeat (a killed
+    process) is a death at once."""
+    state = LighthouseState(EpochPlan(64, 8), heartbeat_timeout=TIMEOUT, outage_timeout=OUTAGE)
+    for member, incarnation in (("a", "1" * 32), ("b", "2" * 32)):
+        state.register(member, incarnation, 0.0)
+        state.connected(member, 0.1)
+    back = 0.1 + 3 * TIMEOUT  # nobody was heard meanwhile: the lighthouse was cut off
+    state.tick(back)
+    state.disconnected("a", back)
+    assert state.membership.alive("a") and state.failures == []
+    state.connected("b", back)
+    state.disconnected("b", back + TIMEOUT / 4)
+    assert [(f["member"], f["reason"]) for f in state.failures] == [("b", "socket closed")]

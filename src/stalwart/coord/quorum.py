@@ -447,13 +447,19 @@ class LighthouseState:
 
     def disconnected(self, member: str, now: float, *, reconnecting: bool = False) -> None:
         """``member``'s heartbeat socket closed: it is dead at once (a killed process closes its sockets), unless
-        ``reconnecting`` (its member closed it to open another, or it carried no heartbeat): then its silence is
-        judged by the heartbeat timeout."""
+        ``reconnecting`` (its member closed it to open another, or it carried no heartbeat) or the socket was
+        stale: its member silent for longer than ``heartbeat_timeout``. Then its silence is judged by the
+        heartbeat timeout and the outage rule (``docs/protocol.md``).
+
+        A stale socket's close tells nothing new: after an outage of the lighthouse's link, the reset of a socket
+        its member gave up meanwhile arrives when the link returns, often before the member's new socket.
+        """
         record = self.membership.get(member)
         if record is None:
             return
         record.connected = False
-        if record.alive and not reconnecting:
+        stale = now - record.last_seen > self.heartbeat_timeout
+        if record.alive and not reconnecting and not stale:
             self._mark_dead(member, now, "socket closed")
 
     def heartbeat(
