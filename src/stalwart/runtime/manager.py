@@ -242,6 +242,8 @@ class Manager:
         self._finished = False
         """The job's end was reached here (its last step, or a late join): ``close()`` then leaves cleanly."""
         self._untrained_late_join = False
+        self._stepping = False
+        """A step was yielded and has not committed: a rejoin now is a mid-step one."""
         self._rounds = None if sync is None else RoundLoop(self, sync, params)
 
     # --- what the training loop reads ---------------------------------------------------------------
@@ -375,7 +377,10 @@ class Manager:
         :class:`~stalwart.errors.PlanMismatchError` when the lighthouse's plan
         does not fit the loader's dataset or this worker's plan, and
         :class:`~stalwart.errors.JobFinishedError` when this worker joined
-        after the job ended with no checkpoint to load the trained state from.
+        after the job ended with no checkpoint to load the trained state from,
+        or when a rejoin in the middle of a step (after a failed collective)
+        finds the job ended (then from the step's iteration; with a
+        checkpoint directory the final checkpoint is loaded first).
 
         With ``sync=DiLoCo(...)`` each step is an inner step and ``max_steps``
         counts them: a multiple of ``inner_steps`` (the job commits
@@ -417,8 +422,10 @@ class Manager:
                     self._accumulation,
                     self._train(source),
                 )
+                self._stepping = True
                 yield step
                 self._commit(step)
+                self._stepping = False
                 if isinstance(source, ElasticLoader) and source.prefetching:
                     foreseen = self._planner.foresee_next(max_steps)
                     if foreseen is not None:
@@ -692,6 +699,30 @@ class Manager:
             if self._rounds is not None:
                 self._rounds.healed()
             self._notify("healed")
+        if outcome.job_finished and self._stepping:
+            self._stop_mid_step()
+
+    def _stop_mid_step(self) -> None:
+        """A mid-step rejoin found the job past its last step: stop as a late joiner does, never train on.
+
+        The step in progress is not the ledger's any more (the ledger is
+        finished), so training it would reduce samples the ledger does not
+        hold. With a checkpoint directory the final checkpoint is loaded
+        (``joined_after_end``); either way the loop ends with
+        :class:`~stalwart.errors.JobFinishedError` (raised from the step's
+        iteration, where the loop body cannot be skipped) and ``close()``
+        leaves cleanly.
+        """
+        self._finished = True
+        state = (
+            "its final checkpoint is loaded (manager.joined_after_end)"
+            if self.joined_after_end
+            else "no checkpoint holds the trained state: this worker's parameters are not the job's"
+        )
+        raise JobFinishedError(
+            f"the job committed its {self.ledger.step} steps while {self.member} was rejoining in the middle of a "
+            f"step; {state}"
+        )
 
     def _check_plan(self, loader: ElasticLoader | DataLoader[Any]) -> None:
         """The lighthouse's plan against this worker's (``plan=``) and its loader's dataset (first join)."""
