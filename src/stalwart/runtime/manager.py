@@ -69,6 +69,7 @@ from stalwart.runtime.diloco.rounds import RoundLoop
 from stalwart.runtime.drift import DriftCheck
 from stalwart.runtime.feed import SamplerFeed
 from stalwart.runtime.loader import ElasticLoader
+from stalwart.runtime.patience import MAX_GROWTH, CollectivePatience, QuorumView
 from stalwart.runtime.planner import StepPlanner
 from stalwart.runtime.preemption import Departure, departing_members
 from stalwart.runtime.rebalance import BalanceWindow
@@ -260,6 +261,7 @@ class Manager:
         """A step was yielded and has not committed: a rejoin now is a mid-step one."""
         self._rounds = None if sync is None else RoundLoop(self, sync, params)
         self._departure = Departure()
+        self._patience = CollectivePatience(self.timeouts.collective_timeout)
         self._leaving: tuple[int, ...] = ()
         """The quorum ranks whose processes leave at the boundary of the step just committed."""
         if install_sigterm:
@@ -688,6 +690,7 @@ class Manager:
                 continue
             session.adopt(answer)
             self._planner.adopt(answer.ledger, answer.members)
+            self._grow_patience(answer.quorum_id, answer.members)
             try:
                 session.connect(answer)
                 if answer.heal is not None:
@@ -715,6 +718,26 @@ class Manager:
             f"{self.member}: no working quorum after {attempts} attempts "
             f"(Transport.max_join_attempts={attempts}); last failure: {last_failure}"
         )
+
+    def _grow_patience(self, quorum_id: int, members: tuple[str, ...]) -> None:
+        """The adopted quorum's collective timeout (:mod:`stalwart.runtime.patience`), logged when it changes."""
+        before = self._patience.timeout
+        timeout = self._patience.adopt(QuorumView(quorum_id, members, self.ledger.step))
+        self._session.timeouts = dataclasses.replace(self.timeouts, collective_timeout=timeout)
+        if timeout > before:
+            log.warning(
+                "%s: quorum %d has the members of the last one, which broke: collective timeout "
+                "%g s -> %g s (x%d of %s; at most x%d)",
+                self.member,
+                quorum_id,
+                before,
+                timeout,
+                self._patience.growth,
+                self.timeouts.describe("collective_timeout"),
+                MAX_GROWTH,
+            )
+        elif timeout < before:
+            log.info("%s: quorum %d has new members: collective timeout back to %g s", self.member, quorum_id, timeout)
 
     def _heal(self, answer: Any) -> None:
         """Take part in the quorum's heal: from a live member, or (a target) from the announced checkpoint."""
