@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from stalwart.coord.server import Lighthouse
@@ -182,16 +183,19 @@ def test_hung_worker_is_excluded_then_rejoins(
     assert world_sizes[:3] == [WORKERS] * 3 and world_sizes[3] == WORKERS - 1 and world_sizes[-1] == WORKERS
 
 
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["untrained", "final-checkpoint"])
 def test_a_mid_step_rejoin_after_the_job_ended_stops_as_a_late_joiner(
-    tmp_path: Path, lighthouse: Lighthouse, reference: dict[str, torch.Tensor]
+    tmp_path: Path, lighthouse: Lighthouse, reference: dict[str, torch.Tensor], checkpointed: bool
 ) -> None:
-    """Worker 1 is SIGSTOPped inside step 3 and resumed after the others finished: it stops, exit 0, untrained.
+    """Worker 1 is SIGSTOPped inside step 3 and resumed after the others finished: it stops with exit status 0.
 
-    Its step's all-reduce fails and its heal finds the job ended with no
-    checkpoint; it used to train that step on the finished ledger and fail
-    (``the quorum reduced ... samples, the ledger holds ...``).
+    Its step's all-reduce fails and its heal finds the job ended: it loads
+    the final checkpoint, or has none to load; either way it used to train
+    that step on the finished ledger and fail (``the quorum reduced ...
+    samples, the ledger holds ...``).
     """
-    cluster = LocalCluster(lighthouse.url, tmp_path, worker_args())
+    checkpoints = ["--checkpoint-dir", str(tmp_path / "checkpoints"), "--checkpoint-every", "4"]
+    cluster = LocalCluster(lighthouse.url, tmp_path, [*worker_args(), *(checkpoints if checkpointed else [])])
     cluster.hold(from_step=3)
     for worker in range(WORKERS):
         cluster.start(worker)
@@ -206,7 +210,9 @@ def test_a_mid_step_rejoin_after_the_job_ended_stops_as_a_late_joiner(
     check_job(tmp_path, reference, finishers=WORKERS - 1)
     events = [json.loads(line)["event"] for line in (tmp_path / "events-worker-1.jsonl").read_text().splitlines()]
     assert events[-1] == "joined_after_end"
-    assert "the ledger holds" not in (tmp_path / "worker-1.log").read_text()
+    log = (tmp_path / "worker-1.log").read_text()
+    assert "the ledger holds" not in log
+    assert ("its final checkpoint is loaded" in log) == checkpointed
 
 
 def test_lighthouse_killed_and_restarted_mid_run(tmp_path: Path, long_reference: dict[str, torch.Tensor]) -> None:
