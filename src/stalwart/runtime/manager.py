@@ -69,7 +69,7 @@ from stalwart.runtime.diloco.rounds import RoundLoop
 from stalwart.runtime.drift import DriftCheck
 from stalwart.runtime.feed import SamplerFeed
 from stalwart.runtime.loader import ElasticLoader
-from stalwart.runtime.patience import MAX_GROWTH, CollectivePatience, QuorumView
+from stalwart.runtime.patience import MAX_GROWTH, QUIET_STEPS, CollectivePatience, QuorumView
 from stalwart.runtime.planner import StepPlanner
 from stalwart.runtime.preemption import Departure, departing_members
 from stalwart.runtime.rebalance import BalanceWindow
@@ -580,6 +580,8 @@ class Manager:
         self._session.report = (self._replica.applied_step, ledger_digest(ledger.state_dict()), ledger.weights_record())
         self._reconfigure = self._reconfigure or reduced.reconfigure
         self._leaving = reduced.departing
+        if self._patience.committed():
+            self._relax_patience()
         self._reset_step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -722,7 +724,7 @@ class Manager:
     def _grow_patience(self, quorum_id: int, members: tuple[str, ...]) -> None:
         """The adopted quorum's collective timeout (:mod:`stalwart.runtime.patience`), logged when it changes."""
         before = self._patience.timeout
-        timeout = self._patience.adopt(QuorumView(quorum_id, members, self.ledger.step))
+        timeout = self._patience.adopt(QuorumView(quorum_id, members))
         self._session.timeouts = dataclasses.replace(self.timeouts, collective_timeout=timeout)
         if timeout > before:
             log.warning(
@@ -738,6 +740,15 @@ class Manager:
             )
         elif timeout < before:
             log.info("%s: quorum %d has new members: collective timeout back to %g s", self.member, quorum_id, timeout)
+
+    def _relax_patience(self) -> None:
+        """Quiet steps halved the collective timeout: every member of the quorum at this same step, from now on."""
+        timeout = self._patience.timeout
+        self._session.timeouts = dataclasses.replace(self.timeouts, collective_timeout=timeout)
+        for comm in (self._session.comm, self._session.grad_comm):  # one object twice without FSDP2 groups
+            if comm is not None:
+                comm.timeout = timeout
+        log.info("%s: %d quiet steps: collective timeout down to %g s", self.member, QUIET_STEPS, timeout)
 
     def _heal(self, answer: Any) -> None:
         """Take part in the quorum's heal: from a live member, or (a target) from the announced checkpoint."""
