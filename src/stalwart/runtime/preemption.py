@@ -32,10 +32,11 @@ log = logging.getLogger(__name__)
 class Departure:
     """This process's wish to leave at the next step boundary, and the SIGTERM handler that records it.
 
-    ``requested`` is a plain attribute written once (atomic under the GIL), so
-    that the signal handler, a preemption-notice thread and the training loop
-    may all touch it without a lock (a lock taken in a signal handler can
-    deadlock the thread it interrupted).
+    The request is a plain attribute (``reason``) written once, atomic under
+    the GIL, so that the signal handler, a preemption-notice thread and the
+    training loop may all touch it without a lock of their own (a plain lock
+    taken in a signal handler can deadlock the thread it interrupted; the
+    handler's one log line goes through logging's re-entrant locks).
     """
 
     def __init__(self) -> None:
@@ -86,8 +87,8 @@ class Departure:
         if not self._installed:
             return
         self._installed = False
-        if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
-            signal.signal(signal.SIGTERM, self._previous)
+        if signal.getsignal(signal.SIGTERM) == self._on_sigterm:  # None: a handler not installed from Python
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if self._previous is None else self._previous)
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         """Record the request; chain to a handler of the user's; a second SIGTERM takes the default action."""
