@@ -14,7 +14,13 @@ state consistent across those replacements:
   TorchX's local scheduler has); a scheduler with retries (Kubernetes through
   Volcano) also replaces a failed role's pod, only that one
   (``RetryPolicy.REPLICA``, ``max_retries``). Either way the group asks the
-  lighthouse to join again and is healed from a live group.
+  lighthouse to join again and is healed from a live group. A preempted
+  role's SIGTERM reaches torchrun (``exec``: no shell in between), which
+  forwards it to the group's processes and gives them ``shutdown_timeout``
+  seconds: the group finishes its step and leaves the quorum announced
+  (:meth:`~stalwart.runtime.manager.Manager.request_departure`). TorchX's
+  Kubernetes pods keep the default 30 s grace period, so ``shutdown_timeout``
+  stays below it.
 
 Workers reach the lighthouse at ``host`` when it is given (``127.0.0.1``: a
 job on one machine); otherwise at the lighthouse role's host name, which
@@ -73,6 +79,7 @@ def job(
     python: str = "python",
     max_retries: int = 3,
     max_restarts: int = 3,
+    shutdown_timeout: int = 25,
     cpu: int = 2,
     memMB: int = 4096,
     token_env: str = TOKEN_VARIABLE,
@@ -101,6 +108,7 @@ def job(
         python: the Python interpreter in the image
         max_retries: times the scheduler replaces a failed role (its replica only)
         max_restarts: times torchrun restarts a group whose process failed, inside the role
+        shutdown_timeout: seconds torchrun gives a SIGTERMed group to leave at its step boundary (< the pod's grace)
         cpu: CPUs per role
         memMB: memory per role in MB
         token_env: the environment variable (here) holding the lighthouse's shared token
@@ -116,6 +124,7 @@ def job(
     check_int("port", port, minimum=1, maximum=65535)
     check_int("max_retries", max_retries, minimum=0)
     check_int("max_restarts", max_restarts, minimum=0)
+    check_int("shutdown_timeout", shutdown_timeout, minimum=1)
     check_int("cpu", cpu, minimum=1)
     check_int("memMB", memMB, minimum=1)
     if not isinstance(join_timeout, (int, float)) or isinstance(join_timeout, bool) or not 0 < join_timeout < math.inf:
@@ -172,7 +181,7 @@ def job(
         name = f"group-{index}"
         torchrun = [
             python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc_per_group),
-            "--max-restarts", str(max_restarts),
+            "--max-restarts", str(max_restarts), "--shutdown-timeout", str(shutdown_timeout),
             "-m", module, "--member", name, "--run-dir", run_dir, "--max-steps", str(max_steps), *worker_args,
         ]  # fmt: skip
         command = f"exec {shlex.join(torchrun)} --lighthouse {url} --host {advertise}"

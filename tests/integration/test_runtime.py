@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from stalwart.coord.server import Lighthouse
@@ -47,6 +48,7 @@ from stalwart.testing.digits_job import (
     wait_until_together,
     worker_args,
 )
+from stalwart.testing.waiting import wait_until
 
 
 def test_failure_free_run_matches_the_reference(
@@ -179,6 +181,38 @@ def test_hung_worker_is_excluded_then_rejoins(
     check_job(tmp_path, long_reference, finishers=WORKERS, steps_run=LONG_STEPS)
     world_sizes = [record["world_size"] for record in committed_steps(tmp_path)]
     assert world_sizes[:3] == [WORKERS] * 3 and world_sizes[3] == WORKERS - 1 and world_sizes[-1] == WORKERS
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["untrained", "final-checkpoint"])
+def test_a_mid_step_rejoin_after_the_job_ended_stops_as_a_late_joiner(
+    tmp_path: Path, lighthouse: Lighthouse, reference: dict[str, torch.Tensor], checkpointed: bool
+) -> None:
+    """Worker 1 is SIGSTOPped inside step 3 and resumed after the others finished: it stops with exit status 0.
+
+    Its step's all-reduce fails and its heal finds the job ended: it loads
+    the final checkpoint, or has none to load; either way it used to train
+    that step on the finished ledger and fail (``the quorum reduced ...
+    samples, the ledger holds ...``).
+    """
+    checkpoints = ["--checkpoint-dir", str(tmp_path / "checkpoints"), "--checkpoint-every", "4"]
+    cluster = LocalCluster(lighthouse.url, tmp_path, [*worker_args(), *(checkpoints if checkpointed else [])])
+    cluster.hold(from_step=3)
+    for worker in range(WORKERS):
+        cluster.start(worker)
+    wait_for(cluster, until_step=3)
+    cluster.kill(1, "STOP", step=3)  # held at the top of step 3: the step is yielded, not reduced
+    cluster.release()
+    others = [cluster.processes[worker] for worker in range(WORKERS) if worker != 1]
+    wait_until(lambda: all(process.poll() is not None for process in others), JOB_TIMEOUT, "the others to finish")
+    cluster.revive(1)
+    wait_for(cluster)
+    assert [cluster.processes[worker].returncode for worker in range(WORKERS)] == [0] * WORKERS
+    check_job(tmp_path, reference, finishers=WORKERS - 1)
+    events = [json.loads(line)["event"] for line in (tmp_path / "events-worker-1.jsonl").read_text().splitlines()]
+    assert events[-1] == "joined_after_end"
+    log = (tmp_path / "worker-1.log").read_text()
+    assert "the ledger holds" not in log
+    assert ("its final checkpoint is loaded" in log) == checkpointed
 
 
 def test_lighthouse_killed_and_restarted_mid_run(tmp_path: Path, long_reference: dict[str, torch.Tensor]) -> None:

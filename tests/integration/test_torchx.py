@@ -224,7 +224,7 @@ def test_the_kubernetes_rendering_has_the_roles_retries_service_and_secret(token
         worker = typed(tasks[f"group-{group}-0"]["template"], "V1PodTemplateSpec").spec.containers[0]
         assert worker.command[:2] == ["bash", "-c"]
         script = worker.command[2]
-        assert "--standalone --nproc-per-node 4 --max-restarts 3" in script
+        assert "--standalone --nproc-per-node 4 --max-restarts 3 --shutdown-timeout 25 -m" in script
         assert f"--member group-{group} " in script
         assert '--lighthouse "http://${VC_LIGHTHOUSE_0_HOSTS}:29510"' in script
 
@@ -262,6 +262,7 @@ def test_an_external_lighthouse_leaves_only_the_groups(token: str) -> None:
         ({"lighthouse_url": "stalwart-lighthouse:29510"}, "lighthouse_url must be an http:// or https:// URL"),
         ({"run_dir": " "}, "run_dir must not be empty"),
         ({"join_timeout": 0}, "join_timeout must be a number of seconds in (0, inf), got 0"),
+        ({"shutdown_timeout": 0}, "shutdown_timeout must be in [1, inf], got 0"),
         ({"token_env": "STALWART_NO_SUCH_TOKEN"}, "$STALWART_NO_SUCH_TOKEN is unset or empty"),
         ({"host": "10.0.0.7"}, "would bind 10.0.0.7, which other machines reach, over plain HTTP"),
         ({}, "say insecure=True (--insecure)"),

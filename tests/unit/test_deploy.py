@@ -135,3 +135,16 @@ def test_the_workers_are_indexed_groups_that_reach_the_service_and_are_replaced_
     (tls,) = [volume.secret for volume in spec.template.spec.volumes if volume.name == "tls"]
     assert tls.secret_name == TLS_SECRET and [item.key for item in tls.items] == ["tls.crt"], "no key in the workers"
     assert ca == mounts["tls"] + "/tls.crt"
+
+
+def test_a_preempted_group_has_time_to_reach_its_step_boundary() -> None:
+    """SIGTERM goes to torchrun itself (no shell between), which gives the workers --shutdown-timeout, within the
+    pod's grace period; a preempted pod is then replaced without counting against its index."""
+    job = documents("workers.yaml")["Job"]
+    pod = job.spec.template.spec
+    (container,) = pod.containers
+    assert container.command == ["torchrun"], "a shell as PID 1 would not forward SIGTERM"
+    shutdown = int(option(container.args, "--shutdown-timeout"))
+    assert shutdown >= 30, "a step boundary and a checkpoint write need more than torchrun's default"
+    assert pod.termination_grace_period_seconds >= shutdown + 15, "SIGKILL would come before torchrun's own"
+    assert container.args.index(f"--shutdown-timeout={shutdown}") < container.args.index("-m"), "torchrun's option"

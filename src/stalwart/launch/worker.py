@@ -13,7 +13,7 @@ It trains on :func:`~stalwart.runtime.comm.default_device`: the GPU of its
 ``LOCAL_RANK`` when CUDA is available (NCCL), else the CPU (Gloo).
 
 It also appends its life events to ``RUN_DIR/events-MEMBER.jsonl`` (``started``,
-``joined``, ``healed``, ``finished``, ``joined_after_end``, ``error``), each
+``joined``, ``healed``, ``finished``, ``joined_after_end``, ``departed``, ``error``), each
 with its process id, so that a report can tell a restarted incarnation's
 rejoin from the first one's steps.
 
@@ -36,7 +36,10 @@ so that it rejoins before the job ends, however slow the machine is.
 Errors a user can fix (a lighthouse that does not answer, a wrong token, a
 plan that does not fit the dataset) end the process with one line on stderr
 and exit status 2; a worker that joins after the job ended prints one line
-and exits 0.
+and exits 0. SIGTERM (a preemption) makes it leave the quorum at the next
+step boundary, announced, and exit 0 (event ``departed``; no final
+parameters saved); under torchrun the agent itself then exits non-zero, as
+it does on any signal.
 
 ``--fsdp`` (a group of several processes): the group shards the model with
 FSDP2's ``fully_shard`` over a mesh of its processes (fault-tolerant HSDP);
@@ -338,6 +341,14 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
         except JobFinishedError as error:
             events.write("joined_after_end", step=manager.ledger.step)
             print(f"stalwart worker {name}: {error}; nothing to do", file=sys.stderr)
+            return
+        if manager.departed:
+            events.write("departed", step=manager.ledger.step)
+            print(
+                f"stalwart worker {name}: left the quorum after step {manager.ledger.step - 1} on request "
+                "(SIGTERM); the others train on",
+                file=sys.stderr,
+            )
             return
         if manager.joined_after_end:
             events.write("joined_after_end", step=manager.ledger.step)

@@ -44,6 +44,7 @@ import logging
 import math
 import os
 import socket
+import threading
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
@@ -68,7 +69,9 @@ from stalwart.runtime.diloco.rounds import RoundLoop
 from stalwart.runtime.drift import DriftCheck
 from stalwart.runtime.feed import SamplerFeed
 from stalwart.runtime.loader import ElasticLoader
+from stalwart.runtime.patience import MAX_GROWTH, QUIET_STEPS, CollectivePatience, QuorumView
 from stalwart.runtime.planner import StepPlanner
+from stalwart.runtime.preemption import Departure, departing_members
 from stalwart.runtime.rebalance import BalanceWindow
 from stalwart.runtime.replica import Replica
 from stalwart.runtime.session import REPLICATED, QuorumSession
@@ -137,6 +140,14 @@ class Manager:
     steps' (over every group), a step of the ledger is a round of
     ``inner_steps`` of them, and ``steps(max_steps=...)`` counts inner steps.
 
+    ``sigterm``: SIGTERM (a preemption, a scheduler's stop) makes this worker
+    leave at the next step boundary, announced, instead of dying mid-step
+    (:meth:`request_departure` is the same for a cloud's preemption notice):
+    ``steps()`` then ends and :attr:`departed` is True. None (the default)
+    installs the handler when the Manager is built in the main thread and
+    ``sync`` is unset; True requires it; False leaves SIGTERM alone. The
+    handler chains to the one installed before, and ``close()`` puts that back.
+
     A member's state, healed as one, is the model, the optimizer, what
     :meth:`register_state` added (an LR scheduler, a GradScaler) and the
     random generators. Started outside torchrun with ``OMP_NUM_THREADS``
@@ -164,11 +175,13 @@ class Manager:
         device: torch.device | None = None,
         on_event: Callable[[str, int], None] | None = None,
         sync: DiLoCo | None = None,
+        sigterm: bool | None = None,
     ) -> None:
         lighthouse = _from_environment("lighthouse", lighthouse, "STALWART_LIGHTHOUSE")
         member = _from_environment("member", member, "STALWART_MEMBER")
         _check_arguments(model, optimizer, member, plan, checkpoint, reduction, checks, transport, timeouts, group)
         _check_sync(sync, model, redundancy, checkpoint)
+        install_sigterm = _check_sigterm(sigterm, sync)
         if sync is not None and plan is not None:  # the ledger's step is a round of inner steps
             plan = dataclasses.replace(plan, global_batch_size=plan.global_batch_size * sync.inner_steps)
         apply_thread_default()
@@ -183,6 +196,8 @@ class Manager:
         self.last_report: StepReport | None = None
         self.joined_after_end = False
         """True when this worker joined after the job's last step and loaded its final checkpoint."""
+        self.departed = False
+        """True once this worker left the quorum at a step boundary on request (SIGTERM, ``request_departure``)."""
         group = group or ReplicaGroup()
         transport = transport or Transport()
         fsdp = is_sharded(model)
@@ -242,7 +257,15 @@ class Manager:
         self._finished = False
         """The job's end was reached here (its last step, or a late join): ``close()`` then leaves cleanly."""
         self._untrained_late_join = False
+        self._stepping = False
+        """A step was yielded and has not committed: a rejoin now is a mid-step one."""
         self._rounds = None if sync is None else RoundLoop(self, sync, params)
+        self._departure = Departure()
+        self._patience = CollectivePatience(self.timeouts.collective_timeout)
+        self._leaving: tuple[int, ...] = ()
+        """The quorum ranks whose processes leave at the boundary of the step just committed."""
+        if install_sigterm:
+            self._departure.install()
 
     # --- what the training loop reads ---------------------------------------------------------------
 
@@ -295,6 +318,26 @@ class Manager:
     def boundary_wanted(self) -> bool:
         """True while the lighthouse asks this member's quorum to come to a step boundary (a join, a failure)."""
         return self._session.boundary_wanted
+
+    @property
+    def departing(self) -> bool:
+        """True once a departure was requested (SIGTERM, :meth:`request_departure`), before and after it happens."""
+        return self._departure.requested
+
+    def request_departure(self, reason: str = "preemption notice") -> None:
+        """Leave the quorum at the next step boundary, announced: the hook for a cloud's preemption notice.
+
+        Safe from any thread (a poller of the instance metadata, say) and from
+        a signal handler; SIGTERM does the same when the Manager installed its
+        handler (``sigterm``). The step in progress (or the next one) ends as
+        usual, every member learns of the departure from its reduction, and
+        after it commits this worker leaves (``/v1/leave``): ``steps()`` ends,
+        :attr:`departed` is True, and the others go on without it, retraining
+        nothing and waiting for no timeout (docs/design.md, "Preemption").
+        """
+        if self._rounds is not None:
+            raise RuntimeError("request_departure() is not supported with sync=DiLoCo(...) yet")
+        self._departure.request(reason)
 
     @property
     def redundancy_stats(self) -> tuple[int, RepairStats] | None:
@@ -371,11 +414,16 @@ class Manager:
 
         ``loader``: an :class:`ElasticLoader`, or a ``DataLoader`` whose
         ``batch_sampler`` is ``ManagedDistributedSampler(self, dataset)``.
-        A step commits when the loop body after it ends. Raises
+        A step commits when the loop body after it ends. After a departure
+        (SIGTERM, :meth:`request_departure`) the iteration ends at the next
+        step boundary with :attr:`departed` True. Raises
         :class:`~stalwart.errors.PlanMismatchError` when the lighthouse's plan
         does not fit the loader's dataset or this worker's plan, and
         :class:`~stalwart.errors.JobFinishedError` when this worker joined
-        after the job ended with no checkpoint to load the trained state from.
+        after the job ended with no checkpoint to load the trained state from,
+        or when a rejoin in the middle of a step (after a failed collective)
+        finds the job ended (then from the step's iteration; with a
+        checkpoint directory the final checkpoint is loaded first).
 
         With ``sync=DiLoCo(...)`` each step is an inner step and ``max_steps``
         counts them: a multiple of ``inner_steps`` (the job commits
@@ -393,7 +441,10 @@ class Manager:
             if self._rounds is not None:
                 yield from self._rounds.steps(source, loader, self._max_steps)
                 return
-            while True:
+            while not self.departed:
+                if self._departure.requested and not self._planner.joined and self._session.group.size == 1:
+                    self._depart(whole_quorum=False)  # in no quorum yet: nobody waits on this worker
+                    return
                 if self._reconfigure or not self._planner.joined:
                     first = not self._planner.joined
                     self._join(reason="join" if first else "reconfigure")
@@ -417,8 +468,12 @@ class Manager:
                     self._accumulation,
                     self._train(source),
                 )
+                self._stepping = True
                 yield step
                 self._commit(step)
+                self._stepping = False
+                if self._leaving and self.ledger.step < max_steps and self._boundary_departures():
+                    return
                 if isinstance(source, ElasticLoader) and source.prefetching:
                     foreseen = self._planner.foresee_next(max_steps)
                     if foreseen is not None:
@@ -528,6 +583,9 @@ class Manager:
             self._balance.after_commit(ledger, reduced.balance, members, sizes, self._planner.samples, self.member)
         self._session.report = (self._replica.applied_step, ledger_digest(ledger.state_dict()), ledger.weights_record())
         self._reconfigure = self._reconfigure or reduced.reconfigure
+        self._leaving = reduced.departing
+        if self._patience.committed():
+            self._relax_patience()
         self._reset_step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -544,6 +602,7 @@ class Manager:
             row_checksum=self._accumulation.row_checksum,
             samples=self._planner.samples,
             reconfigure=client is not None and client.reconfigure_requested,
+            departures=layout.departure_slots(comm.rank, self._departure.requested),
         )
         self._accumulation.arm(
             grad_comm,
@@ -637,6 +696,7 @@ class Manager:
                 continue
             session.adopt(answer)
             self._planner.adopt(answer.ledger, answer.members)
+            self._grow_patience(answer.quorum_id, answer.members)
             try:
                 session.connect(answer)
                 if answer.heal is not None:
@@ -665,6 +725,35 @@ class Manager:
             f"{self.member}: no working quorum after {attempts} attempts "
             f"(Transport.max_join_attempts={attempts}); last failure: {last_failure}"
         )
+
+    def _grow_patience(self, quorum_id: int, members: tuple[str, ...]) -> None:
+        """The adopted quorum's collective timeout (:mod:`stalwart.runtime.patience`), logged when it changes."""
+        before = self._patience.timeout
+        timeout = self._patience.adopt(QuorumView(quorum_id, members))
+        self._session.timeouts = dataclasses.replace(self.timeouts, collective_timeout=timeout)
+        if timeout > before:
+            log.warning(
+                "%s: quorum %d has the members of the last one, which broke: collective timeout "
+                "%g s -> %g s (x%d of %s; at most x%d)",
+                self.member,
+                quorum_id,
+                before,
+                timeout,
+                self._patience.growth,
+                self.timeouts.describe("collective_timeout"),
+                MAX_GROWTH,
+            )
+        elif timeout < before:
+            log.info("%s: quorum %d has new members: collective timeout back to %g s", self.member, quorum_id, timeout)
+
+    def _relax_patience(self) -> None:
+        """Quiet steps halved the collective timeout: every member of the quorum at this same step, from now on."""
+        timeout = self._patience.timeout
+        self._session.timeouts = dataclasses.replace(self.timeouts, collective_timeout=timeout)
+        for comm in (self._session.comm, self._session.grad_comm):  # one object twice without FSDP2 groups
+            if comm is not None:
+                comm.timeout = timeout
+        log.info("%s: %d quiet steps: collective timeout down to %g s", self.member, QUIET_STEPS, timeout)
 
     def _heal(self, answer: Any) -> None:
         """Take part in the quorum's heal: from a live member, or (a target) from the announced checkpoint."""
@@ -697,6 +786,30 @@ class Manager:
             if self._rounds is not None:
                 self._rounds.healed()
             self._notify("healed")
+        if outcome.job_finished and self._stepping:
+            self._stop_mid_step()
+
+    def _stop_mid_step(self) -> None:
+        """A mid-step rejoin found the job past its last step: stop as a late joiner does, never train on.
+
+        The step in progress is not the ledger's any more (the ledger is
+        finished), so training it would reduce samples the ledger does not
+        hold. With a checkpoint directory the final checkpoint is loaded
+        (``joined_after_end``); either way the loop ends with
+        :class:`~stalwart.errors.JobFinishedError` (raised from the step's
+        iteration, where the loop body cannot be skipped) and ``close()``
+        leaves cleanly.
+        """
+        self._finished = True
+        state = (
+            "its final checkpoint is loaded (manager.joined_after_end)"
+            if self.joined_after_end
+            else "no checkpoint holds the trained state: this worker's parameters are not the job's"
+        )
+        raise JobFinishedError(
+            f"the job committed its {self.ledger.step} steps while {self.member} was rejoining in the middle of a "
+            f"step; {state}"
+        )
 
     def _check_plan(self, loader: ElasticLoader | DataLoader[Any]) -> None:
         """The lighthouse's plan against this worker's (``plan=``) and its loader's dataset (first join)."""
@@ -728,6 +841,56 @@ class Manager:
             with self._window.passthrough():
                 self._checkpoints.final(self.ledger)
         self._session.farewell()
+
+    def _boundary_departures(self) -> bool:
+        """Members leave at the boundary of the step just committed: True if this process's group is one of them.
+
+        Every member read the same departures from the step's reduction, so
+        all of them are here: one last tiny all-reduce (the farewell) makes
+        sure no member still waits on a collective of a departing one, then
+        the departing groups leave announced and the others form the next
+        quorum without them (a boundary, not a failure).
+        """
+        session = self._session
+        leaving = departing_members(self._leaving, session.members, session.group_sizes)
+        self._leaving = ()
+        session.farewell()
+        if self.member not in leaving:
+            log.warning(
+                "%s: %s leave(s) the quorum after step %d; re-forming without them",
+                self.member,
+                ", ".join(leaving),
+                self.ledger.step - 1,
+            )
+            self._reconfigure = True
+            return False
+        whole_quorum = len(leaving) == len(session.members)
+        if whole_quorum and self._checkpoints is not None:  # nobody keeps the state: it goes to a checkpoint
+            with self._window.passthrough():
+                self._checkpoints.final(self.ledger)
+        self._depart(whole_quorum=whole_quorum)
+        return True
+
+    def _depart(self, *, whole_quorum: bool) -> None:
+        """Leave at a step boundary: after a checkpoint being written is reported, announced (``/v1/leave``).
+
+        When the whole quorum departs, no survivor holds the job's state: it
+        was checkpointed at this boundary (with a checkpoint directory), and the
+        members leave unannounced (failures), so that the restarted job resumes
+        from that checkpoint instead of taking the job for ended.
+        """
+        self.departed = True
+        self._departure.uninstall()  # from here SIGTERM takes its previous action
+        log.warning(
+            "%s: departing (%s) %s%s",
+            self.member,
+            self._departure.reason or "another process of its replica group was asked",
+            f"after step {self.ledger.step - 1}" if self._planner.joined else "before its first quorum",
+            "; the whole quorum departs: a restart resumes from the last checkpoint" if whole_quorum else "",
+        )
+        if self._checkpoints is not None and not self._checkpoints.wait(_CLOSE_WAIT):
+            log.warning("%s: a checkpoint was still being written after %g s; leaving anyway", self.member, _CLOSE_WAIT)
+        self._session.close(self.applied_step, leave=not whole_quorum)
 
     def _reset_step(self) -> None:
         self._planner.reset_step()
@@ -811,7 +974,8 @@ class Manager:
             self._rounds.close()
         self._accumulation.close()
         self._window.remove()
-        self._session.close(self.applied_step, leave=self._finished)
+        self._departure.uninstall()
+        self._session.close(self.applied_step, leave=self._finished and not self.departed)
 
 
 def _from_environment(name: str, value: str | None, variable: str) -> str:
@@ -843,6 +1007,20 @@ def _check_sync(sync: Any, model: torch.nn.Module, redundancy: Any, checkpoint: 
     if is_sharded(model):
         raise ValueError("sync=DiLoCo(...) with an FSDP2-sharded model is not supported yet: use replicated groups")
     check_against(sync, [param for param in model.parameters() if param.requires_grad])
+
+
+def _check_sigterm(sigterm: Any, sync: Any) -> bool:
+    """Whether to install the SIGTERM handler: ``sigterm`` True (checked), False, or None (where it can run)."""
+    if sigterm is not None and not isinstance(sigterm, bool):
+        raise TypeError(f"sigterm must be True, False or None, got {sigterm!r}")
+    if sigterm and sync is not None:
+        raise ValueError(
+            "sigterm=True with sync=DiLoCo(...): a departure at a step boundary is not supported in DiLoCo's rounds "
+            "yet; pass sigterm=False (a SIGTERM then ends the worker as a failure the others recover from)"
+        )
+    if sigterm is None:
+        return sync is None and threading.current_thread() is threading.main_thread()
+    return sigterm
 
 
 def _check_arguments(

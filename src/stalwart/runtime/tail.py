@@ -6,6 +6,7 @@ table and takes the same decisions. In order::
 
     [balance slots]  2 per process, balanced ledgers only: compute seconds, samples since the last re-weighing
     drift slots      5 per process (stalwart.runtime.consistency): parameter checksum and applied step
+    departure slots  1 per process: 1 when that process leaves at this step's boundary (stalwart.runtime.preemption)
     audit pieces     8: the checksum of the samples the loaders produced (their positions)
     row pieces       8: the checksum of the rows they handed out (their keys, when the dataset keys its rows)
     samples          the step's sample count (this process's part)
@@ -42,6 +43,8 @@ class TailHead:
     row_checksum: int
     samples: int
     reconfigure: bool
+    departures: torch.Tensor | None = None
+    """:meth:`TailLayout.departure_slots`: 1 in this process's own when it leaves at this step's end (None: not)."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,8 @@ class ReducedTail:
     reconfigure: bool
     weight: float
     loss: float
+    departing: tuple[int, ...] = ()
+    """The ranks (in the reducing communicator) of the processes that leave at this step's boundary."""
 
     @property
     def mean_loss(self) -> float:
@@ -77,7 +82,14 @@ class TailLayout:
     @property
     def size(self) -> int:
         """Float32 values in the tail."""
-        return self.balance_size + DRIFT_SLOTS * self.processes + 2 * AUDIT_PIECES + _COUNTS
+        return self.balance_size + (DRIFT_SLOTS + 1) * self.processes + 2 * AUDIT_PIECES + _COUNTS
+
+    def departure_slots(self, rank: int, departing: bool) -> torch.Tensor:
+        """One slot per process, 1 in ``rank``'s own when it departs."""
+        slots = torch.zeros(self.processes)
+        if departing:
+            slots[rank] = 1.0
+        return slots
 
     def balance_slots(self, rank: int, seconds: float, samples: int) -> torch.Tensor:
         """The balance slots with ``rank``'s compute seconds and samples in its own two."""
@@ -91,7 +103,8 @@ class TailLayout:
         """The whole tail on ``loss``'s device (``weight`` and ``loss`` are 0-dim tensors, possibly on the GPU)."""
         counts = torch.tensor([float(head.samples), 1.0 if head.reconfigure else 0.0])
         pieces = [audit_pieces(head.loaded_checksum), audit_pieces(head.row_checksum)]
-        known = torch.cat([balance, head.drift.float(), *pieces, counts])
+        departing = torch.zeros(self.processes) if head.departures is None else head.departures.float()
+        known = torch.cat([balance, head.drift.float(), departing, *pieces, counts])
         return torch.cat([known.to(loss.device), weight.reshape(1).float(), loss.reshape(1).float()])
 
     def decode(self, reduced: torch.Tensor) -> ReducedTail:
@@ -100,13 +113,15 @@ class TailLayout:
         if values.numel() != self.size:
             raise ValueError(f"a reduced tail of {values.numel()} values does not fit a layout of {self.size}")
         drift_end = self.balance_size + DRIFT_SLOTS * self.processes
-        audit_end = drift_end + AUDIT_PIECES
+        departures_end = drift_end + self.processes
+        audit_end = departures_end + AUDIT_PIECES
         rows_end = audit_end + AUDIT_PIECES
         samples, reconfigure, weight, loss = values[rows_end:].tolist()
         return ReducedTail(
             balance=values[: self.balance_size].tolist(),
             drift=values[self.balance_size : drift_end],
-            loaded_checksum=audit_value(values[drift_end:audit_end]),
+            departing=tuple(int(rank) for rank in torch.nonzero(values[drift_end:departures_end] > 0).flatten()),
+            loaded_checksum=audit_value(values[departures_end:audit_end]),
             row_checksum=audit_value(values[audit_end:rows_end]),
             samples=round(samples),
             reconfigure=reconfigure > 0,
