@@ -54,9 +54,9 @@ from stalwart.testing.waiting import wait_until
 
 FAULT_AT = 5
 STEPS = 5000
+"""The job's ``--max-steps``: more than any run commits (it is stopped once measured)."""
 STEP_SECONDS = 0.2
 """Simulated compute per step: about the 0.26 s steps the issue measured its figures on."""
-"""The job's ``--max-steps``: more than any run commits (it is stopped once measured)."""
 BACK_LIMIT = 90.0
 """Seconds after the heal a run waits for the three workers to commit together again."""
 EVERYONE = [member_of(node) for node in WORKERS]
