@@ -27,10 +27,11 @@ import contextlib
 import dataclasses
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -56,6 +57,7 @@ from stalwart.runtime.replica import Replica
 from stalwart.runtime.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 REPLICATED = "replicated"
 """The layout a process of an unsharded model publishes (any group size is fine then)."""
@@ -65,6 +67,12 @@ MAX_GROUP_SIZE = 1 << 16
 """Largest replica group a peer may announce (``group_size/MEMBER``)."""
 MAX_PEER_TEXT = 4096
 """Longest layout or data fingerprint a peer may publish."""
+
+STORE_LOOK_S = 2.0
+"""Longest wait for the quorum's store while diagnosing a failure. It answers in milliseconds unless the lighthouse
+is cut off from this process; then the diagnosis names no peer and the next quorum request, which the client
+retries on fresh connections, is what waits. (A look on the store's kept-alive connection waited out its read
+timeout, 12 s, and kept a worker whose NIC was down for 10 s out of the quorum 5 s after its link returned.)"""
 
 PLAN_REFUSALS = ("plan_mismatch", "no_plan")
 """The ``code`` of a lighthouse's answer refusing a member's plan (docs/protocol.md)."""
@@ -298,7 +306,7 @@ class QuorumSession:
         if self._view is None or self.answer is None:
             return Diagnosis(error.failure, {})
         store, sizes = self._view
-        came = arrivals(store, sum(sizes))
+        came = _within(STORE_LOOK_S, lambda: arrivals(store, sum(sizes)))
         if came is None:
             return Diagnosis(error.failure, {})
         owners = [member for member, size in zip(self.answer.members, sizes, strict=True) for _ in range(size)]
@@ -571,3 +579,23 @@ def _connect_client(
         client.close()
         raise
     return client
+
+
+def _within(seconds: float, call: Callable[[], _T]) -> _T | None:
+    """``call()``'s result, or None when it did not return within ``seconds``.
+
+    It runs on a daemon thread of its own, left to end by its own timeouts: a
+    store client's connection is per thread, so the look goes out on a new
+    connection, never on one a dead path left waiting.
+    """
+    results: list[_T] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            results.append(call())
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="stalwart-diagnosis", daemon=True).start()
+    return results[0] if done.wait(seconds) and results else None
