@@ -42,29 +42,35 @@ def assert_finals_match_the_reference(run_dir: Path, groups: str) -> None:
 
 def kill_restart_and_heal(tmp_path: Path, lighthouse: Lighthouse, envs: Mapping[str, Mapping[str, str]]) -> None:
     """The scenario of the module docstring; ``envs``: extra environment per group (its GPUs on CUDA)."""
-    hold = tmp_path / "hold"
+    hold, hold_a = tmp_path / "hold", tmp_path / "hold-a"
     hold.write_text(str(HOLD_AT))
-    extra = ["--fsdp", "--hold-file", str(hold)]
+    hold_a.write_text(str(KILL_AT))
 
-    def launch(name: str, *more: str) -> subprocess.Popen[bytes]:
-        return launch_group(lighthouse.url, name, tmp_path, [*extra, *more], envs.get(name))
+    def launch(name: str, hold_file: Path, *more: str) -> subprocess.Popen[bytes]:
+        more = ("--fsdp", "--hold-file", str(hold_file), *more)
+        return launch_group(lighthouse.url, name, tmp_path, more, envs.get(name))
 
     # Group B's process 1 SIGKILLs itself while step KILL_AT's buckets are in flight: group A's reduction fails,
-    # and it computes B's share on top of its own (a second FSDP2 reduce-scatter into its shards).
+    # and it computes B's share on top of its own (a second FSDP2 reduce-scatter into its shards). A waits before
+    # that step until B is gone: B's buckets and tail are launched from its backward's hooks, before the kill point,
+    # and a group A already waiting in the step's reduction would complete it with them (B's share reduced, the
+    # step committed by both groups, A's retry never run).
     kill = ["--kill-at", f"{KILL_AT}:during_reduce", "--kill-rank", "1"]
-    agents = {"group-a": launch("group-a"), "group-b": launch("group-b", *kill)}
+    agents = {"group-a": launch("group-a", hold_a), "group-b": launch("group-b", hold, *kill)}
     restarted: subprocess.Popen[bytes] | None = None
     try:
         assert agents["group-b"].wait(timeout=TIMEOUT) != 0
+        hold_a.write_text(str(HOLD_AT))
         wait_until(lambda: latest_step(tmp_path)[0] >= HOLD_AT, TIMEOUT, "group A to reach the hold alone")
         since = lighthouse.status()["quorums"][-1]["quorum_id"]
-        restarted = launch("group-b")
+        restarted = launch("group-b", hold)
         wait_until(  # in one quorum, not only asking: released before A hears of B, A could finish alone
             lambda: together(lighthouse, ["group-a", "group-b"], since),
             TIMEOUT,
             "the restarted group B to join group A's quorum",
         )
         hold.unlink()
+        hold_a.unlink()
         assert agents["group-a"].wait(timeout=TIMEOUT) == 0
         assert restarted.wait(timeout=TIMEOUT) == 0
     finally:

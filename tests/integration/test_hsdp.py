@@ -5,7 +5,8 @@ them (:class:`~stalwart.testing.groups.ForkedGroup`): the group's processes
 ``fully_shard`` the MLP over their own mesh, FSDP2 reduce-scatters gradients
 within the group and the Manager reduces each shard across the groups. One
 process of group B is SIGKILLed while the step's buckets are in flight (the
-group's launcher ends its sibling, as torchrun's agent does); group A
+group's launcher ends its sibling, as torchrun's agent does; group A waits
+before that step until B is gone, so that they cannot complete); group A
 recomputes B's share of that step and carries it alone; B is launched again,
 asks to join while the job is held, and is healed shard by shard from A. The
 run must keep every step's global batch, train each sample exactly once, and

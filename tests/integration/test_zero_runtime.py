@@ -21,7 +21,16 @@ import torch
 from stalwart.coord.server import Lighthouse
 from stalwart.launch.cluster import LocalCluster
 from stalwart.launch.report import committed_steps
-from stalwart.testing.digits_job import PLAN, check_job, latest_quorum, wait_for, wait_until_together, worker_args
+from stalwart.testing.digits_job import (
+    JOB_TIMEOUT,
+    PLAN,
+    check_job,
+    latest_quorum,
+    wait_for,
+    wait_until_together,
+    worker_args,
+)
+from stalwart.testing.waiting import wait_until
 
 WORKERS = 4
 
@@ -70,10 +79,19 @@ def test_more_failures_than_covered_stop_the_job_which_resumes_from_its_checkpoi
     with Lighthouse(PLAN, min_replicas=1, start_replicas=3, heartbeat_timeout=1.0, join_timeout=30.0) as server:
         options = ["--overlap", "0", "--checkpoint-dir", str(tmp_path / "checkpoints"), "--checkpoint-every", "3"]
         cluster = LocalCluster(server.url, tmp_path, [*worker_args(), *options])
+        # The kill waits at step 8 until the lighthouse vouches for a checkpoint (of step 3, or of 6 when 3's was
+        # done by then): each is written in the background and reported once the lighthouse's ledger has its step,
+        # which may take longer than the steps up to the kill; a killed writer would take it along, and the
+        # restarted fleet would have nothing to resume from.
+        cluster.hold(from_step=8)
         for worker in range(3):
-            # step 8: the checkpoints of steps 3 and 6 are written by then, and at least the first is reported
-            # to the lighthouse even if the killed worker is the one that writes them
             cluster.start(worker, ["--kill-at", "8:during_gather"] if worker == 1 else None)
+        try:
+            wait_until(lambda: server.status()["checkpoint"], JOB_TIMEOUT, "the lighthouse to vouch for a checkpoint")
+        except AssertionError:
+            cluster.terminate()
+            raise
+        cluster.release()
         wait_for(cluster)
         assert [cluster.processes[worker].returncode for worker in range(3)] == [2, -signal.SIGKILL, 2]
         errors = [
@@ -86,6 +104,7 @@ def test_more_failures_than_covered_stop_the_job_which_resumes_from_its_checkpoi
         assert len(errors[0]["shards_lost"]) == 1  # the dead worker's shard, by its rank in the quorum
         assert all("resume from a checkpoint" in event["message"] for event in errors)
         cluster.hold(from_step=4)  # the first restarted worker must not finish the job alone
+        checkpoint = server.status()["checkpoint"]
         since = latest_quorum(server)
         for worker in range(3):  # the whole fleet again, as a scheduler would: it resumes from a checkpoint
             cluster.start(worker)
@@ -93,6 +112,7 @@ def test_more_failures_than_covered_stop_the_job_which_resumes_from_its_checkpoi
         cluster.release()
         wait_for(cluster)
         assert [cluster.processes[worker].returncode for worker in range(3)] == [0, 0, 0]
+        assert [record["to_step"] for record in server.status()["resumed_from_checkpoint"]] == [checkpoint["step"]]
     check_job(tmp_path, reference, finishers=3)
     # the restarted fleet trained together; a spurious eviction on a busy machine may shrink a later step
     resumed = [record for record in committed_steps(tmp_path) if record["quorum_id"] > since]

@@ -23,8 +23,10 @@ benchmarks time too; the options below are its faults and pacing.
 ``--kill-at STEP:POINT`` makes the worker SIGKILL itself at a named point of a
 step, for tests (:data:`~stalwart.launch.loop.KILL_POINTS`: for example
 ``before_forward``, ``during_backward``, ``during_reduce`` (the buckets are in
-flight) or ``after_reduce`` (reduced, not applied)); with ``--kill-rank R``
-only the group's process of intra-group rank R does.
+flight: launched from backward's hooks, so a peer already waiting may complete
+the reduction with them before the kill) or ``after_reduce`` (reduced, not
+applied)); with ``--kill-rank R`` only the group's process of intra-group rank
+R does.
 
 ``--hold-file PATH``: while PATH exists and holds a step number ``S``, the
 worker waits before starting any step ``>= S`` (bounded by ``loop.HOLD_LIMIT``),

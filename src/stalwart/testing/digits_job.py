@@ -111,9 +111,14 @@ def wait_until_together(lighthouse: Lighthouse, members: Sequence[str], cluster:
     others asking is not enough, since released before the lighthouse's call
     to a boundary reaches it, it can finish the job alone within one
     heartbeat. A hold never blocks a membership change, so this is reached.
+    It fails at once when every worker has exited (they can no longer meet),
+    and its error carries the tail of their logs.
     """
+    what = f"{list(members)} in one quorum"
     try:
-        wait_until(lambda: together(lighthouse, members, since), JOB_TIMEOUT, f"{list(members)} in one quorum")
-    except AssertionError:
+        wait_until(lambda: together(lighthouse, members, since) or not cluster.running(), JOB_TIMEOUT, what)
+    except AssertionError as error:
         cluster.terminate()
-        raise
+        raise AssertionError(f"{error}; worker logs:\n{_worker_logs(cluster)}") from None
+    if not together(lighthouse, members, since):
+        raise AssertionError(f"every worker exited before {what}; worker logs:\n{_worker_logs(cluster)}")
