@@ -166,19 +166,22 @@ def test_a_member_seen_twice_at_the_same_instant_expires_once() -> None:
     members = Membership(heartbeat_timeout=1.0)
     members.touch("a", 0.0)
     members.touch("a", 0.0)
-    members.touch("b", 0.5)
+    members.touch("b", 1.1)  # heard after a's deadline: a is silent, the lighthouse is not cut off
     assert members.expired(1.2) == ["a"]
     members.mark_dead("a")
-    assert members.expired(1.6) == ["b"] and members.live == 1
+    members.touch("c", 2.2)
+    assert members.expired(2.3) == ["b"] and members.live == 2
 
 
 def test_silence_while_the_lighthouse_could_not_listen_is_excused() -> None:
     members = Membership(heartbeat_timeout=1.0)
     members.touch("a", 0.0)
     members.excuse(1.5, 0.9)  # the loop was blocked from -0.6 to 0.9
+    members.touch("b", 2.4)  # others are heard: the silent one is judged
     assert members.expired(2.4) == [], "1 s timeout plus the 1.5 s the lighthouse was deaf"
+    members.touch("c", 2.55)
     assert members.expired(2.6) == ["a"]
-    members.touch("b", 2.6)
+    members.touch("c", 3.9)
     assert members.expired(4.0) == ["b"], "the excuse lasts one timeout past the pause"
 
 
