@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._measure import REPO_ROOT
+from stalwart.launch.cluster import read_records
 from stalwart.launch.processes import ForkedWorker
 
 POLL_S = 0.05
@@ -37,19 +38,6 @@ def worker_env(local_rank: int | None = None) -> dict[str, str]:
         # to 32 MiB as blocks are freed, and freed tensors below it stay in the process).
         env["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
     return env
-
-
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """The JSON lines of ``path`` (a torn last line, from a killed writer, is skipped)."""
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
 
 
 def wait_for(

@@ -71,8 +71,9 @@ from benchmarks._measure import (
 )
 from benchmarks._rounds import fixed, interleaved_rounds, span
 from benchmarks._runtime_workers import MODELS
-from benchmarks._workers import TorchftLighthouse, WorkerGroup, read_records, torchft_missing
+from benchmarks._workers import TorchftLighthouse, WorkerGroup, torchft_missing
 from stalwart.coord.server import Lighthouse
+from stalwart.launch.cluster import read_records
 
 MODEL = MODELS["tiny"]
 HEARTBEAT_TIMEOUT = 1.0

@@ -48,9 +48,9 @@ from benchmarks._measure import (
     progress_display,
     run_directory,
 )
-from benchmarks._workers import read_records
 from stalwart.coord.server import Lighthouse
 from stalwart.data.plan import EpochPlan
+from stalwart.launch.cluster import read_records
 from stalwart.testing.groups import ForkedGroup
 from stalwart.testing.waiting import wait_until
 

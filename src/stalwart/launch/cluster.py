@@ -178,16 +178,21 @@ def latest_step(run_dir: Path) -> tuple[int, float | None, int]:
 
 def worker_events(run_dir: Path, worker: int) -> list[dict[str, Any]]:
     """The life events worker ``worker`` recorded (see :mod:`stalwart.launch.worker`), oldest first."""
-    path = run_dir / f"events-worker-{worker}.jsonl"
+    return read_records(run_dir / f"events-worker-{worker}.jsonl")
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines of ``path``, oldest first ([] if it is missing; a torn last line, from a killed writer, is
+    skipped)."""
     if not path.exists():
         return []
-    events = []
+    records = []
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
-            events.append(json.loads(line))
+            records.append(json.loads(line))
         except json.JSONDecodeError:
             continue
-    return events
+    return records
 
 
 def read_status(url: str, token: str | None = None, timeout: float = 10.0) -> dict[str, Any]:

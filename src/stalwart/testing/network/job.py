@@ -15,7 +15,6 @@ which both the scenario tests and ``benchmarks.network_faults`` read.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import signal
@@ -290,17 +289,3 @@ def inject_fault(
 def commits_after(run_dir: Path, since: float) -> list[dict[str, Any]]:
     """The committed steps' records written after wall time ``since``, oldest first."""
     return [record for record in committed_steps(run_dir) if record["time"] > since]
-
-
-def records_of(run_dir: Path, member: str) -> list[dict[str, Any]]:
-    """Every step record ``member`` wrote (all its incarnations), in file order."""
-    path = run_dir / f"steps-{member}.jsonl"
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
