@@ -136,6 +136,9 @@ def test_a_peer_found_dead_after_a_failure_is_reported_unreachable_with_the_next
             assert outcomes == {"survivor": None, "peer": None}
             slow = survivor.diagnose(CollectiveError("all-reduce passed its deadline", failure=Failure.TIMEOUT))
             assert slow.verdicts == {"peer": Verdict.SLOW} and slow.busy_hint and slow.unreachable == ()
+            # the lighthouse named a member dead: nothing to probe (a dead NIC's peer would cost the probe's timeout)
+            abandoned = survivor.diagnose(CollectiveError("a member of this quorum is dead", failure=Failure.ABANDONED))
+            assert abandoned.verdicts == {} and "lighthouse reported" in abandoned.describe()
 
             peer.close(0, leave=False)  # its probe listener closes, its heartbeat socket too
             dead = survivor.diagnose(CollectiveError("all-reduce failed: connection closed by peer"))

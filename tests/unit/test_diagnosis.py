@@ -63,3 +63,11 @@ def test_the_description_names_each_peer_and_what_it_looked_like() -> None:
     )
     assert diagnosis.unreachable == ("w1", "w4") and not diagnosis.busy_hint
     assert "store did not answer" in diagnose(Failure.ERROR, {}).describe()
+
+
+def test_an_abandoned_collective_names_the_lighthouse_not_the_store() -> None:
+    """Given up on the lighthouse's word that a member is dead, nothing was probed: the line says so."""
+    diagnosis = diagnose(Failure.ABANDONED, {})
+    assert diagnosis.describe() == "not probed: the lighthouse reported a member of this quorum dead"
+    assert diagnosis.unreachable == () and not diagnosis.busy_hint
+    assert "store did not answer" in diagnose(Failure.ERROR, {}).describe()

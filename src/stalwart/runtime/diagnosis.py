@@ -54,6 +54,8 @@ class Diagnosis:
 
     def describe(self) -> str:
         """One line naming each peer and its verdict."""
+        if not self.verdicts and self.failure is Failure.ABANDONED:
+            return "not probed: the lighthouse reported a member of this quorum dead"
         if not self.verdicts:
             return "no peer could be examined (the quorum's store did not answer)"
         return "; ".join(f"{member} {verdict.value}" for member, verdict in self.verdicts.items())

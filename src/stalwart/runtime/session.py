@@ -48,7 +48,7 @@ from stalwart.coord.tls import client_context
 from stalwart.data.plan import EpochPlan
 from stalwart.data.shards import ShardIdentity, shard_difference
 from stalwart.errors import JoinError, PlanMismatchError, ShardingMismatchError, StateLostError
-from stalwart.runtime.comm import CollectiveError, Communicator, arrivals, quorum_store
+from stalwart.runtime.comm import CollectiveError, Communicator, Failure, arrivals, quorum_store
 from stalwart.runtime.config import ReplicaGroup, Transport
 from stalwart.runtime.diagnosis import Diagnosis, diagnose
 from stalwart.runtime.group import GroupLink
@@ -303,7 +303,9 @@ class QuorumSession:
         their arrival never came; the others are probed at the address they
         published. Nothing is known before the group sizes were read.
         """
-        if self._view is None or self.answer is None:
+        if self._view is None or self.answer is None or error.failure is Failure.ABANDONED:
+            # abandoned: the lighthouse named a member dead and leaves it out itself; a probe of a peer whose NIC
+            # died would hold the quorum request up to PROBE_TIMEOUT for nothing
             return Diagnosis(error.failure, {})
         store, sizes = self._view
         came = _within(STORE_LOOK_S, lambda: arrivals(store, sum(sizes)))
