@@ -511,16 +511,22 @@ def test_a_lighthouse_reachable_from_the_network_needs_a_token_or_insecure(tmp_p
         allowed.stop()
 
 
-def test_tls_serves_the_lighthouse_and_the_quorum_store_to_workers_that_verify_it(tmp_path: Path) -> None:
+def self_signed_certificate(folder: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key, written to ``folder`` (skips the test without ``openssl``)."""
     openssl = shutil.which("openssl")
     if openssl is None:
         pytest.skip("needs the openssl command to make a certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert, key = folder / "cert.pem", folder / "key.pem"
     subprocess.run(
         [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
          "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
         check=True, capture_output=True, timeout=BOUND,
     )  # fmt: skip
+    return cert, key
+
+
+def test_tls_serves_the_lighthouse_and_the_quorum_store_to_workers_that_verify_it(tmp_path: Path) -> None:
+    cert, key = self_signed_certificate(tmp_path)
     lighthouse = LighthouseProcess(tmp_path, "--min-replicas", "1", "--tls-cert", str(cert), "--tls-key", str(key))
     url = f"https://{HOST}:{lighthouse.port}"
     try:
@@ -550,15 +556,7 @@ def test_tls_serves_the_lighthouse_and_the_quorum_store_to_workers_that_verify_i
 
 
 def test_the_dashboard_cookie_is_scoped_to_its_port_and_secure_under_tls(tmp_path: Path) -> None:
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        pytest.skip("needs the openssl command to make a certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-         "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True, timeout=BOUND,
-    )  # fmt: skip
+    cert, key = self_signed_certificate(tmp_path)
     import ssl
 
     with Lighthouse(PLAN, token=TOKEN, tls_cert=cert, tls_key=key) as server:
@@ -726,15 +724,7 @@ def test_a_lighthouse_on_the_network_without_tls_refuses_to_start_unless_insecur
 def test_a_token_file_or_tls_key_readable_by_others_is_refused(tmp_path: Path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        pytest.skip("needs the openssl command to make a certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-         "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True, timeout=BOUND,
-    )  # fmt: skip
+    cert, key = self_signed_certificate(tmp_path)
     tls = ("--tls-cert", str(cert), "--tls-key", str(key))
     for path, mode, flags in ((token_file, 0o644, ("--token-file", str(token_file))), (key, 0o640, tls)):
         path.chmod(mode)

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -180,52 +180,70 @@ for line in sys.stdin:
 """
 
 
+class MembersProcess:
+    """``MEMBERS`` in one process (``MEMBERS_PROCESS``, started behind ``prefix``, e.g. ``ip netns exec NS``), joined
+    in one quorum; :meth:`train_to` sets their reported step. Ended (resumed, then killed) on exit."""
+
+    def __init__(self, url: str, prefix: Sequence[str] = ()) -> None:
+        self.process = subprocess.Popen(
+            [*prefix, sys.executable, "-c", MEMBERS_PROCESS, url, ",".join(MEMBERS)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def __enter__(self) -> MembersProcess:
+        assert self.process.stdout is not None
+        try:
+            self.order = tuple(json.loads(self.process.stdout.readline()))
+            """The quorum's members, in rank order."""
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.process.send_signal(signal.SIGCONT)
+        self.process.kill()
+        self.process.wait(30)
+
+    def train_to(self, step: int) -> dict[str, Any]:
+        """Every member reports ``step``; whether any was told to reconfigure meanwhile."""
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(json.dumps(step) + "\n")
+        self.process.stdin.flush()
+        answer: dict[str, Any] = json.loads(self.process.stdout.readline())
+        return answer
+
+
 def test_members_silent_together_for_longer_than_the_heartbeat_timeout_are_alive_when_they_report_again(
     tmp_path: Path,
 ) -> None:
     """Every member goes silent at once (their process stopped: for the lighthouse, whose loop runs on, that is its
     own link down) for three heartbeat timeouts: none is dead meanwhile; when they report again, their steps
     commit, no failure is counted and nobody is told to reconfigure."""
-    with lighthouse_process(tmp_path / "lighthouse.log", "--min-replicas", "3") as (_, url):
-        members = subprocess.Popen(
-            [sys.executable, "-c", MEMBERS_PROCESS, url, ",".join(MEMBERS)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert members.stdin is not None and members.stdout is not None
-        try:
-            order = tuple(json.loads(members.stdout.readline()))
-
-            def train_to(step: int) -> dict[str, Any]:
-                assert members.stdin is not None and members.stdout is not None
-                members.stdin.write(json.dumps(step) + "\n")
-                members.stdin.flush()
-                answer: dict[str, Any] = json.loads(members.stdout.readline())
-                return answer
-
-            assert train_to(2) == {"told_to_reconfigure": False}
-            wait_until(lambda: status(url)["ledger"]["step"] == 2, timeout=30, what="two steps committed")
-            with stopped(members):
-                wait_until(
-                    lambda: all(m["seconds_since_seen"] > 3 * HEARTBEAT_TIMEOUT for m in status(url)["members"]),
-                    timeout=60,
-                    what="three heartbeat timeouts of silence",
-                )
-                during = status(url)
-                assert [m["state"] for m in during["members"]] == ["alive"] * len(MEMBERS), during["members"]
-                assert during["failures"] == [] and not during["reconfigure_pending"]
-            assert train_to(5) == {"told_to_reconfigure": False}
-            wait_until(lambda: status(url)["ledger"]["step"] == 5, timeout=30, what="the steps trained meanwhile")
-            after = status(url)
-            assert after["counts"]["failures"] == 0 and after["failures"] == [] and after["recoveries"] == []
-            assert after["quorum"] == {"quorum_id": 1, "members": list(order)}
-            assert [m["state"] for m in after["members"]] == ["alive"] * len(MEMBERS)
-            assert train_to(5) == {"told_to_reconfigure": False}
-        finally:
-            members.send_signal(signal.SIGCONT)
-            members.kill()
-            members.wait(30)
+    with (
+        lighthouse_process(tmp_path / "lighthouse.log", "--min-replicas", "3") as (_, url),
+        MembersProcess(url) as members,
+    ):
+        assert members.train_to(2) == {"told_to_reconfigure": False}
+        wait_until(lambda: status(url)["ledger"]["step"] == 2, timeout=30, what="two steps committed")
+        with stopped(members.process):
+            wait_until(
+                lambda: all(m["seconds_since_seen"] > 3 * HEARTBEAT_TIMEOUT for m in status(url)["members"]),
+                timeout=60,
+                what="three heartbeat timeouts of silence",
+            )
+            during = status(url)
+            assert [m["state"] for m in during["members"]] == ["alive"] * len(MEMBERS), during["members"]
+            assert during["failures"] == [] and not during["reconfigure_pending"]
+        assert members.train_to(5) == {"told_to_reconfigure": False}
+        wait_until(lambda: status(url)["ledger"]["step"] == 5, timeout=30, what="the steps trained meanwhile")
+        after = status(url)
+        assert after["counts"]["failures"] == 0 and after["failures"] == [] and after["recoveries"] == []
+        assert after["quorum"] == {"quorum_id": 1, "members": list(members.order)}
+        assert [m["state"] for m in after["members"]] == ["alive"] * len(MEMBERS)
+        assert members.train_to(5) == {"told_to_reconfigure": False}
 
 
 def test_a_quorum_request_to_a_stopped_lighthouse_raises_lighthouse_unreachable_naming_the_setting(
@@ -320,48 +338,32 @@ def test_the_lighthouse_s_link_down_longer_than_the_heartbeat_timeout_counts_no_
             )
             return json.loads(done.stdout) if done.returncode == 0 else {}
 
-        members = subprocess.Popen(
-            ["ip", "netns", "exec", members_ns, sys.executable, "-c", MEMBERS_PROCESS, url, ",".join(MEMBERS)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert members.stdin is not None and members.stdout is not None
         try:
-            order = tuple(json.loads(members.stdout.readline()))
-
-            def train_to(step: int) -> dict[str, Any]:
-                assert members.stdin is not None and members.stdout is not None
-                members.stdin.write(json.dumps(step) + "\n")
-                members.stdin.flush()
-                answer: dict[str, Any] = json.loads(members.stdout.readline())
-                return answer
-
-            assert train_to(2) == {"told_to_reconfigure": False}
-            wait_until(lambda: seen().get("ledger", {}).get("step") == 2, timeout=60, what="two steps committed")
-            subprocess.run(["ip", "-n", lighthouse_ns, "link", "set", link, "down"], check=True, timeout=30)
-            try:
-                assert train_to(5) == {"told_to_reconfigure": False}  # the fast path needs no lighthouse
-                wait_until(
-                    lambda: all(m["seconds_since_seen"] > 3 * HEARTBEAT_TIMEOUT for m in seen()["members"]),
-                    timeout=60,
-                    what="three heartbeat timeouts without a heartbeat",
-                )
-                during = seen()
-                assert [m["state"] for m in during["members"]] == ["alive"] * len(MEMBERS), during["members"]
-                assert during["failures"] == [] and not during["reconfigure_pending"]
-            finally:
-                subprocess.run(["ip", "-n", lighthouse_ns, "link", "set", link, "up"], check=True, timeout=30)
-            wait_until(lambda: seen().get("ledger", {}).get("step") == 5, timeout=60, what="the steps trained")
-            after = seen()
-            assert after["counts"]["failures"] == 0 and after["failures"] == [] and after["recoveries"] == []
-            assert after["quorum"] == {"quorum_id": 1, "members": list(order)}
-            assert [m["state"] for m in after["members"]] == ["alive"] * len(MEMBERS)
-            assert train_to(5) == {"told_to_reconfigure": False}
+            with MembersProcess(url, ["ip", "netns", "exec", members_ns]) as members:
+                assert members.train_to(2) == {"told_to_reconfigure": False}
+                wait_until(lambda: seen().get("ledger", {}).get("step") == 2, timeout=60, what="two steps committed")
+                subprocess.run(["ip", "-n", lighthouse_ns, "link", "set", link, "down"], check=True, timeout=30)
+                try:
+                    assert members.train_to(5) == {"told_to_reconfigure": False}  # the fast path needs no lighthouse
+                    wait_until(
+                        lambda: all(m["seconds_since_seen"] > 3 * HEARTBEAT_TIMEOUT for m in seen()["members"]),
+                        timeout=60,
+                        what="three heartbeat timeouts without a heartbeat",
+                    )
+                    during = seen()
+                    assert [m["state"] for m in during["members"]] == ["alive"] * len(MEMBERS), during["members"]
+                    assert during["failures"] == [] and not during["reconfigure_pending"]
+                finally:
+                    subprocess.run(["ip", "-n", lighthouse_ns, "link", "set", link, "up"], check=True, timeout=30)
+                wait_until(lambda: seen().get("ledger", {}).get("step") == 5, timeout=60, what="the steps trained")
+                after = seen()
+                assert after["counts"]["failures"] == 0 and after["failures"] == [] and after["recoveries"] == []
+                assert after["quorum"] == {"quorum_id": 1, "members": list(members.order)}
+                assert [m["state"] for m in after["members"]] == ["alive"] * len(MEMBERS)
+                assert members.train_to(5) == {"told_to_reconfigure": False}
         finally:
-            for process in (members, lighthouse):
-                process.kill()
-                process.wait(30)
+            lighthouse.kill()
+            lighthouse.wait(30)
 
 
 def test_a_request_that_reaches_nothing_raises_lighthouse_unreachable_naming_the_url() -> None:
