@@ -83,3 +83,48 @@ def test_a_member_cut_off_from_its_peers_is_left_out_not_the_majority_and_readmi
         for client in clients.values():
             client.close()
         lighthouse.stop()
+
+
+def test_a_left_out_member_whose_probe_gets_through_again_ends_its_cuts_and_is_called_back_at_once() -> None:
+    """The cuts would hold for a join timeout (a minute here): the member's ``POST /v1/reach`` ends them now."""
+    lighthouse = Lighthouse(PLAN, min_replicas=1, heartbeat_timeout=1.0, join_timeout=60.0)
+    lighthouse.start()
+    clients = {m: LighthouseClient(lighthouse.url, m, heartbeat_interval=0.05) for m in ("a", "b", "c")}
+    try:
+        for client in clients.values():
+            client.start_heartbeat(lambda: 0)
+        wait_until(lambda: sum(m["connected"] for m in lighthouse.status()["members"]) == 3, what="three heartbeats")
+        a, b, c = ask_all(clients, {m: (0, None, "join", 30, ()) for m in clients})["a"].members
+        reach = lighthouse.url + "/v1/reach"
+        headers = {"Content-Type": "application/json", **clients[c].identity_headers()}
+        for body, field in [
+            ({"member": c, "reached": [c]}, "reached"),
+            ({"member": c, "reached": "a"}, "reached"),
+            ({"member": c}, None),
+            ({"member": c, "reached": [], "extra": 1}, None),
+        ]:
+            status, answer = post(reach, body, headers)
+            assert status == 400 and answer.get("field") == field, (body, answer)
+        status, _ = post(reach, {"member": c, "reached": [a]}, {"Content-Type": "application/json"})
+        assert status == 403, "without the incarnation's credentials"
+
+        with ThreadPoolExecutor(1) as pool:  # c cut from both: left out, a and b go on; c's request waits
+            rejoined = pool.submit(clients[c].quorum, 0, 1, "failure", 60, unreachable=[a, b])
+            second = ask_all(clients, {m: (0, 1, "failure", 30, (c,)) for m in (a, b)})
+            assert {answer.members for answer in second.values()} == {(a, b)}
+            assert clients[c].report_reached([a]) == 1
+            assert not lighthouse.status()["reconfigure_pending"], "still cut from b: no boundary for it yet"
+            assert clients[c].report_reached([a, b]) == 1 and lighthouse.status()["cuts"] == []
+            assert lighthouse.status()["reconfigure_pending"]
+            wait_until(
+                lambda: clients[a].reconfigure_requested and clients[b].reconfigure_requested,
+                what="the boundary that admits c",
+            )
+            third = ask_all(clients, {m: (0, 2, "reconfigure", 30, ()) for m in (a, b)})
+            third[c] = rejoined.result(timeout=60)
+        assert {answer.members for answer in third.values()} == {(a, b, c)}
+        assert clients[c].report_reached([a]) == 0, "nothing left to end"
+    finally:
+        for client in clients.values():
+            client.close()
+        lighthouse.stop()

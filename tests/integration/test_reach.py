@@ -25,7 +25,7 @@ from stalwart.data.plan import EpochPlan
 from stalwart.runtime.comm import CollectiveError, Communicator, Failure
 from stalwart.runtime.config import ReplicaGroup, Transport
 from stalwart.runtime.diagnosis import Verdict
-from stalwart.runtime.probe import ProbeListener, Reach, probe
+from stalwart.runtime.probe import MAX_PAYLOAD, MIN_WINDOW, LinkNeed, ProbeListener, Reach, probe
 from stalwart.runtime.session import REPLICATED, QuorumSession
 from stalwart.runtime.timeouts import Timeouts
 from stalwart.testing.loopback import HOST
@@ -94,6 +94,44 @@ def test_the_probe_tells_a_listening_peer_from_a_closed_port_and_a_malformed_add
     assert probe({"gone": listener.address}, timeout=5.0) == {"gone": Reach.REFUSED}  # its process's port closed
 
 
+def test_a_probe_carrying_a_steps_bytes_tells_a_peer_that_takes_them_from_one_that_does_not() -> None:
+    """A listener reads the bytes and acknowledges them; a socket whose process never reads them (a link that
+    cannot carry them in time looks the same to the prober) is slow. Without bytes, both are reachable."""
+    listener = ProbeListener(HOST)
+    with socket.socket() as deaf:
+        deaf.bind((HOST, 0))
+        deaf.listen(1)  # the kernel accepts the connection; nothing ever reads from it
+        addresses = {"listener": listener.address, "deaf": f"{HOST}:{deaf.getsockname()[1]}"}
+        need = LinkNeed(step_bytes=1 << 20, seconds=MIN_WINDOW)  # 2 MiB: more than the socket buffers take
+        assert probe(addresses, timeout=5.0, need=need) == {"listener": Reach.REACHABLE, "deaf": Reach.SLOW}
+        assert probe(addresses, timeout=5.0) == {"listener": Reach.REACHABLE, "deaf": Reach.REACHABLE}
+    assert Reach.SLOW.unreachable
+    listener.close()
+
+
+def test_a_probe_sends_a_steps_two_link_bytes_capped_and_allows_them_the_timeouts_share() -> None:
+    assert (LinkNeed(100, 1.0).payload, LinkNeed(100, 1.0).window) == (200, 1.0)
+    big = LinkNeed(10 * MAX_PAYLOAD, 60.0)
+    assert (big.payload, big.window) == (MAX_PAYLOAD, 3.0)
+    assert LinkNeed(10 * MAX_PAYLOAD, 1.0).window == MIN_WINDOW
+    with pytest.raises(ValueError, match="step_bytes must be a positive int, got 0"):
+        LinkNeed(0, 1.0)
+    with pytest.raises(ValueError, match="seconds must be a finite number of seconds > 0, got 0"):
+        LinkNeed(1, 0)
+    with pytest.raises(TypeError, match="need must be a LinkNeed or None"):
+        probe({"a": f"{HOST}:1"}, need=1024)  # type: ignore[arg-type]
+
+
+def test_a_listener_refuses_a_probe_longer_than_its_cap_and_keeps_answering() -> None:
+    listener = ProbeListener(HOST)
+    host, port = listener.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=BOUND) as rogue:
+        rogue.sendall((MAX_PAYLOAD + 1).to_bytes(4, "big"))
+        assert rogue.recv(1) == b"", "closed unread, unacknowledged"
+    assert probe({"peer": listener.address}, need=LinkNeed(1024, BOUND)) == {"peer": Reach.REACHABLE}
+    listener.close()
+
+
 def test_the_probe_refuses_bad_arguments_naming_them(store: dist.TCPStore) -> None:
     with pytest.raises(ValueError, match="reach must be a host:port of at most 300 characters"):
         Communicator(store, 0, 1, timeout=1.0, device=torch.device("cpu"), reach="h" * 301)
@@ -135,7 +173,7 @@ def test_a_peer_found_dead_after_a_failure_is_reported_unreachable_with_the_next
             outcomes = on_threads({"survivor": lambda: join(survivor), "peer": lambda: join(peer)})
             assert outcomes == {"survivor": None, "peer": None}
             slow = survivor.diagnose(CollectiveError("all-reduce passed its deadline", failure=Failure.TIMEOUT))
-            assert slow.verdicts == {"peer": Verdict.SLOW} and slow.busy_hint and slow.unreachable == ()
+            assert slow.verdicts == {"peer": Verdict.SILENT} and slow.busy_hint and slow.unreachable == ()
             # the lighthouse named a member dead: nothing to probe (a dead NIC's peer would cost the probe's timeout)
             abandoned = survivor.diagnose(CollectiveError("a member of this quorum is dead", failure=Failure.ABANDONED))
             assert abandoned.verdicts == {} and "lighthouse reported" in abandoned.describe()

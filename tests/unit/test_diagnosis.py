@@ -25,11 +25,13 @@ def test_a_member_is_as_bad_as_its_worst_process_and_only_unreachable_ones_are_r
             assert verdict is Verdict.CUT_OFF
         elif Reach.REFUSED in found:
             assert verdict is Verdict.DEAD
+        elif Reach.SLOW in found:
+            assert verdict is Verdict.SLOW_LINK
         elif None in found:
             assert verdict is Verdict.ABSENT
         else:
-            assert verdict is (Verdict.SLOW if failure is Failure.TIMEOUT else Verdict.ALIVE)
-    unreachable = {member for member, found in peers.items() if {Reach.CUT_OFF, Reach.REFUSED} & set(found)}
+            assert verdict is (Verdict.SILENT if failure is Failure.TIMEOUT else Verdict.ALIVE)
+    unreachable = {member for member, found in peers.items() if {Reach.CUT_OFF, Reach.REFUSED, Reach.SLOW} & set(found)}
     assert set(diagnosis.unreachable) == unreachable
 
 
@@ -53,15 +55,22 @@ def test_the_busy_hint_only_when_a_deadline_passed_with_every_peer_alive_and_rea
 def test_the_description_names_each_peer_and_what_it_looked_like() -> None:
     diagnosis = diagnose(
         Failure.TIMEOUT,
-        {"w1": [Reach.CUT_OFF], "w2": [Reach.REACHABLE, Reach.REACHABLE], "w3": [None], "w4": [Reach.REFUSED]},
+        {
+            "w1": [Reach.CUT_OFF],
+            "w2": [Reach.REACHABLE, Reach.REACHABLE],
+            "w3": [None],
+            "w4": [Reach.REFUSED],
+            "w5": [Reach.REACHABLE, Reach.SLOW],
+        },
     )
     assert diagnosis.describe() == (
         "w1 cut off (unreachable from here: the connect timed out or found no route); "
-        "w2 slow (reachable, but silent until the deadline); "
+        "w2 silent (reachable, and its link is fast enough, but it sent nothing until the deadline); "
         "w3 never came to the rendezvous (dead, or cut off from the lighthouse); "
-        "w4 dead (nothing listens at its address: its process is gone)"
+        "w4 dead (nothing listens at its address: its process is gone); "
+        "w5 on a slow link (reachable, but too slow to carry a step's all-reduce within the collective timeout)"
     )
-    assert diagnosis.unreachable == ("w1", "w4") and not diagnosis.busy_hint
+    assert diagnosis.unreachable == ("w1", "w4", "w5") and not diagnosis.busy_hint
     assert "store did not answer" in diagnose(Failure.ERROR, {}).describe()
 
 

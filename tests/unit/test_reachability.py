@@ -208,3 +208,48 @@ def test_cuts_are_bounded_and_arguments_checked(monkeypatch: pytest.MonkeyPatch)
         Reachability(TTL, TTL / 2)
     with pytest.raises(ValueError, match="ttl"):
         Reachability(0.0, TTL)
+
+
+def test_a_probe_that_gets_through_ends_the_cut_whoever_reported_it_once_per_run_of_cuts() -> None:
+    reach = Reachability(TTL, MAX_TTL)
+    reach.report("w2", 1, ["w0", "w1"], 0.0)
+    reach.report("w0", 1, ["w2"], 0.5)
+    assert reach.reached("w2", ["w0"], 1.0) == [("w0", "w2")]
+    assert sorted(reach.cuts) == [("w1", "w2")], "w0's own report no longer holds the pair"
+    reach.report("w0", 1, ["w2"], 1.5)
+    assert not reach.cut("w0", "w2"), "the same observation sent again cuts nothing"
+    reach.report("w0", 2, ["w2"], 2.0)  # readmitted, and the collective failed again: the probe's path fools it
+    cut = reach.cuts[pair("w0", "w2")]
+    assert cut.strikes == 2 and not cut.probes_end_it
+    assert reach.reached("w2", ["w0", "w1"], 2.5) == [("w1", "w2")], "this time only its time to live ends it"
+    reach.expire(2.0 + 2 * TTL)
+    assert len(reach) == 0
+    reach.report("w0", 3, ["w2"], 13.0)  # ended by its time to live: the next cut trusts a probe again
+    assert reach.reached("w0", ["w2"], 13.5) == [("w0", "w2")] and len(reach) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_reached_ends_exactly_the_cuts_a_probe_may_end_and_the_graph_stays_the_cuts(data: st.DataObject) -> None:
+    members = ["w0", "w1", "w2", "w3"]
+    reach = Reachability(TTL, MAX_TTL)
+    now, quorum_id = 0.0, 0
+    for _ in range(data.draw(st.integers(1, 30), label="events")):
+        now += data.draw(st.sampled_from([0.0, 0.5, TTL, MAX_TTL]), label="wait")
+        member = data.draw(st.sampled_from(members), label="member")
+        peers = data.draw(st.lists(st.sampled_from(members), unique=True), label="peers")
+        event = data.draw(st.sampled_from(["report", "report", "reached", "expire"]), label="event")
+        if event == "report":
+            quorum_id += data.draw(st.integers(0, 1), label="new quorum")
+            reach.report(member, quorum_id, peers, now)
+        elif event == "reached":
+            trusted = {
+                p for p in peers if p != member and reach.cut(member, p) and reach.cuts[pair(member, p)].probes_end_it
+            }
+            distrusted = {p for p in peers if p != member and reach.cut(member, p)} - trusted
+            ended = reach.reached(member, peers, now)
+            assert ended == sorted(pair(member, p) for p in trusted)
+            assert not any(reach.cut(member, p) for p in trusted) and all(reach.cut(member, p) for p in distrusted)
+        else:
+            reach.expire(now)
+        assert cut_graph(reach.cuts) == reach.peers

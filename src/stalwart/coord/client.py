@@ -81,6 +81,7 @@ from stalwart.coord.protocol import (
     HEARTBEAT_RECONNECT_CODE,
     LEAVE_PATH,
     QUORUM_PATH,
+    REACH_PATH,
     REGISTER_PATH,
     SECRET_HEADER,
     CheckpointAnnouncement,
@@ -361,6 +362,15 @@ class LighthouseClient:
         body = leave_body(self.member, applied_step, reported.get("digest"), reported.get("weights"))
         self._leaving = True
         self._run(self._authenticated_request("POST", LEAVE_PATH, body))
+
+    def report_reached(self, peers: Sequence[str]) -> int:
+        """Tell the lighthouse this member's probe got through to ``peers`` again (it was left out for its cuts);
+        how many cuts that ended (``docs/protocol.md``, "Reachability")."""
+        if isinstance(peers, str):
+            raise TypeError(f"peers must be a sequence of member ids, not the string {peers!r}")
+        body = {"member": self.member, "reached": list(peers)}
+        answer = self._run(self._authenticated_request("POST", REACH_PATH, body))
+        return int(answer.get("ended", 0))
 
     def report_checkpoint(self, step: int, path: str, ledger: dict[str, Any], digest: str) -> dict[str, Any]:
         """Tell the lighthouse that a durable checkpoint of ``step`` (its ledger and digest) lies at ``path``.

@@ -43,6 +43,8 @@ HEARTBEAT_RECONNECT_CODE = 4001
 """The close code of a heartbeat socket its member closes to open another (the lighthouse stopped answering on it):
 the member lives on, judged by the heartbeat timeout, not dead as a socket closed without it."""
 LEAVE_PATH = "/v1/leave"
+REACH_PATH = "/v1/reach"
+"""``POST /v1/reach``: a member left out for its cuts names the peers its probe got through to again."""
 CHECKPOINT_PATH = "/v1/checkpoint"
 STORE_PATH = "/v1/store"
 """``POST /v1/store/{quorum_id}``: one store operation (:class:`StoreRequest`) on that quorum's keys."""
@@ -234,23 +236,20 @@ MAX_UNREACHABLE = 4096
 """Most members one quorum request may report unreachable (the lighthouse's default ``max_members``)."""
 
 
-def parse_unreachable(value: Any, member: str) -> tuple[str, ...]:
-    """A quorum request's ``unreachable``: a list of at most ``MAX_UNREACHABLE`` distinct member ids, not ``member``.
+def parse_unreachable(value: Any, member: str, name: str = "unreachable") -> tuple[str, ...]:
+    """A list of peers (a quorum request's ``unreachable``, a reach report's ``reached``, named ``name``): at most
+    ``MAX_UNREACHABLE`` distinct member ids, not ``member``.
 
     Else ``RequestError`` 400 naming the field and the value.
     """
     if not isinstance(value, list) or len(value) > MAX_UNREACHABLE:
         raise RequestError(
-            400,
-            f"unreachable must be a list of at most {MAX_UNREACHABLE} member ids, got {value!r:.200}",
-            field="unreachable",
+            400, f"{name} must be a list of at most {MAX_UNREACHABLE} member ids, got {value!r:.200}", field=name
         )
-    peers = tuple(parse_member(peer, "unreachable") for peer in value)
+    peers = tuple(parse_member(peer, name) for peer in value)
     if len(set(peers)) != len(peers) or member in peers:
         raise RequestError(
-            400,
-            f"unreachable must name distinct members other than the sender {member!r}, got {value!r:.200}",
-            field="unreachable",
+            400, f"{name} must name distinct members other than the sender {member!r}, got {value!r:.200}", field=name
         )
     return peers
 

@@ -109,7 +109,7 @@ Refusals (``RequestError``, nothing changes)
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from stalwart._validate import check_bool, check_int
@@ -566,6 +566,13 @@ class LighthouseState:
         self.reach.report(request.member, request.quorum_id, request.unreachable, now)
         self._take_verdicts()
         return None
+
+    def reached(self, member: str, peers: Sequence[str], now: float) -> int:
+        """``member``'s probe got through to ``peers`` again: the cuts between them end (``docs/protocol.md``,
+        "Reachability"); how many ended. A joiner no longer cut from the quorum calls its boundary."""
+        if self.membership.get(parse_member(member)) is None:
+            raise RequestError(404, f"member {member!r} is not known to the lighthouse", field="member")
+        return len(self.reach.reached(member, peers, now))
 
     def excuse_silence(self, seconds: float, now: float) -> None:
         """The lighthouse could not listen for ``seconds`` before ``now``: no member expires for that silence."""

@@ -93,6 +93,9 @@ class Cut:
     """Each reporting end, and until when its report holds the cut."""
     since: float = 0.0
     strikes: int = 1
+    probes_end_it: bool = True
+    """Whether a member's probe reaching the other end ends it (not right after a cut a probe ended, see the module
+    doc)."""
 
     @property
     def expires(self) -> float:
@@ -124,8 +127,9 @@ class Reachability:
         """The cut graph: each member some cut touches, and the members it is cut from."""
         self.version = 0
         """Grows whenever the set of cut pairs changes."""
-        self._ended: dict[Pair, tuple[int, float]] = {}
-        """Pairs whose cut ended: its strikes and when it ended (forgotten ``max_ttl`` later)."""
+        self._ended: dict[Pair, tuple[int, float, bool]] = {}
+        """Pairs whose cut ended: its strikes, when it ended, and whether a probe ended it (forgotten ``max_ttl``
+        later)."""
         self._deadlines: list[tuple[float, Pair]] = []
         """``(expiry, pair)`` for every report holding a cut (a heap; stale entries skipped)."""
         self._back: dict[str, int | None] = {}
@@ -171,6 +175,18 @@ class Reachability:
         for peer in sorted(self.peers.get(member, ())):
             self._end(pair(member, peer), now)
 
+    def reached(self, member: str, peers: Iterable[str], now: float) -> list[Pair]:
+        """``member``'s probe got through to ``peers``: the cuts between them that a probe may end, end now (see the
+        module doc, "Reached"); the pairs ended."""
+        ended = []
+        for peer in sorted(set(peers) - {member}):
+            members = pair(member, peer)
+            cut = self.cuts.get(members)
+            if cut is not None and cut.probes_end_it:
+                self._end(members, now, by_probe=True)
+                ended.append(members)
+        return ended
+
     def renew(self, member: str, now: float) -> None:
         """A quorum formed without ``member`` because of its cuts: each report holding one holds it a time to live
         from ``now`` at least."""
@@ -204,7 +220,7 @@ class Reachability:
             del self.reports[member]
         for member in [m for m in self._back if not known(m)]:
             del self._back[member]
-        for members in [p for p, (_, ended) in self._ended.items() if now - ended > self.max_ttl]:
+        for members in [p for p, (_, ended, _) in self._ended.items() if now - ended > self.max_ttl]:
             del self._ended[members]
 
     def to_status(self, now: float | None) -> list[dict[str, Any]]:
@@ -217,8 +233,11 @@ class Reachability:
         if cut is None:
             if len(self.cuts) >= MAX_CUTS:
                 return
-            strikes, ended = self._ended.pop(members, (0, float("-inf")))
-            cut = self.cuts[members] = Cut(members, since=now, strikes=1 if now - ended > self.max_ttl else strikes + 1)
+            strikes, ended, by_probe = self._ended.pop(members, (0, float("-inf"), False))
+            again = now - ended <= self.max_ttl
+            cut = self.cuts[members] = Cut(
+                members, since=now, strikes=strikes + 1 if again else 1, probes_end_it=not (again and by_probe)
+            )
             self.peers.setdefault(members[0], set()).add(members[1])
             self.peers.setdefault(members[1], set()).add(members[0])
             self.version += 1
@@ -231,9 +250,9 @@ class Reachability:
         if cut is not None and cut.by.pop(end, None) is not None and not cut.by:
             self._end(members, now)
 
-    def _end(self, members: Pair, now: float) -> None:
+    def _end(self, members: Pair, now: float, *, by_probe: bool = False) -> None:
         cut = self.cuts.pop(members)
-        self._ended[members] = (cut.strikes, now)
+        self._ended[members] = (cut.strikes, now, by_probe)
         a, b = members
         for one, other in ((a, b), (b, a)):
             peers = self.peers[one]

@@ -67,6 +67,7 @@ from stalwart.coord.protocol import (
     INCARNATION_HEADER,
     LEAVE_PATH,
     QUORUM_PATH,
+    REACH_PATH,
     REGISTER_PATH,
     SECRET_HEADER,
     STORE_KEY_HEADER,
@@ -74,6 +75,7 @@ from stalwart.coord.protocol import (
     QuorumRequest,
     StoreRequest,
     parse_header,
+    parse_unreachable,
 )
 from stalwart.coord.quorum import (
     MAX_MEMBERS,
@@ -414,6 +416,7 @@ class Lighthouse:
         app.router.add_get(HEARTBEAT_PATH, self._heartbeat)
         app.router.add_post(QUORUM_PATH, self._quorum)
         app.router.add_post(LEAVE_PATH, self._leave)
+        app.router.add_post(REACH_PATH, self._reach)
         app.router.add_post(CHECKPOINT_PATH, self._checkpoint)
         app.router.add_post(STORE_PATH + "/{quorum_id}", self._store)
         self._dashboard.add_routes(app)
@@ -807,6 +810,19 @@ class Lighthouse:
             if not waiter.done():
                 waiter.set_result(RequestError(410, f"member {member!r} left", member=member, code="left"))
         return web.json_response({"ok": True})
+
+    async def _reach(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        if not isinstance(body, dict) or set(body) != {"member", "reached"}:
+            raise RequestError(400, f'the body must be {{"member": str, "reached": [member ids]}}, got {body!r:.200}')
+        member = parse_member(body["member"])
+        reached = parse_unreachable(body["reached"], member, "reached")
+        self._authenticate(request, member)
+        ended = self.state.reached(member, reached, time.time())
+        if ended:
+            logger.info("%s reached %s again: %d cut(s) ended", member, ", ".join(reached), ended)
+            self._advance()
+        return web.json_response({"ok": True, "ended": ended})
 
     async def _checkpoint(self, request: web.Request) -> web.Response:
         body = await _json_body(request)

@@ -1,14 +1,16 @@
-"""What a failed collective or rendezvous says about each peer: dead, cut off, slow, never came, or alive. Pure.
+"""What a failed collective or rendezvous says about each peer: dead, cut off, on a slow link, never came, silent or
+alive. Pure.
 
 The facts come from the failure itself (:class:`~stalwart.runtime.comm.Failure`:
 a socket error, a deadline passed, or the lighthouse reporting a member dead)
 and from probing each peer process (:mod:`stalwart.runtime.probe`; None for a
 process that never came to the rendezvous). A member is as bad as its worst
-process: cut off, then dead, then never came; a member all of whose processes
-were reachable is slow when the failure was a deadline (it was alive,
-reachable and silent), else alive. Only a slow peer earns the hint about busy
-peers (``manager.on_leader()``, a larger ``collective_timeout``); a member
-cut off or dead is what the leader reports to the lighthouse as unreachable.
+process: cut off, then dead, then on a slow link, then never came; a member
+all of whose processes were reachable is silent when the failure was a
+deadline (alive, reachable, and busy elsewhere), else alive. Only silent
+peers earn the hint about busy peers (``manager.on_leader()``, a larger
+``collective_timeout``); a member cut off, dead or on a link too slow for a
+step is what the leader reports to the lighthouse as unreachable.
 """
 
 from __future__ import annotations
@@ -26,13 +28,15 @@ class Verdict(enum.Enum):
 
     CUT_OFF = "cut off (unreachable from here: the connect timed out or found no route)"
     DEAD = "dead (nothing listens at its address: its process is gone)"
+    SLOW_LINK = "on a slow link (reachable, but too slow to carry a step's all-reduce within the collective timeout)"
     ABSENT = "never came to the rendezvous (dead, or cut off from the lighthouse)"
-    SLOW = "slow (reachable, but silent until the deadline)"
+    SILENT = "silent (reachable, and its link is fast enough, but it sent nothing until the deadline)"
     ALIVE = "alive (reachable)"
 
 
-_WORST_FIRST = (Verdict.CUT_OFF, Verdict.DEAD, Verdict.ABSENT)
-_OF_REACH = {Reach.CUT_OFF: Verdict.CUT_OFF, Reach.REFUSED: Verdict.DEAD}
+_WORST_FIRST = (Verdict.CUT_OFF, Verdict.DEAD, Verdict.SLOW_LINK, Verdict.ABSENT)
+_OF_REACH = {Reach.CUT_OFF: Verdict.CUT_OFF, Reach.REFUSED: Verdict.DEAD, Reach.SLOW: Verdict.SLOW_LINK}
+_UNREACHABLE = (Verdict.CUT_OFF, Verdict.DEAD, Verdict.SLOW_LINK)
 
 
 @dataclass(frozen=True)
@@ -44,13 +48,14 @@ class Diagnosis:
 
     @property
     def unreachable(self) -> tuple[str, ...]:
-        """The members this process could not reach (cut off or dead): what its next quorum request reports."""
-        return tuple(member for member, verdict in self.verdicts.items() if verdict in (Verdict.CUT_OFF, Verdict.DEAD))
+        """The members this process could not reach (cut off, dead, or on a link too slow for a step): what its next
+        quorum request reports."""
+        return tuple(member for member, verdict in self.verdicts.items() if verdict in _UNREACHABLE)
 
     @property
     def busy_hint(self) -> bool:
         """True when the deadline passed with every peer alive and reachable: a peer busy elsewhere (evaluating)."""
-        return bool(self.verdicts) and all(verdict is Verdict.SLOW for verdict in self.verdicts.values())
+        return bool(self.verdicts) and all(verdict is Verdict.SILENT for verdict in self.verdicts.values())
 
     def describe(self) -> str:
         """One line naming each peer and its verdict."""
@@ -72,5 +77,5 @@ def diagnose(failure: Failure, peers: Mapping[str, Sequence[Reach | None]]) -> D
             continue
         seen = {Verdict.ABSENT if reach is None else _OF_REACH.get(reach) for reach in found}
         worst = next((verdict for verdict in _WORST_FIRST if verdict in seen), None)
-        verdicts[member] = worst or (Verdict.SLOW if failure is Failure.TIMEOUT else Verdict.ALIVE)
+        verdicts[member] = worst or (Verdict.SILENT if failure is Failure.TIMEOUT else Verdict.ALIVE)
     return Diagnosis(failure, verdicts)

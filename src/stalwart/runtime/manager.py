@@ -72,6 +72,7 @@ from stalwart.runtime.loader import ElasticLoader
 from stalwart.runtime.patience import MAX_GROWTH, QUIET_STEPS, CollectivePatience, QuorumView
 from stalwart.runtime.planner import StepPlanner
 from stalwart.runtime.preemption import Departure, departing_members
+from stalwart.runtime.probe import LinkNeed
 from stalwart.runtime.rebalance import BalanceWindow
 from stalwart.runtime.replica import Replica
 from stalwart.runtime.session import REPLICATED, QuorumSession
@@ -505,7 +506,7 @@ class Manager:
             if not self._session.group_agrees(failure is None) and failure is None:
                 failure = CollectiveError("another process of this replica group failed it")
             if failure is not None:
-                diagnosis = self._session.diagnose(failure)
+                diagnosis = self._session.diagnose(failure, need=self._link_need())
                 log.warning(
                     "%s: step %d all-reduce failed (%s); peers: %s; asking for a new quorum%s",
                     self.member,
@@ -710,7 +711,7 @@ class Manager:
                     self.member,
                     answer.quorum_id,
                     error,
-                    session.diagnose(error).describe(),
+                    session.diagnose(error, need=self._link_need()).describe(),
                     attempt,
                     attempts,
                 )
@@ -725,6 +726,11 @@ class Manager:
             f"{self.member}: no working quorum after {attempts} attempts "
             f"(Transport.max_join_attempts={attempts}); last failure: {last_failure}"
         )
+
+    def _link_need(self) -> LinkNeed:
+        """What each link must carry: one step's all-reduce within the configured collective timeout (not the one
+        patience grew: a link that needs the growth is a straggler's, see :mod:`stalwart.runtime.probe`)."""
+        return LinkNeed(max(1, self._accumulation.reducer.step_bytes), self.timeouts.collective_timeout)
 
     def _grow_patience(self, quorum_id: int, members: tuple[str, ...]) -> None:
         """The adopted quorum's collective timeout (:mod:`stalwart.runtime.patience`), logged when it changes."""

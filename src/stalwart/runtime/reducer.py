@@ -165,6 +165,11 @@ class GradientReducer:
         ]
 
     @property
+    def step_bytes(self) -> int:
+        """The bytes one round all-reduces (every bucket, in its reduce dtype; the small tail aside)."""
+        return sum(bucket.numel * _itemsize(bucket.dtype) for bucket in self.buckets)
+
+    @property
     def tail_rides_last_bucket(self) -> bool:
         """Whether this round's tail is reduced in the last bucket's collective (float32, same communicator)."""
         return self._tail_comm is None and bool(self.buckets) and self.buckets[-1].dtype == torch.float32

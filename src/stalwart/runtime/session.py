@@ -12,13 +12,19 @@ together, and the wait while the leader runs work of its own
 
 After a failed rendezvous or collective, :meth:`QuorumSession.diagnose` probes
 the quorum's peers (:mod:`stalwart.runtime.probe`: every process listens on
-its transport host and publishes the address with its arrival) and says what
-each looked like (:mod:`stalwart.runtime.diagnosis`). The members it could
-not reach go to the lighthouse with the next quorum request; only the group's
-leader sends that request, so only the leader's own probes are reported (a
-non-leader's findings serve its error message: a member cut off from some
-processes of a group and not from its leader is left to the collective's
-next failure).
+its transport host and publishes the address with its arrival; after a
+deadline passed, each probe also carries a step's bytes, to find a link too
+slow for the job) and says what each looked like
+(:mod:`stalwart.runtime.diagnosis`). The members it could not reach go to
+the lighthouse with the next quorum request; only the group's leader sends
+that request, so only the leader's own probes are reported (a non-leader's
+findings serve its error message: a member cut off from some processes of a
+group and not from its leader is left to the collective's next failure).
+While the leader's quorum request then waits (left out, it asks to join),
+it probes those members again every :data:`REPROBE_INTERVAL` and tells the
+lighthouse the ones it reaches again (``POST /v1/reach``): their cuts end at
+once, and the member is back at the quorum's next boundary rather than when
+the cuts' time to live runs out.
 """
 
 from __future__ import annotations
@@ -50,9 +56,9 @@ from stalwart.data.shards import ShardIdentity, shard_difference
 from stalwart.errors import JoinError, PlanMismatchError, ShardingMismatchError, StateLostError
 from stalwart.runtime.comm import CollectiveError, Communicator, Failure, arrivals, quorum_store
 from stalwart.runtime.config import ReplicaGroup, Transport
-from stalwart.runtime.diagnosis import Diagnosis, diagnose
+from stalwart.runtime.diagnosis import Diagnosis, Verdict, diagnose
 from stalwart.runtime.group import GroupLink
-from stalwart.runtime.probe import ProbeListener, Reach, probe
+from stalwart.runtime.probe import LinkNeed, ProbeListener, Reach, probe
 from stalwart.runtime.replica import Replica
 from stalwart.runtime.timeouts import Timeouts
 
@@ -73,6 +79,9 @@ STORE_LOOK_S = 2.0
 is cut off from this process; then the diagnosis names no peer and the next quorum request, which the client
 retries on fresh connections, is what waits. (A look on the store's kept-alive connection waited out its read
 timeout, 12 s, and kept a worker whose NIC was down for 10 s out of the quorum 5 s after its link returned.)"""
+
+REPROBE_INTERVAL = 1.0
+"""Seconds between two probes of the members the last diagnosis could not reach, while a quorum request waits."""
 
 PLAN_REFUSALS = ("plan_mismatch", "no_plan")
 """The ``code`` of a lighthouse's answer refusing a member's plan (docs/protocol.md)."""
@@ -140,6 +149,11 @@ class QuorumSession:
         """The current quorum's store and group sizes, once known: what :meth:`diagnose` reads and probes."""
         self._unreachable: tuple[str, ...] = ()
         """The members the last diagnosis could not reach: sent with the next quorum request (the leader's)."""
+        self._cut: dict[str, list[str]] = {}
+        """The probe addresses of the members the last diagnosis could not reach (cut off or on a slow link), probed
+        again while the leader's quorum request waits; empty once a quorum is adopted."""
+        self._cut_need: LinkNeed | None = None
+        """What those probes must carry (the last diagnosis's need)."""
         self._probe = ProbeListener(transport.host)
         self._client: LighthouseClient | None = None
         if self.group.is_leader:
@@ -232,13 +246,14 @@ class QuorumSession:
                 ) from error
         unreachable, self._unreachable = self._unreachable, ()
         try:
-            answer = self._client.quorum(
-                applied_step=0 if self._diverged and reason == "join" else applied_step,
-                quorum_id=self.quorum_id if self.answer else None,
-                reason=reason,
-                timeout=self.timeouts.quorum_timeout,
-                unreachable=unreachable,
-            )
+            with _Reprobe(self.member, self._client, dict(self._cut), self._cut_need):
+                answer = self._client.quorum(
+                    applied_step=0 if self._diverged and reason == "join" else applied_step,
+                    quorum_id=self.quorum_id if self.answer else None,
+                    reason=reason,
+                    timeout=self.timeouts.quorum_timeout,
+                    unreachable=unreachable,
+                )
         except TimeoutError as error:
             raise JoinError(
                 f"{self.member}: no quorum formed within {self.timeouts.describe('quorum_timeout')}: {error}"
@@ -260,6 +275,7 @@ class QuorumSession:
         """Make ``answer`` the quorum this process is in (its communicators are built by :meth:`connect`)."""
         self.answer = answer
         self._diverged = False
+        self._cut = {}
 
     def connect(self, answer: QuorumAnswer) -> None:
         """Build the quorum's process group over every process of every member group (and, for FSDP2, per shard)."""
@@ -294,14 +310,16 @@ class QuorumSession:
         self._heals = 0  # heal keys count from 0 in each quorum's store, the same on every member
         self._leader_calls = 0
 
-    def diagnose(self, error: CollectiveError) -> Diagnosis:
+    def diagnose(self, error: CollectiveError, *, need: LinkNeed | None = None) -> Diagnosis:
         """What each peer member of the current quorum looked like when ``error`` happened (probed now, bounded by
-        :data:`~stalwart.runtime.probe.PROBE_TIMEOUT`); the leader reports the unreachable ones with its next quorum
-        request.
+        :data:`~stalwart.runtime.probe.PROBE_TIMEOUT` and ``need.window``); the leader reports the unreachable ones
+        with its next quorum request.
 
         Processes are read from the quorum's store: those that never wrote
         their arrival never came; the others are probed at the address they
-        published. Nothing is known before the group sizes were read.
+        published, carrying ``need``'s bytes when the failure was a deadline
+        (a peer on a link too slow for them is reported like a cut-off one).
+        Nothing is known before the group sizes were read.
         """
         if self._view is None or self.answer is None or error.failure is Failure.ABANDONED:
             # abandoned: the lighthouse named a member dead and leaves it out itself; a probe of a peer whose NIC
@@ -313,7 +331,8 @@ class QuorumSession:
             return Diagnosis(error.failure, {})
         owners = [member for member, size in zip(self.answer.members, sizes, strict=True) for _ in range(size)]
         peers = {rank: member for rank, member in enumerate(owners) if member != self.member}
-        found = probe({rank: came[rank] for rank in peers if came.get(rank)})
+        addresses = {rank: came[rank] for rank in peers if came.get(rank)}
+        found = probe(addresses, need=need if error.failure is Failure.TIMEOUT else None)
         reached: dict[str, list[Reach | None]] = {member: [] for member in self.answer.members if member != self.member}
         for rank, member in peers.items():
             if rank not in came:
@@ -322,6 +341,12 @@ class QuorumSession:
                 reached[member].append(found[rank])
         diagnosis = diagnose(error.failure, reached)
         self._unreachable = diagnosis.unreachable
+        self._cut = {
+            member: [address for rank, address in addresses.items() if peers[rank] == member]
+            for member, verdict in diagnosis.verdicts.items()
+            if verdict in (Verdict.CUT_OFF, Verdict.SLOW_LINK)
+        }
+        self._cut_need = need
         return diagnosis
 
     def abort(self) -> None:
@@ -581,6 +606,55 @@ def _connect_client(
         client.close()
         raise
     return client
+
+
+class _Reprobe:
+    """While a quorum request waits: probe the members ``cut`` (their addresses) every :data:`REPROBE_INTERVAL`,
+    carrying ``need``'s bytes, and tell the lighthouse those every process of which answered (each round: the
+    lighthouse ends only cuts that still stand, and a peer's report may come after the first).
+
+    A context manager: the probing runs on a daemon thread from entry to exit.
+    """
+
+    def __init__(self, member: str, client: LighthouseClient, cut: dict[str, list[str]], need: LinkNeed | None) -> None:
+        self._member = member
+        self._client = client
+        self._cut = {peer: addresses for peer, addresses in cut.items() if addresses}
+        self._need = need
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> _Reprobe:
+        if self._cut:
+            self._thread = threading.Thread(target=self._run, name="stalwart-reprobe", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(REPROBE_INTERVAL)  # a probe or report in flight ends by its own timeout
+
+    def _run(self) -> None:
+        told: set[str] = set()
+        while not self._stop.wait(REPROBE_INTERVAL):
+            addresses = {(peer, i): address for peer, listed in self._cut.items() for i, address in enumerate(listed)}
+            found = probe(addresses, need=self._need)
+            reached = [
+                peer
+                for peer in self._cut
+                if all(found[(peer, i)] is Reach.REACHABLE for i in range(len(self._cut[peer])))
+            ]
+            if not reached or self._stop.is_set():
+                continue
+            try:
+                ended = self._client.report_reached(reached)
+            except (LighthouseError, LighthouseUnreachable, TimeoutError) as error:
+                log.info("%s: could not tell the lighthouse it reaches %s again: %s", self._member, reached, error)
+                continue
+            if set(reached) - told:
+                log.warning("%s: reaches %s again (%d cut(s) ended)", self._member, ", ".join(reached), ended)
+                told.update(reached)
 
 
 def _within(seconds: float, call: Callable[[], _T]) -> _T | None:
