@@ -29,6 +29,7 @@ The benchmark reports; it never fails because a number is off.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Sequence
@@ -150,7 +151,9 @@ def measure(row: Row, seconds: float, run_dir: Path) -> Measured:
         end = timeline.healed if timeline.healed is not None else timeline.injected + seconds
         back = _wait_back(job, end) if timeline.healed is not None else None
         next_commit = _first_commit_after(job, timeline.injected, end + BACK_LIMIT)
-        failures = len(job.status()["failures"]) - timeline.failures_before
+        status = job.status()
+        (run_dir / "status.json").write_text(json.dumps(status, indent=1))  # the quorums and failures, to read after
+        failures = len(status["failures"]) - timeline.failures_before
         retrained = job.metric("stalwart_samples_reassigned_total") - timeline.reassigned_before
         return _figures(row, seconds, job, timeline, end, next_commit, back, failures, retrained)
 

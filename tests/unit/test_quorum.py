@@ -789,6 +789,41 @@ def test_a_member_whose_cuts_expire_is_admitted_again_and_cut_longer_when_it_fai
     assert wait_for(cluster, JOIN_TIMEOUT * 1.5) is None and not cluster.state.reconfigure_pending
 
 
+def test_a_left_out_member_told_to_join_again_is_not_counted_into_a_quorum_by_its_old_ask() -> None:
+    """Its long poll ended (408) and its survivor ask stayed; its retry is refused (409): from then on the old ask
+    no longer counts it into the quorum its cuts' end calls, which it would never hear of."""
+    cluster = SimulatedFleet(PLAN, heartbeat_timeout=HEARTBEAT_TIMEOUT, join_timeout=JOIN_TIMEOUT)
+    cluster.start(3)
+    w0, w1, w2 = cluster.members
+    for member, peers in ((w2, [w0, w1]), (w0, [w2]), (w1, [w2])):
+        report(cluster, member, "failure", peers)
+    assert cluster.tick() is not None and w2 in cluster.state.pending
+    with pytest.raises(RequestError) as refused:
+        report(cluster, w2, "failure", [w0, w1], last=1)
+    assert refused.value.status == 409 and w2 not in cluster.state.pending
+    assert wait_for(cluster, JOIN_TIMEOUT * 2) is None and not cluster.state.reconfigure_pending
+    report(cluster, w2, "join", [], last=1)
+    assert cluster.tick() is None and cluster.state.reconfigure_pending, "its join, its cuts ended, calls the boundary"
+
+
+def test_a_left_out_member_whose_probe_reaches_the_others_again_is_called_back_at_once() -> None:
+    cluster = SimulatedFleet(PLAN, heartbeat_timeout=HEARTBEAT_TIMEOUT, join_timeout=JOIN_TIMEOUT)
+    cluster.start(3)
+    w0, w1, w2 = cluster.members
+    for member, peers in ((w2, [w0, w1]), (w0, [w2]), (w1, [w2])):
+        report(cluster, member, "failure", peers)
+    assert cluster.tick() is not None and not cluster.state.reconfigure_pending
+    assert cluster.state.reached(w2, [w0], cluster.now) == 1 and not cluster.state.reconfigure_pending
+    assert cluster.state.reached(w2, [w0, w1], cluster.now) == 1 and cluster.state.reconfigure_pending
+    for member in (w0, w1):
+        report(cluster, member, "reconfigure", [])
+    formation = cluster.tick()
+    assert formation is not None and formation.members == (w0, w1, w2) and formation.reason == "boundary"
+    with pytest.raises(RequestError) as unknown:
+        cluster.state.reached("stranger", [w0], cluster.now)
+    assert unknown.value.status == 404
+
+
 def test_a_member_back_from_the_dead_is_admitted_at_the_next_boundary() -> None:
     cluster = SimulatedFleet(PLAN, heartbeat_timeout=HEARTBEAT_TIMEOUT, join_timeout=JOIN_TIMEOUT)
     cluster.start(3)

@@ -551,13 +551,20 @@ class LighthouseState:
         """Register a quorum request; returns the quorum at once if this very request was already answered.
 
         Raises ``RequestError`` (and changes nothing) for a stale quorum id, a
-        member not in the quorum asking as a survivor, or an impossible step.
+        member not in the quorum asking as a survivor, or an impossible step;
+        the survivor also loses its own older survivor ask, told to join
+        (:meth:`_drop_stale_ask`).
         """
         formation = self.formation_for(request)
         if formation is not None:
             self._touch(request.member, now)
             return formation
-        self._check_request(request)
+        try:
+            self._check_request(request)
+        except RequestError as error:
+            if error.status == 409:
+                self._drop_stale_ask(request.member)
+            raise
         record = self._touch(request.member, now)
         if request.reason != "join":
             record.report(request.applied_step)
@@ -888,6 +895,24 @@ class LighthouseState:
         self._hosted.restore(checkpoint.ledger)
 
     # --- checks ----------------------------------------------------------------------------------
+
+    def _drop_stale_ask(self, member: str) -> None:
+        """Forget ``member``'s pending survivor ask once it is told to join again (409).
+
+        Its long poll ended (408) and the ask stayed, matching a retry of the
+        same request; a left-out member's retry is refused instead, and until
+        its join arrives the old ask would count it into a quorum formed
+        meanwhile (its cuts ended), a quorum it would never hear of: the
+        others would wait for it in the quorum's store (10 s, then a failed
+        start).
+        """
+        ask = self.asks.get(member)
+        if (
+            ask is not None
+            and ask.request.reason != "join"
+            and (member not in self.roster or member in self.roster.evicted)
+        ):
+            self.asks.pop(member)
 
     def _check_request(self, request: QuorumRequest) -> None:
         quorum = self.roster.quorum

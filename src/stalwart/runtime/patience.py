@@ -2,9 +2,13 @@
 
 A link that is slow but alive (a congested NIC, a far region: 128 kbit/s)
 makes every all-reduce pass a collective timeout sized for a healthy
-network. The lighthouse then forms a *failure* quorum of the very same
+network. The probe that follows a timeout finds a link too slow to carry a
+step's bytes in the collective timeout, and the lighthouse leaves its member
+out as a straggler (:mod:`stalwart.runtime.probe`). What the probe cannot
+see (a member busy elsewhere, a link fast for the probe and slow for the
+collective) makes the lighthouse form a *failure* quorum of the very same
 members, whose all-reduce times out again: without a rule, nothing ever
-commits. The rule (docs/design.md, "Slow links"):
+commits. The rule (docs/design.md, "Network faults"):
 
 - a quorum whose members are those of the quorum just before it (the next
   ``quorum_id``: nobody died, nobody joined, yet the quorum broke) doubles the

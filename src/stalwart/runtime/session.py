@@ -622,18 +622,14 @@ class _Reprobe:
         self._cut = {peer: addresses for peer, addresses in cut.items() if addresses}
         self._need = need
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def __enter__(self) -> _Reprobe:
         if self._cut:
-            self._thread = threading.Thread(target=self._run, name="stalwart-reprobe", daemon=True)
-            self._thread.start()
+            threading.Thread(target=self._run, name="stalwart-reprobe", daemon=True).start()
         return self
 
     def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(REPROBE_INTERVAL)  # a probe or report in flight ends by its own timeout
+        self._stop.set()  # not joined: a probe in flight ends by its own timeout and reports nothing after this
 
     def _run(self) -> None:
         told: set[str] = set()
