@@ -203,7 +203,7 @@ class Fleet:
         self.sent = 0
         self.answer_bytes: list[int] = []
         self.errors: list[str] = []
-        self.retried: dict[int, int] = {}
+        self.retried: dict[int | str, int] = {}
         """Quorum requests asked again, by the status that made them (408: nothing formed yet, 503: busy)."""
         self.first_retried: dict[int, str] = {}
         """The first answer of each status asked again."""
@@ -244,11 +244,20 @@ class Fleet:
 
         async def one(sim: Sim) -> None:
             body = register_body(sim.name, sim.incarnation, None)
-            async with session.post(self.url + REGISTER_PATH, json=body) as response:
-                data = await response.json()
-                if response.status != 200:
-                    raise RuntimeError(f"register {sim.name}: {response.status} {data}")
-                sim.secret = data["secret"]
+            deadline = time.monotonic() + PHASE_LIMIT
+            while True:  # a connection closed before its answer is asked again, as LighthouseClient does
+                try:
+                    async with session.post(self.url + REGISTER_PATH, json=body) as response:
+                        data = await response.json()
+                        if response.status != 200:
+                            raise RuntimeError(f"register {sim.name}: {response.status} {data}")
+                        sim.secret = data["secret"]
+                        break
+                except aiohttp.ClientConnectionError:
+                    self.retried["closed"] = self.retried.get("closed", 0) + 1
+                    if time.monotonic() >= deadline:
+                        raise
+                    await asyncio.sleep(0.05)
             if not adopted.is_set():
                 if "heartbeat_interval" not in data:
                     raise RuntimeError("this lighthouse recommends no heartbeat interval: pass --heartbeat-interval")
@@ -299,18 +308,23 @@ class Fleet:
         deadline = time.monotonic() + PHASE_LIMIT
         try:
             while not sim.dead and time.monotonic() < deadline:
-                async with self.session.post(self.url + QUORUM_PATH, json=body, headers=sim.headers()) as response:
-                    raw = await response.read()
-                    if response.status in (408, 503):
-                        if response.status not in self.retried:
-                            self.first_retried[response.status] = raw[:200].decode(errors="replace")
-                        self.retried[response.status] = self.retried.get(response.status, 0) + 1
-                        await asyncio.sleep(0.05)
-                        continue
-                    if response.status != 200:
-                        sim.refused += 1
-                        self.errors.append(f"{sim.name}: {response.status} {raw[:200]!r}")
-                        return
+                try:
+                    async with self.session.post(self.url + QUORUM_PATH, json=body, headers=sim.headers()) as response:
+                        raw = await response.read()
+                except aiohttp.ClientConnectionError:  # closed before its answer: asked again, as the client does
+                    self.retried["closed"] = self.retried.get("closed", 0) + 1
+                    await asyncio.sleep(0.05)
+                    continue
+                if response.status in (408, 503):
+                    if response.status not in self.retried:
+                        self.first_retried[response.status] = raw[:200].decode(errors="replace")
+                    self.retried[response.status] = self.retried.get(response.status, 0) + 1
+                    await asyncio.sleep(0.05)
+                    continue
+                if response.status != 200:
+                    sim.refused += 1
+                    self.errors.append(f"{sim.name}: {response.status} {raw[:200]!r}")
+                    return
                 data = json.loads(raw)
                 self.answer_bytes.append(len(raw))
                 self._learn(data, sim.quorum_id)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import re
@@ -412,6 +413,49 @@ def test_half_sent_requests_and_silent_clients_cannot_exhaust_the_lighthouse(tmp
             peer.close()
         if honest is not None:
             honest.close()
+        lighthouse.stop()
+
+
+def test_a_storm_of_honest_requests_sent_while_the_lighthouse_is_busy_is_answered_whole(tmp_path: Path) -> None:
+    """Requests already sent are never closed for room: SIGSTOP holds the lighthouse (as a busy event loop does)
+    while 96 complete requests and 32 half-sent ones queue in its socket; on SIGCONT it accepts them all at once,
+    past its cap of 8 stalled connections. Before, it closed the oldest unread ones, honest requests mid-body;
+    now only connections with nothing complete are closed, and every honest request is answered."""
+    lighthouse = LighthouseProcess(tmp_path, "--max-unauthenticated", "8", "--header-timeout", "2")
+    sockets: list[socket.socket] = []
+    request = (
+        f"GET /v1/status HTTP/1.1\r\nHost: {HOST}\r\nAuthorization: Bearer {TOKEN}\r\nConnection: close\r\n\r\n"
+    ).encode()
+    try:
+        healthz(lighthouse.url)
+        lighthouse.process.send_signal(signal.SIGSTOP)
+        try:
+            honest, slow = [], []
+            for number in range(128):
+                peer = socket.create_connection((HOST, lighthouse.port), timeout=BOUND)
+                sockets.append(peer)
+                if number % 4 == 3:
+                    peer.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+                    slow.append(peer)
+                else:
+                    peer.sendall(request)
+                    honest.append(peer)
+        finally:
+            lighthouse.process.send_signal(signal.SIGCONT)
+        for peer in honest:
+            peer.settimeout(BOUND)
+            answer = b""
+            while chunk := peer.recv(65536):
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        for peer in slow:  # closed by the cap or the header timeout, never answered
+            peer.settimeout(BOUND)
+            with contextlib.suppress(ConnectionResetError):
+                assert peer.recv(1) == b""
+        healthz(lighthouse.url)
+    finally:
+        for peer in sockets:
+            peer.close()
         lighthouse.stop()
 
 

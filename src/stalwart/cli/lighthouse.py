@@ -15,7 +15,7 @@ from click.core import ParameterSource
 
 from stalwart.coord.connections import HEADER_TIMEOUT
 from stalwart.coord.persist import StateLockedError, read_ledger, read_plan
-from stalwart.coord.server import InsecureLighthouseError, Lighthouse
+from stalwart.coord.server import MAX_UNAUTHENTICATED, InsecureLighthouseError, Lighthouse
 from stalwart.coord.tls import ExposedSecretError, check_private
 from stalwart.data.plan import EpochPlan
 
@@ -128,6 +128,14 @@ def _non_empty(context: click.Context, parameter: click.Parameter, value: str | 
     help="Seconds a connection has to send a request's headers before it is closed (slow or silent clients).",
 )
 @click.option(
+    "--max-unauthenticated",
+    type=click.IntRange(min=1),
+    default=MAX_UNAUTHENTICATED,
+    show_default=True,
+    help="Most connections that may be stalled at once: not yet past the token check, with no complete request "
+    "(past it the oldest stalled one is closed; requests already sent, or waiting unread, are not).",
+)
+@click.option(
     "--join-timeout",
     type=click.FloatRange(min=0, min_open=True),
     default=5.0,
@@ -189,6 +197,7 @@ def lighthouse_command(
     tls_key: Path | None,
     heartbeat_timeout: float,
     header_timeout: float,
+    max_unauthenticated: int,
     join_timeout: float,
     balance_every: int,
     **plan_options: Any,
@@ -235,6 +244,7 @@ def lighthouse_command(
             token=token,
             heartbeat_timeout=heartbeat_timeout,
             header_timeout=header_timeout,
+            max_unauthenticated=max_unauthenticated,
             join_timeout=join_timeout,
             balance_every=balance,
             insecure=insecure,

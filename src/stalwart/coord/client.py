@@ -515,13 +515,19 @@ class LighthouseClient:
 
     async def _register(self) -> None:
         """Register this incarnation; asked again while the member's old process lives (409 ``member_alive``, it
-        may be dead by heartbeat soon) or registrations are rate limited, up to ``register_timeout``."""
+        may be dead by heartbeat soon), registrations are rate limited, or the connection closed before an answer
+        (a lighthouse at its connection cap), up to ``register_timeout``."""
         body = register_body(self.member, self.incarnation, self.plan)
         deadline = time.monotonic() + self.register_timeout
         warned = False
         while True:
             try:
                 registered = await self._request("POST", REGISTER_PATH, body)
+            except aiohttp.ClientConnectionError:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(MIN_BACKOFF)
+                continue
             except LighthouseError as error:
                 code = error.body.get("code")
                 if code in _STICKY_CODES:

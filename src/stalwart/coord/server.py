@@ -112,7 +112,8 @@ BODY_TIMEOUT = 10.0
 MAX_STORE_BODY_BYTES = 4 * (StoreLimits().value_bytes // 3 + 1) + 4096
 """Largest store request: the largest value in base64, and its JSON."""
 MAX_UNAUTHENTICATED = 1024
-"""Default cap on connections that have not yet passed the credential check (``max_unauthenticated``)."""
+"""Default cap on stalled connections: not yet past the credential check, with no complete request head
+(``max_unauthenticated``, see :mod:`stalwart.coord.connections`)."""
 _PUBLIC_PATHS = frozenset({"/healthz"})
 _REGISTER_FIELDS = frozenset({"member", "incarnation", "plan"})
 _SOCKET_ERRORS = (ConnectionError, RuntimeError)
