@@ -41,7 +41,10 @@ from stalwart.testing.network.job import (
 )
 from stalwart.testing.network.netns import Bridge, unavailable_reason
 
-pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
+pytestmark = [
+    pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason())),
+    pytest.mark.slow,  # 75 s in all, single process
+]
 
 FAULT_AT = 3
 HELD_DURING = 10
