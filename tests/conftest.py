@@ -1,4 +1,4 @@
-"""Fixtures every test module shares, and the ``integration`` marker given by directory.
+"""Fixtures every test module shares, the ``integration`` marker given by directory, and the ``slow`` tests first.
 
 ``tests/unit`` holds pure logic (no process, no socket); ``tests/integration``
 and ``tests/gpu`` real processes, sockets and signals. ``pytest -m "not
@@ -24,9 +24,19 @@ STORE_TIMEOUT = 30.0
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test outside ``tests/unit`` ``integration``, and move the ``slow`` ones to the front.
+
+    Why the front: pytest-xdist's worksteal hands each process a contiguous
+    part of this order and an idle process steals from the end of another's,
+    so the tests at the front are started first and the run ends on short
+    ones; a test of 40 s started last would leave the other process idle
+    that long. The order is otherwise kept (stable), and every process
+    computes the same one.
+    """
     for item in items:
         if "unit" not in item.path.relative_to(item.config.rootpath).parts:
             item.add_marker(pytest.mark.integration)
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture

@@ -272,6 +272,7 @@ def test_goodput_quick_run_replays_the_trace_against_every_system(run_quick: Cal
     assert len(goal_lines) == 3
 
 
+@pytest.mark.slow
 def test_streams_quick_run_measures_every_case_and_goal(run_quick: Callable[..., str]) -> None:
     output = run_quick("benchmarks.data_streams", "--quick")
     assert "Hugging Face stream, 8 JSON-lines shards of 400 rows" in output and "Goals" in output

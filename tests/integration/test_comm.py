@@ -175,6 +175,7 @@ def test_all_reduce_sums_broadcast_copies_and_all_gather_concatenates(store: dis
         group.close()
 
 
+@pytest.mark.slow
 def test_a_slow_peer_has_the_collective_timeout_not_the_rendezvous_timeout(store: dist.TCPStore) -> None:
     """A gather and an all-to-all wait ``timeout`` for a peer, as the all-reduce does (Gloo's own default for them
     is the group's timeout, the rendezvous's: the peers would give up on the late one at 5 s)."""

@@ -283,6 +283,7 @@ def test_evaluate_is_the_mean_over_the_first_windows_without_gradients_and_resto
         evaluate(model, val, 1, 0, torch.device("cpu"))
 
 
+@pytest.mark.slow
 def test_the_ddp_script_trains_under_torchrun_and_rank_0_alone_logs_and_saves(tmp_path: Path) -> None:
     """2 Gloo processes, 12 steps of 8 windows (2 micro-batches of 2 per rank): the saved model's validation
     loss is below the initial model's, and rank 0 alone printed the 2 validation losses."""

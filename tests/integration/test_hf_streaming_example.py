@@ -37,6 +37,7 @@ def torchrun(ranks: int, *arguments: str) -> None:
     assert result.returncode == 0, result.stderr[-4000:]
 
 
+@pytest.mark.slow
 def test_the_recipe_trains_each_row_once_across_world_size_changes(tmp_path: Path) -> None:
     pytest.importorskip("datasets")
     data = tmp_path / "data"

@@ -362,6 +362,7 @@ def test_a_heartbeat_claiming_a_trillion_heals_costs_constant_time(
     honest.advance(3)
 
 
+@pytest.mark.slow
 def test_a_digest_report_far_ahead_is_refused_without_holding_the_event_loop(
     lighthouse: LighthouseProcess, honest: Honest
 ) -> None:

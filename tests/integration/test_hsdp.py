@@ -110,6 +110,7 @@ def test_fsdp_groups_split_their_shards_optimizer_state_with_parity(tmp_path: Pa
     assert len(finished) == 4 and all(event["repairs"] >= 1 for event in finished)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("redundancy", [[], ["--overlap", "0"]], ids=["replicated", "sharded-across-groups"])
 def test_fsdp_groups_killed_together_resume_from_their_checkpoint_at_another_number_of_groups(
     tmp_path: Path, redundancy: list[str]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -62,9 +62,11 @@ def test_a_sigtermed_worker_leaves_at_the_step_boundary_and_nobody_recovers(
 
 
 def test_a_replica_group_leaves_whole_when_one_of_its_processes_gets_sigterm(
-    tmp_path: Path, lighthouse: Lighthouse
+    tmp_path: Path, make_lighthouse: Callable[..., Lighthouse]
 ) -> None:
     """Only process 1 of group B is signalled (torchrun signals each, not at one instant): both of B's leave."""
+    # the groups' plan, and the first quorum formed once both groups ask (not after the join timeout for a third)
+    lighthouse = make_lighthouse(GROUP_PLAN, workers=2)
     agents = {name: launch_group(lighthouse.url, name, tmp_path) for name in ("group-a", "group-b")}
     try:
         wait_until(lambda: latest_step(tmp_path)[0] >= 4, GROUP_TIMEOUT, "the groups to train")

@@ -73,6 +73,7 @@ def in_namespace(name: str, *command: str) -> subprocess.Popen[str]:
     return subprocess.Popen(command_line, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=environ)
 
 
+@pytest.mark.slow
 def test_a_peer_blackholed_from_the_others_ends_the_rendezvous_at_its_deadline_and_is_found_cut_off(
     namespaces: dict[str, str],
 ) -> None:

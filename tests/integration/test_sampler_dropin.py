@@ -159,6 +159,7 @@ def test_state_dict_counts_what_the_loop_took_not_what_workers_prefetched(tmp_pa
     assert sorted(itertools.chain(*taken, *rest)) == sorted(itertools.chain(*full))
 
 
+@pytest.mark.slow
 def test_plain_torchrun_ddp_stopped_mid_epoch_resumes_exactly_once(tmp_path: Path) -> None:
     """2 ranks x 2 DataLoader workers: 3 steps, stop, resume, to the end of epoch 1; the ranks' audit files
     cover both epochs exactly once and the parameters are the single-process mean-gradient run's."""

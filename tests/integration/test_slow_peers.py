@@ -15,6 +15,8 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
+import pytest
+
 from stalwart.coord.server import Lighthouse
 from stalwart.launch.cluster import LocalCluster
 from stalwart.runtime.patience import MAX_GROWTH
@@ -25,6 +27,7 @@ STEPS = 5
 """More steps than the rule's growths (4): without the rule, every step breaks its quorum once."""
 
 
+@pytest.mark.slow
 def test_a_peer_slower_than_the_collective_timeout_stops_failing_steps(tmp_path: Path, lighthouse: Lighthouse) -> None:
     cluster = LocalCluster(lighthouse.url, tmp_path, worker_args(STEPS))
     for worker in range(WORKERS):

@@ -95,6 +95,7 @@ def runner() -> Iterator[Runner]:
         yield torchx_runner
 
 
+@pytest.mark.slow
 def test_a_killed_group_is_restarted_in_its_role_rejoins_and_is_healed(
     tmp_path: Path, token: str, runner: Runner
 ) -> None:

@@ -277,7 +277,10 @@ def test_the_steps_contract_is_enforced_with_errors_that_say_what_to_do(solo: Li
         loader.close()
 
 
-@pytest.mark.parametrize("variant", ["bf16-autocast", "fp16-autocast-gradscaler", "compiled", "checkpointed"])
+@pytest.mark.parametrize(
+    "variant",
+    ["bf16-autocast", "fp16-autocast-gradscaler", pytest.param("compiled", marks=pytest.mark.slow), "checkpointed"],
+)
 def test_autocast_gradscaler_torch_compile_and_activation_checkpointing_train_the_gpt(
     solo: Lighthouse, variant: str
 ) -> None:
