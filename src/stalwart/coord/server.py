@@ -102,6 +102,8 @@ MAX_HEARTBEAT_BYTES = 4096
 """Largest heartbeat message; a balanced ledger's carry the weights and may take up to ``MAX_BODY_BYTES``."""
 MAX_WAITERS = 4096
 """Default cap on pending quorum long polls (``max_waiters``)."""
+RENOTICE_S = 1.0
+"""Seconds before a heartbeat's answer repeats a reconfigure notice its socket already got (pushed or answered)."""
 HEARTBEATS_PER_SECOND = 8192
 """The heartbeat rate the lighthouse plans for: with M members it recommends an interval of at least
 ``M / HEARTBEATS_PER_SECOND`` seconds (see :func:`recommended_heartbeat_interval`)."""
@@ -255,6 +257,10 @@ class Lighthouse:
         self._waiting = 0
         """How many quorum long polls wait (the sum of ``_waiters``' lengths)."""
         self._broken_pushed: set[int] = set()
+        self._noticed: dict[str, tuple[web.WebSocketResponse, tuple[int, bool, bool], float]] = {}
+        """Each member's last reconfigure notice: its socket, ``(quorum_id, broken, left_out)`` and when. During a
+        failure every heartbeat of a member that has not asked yet is due a notice; answering each of them with it
+        (8,000 a second at 1,024 members) took the loop from the survivors' quorum requests."""
         self._collector: QuietCollector | None = None
         """Set by ``serve_forever`` (the process is the lighthouse's): full collections at quiet times only."""
         self._own_process = False
@@ -531,10 +537,22 @@ class Lighthouse:
         self._broken_pushed.add(quorum.quorum_id)
         message = json.dumps({"type": "reconfigure", "quorum_id": quorum.quorum_id, "broken": True})
         loop = asyncio.get_running_loop()
+        now = time.monotonic()
         for member in quorum.members:
             socket = self._sockets.get(member)
             if socket is not None and not socket.closed:
+                self._noticed[member] = (socket, (quorum.quorum_id, True, False), now)
                 loop.create_task(socket.send_str(message)).add_done_callback(_consume)
+
+    def _notice_due(self, member: str, socket: web.WebSocketResponse, key: tuple[int, bool, bool]) -> bool:
+        """Whether ``member``'s heartbeat answer carries the reconfigure notice ``key``: not when its socket got the
+        same one less than ``RENOTICE_S`` ago (then it is recorded as sent now)."""
+        now = time.monotonic()
+        last = self._noticed.get(member)
+        if last is not None and last[0] is socket and last[1] == key and now - last[2] < RENOTICE_S:
+            return False
+        self._noticed[member] = (socket, key, now)
+        return True
 
     async def _durable(self) -> bool:
         """Save what changed (on the save thread); False when the save failed.
@@ -709,13 +727,17 @@ class Lighthouse:
                 if refused:
                     continue
                 quorum = self.state.quorum
-                if quorum is not None and self.state.should_reconfigure(member):
-                    await _send(
-                        ws, {"type": "reconfigure", "quorum_id": quorum.quorum_id, "broken": self.state.quorum_broken}
-                    )
-                elif quorum is not None and self.state.left_out(member):
+                if quorum is None:
+                    continue
+                if self.state.should_reconfigure(member):
+                    broken = self.state.quorum_broken
+                    if self._notice_due(member, ws, (quorum.quorum_id, broken, False)):
+                        await _send(ws, {"type": "reconfigure", "quorum_id": quorum.quorum_id, "broken": broken})
+                elif self.state.left_out(member) and self._notice_due(member, ws, (quorum.quorum_id, False, True)):
                     await _send(ws, {"type": "reconfigure", "quorum_id": quorum.quorum_id, "left_out": True})
         finally:
+            if self._noticed.get(member, (None,))[0] is ws:
+                del self._noticed[member]
             if self._sockets.get(member) is ws:
                 del self._sockets[member]
                 if not self._stopping:
