@@ -6,14 +6,20 @@ are threads sharing an in-process ``HashStore``, which is the same interface.
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stalwart.data.world import WorldInfo
 from stalwart.runtime.group import GroupLink
+from stalwart.runtime.preemption import Departure
 
 
 def links(size: int) -> tuple[dist.Store, list[GroupLink]]:
@@ -49,3 +55,38 @@ def test_every_process_applies_a_step_only_if_every_process_reduced_it(case: tup
 def test_a_single_process_group_needs_no_store() -> None:
     link = GroupLink(WorldInfo(0, 1))
     assert link.agree(True) and not link.agree(False)
+
+
+def test_a_vote_that_never_comes_ends_at_the_timeout_naming_it() -> None:
+    _, (leader, _peer) = links(2)
+    leader.timeout = 0.2
+    with pytest.raises(RuntimeError, match=r"the group's votes on collective 0 did not come within 0.2 s"):
+        leader.agree(True)
+
+
+def test_sigterm_while_a_peers_vote_is_missing_ends_the_wait_after_the_departure_grace() -> None:
+    """torchrun stops a group whose process died with SIGTERM to the others: a process waiting for the dead one's
+    vote hears it (a real signal, the Manager's own handler) and gives up after the grace, not at the timeout."""
+    store = dist.HashStore()
+    departure = Departure()
+    departure.install()
+    try:
+        leader = GroupLink(
+            WorldInfo(0, 2), store, timeout=3600.0, leaving=lambda: departure.requested, departure_grace=0.2
+        )
+        threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        with pytest.raises(RuntimeError, match=r"asked to depart \(SIGTERM\): its group is being stopped"):
+            leader.agree(True)
+        assert departure.requested
+    finally:
+        departure.uninstall()
+
+
+def test_a_peer_that_votes_within_the_grace_is_agreed_with_after_a_departure_request() -> None:
+    """A departure asked while the group is healthy (a spot notice) still finishes the step's vote."""
+    store = dist.HashStore()
+    leader = GroupLink(WorldInfo(0, 2), store, timeout=3600.0, leaving=lambda: True, departure_grace=3600.0)
+    peer = GroupLink(WorldInfo(1, 2), store, timeout=3600.0)
+    with ThreadPoolExecutor(1) as pool:
+        late = pool.submit(lambda: (time.sleep(0.2), peer.agree(True))[1])
+        assert leader.agree(True) and late.result(timeout=60)

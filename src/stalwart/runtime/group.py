@@ -23,6 +23,11 @@ its processes must apply the step together or retry it together:
 and after every sharded gather (the store lives as long as the group, whatever
 happens to other groups).
 
+A process waits for its peers' keys by looking, never in a blocking store
+``get``: torchrun stops a group whose process died with SIGTERM to the
+others, and a process blocked in the store's C++ wait runs no Python signal
+handler. Asked to depart, it waits at most :data:`DEPARTURE_GRACE` more.
+
 torchrun keeps its store when it restarts a failed group in place
 (``--max-restarts``), so the keys live under the launch's restart count
 (``TORCHELASTIC_RESTART_COUNT``): a restarted group never reads the answers
@@ -35,6 +40,7 @@ import datetime
 import json
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -42,20 +48,39 @@ import torch.distributed as dist
 from stalwart.data.world import WorldInfo
 
 _BROKEN_CHECK_SECONDS = 0.005
+_POLL_FIRST, _POLL_MAX = 0.001, 0.05
+"""Seconds between two looks at the store while waiting for a peer's key (doubling from the first to the most)."""
+DEPARTURE_GRACE = 5.0
+"""Seconds a process asked to depart (SIGTERM) still waits for a group peer's key. A live peer writes its vote or
+answer within milliseconds of this process; under torchrun, a departure while a peer's key is missing means its
+agent is stopping the group because a peer died, and waiting on (up to the quorum timeout) held the process past
+the agent's 30 s grace, until SIGKILL."""
 
 
 class GroupLink:
     """How the processes of one replica group share the leader's view of the lighthouse."""
 
-    def __init__(self, world: WorldInfo, store: dist.Store | None = None, *, timeout: float = 120.0) -> None:
+    def __init__(
+        self,
+        world: WorldInfo,
+        store: dist.Store | None = None,
+        *,
+        timeout: float = 120.0,
+        leaving: Callable[[], bool] = lambda: False,
+        departure_grace: float = DEPARTURE_GRACE,
+    ) -> None:
         """``world`` is this process's place in its group; ``store`` is needed when the group has several processes.
 
         With several processes and no ``store``, torchrun's agent store is used
-        (``MASTER_ADDR``/``MASTER_PORT``).
+        (``MASTER_ADDR``/``MASTER_PORT``). A wait for a peer's key (a vote, the
+        leader's answer) gives up after ``timeout`` seconds, or
+        ``departure_grace`` seconds after ``leaving()`` turns true.
         """
         self.rank = world.rank
         self.size = world.world_size
         self.timeout = timeout
+        self._leaving = leaving
+        self._departure_grace = departure_grace
         if self.size > 1 and store is None:
             address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
             if not address or not port or not port.isdigit():
@@ -85,7 +110,9 @@ class GroupLink:
     def receive(self) -> dict[str, Any]:
         """Other processes: the next quorum answer the leader published (waits up to ``timeout``)."""
         assert self._store is not None
-        answer = json.loads(self._store.get(f"answer/{self._answers}"))
+        key = f"answer/{self._answers}"
+        self._wait([key], "the leader's quorum answer")
+        answer = json.loads(self._store.get(key))
         self._answers += 1
         return dict(answer)
 
@@ -97,21 +124,43 @@ class GroupLink:
         n-th vote is the same attempt on each of them. A process that finishes
         vote n knows that every process has finished reading vote n - 1, so it
         deletes its own key of that one: the store holds one vote per process.
-        A group peer that dies ends the whole group (torchrun's agent), so the
-        wait for its vote is bounded by that and by ``timeout``.
+        A group peer that dies ends the whole group (torchrun's agent, which
+        sends this process SIGTERM), so the wait for its vote is bounded by
+        that (see :data:`DEPARTURE_GRACE`) and by ``timeout``.
         """
         if self._store is None:
             return succeeded
         vote = self._votes
         self._votes += 1
         self._store.set(f"vote/{vote}/{self.rank}", "1" if succeeded else "0")
-        agreed = succeeded
-        for rank in range(self.size):
-            if rank != self.rank:
-                agreed = self._store.get(f"vote/{vote}/{rank}") == b"1" and agreed
+        keys = [f"vote/{vote}/{rank}" for rank in range(self.size) if rank != self.rank]
+        self._wait(keys, f"the group's votes on collective {vote}")
+        agreed = succeeded and all(value == b"1" for value in self._store.multi_get(keys))
         if vote > 0:
             self._store.delete_key(f"vote/{vote - 1}/{self.rank}")
         return agreed
+
+    def _wait(self, keys: list[str], what: str) -> None:
+        """Return once every one of ``keys`` is in the store; RuntimeError past ``timeout``, or past the departure
+        grace once ``leaving()``. Looks (``check``, which never blocks) rather than waits in a blocking ``get``: a
+        process blocked in the store's C++ wait runs no Python signal handler, so SIGTERM went unheard."""
+        assert self._store is not None
+        started = time.monotonic()
+        deadline = started + self.timeout
+        pause = _POLL_FIRST
+        while not self._store.check(keys):
+            now = time.monotonic()
+            if self._leaving():
+                deadline = min(deadline, now + self._departure_grace)
+                if now >= deadline:
+                    raise RuntimeError(
+                        f"{what} did not come within {self._departure_grace:g} s of this process being asked to "
+                        "depart (SIGTERM): its group is being stopped (a peer process died)"
+                    )
+            if now >= deadline:
+                raise RuntimeError(f"{what} did not come within {self.timeout:g} s")
+            time.sleep(min(pause, max(deadline - now, 0.0)))
+            pause = min(2 * pause, _POLL_MAX)
 
     def mark_boundary(self, quorum_id: int) -> None:
         """Leader: tell the group that the lighthouse wants quorum ``quorum_id`` at a step boundary."""

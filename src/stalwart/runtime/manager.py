@@ -221,6 +221,7 @@ class Manager:
             timeouts=self.timeouts,
             device=self.device,
             layout=sharding_layout(model) if fsdp else REPLICATED,
+            leaving=lambda: self._departure.requested,
         )
         self._transport = transport
         self._plan = plan

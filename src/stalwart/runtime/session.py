@@ -107,6 +107,8 @@ class QuorumSession:
     ``layout``: this process's FSDP2 layout string (:data:`REPLICATED` for an
     unsharded model); ``sharded``: gradients reduce per FSDP2 shard, over a
     communicator of the processes holding the same shard in every group.
+    ``leaving()``: whether this process was asked to depart (its waits on
+    group peers then end soon, see :data:`~stalwart.runtime.group.DEPARTURE_GRACE`).
     """
 
     def __init__(
@@ -121,6 +123,7 @@ class QuorumSession:
         timeouts: Timeouts,
         device: torch.device,
         layout: str,
+        leaving: Callable[[], bool] = lambda: False,
     ) -> None:
         self.member = member
         self._token = token
@@ -132,7 +135,7 @@ class QuorumSession:
         self.layout = layout
         self.sharded = layout != REPLICATED
         self.plan = plan
-        self.group = GroupLink(group.world, group.store, timeout=timeouts.quorum_timeout)
+        self.group = GroupLink(group.world, group.store, timeout=timeouts.quorum_timeout, leaving=leaving)
         self.answer: QuorumAnswer | None = None
         self.comm: Communicator | None = None
         self.grad_comm: Communicator | None = None
