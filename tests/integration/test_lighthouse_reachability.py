@@ -110,6 +110,10 @@ def test_a_left_out_member_whose_probe_gets_through_again_ends_its_cuts_and_is_c
 
         with ThreadPoolExecutor(1) as pool:  # c cut from both: left out, a and b go on; c's request waits
             rejoined = pool.submit(clients[c].quorum, 0, 1, "failure", 60, unreachable=[a, b])
+            wait_until(  # else a and b may form first, and c's request come late is refused (409: join again)
+                lambda: any(m["member"] == c and m["asking"] for m in lighthouse.status()["members"]),
+                what="c's request waiting",
+            )
             second = ask_all(clients, {m: (0, 1, "failure", 30, (c,)) for m in (a, b)})
             assert {answer.members for answer in second.values()} == {(a, b)}
             assert clients[c].report_reached([a]) == 1

@@ -890,3 +890,19 @@ def test_whatever_the_order_of_reports_a_cut_off_minority_never_forms_in_place_o
     assert formed.members == tuple(majority), "the members that reach one another, in their ranks"
     assert asked >= set(majority), "it formed only once every member of the majority had asked"
     assert cluster.state.counts["failures"] == 0
+
+
+def test_a_heartbeat_heard_again_keeps_a_live_member_alive_and_nothing_else() -> None:
+    cluster = SimulatedFleet(PLAN, heartbeat_timeout=HEARTBEAT_TIMEOUT, join_timeout=JOIN_TIMEOUT)
+    cluster.start(2)
+    w0, w1 = cluster.members
+    before = cluster.state.to_status(cluster.now)
+    later = cluster.now + 0.75 * HEARTBEAT_TIMEOUT
+    assert cluster.state.heard_again(w0, later)
+    assert cluster.state.members[w0].last_seen == later
+    after = cluster.state.to_status(later)
+    assert after["ledger"] == before["ledger"] and after["quorum"] == before["quorum"]
+    assert not cluster.state.heard_again("stranger", later), "unknown: read in full"
+    cluster.state.disconnected(w1, later)
+    assert cluster.state.member_state(w1) == "dead" and not cluster.state.heard_again(w1, later), "dead: read in full"
+    assert cluster.state.member_state(w1) == "dead"

@@ -469,8 +469,9 @@ class LighthouseState:
         now: float,
         digest: str | None = None,
         weights: Mapping[str, Any] | None = None,
-    ) -> None:
+    ) -> bool:
         """``member`` reports ``applied_step``; the ledger commits through the largest a quorum member reports.
+        True when the report counted at once (False: its replay goes on, see :meth:`heard_again`).
 
         ``digest`` is the member's ``ledger_digest`` at ``applied_step``: a
         report that would commit steps is refused (``RequestError`` 422,
@@ -489,6 +490,19 @@ class LighthouseState:
             record.report(applied_step)
             self.commits.progress(self.roster, member, applied_step, weights)
         self._take_verdicts()
+        return counts
+
+    def heard_again(self, member: str, now: float) -> bool:
+        """``member`` sent again the report :meth:`heartbeat` counted last, within the same quorum: it is alive at
+        ``now`` and nothing else changes. False (nothing done) unless it is a live member: then the report is read in
+        full. Most heartbeats repeat the last one (a member heartbeats several times per step, and not at all
+        differently while it waits for a quorum): reading them in full held the loop from quorum requests."""
+        record = self.membership.get(member)
+        if record is None or not record.alive:
+            return False
+        self._touch(member, now)
+        self._take_verdicts()
+        return True
 
     def leave(
         self,

@@ -702,6 +702,9 @@ class Lighthouse:
         self.state.connected(member, time.time())
         self._advance()
         spoke = False
+        counted: tuple[str, int] | None = None
+        """The last heartbeat text counted in full without a refusal, and the quorum then: the same text again in the
+        same quorum is only a sign of life (:meth:`LighthouseState.heard_again`)."""
         try:
             async for message in ws:
                 # no await from this check to the state's: a leave (which retires this socket) cannot come between
@@ -711,21 +714,27 @@ class Lighthouse:
                     await _send(ws, {"type": "error", "error": "heartbeats must be JSON text messages"})
                     continue
                 spoke = True
-                reading = read_heartbeat(message.data, member, self.state.incarnation(member), self.metrics,
-                                         self.rounds)  # fmt: skip
-                errors = list(reading.errors)
-                refused = reading.applied_step is None
-                if reading.applied_step is not None:
-                    try:
-                        self.state.heartbeat(member, reading.applied_step, time.time(), reading.digest, reading.weights)
-                    except RequestError as error:
-                        errors.append(error.message)
-                        refused = True
-                self._deliver_refusals()
-                for text in errors:
-                    await _send(ws, {"type": "error", "error": text})
-                if refused:
-                    continue
+                quorum = self.state.quorum
+                seen = (message.data, -1 if quorum is None else quorum.quorum_id)
+                if seen != counted or not self.state.heard_again(member, time.time()):
+                    counted = None
+                    reading = read_heartbeat(message.data, member, self.state.incarnation(member), self.metrics,
+                                             self.rounds)  # fmt: skip
+                    errors = list(reading.errors)
+                    refused = reading.applied_step is None
+                    if reading.applied_step is not None:
+                        try:
+                            step, digest, weights = reading.applied_step, reading.digest, reading.weights
+                            if self.state.heartbeat(member, step, time.time(), digest, weights) and not errors:
+                                counted = seen
+                        except RequestError as error:
+                            errors.append(error.message)
+                            refused = True
+                    self._deliver_refusals()
+                    for text in errors:
+                        await _send(ws, {"type": "error", "error": text})
+                    if refused:
+                        continue
                 quorum = self.state.quorum
                 if quorum is None:
                     continue
