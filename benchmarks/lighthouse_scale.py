@@ -175,6 +175,8 @@ class Sim:
     dead: bool = False
     asking: bool = False
     pushed_at: float | None = None
+    asked_at: float | None = None
+    """When its quorum request first went out (after a push: its process's queueing included)."""
     answered_at: float | None = None
     refused: int = 0
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
@@ -306,6 +308,7 @@ class Fleet:
         request = QuorumRequest(sim.name, self.step, sim.quorum_id, reason, digest, wire=self.wire, known=sim.quorum_id)
         body = request.to_body()
         deadline = time.monotonic() + PHASE_LIMIT
+        sim.asked_at = time.time()
         try:
             while not sim.dead and time.monotonic() < deadline:
                 try:
@@ -385,7 +388,7 @@ class Fleet:
     async def mark(self) -> dict[str, Any]:
         """Forget the pushes and answers seen so far (a new event is about to be measured)."""
         for sim in self.sims.values():
-            sim.pushed_at = sim.answered_at = None
+            sim.pushed_at = sim.asked_at = sim.answered_at = None
         self.answer_bytes = []
         self.retried, self.first_retried = {}, {}
         return {}
@@ -410,6 +413,7 @@ class Fleet:
         live = self.live()
         return {
             "pushed": [sim.pushed_at for sim in live],
+            "asked": [sim.asked_at for sim in live],
             "answered": [sim.answered_at for sim in live],
             "quorum_ids": sorted({sim.quorum_id for sim in live if sim.quorum_id is not None}),
             "refused": sum(sim.refused for sim in live),
@@ -692,6 +696,7 @@ class Driver:
             "push_observers_ms": _ms_after([t for a in observers for t in a["pushed"]], killed_at, 1.0),
             "push_p50_ms": _ms_after(pushed, killed_at, 0.5),
             "push_max_ms": _ms_after(pushed, killed_at, 1.0),
+            "asked_max_ms": _ms_after([t for answer in everyone for t in answer["asked"]], killed_at, 1.0),
             "answered_observers_ms": _ms_after([t for a in observers for t in a["answered"]], killed_at, 1.0),
             "answered_max_ms": _ms_after(answered, killed_at, 1.0),
             "answered": sum(t is not None for t in answered),
@@ -763,6 +768,7 @@ ROWS: tuple[tuple[str, str, int], ...] = (
     ("/healthz p50 / p99 / max (ms)", "steady.healthz", 0),
     ("1 failure: quorum formed (ms)", "failure.formed_ms", 0),
     ("1 failure: push, observers / all (ms)", "failure.push", 0),
+    ("1 failure: last survivor's request sent (ms)", "failure.asked_max_ms", 0),
     ("1 failure: answered, observers / all (ms)", "failure.answered", 0),
     ("1 failure: answer (KiB)", "failure.answer_kib", 2),
     ("1 failure: /healthz stall until answered (ms)", "failure.stall_ms", 0),
@@ -770,6 +776,7 @@ ROWS: tuple[tuple[str, str, int], ...] = (
     ("1/4 fail: quorums formed", "mass_failure.quorums", 0),
     ("1/4 fail: quorum formed (ms)", "mass_failure.formed_ms", 0),
     ("1/4 fail: push, observers / all (ms)", "mass_failure.push", 0),
+    ("1/4 fail: last survivor's request sent (ms)", "mass_failure.asked_max_ms", 0),
     ("1/4 fail: answered, observers / all (ms)", "mass_failure.answered", 0),
     ("1/4 fail: answer (KiB)", "mass_failure.answer_kib", 2),
     ("1/4 fail: /healthz stall until answered (ms)", "mass_failure.stall_ms", 0),

@@ -11,6 +11,7 @@ others may read or write is refused, as ssh refuses such a key.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import os
@@ -37,8 +38,11 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=256)
 def is_loopback_authority(authority: str) -> bool:
     """Whether a ``Host`` header (``name``, ``name:port``, ``[v6]``, ``[v6]:port``) names this machine only.
+
+    Cached (a lighthouse reads it on every request without a token, and its members send the same few values).
 
     What a browser under DNS rebinding sends is the attacker's name: it is not loopback, whatever address it
     resolved to.
