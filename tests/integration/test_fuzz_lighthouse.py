@@ -49,7 +49,7 @@ FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCh
 # Every route the lighthouse serves: a route added to server.py fails
 # test_the_fuzzed_routes_are_all_the_routes until it is listed (and fuzzed) here.
 GET_ROUTES = ("/healthz", "/status", "/v1/status", "/v1/heartbeat")
-POST_ROUTES = ("/v1/register", "/v1/quorum", "/v1/leave", "/v1/checkpoint")
+POST_ROUTES = ("/v1/register", "/v1/quorum", "/v1/leave", "/v1/checkpoint", "/v1/reach")
 DASHBOARD_ROUTES = ("/", "/v1/events", "/metrics")
 """The dashboard's routes (HTML, an endless event stream, Prometheus text): fuzzed on their own."""
 STORE_ROUTE = "/v1/store/{quorum_id}"
@@ -239,6 +239,7 @@ TEMPLATES: dict[str, dict[str, Any]] = {
     "/v1/quorum": {"member": "m-alpha", "applied_step": 1, "quorum_id": 1, "reason": "failure", "digest": None},
     "/v1/leave": {"member": "m-alpha", "applied_step": 1, "digest": None},
     "/v1/checkpoint": {"member": "m-alpha", "step": 1, "path": "/ckpt/1", "ledger": LEDGER, "digest": LEDGER_DIGEST},
+    "/v1/reach": {"member": "m-alpha", "reached": ["m-beta"]},
 }
 BAD_FIELDS: dict[str, dict[str, st.SearchStrategy[Any]]] = {
     "/v1/register": {"member": bad_member, "incarnation": bad_incarnation, "plan": bad_plans()},
@@ -257,11 +258,18 @@ BAD_FIELDS: dict[str, dict[str, st.SearchStrategy[Any]]] = {
         "ledger": bad_ledgers(),
         "digest": bad_digest.filter(lambda d: d != LEDGER_DIGEST),
     },
+    "/v1/reach": {
+        "reached": not_an_int.filter(lambda v: not isinstance(v, list))
+        | st.lists(bad_member, min_size=1, max_size=3)
+        | st.sampled_from([["m-alpha"], ["m-beta", "m-beta"], [f"m-{i}" for i in range(4097)]]),
+        "member": bad_member,
+    },
 }
 REQUIRED = {
     "/v1/register": ("member", "incarnation"),
     "/v1/quorum": ("member", "applied_step", "reason"),
     "/v1/checkpoint": ("member", "step", "path", "ledger", "digest"),
+    "/v1/reach": ("member", "reached"),
 }
 
 
