@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from stalwart.coord.server import Lighthouse
 from stalwart.data.plan import EpochPlan
@@ -92,3 +93,35 @@ def test_the_manager_reads_the_environment_and_gives_up_joining_after_its_attemp
             manager.close()
             loader.close()
         assert len(attempts) == 3
+
+
+def test_on_event_is_told_only_the_kinds_events_names_and_an_unknown_kind_is_refused() -> None:
+    with Lighthouse(PLAN, min_replicas=1, start_replicas=1, heartbeat_timeout=2.0, join_timeout=10.0) as server:
+        model = digits_model(0)
+        optimizer = digits_optimizer(model)
+        with pytest.raises(ValueError, match=r"events names unknown kinds \['commited'\]; the kinds are \["):
+            Manager(
+                model, optimizer, lighthouse=server.url, member="m", max_microbatch=48, events={"joined", "commited"}
+            )
+        told: list[tuple[str, int]] = []
+        manager = Manager(
+            model,
+            optimizer,
+            lighthouse=server.url,
+            member="m",
+            max_microbatch=48,
+            on_event=lambda event, step: told.append((event, step)),
+            events=("joined", "reduce_finished"),
+            redundancy=None,
+        )
+        loader = ElasticLoader(digits_dataset())
+        try:
+            for step in manager.steps(loader, max_steps=2):
+                for inputs, targets in step:
+                    step.backward(torch.nn.functional.cross_entropy(model(inputs), targets))
+                optimizer.step()
+                optimizer.zero_grad()
+        finally:
+            manager.close()
+            loader.close()
+        assert told == [("joined", 0), ("reduce_finished", 0), ("reduce_finished", 1)]

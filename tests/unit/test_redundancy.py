@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from collections import Counter
 
 import pytest
@@ -17,6 +18,7 @@ from stalwart.redundancy import (
     Redundancy,
     lost_shards,
     parse_parity,
+    parse_redundancy,
     place,
     split_lengths,
     state_bytes,
@@ -94,6 +96,29 @@ def test_bad_choices_name_the_parameter_value_and_range(make: object, error: typ
     with pytest.raises(error) as raised:
         make()  # type: ignore[operator]
     assert message in str(raised.value)
+
+
+@given(fraction=st.floats(0, 1), k=st.integers(1, 64), m=st.integers(1, 8))
+def test_redundancy_as_text_is_the_same_choice_as_its_object(fraction: float, k: int, m: int) -> None:
+    assert parse_redundancy(f"overlap:{fraction!r}") == Overlap(fraction)
+    assert parse_redundancy(f" Parity: {k}, {m} ") == Parity(k, m)
+    assert parse_redundancy(Overlap(fraction)) == Overlap(fraction) and parse_redundancy(None) is None
+
+
+@pytest.mark.parametrize(
+    ("text", "error", "message"),
+    [
+        ("overlap", ValueError, "redundancy must be 'overlap:F'"),
+        ("zero:1", ValueError, "redundancy must be 'overlap:F'"),
+        ("overlap:1.5", ValueError, "redundancy='overlap:1.5': "),
+        ("overlap:x", ValueError, "redundancy='overlap:x': "),
+        ("parity:7", ValueError, "redundancy='parity:7': parity must be two integers"),
+        (0.5, TypeError, "redundancy must be Overlap"),
+    ],
+)
+def test_redundancy_text_that_is_not_a_choice_is_refused_naming_it(text: object, error: type, message: str) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        parse_redundancy(text)  # type: ignore[arg-type]
 
 
 def test_parse_parity_reads_k_and_m() -> None:

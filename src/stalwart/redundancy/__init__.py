@@ -5,7 +5,7 @@ at once. The erasure code on tensors is :mod:`stalwart.redundancy.parity`,
 imported on its own (it needs torch, and pyeclib for ``m >= 2``).
 """
 
-from stalwart.redundancy.config import Overlap, Parity, Redundancy, parse_parity
+from stalwart.redundancy.config import Overlap, Parity, Redundancy, parse_parity, parse_redundancy
 from stalwart.redundancy.memory import OPTIMIZER_STATE_ELEMENTS, split_lengths, state_bytes
 from stalwart.redundancy.placement import (
     Cell,
@@ -29,6 +29,7 @@ __all__ = [
     "Stripe",
     "lost_shards",
     "parse_parity",
+    "parse_redundancy",
     "place",
     "split_lengths",
     "state_bytes",

@@ -86,3 +86,28 @@ def _check_fraction(value: Any) -> float:
     if not 0.0 <= fraction <= 1.0:  # NaN fails too
         raise ValueError(f"overlap must be in [0, 1], got {value!r}")
     return fraction
+
+
+REDUNDANCY_FORMS = "'overlap:F' (F in [0, 1], e.g. 'overlap:0.5') or 'parity:K,M' (e.g. 'parity:2,1')"
+"""The text forms :func:`parse_redundancy` takes (what a config system that passes only literals can say)."""
+
+
+def parse_redundancy(value: Redundancy | str | None) -> Redundancy | None:
+    """An :class:`Overlap` or :class:`Parity` given as itself or as text (``"overlap:0.5"``, ``"parity:2,1"``); None
+    stays None. Anything else raises ``ValueError`` (``TypeError`` for another type) naming ``redundancy``, the
+    value and the forms allowed."""
+    if value is None or isinstance(value, Overlap | Parity):
+        return value
+    if not isinstance(value, str):
+        raise TypeError(
+            f"redundancy must be Overlap(...), Parity(...), a string {REDUNDANCY_FORMS} or None, got {value!r}"
+        )
+    kind, separator, argument = value.strip().partition(":")
+    try:
+        if separator and kind.strip().lower() == "overlap":
+            return Overlap(float(argument))
+        if separator and kind.strip().lower() == "parity":
+            return parse_parity(argument)
+    except ValueError as error:
+        raise ValueError(f"redundancy={value!r}: {error}") from None
+    raise ValueError(f"redundancy must be {REDUNDANCY_FORMS}, got {value!r}")

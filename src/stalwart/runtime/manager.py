@@ -45,7 +45,7 @@ import math
 import os
 import socket
 import threading
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Collection, Generator, Iterator
 from typing import Any
 
 import numpy as np
@@ -58,7 +58,7 @@ from stalwart.data.info import DataLoadingInfo
 from stalwart.data.ledger import DataLedger
 from stalwart.data.plan import EpochPlan
 from stalwart.errors import JobFinishedError, JoinError, PlanMismatchError, StepContractError
-from stalwart.redundancy.config import Redundancy
+from stalwart.redundancy.config import Redundancy, parse_redundancy
 from stalwart.runtime.accumulation import Source, StepAccumulation
 from stalwart.runtime.checkpointing import CheckpointPolicy
 from stalwart.runtime.comm import CollectiveError, default_device
@@ -109,7 +109,8 @@ class Manager:
     after iterating the step (:mod:`stalwart.runtime.update`; any number of
     parameter groups, on every path). With ``redundancy``
     (:class:`~stalwart.redundancy.config.Overlap` or
-    :class:`~stalwart.redundancy.config.Parity`) its state and an fp32 master
+    :class:`~stalwart.redundancy.config.Parity`, or the text ``"overlap:0.5"``
+    or ``"parity:2,1"`` a config system of literals can pass) its state and an fp32 master
     are sharded over the quorum's processes (ZeRO stage 1, SGD, Adam or
     AdamW; :mod:`stalwart.runtime.zero`); ``node`` labels this process's
     machine (default: the host name), so that copies and parity go to other
@@ -130,7 +131,8 @@ class Manager:
     ``gather_started`` and ``parity_started`` (with ``sync``: also
     ``exchange_started`` and ``outer_started`` with the round, and
     ``quorum_broken`` when an inner step saw a group die), for tracing and for
-    tests that kill a worker at those points.
+    tests that kill a worker at those points; ``events`` (a collection of those
+    kinds, default all) limits what it is told.
 
     ``sync``: :class:`~stalwart.runtime.diloco.config.DiLoCo` trains
     semi-synchronously across replica groups (DiLoCo, Streaming DiLoCo): the
@@ -165,7 +167,7 @@ class Manager:
         member: str | None = None,
         token: str | None = None,
         plan: EpochPlan | None = None,
-        redundancy: Redundancy | None = None,
+        redundancy: Redundancy | str | None = None,
         node: str | None = None,
         checkpoint: Checkpointing | None = None,
         reduction: Reduction | None = None,
@@ -175,12 +177,15 @@ class Manager:
         group: ReplicaGroup | None = None,
         device: torch.device | None = None,
         on_event: Callable[[str, int], None] | None = None,
+        events: Collection[str] | None = None,
         sync: DiLoCo | None = None,
         sigterm: bool | None = None,
     ) -> None:
         lighthouse = _from_environment("lighthouse", lighthouse, "STALWART_LIGHTHOUSE")
         member = _from_environment("member", member, "STALWART_MEMBER")
         _check_arguments(model, optimizer, member, plan, checkpoint, reduction, checks, transport, timeouts, group)
+        redundancy = parse_redundancy(redundancy)
+        wanted_events = _check_events(events)
         _check_sync(sync, model, redundancy, checkpoint)
         install_sigterm = _check_sigterm(sigterm, sync)
         if sync is not None and plan is not None:  # the ledger's step is a round of inner steps
@@ -250,6 +255,7 @@ class Manager:
             else CheckpointPolicy(checkpoint, self._session, self._replica, self._zero, fsdp_group=fsdp)
         )
         self._on_event = on_event
+        self._events = wanted_events
         self._reconfigure = True
         self._max_steps: int | None = None
         self._started = False
@@ -916,7 +922,7 @@ class Manager:
 
     def _notify(self, event: str, step: int | None = None) -> None:
         """Tell the ``on_event`` hook (tracing, chaos tests) that ``event`` happened in ``step`` (default: current)."""
-        if self._on_event is not None:
+        if self._on_event is not None and (self._events is None or event in self._events):
             self._on_event(event, self.ledger.step if step is None else step)
 
     def _source(self, loader: ElasticLoader | DataLoader[Any]) -> Source:
@@ -993,6 +999,35 @@ def _from_environment(name: str, value: str | None, variable: str) -> str:
     if not found:
         raise ValueError(f"{name} must be given, or the environment variable {variable} set (neither is)")
     return found
+
+
+EVENTS = frozenset(
+    {
+        "joined",
+        "healed",
+        "reduce_started",
+        "reduce_finished",
+        "update_started",
+        "gather_started",
+        "parity_started",
+        "quorum_broken",
+        "exchange_started",
+        "outer_started",
+    }
+)
+"""The kinds of event ``on_event`` is told (``events`` picks some)."""
+
+
+def _check_events(events: Collection[str] | None) -> frozenset[str] | None:
+    """``events`` as a set of known kinds (None: every kind); else ValueError naming the unknown ones."""
+    if events is None:
+        return None
+    if isinstance(events, str) or not isinstance(events, Collection):
+        raise TypeError(f"events must be a collection of event kinds or None, got {events!r:.80}")
+    unknown = sorted(str(event) for event in events if event not in EVENTS)
+    if unknown:
+        raise ValueError(f"events names unknown kinds {unknown}; the kinds are {sorted(EVENTS)}")
+    return frozenset(events)
 
 
 def _check_sync(sync: Any, model: torch.nn.Module, redundancy: Any, checkpoint: Any) -> None:
