@@ -162,6 +162,8 @@ def test_manager_state_dict_round_trips_model_optimizer_and_registered_state() -
             scheduler.step()
         source = Manager(model, optimizer, lighthouse=lighthouse.url, member="a", max_microbatch=4)
         source.register_state("lr_scheduler", scheduler)
+        loop = source.register_values("loop", best_val_loss=1e9, iter_num=0)
+        loop.best_val_loss, loop.iter_num = 2.75, 12
         states = {name: obj.state_dict() for name, obj in source.states.items()}
         ledger = DataLedger(PLAN).state_dict()
         source.load_state_dict({"applied_step": 0, "ledger": ledger, "states": states})
@@ -169,6 +171,7 @@ def test_manager_state_dict_round_trips_model_optimizer_and_registered_state() -
         target_model, target_optimizer, target_scheduler = build()
         target = Manager(target_model, target_optimizer, lighthouse=lighthouse.url, member="b", max_microbatch=4)
         target.register_state("lr_scheduler", target_scheduler)
+        target_loop = target.register_values("loop", best_val_loss=1e9, iter_num=0)
         with pytest.raises(ValueError, match="states"):
             target.load_state_dict({**saved, "states": {}})
         target.load_state_dict(saved)
@@ -177,6 +180,7 @@ def test_manager_state_dict_round_trips_model_optimizer_and_registered_state() -
     for name, value in model.state_dict().items():
         assert torch.equal(value, target_model.state_dict()[name])
     assert target_scheduler.state_dict() == scheduler.state_dict()
+    assert (target_loop.best_val_loss, target_loop.iter_num) == (2.75, 12), "plain loop values travel too"
     assert target_optimizer.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
     first = next(iter(optimizer.state.values()))
     assert torch.equal(first["exp_avg"], next(iter(target_optimizer.state.values()))["exp_avg"])

@@ -83,6 +83,7 @@ from stalwart.runtime.tail import ReducedTail, TailHead, TailLayout
 from stalwart.runtime.threads import apply_thread_default
 from stalwart.runtime.timeouts import Timeouts
 from stalwart.runtime.update import UpdateWindow
+from stalwart.runtime.values import LoopValues
 from stalwart.runtime.zero import RepairStats, ShardedOptimizer
 
 log = logging.getLogger(__name__)
@@ -384,6 +385,19 @@ class Manager:
         if self._started:
             raise RuntimeError(f"register_state({name!r}) must be called before manager.steps() starts")
         self._replica.register(name, obj)
+
+    def register_values(self, name: str, **values: Any) -> LoopValues:
+        """Plain loop values (``best_val_loss=1e9, iter_num=0``) healed with the model under ``name``.
+
+        Returns a :class:`~stalwart.runtime.values.LoopValues`: read and set
+        the values as its attributes (``loop.best_val_loss = ...``). Values
+        are numbers, strings, booleans, None, and lists and dicts of them;
+        they travel as JSON, never pickled. As with :meth:`register_state`,
+        every member registers the same names before ``manager.steps()``.
+        """
+        loop_values = LoopValues(**values)
+        self.register_state(name, loop_values)
+        return loop_values
 
     def get_data_loading_info(self) -> DataLoadingInfo:
         """Where this process's samples of the current step come from (the proposal's ``DataLoadingInfo``).
