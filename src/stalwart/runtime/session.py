@@ -648,7 +648,7 @@ class _Reprobe:
                 continue
             try:
                 ended = self._client.report_reached(reached)
-            except (LighthouseError, LighthouseUnreachable, TimeoutError) as error:
+            except (LighthouseError, LighthouseUnreachable, TimeoutError, RuntimeError) as error:  # closed: done
                 log.info("%s: could not tell the lighthouse it reaches %s again: %s", self._member, reached, error)
                 continue
             if set(reached) - told:
