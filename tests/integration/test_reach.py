@@ -25,7 +25,7 @@ from stalwart.data.plan import EpochPlan
 from stalwart.runtime.comm import CollectiveError, Communicator, Failure
 from stalwart.runtime.config import ReplicaGroup, Transport
 from stalwart.runtime.diagnosis import Verdict
-from stalwart.runtime.probe import MAX_PAYLOAD, MIN_WINDOW, LinkNeed, ProbeListener, Reach, probe
+from stalwart.runtime.probe import MAX_PAYLOAD, MAX_PROBE_BYTES, MIN_WINDOW, LinkNeed, ProbeListener, Reach, probe
 from stalwart.runtime.session import REPLICATED, QuorumSession
 from stalwart.runtime.timeouts import Timeouts
 from stalwart.testing.loopback import HOST
@@ -114,10 +114,14 @@ def test_a_probe_sends_a_steps_two_link_bytes_capped_and_allows_them_the_timeout
     big = LinkNeed(10 * MAX_PAYLOAD, 60.0)
     assert (big.payload, big.window) == (MAX_PAYLOAD, 3.0)
     assert LinkNeed(10 * MAX_PAYLOAD, 1.0).window == MIN_WINDOW
+    crowd = LinkNeed(10 * MAX_PAYLOAD, 60.0, peers=4095)  # thousands of peers share the diagnosis's bytes
+    assert crowd.payload * 4095 <= MAX_PROBE_BYTES and crowd.window == MIN_WINDOW
     with pytest.raises(ValueError, match="step_bytes must be a positive int, got 0"):
         LinkNeed(0, 1.0)
     with pytest.raises(ValueError, match="seconds must be a finite number of seconds > 0, got 0"):
         LinkNeed(1, 0)
+    with pytest.raises(ValueError, match="peers must be a positive int, got 0"):
+        LinkNeed(1, 1.0, peers=0)
     with pytest.raises(TypeError, match="need must be a LinkNeed or None"):
         probe({"a": f"{HOST}:1"}, need=1024)  # type: ignore[arg-type]
 

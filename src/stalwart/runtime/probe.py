@@ -30,6 +30,7 @@ run in parallel on a bounded pool.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import socket
@@ -53,6 +54,8 @@ _BACKLOG = 64
 _MAX_HOST = 255
 MAX_PAYLOAD = 4 << 20
 """Most bytes one probe sends (a larger step's link is measured on this many, its allowance scaled down)."""
+MAX_PROBE_BYTES = 64 << 20
+"""Most bytes one diagnosis sends over all its probes: a quorum of thousands is probed with a few KiB each."""
 MIN_WINDOW = 0.5
 """Shortest allowance for a probe's bytes, in seconds: a working link is never called slow on a scheduling hiccup."""
 _LENGTH = struct.Struct("!I")
@@ -91,22 +94,26 @@ class LinkNeed:
     """What a link must carry for the job's steps: ``step_bytes`` (one step's all-reduce) within ``seconds``.
 
     A ring all-reduce sends about twice the reduced bytes over each link, so
-    a probe sends ``2 * step_bytes`` (at most :data:`MAX_PAYLOAD`) and allows
-    them the same share of ``seconds`` (at least :data:`MIN_WINDOW`).
+    a probe sends ``2 * step_bytes`` (at most :data:`MAX_PAYLOAD`, and at most
+    :data:`MAX_PROBE_BYTES` over the ``peers`` probed at once) and allows them
+    the same share of ``seconds`` (at least :data:`MIN_WINDOW`).
     """
 
     step_bytes: int
     seconds: float
+    peers: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.step_bytes, bool) or not isinstance(self.step_bytes, int) or self.step_bytes < 1:
             raise ValueError(f"step_bytes must be a positive int, got {self.step_bytes!r}")
         check_seconds("seconds", self.seconds)
+        if isinstance(self.peers, bool) or not isinstance(self.peers, int) or self.peers < 1:
+            raise ValueError(f"peers must be a positive int, got {self.peers!r}")
 
     @property
     def payload(self) -> int:
-        """The bytes a probe sends."""
-        return min(2 * self.step_bytes, MAX_PAYLOAD)
+        """The bytes a probe sends (at least one)."""
+        return max(1, min(2 * self.step_bytes, MAX_PAYLOAD, MAX_PROBE_BYTES // self.peers))
 
     @property
     def window(self) -> float:
@@ -192,9 +199,9 @@ def probe(
 ) -> dict[Key, Reach]:
     """Connect to each of ``addresses`` (``host:port``) within ``timeout`` seconds, in parallel; what each found.
 
-    With ``need``, each connected peer is also sent ``need.payload`` bytes,
-    which must be acknowledged within ``need.window`` seconds, else it is
-    :attr:`Reach.SLOW`. An address that is not ``host:port`` counts as cut off
+    With ``need``, each connected peer is also sent ``need.payload`` bytes
+    (shared by the peers probed), which must be acknowledged within
+    ``need.window`` seconds, else it is :attr:`Reach.SLOW`. An address that is not ``host:port`` counts as cut off
     (nothing can reach it).
     """
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < math.inf:
@@ -204,6 +211,8 @@ def probe(
     if not addresses:
         return {}
     keys = list(addresses)
+    if need is not None:
+        need = dataclasses.replace(need, peers=len(keys))
     with ThreadPoolExecutor(min(len(keys), _MAX_PARALLEL), thread_name_prefix="stalwart-probe") as pool:
         found = pool.map(lambda key: _reach(addresses[key], timeout, need), keys)
         return dict(zip(keys, found, strict=True))
