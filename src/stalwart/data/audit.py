@@ -211,6 +211,12 @@ class StepAuditWriter:
         """Close the file; further writes raise."""
         self._lines.close()
 
+    def __enter__(self) -> StepAuditWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
 
 def write_expected(directory: str | os.PathLike[str], spec: Mapping[str, Any]) -> dict[str, Any]:
     """Record in ``directory/audit.json`` what each epoch is expected to cover; return the normalised spec.
