@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -120,7 +120,43 @@ class Consumer(NamedTuple):
         return str(self.rank) if self.world_size is None else f"{self.rank} of {self.world_size}"
 
 
-class AuditWriter:
+class _LineWriter:
+    """Appends JSON lines to ``path``, each in one ``write`` to an ``O_APPEND`` descriptor.
+
+    A killed writer leaves whole lines, at worst a torn last one, which is
+    cut off when the file is reopened so that the next line starts on its own.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        _cut_torn_tail(path)
+        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def _append(self, record: Mapping[str, Any]) -> None:
+        if self._fd is None:
+            raise RuntimeError(f"{type(self).__name__} for {self.path} is closed")
+        data = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+        written = 0
+        while written < len(data):
+            written += os.write(self._fd, data[written:])
+
+    def close(self) -> None:
+        """Close the file; further writes raise."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self: _Writer) -> _Writer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+_Writer = TypeVar("_Writer", bound=_LineWriter)
+
+
+class AuditWriter(_LineWriter):
     """Appends one JSON line per consumed batch to ``directory/rank-{rank:05d}.jsonl``.
 
     Each line is ``{"epoch": e, "step": s, "rank": r, "world_size": w,
@@ -150,8 +186,7 @@ class AuditWriter:
         self.directory.mkdir(parents=True, exist_ok=True)
         if expected is not None:
             write_expected(self.directory, expected)
-        self.path = self.directory / audit_file_name(self.rank, worker)
-        self._lines = _AppendedLines(self.path, type(self).__name__)
+        super().__init__(self.directory / audit_file_name(self.rank, worker))
 
     def write(self, epoch: int, step: int, indices: npt.ArrayLike, *, keys: Sequence[Any] | None = None) -> None:
         """Record that this rank consumed the samples ``indices`` (rows with ``keys``) at step ``step`` of ``epoch``."""
@@ -165,20 +200,10 @@ class AuditWriter:
         record["indices"] = np.asarray(indices, dtype=np.int64).reshape(-1).tolist()
         if keys is not None:
             record["keys"] = _check_keys("keys", list(keys), len(record["indices"]))
-        self._lines.append(record)
-
-    def close(self) -> None:
-        """Close the file; further writes raise."""
-        self._lines.close()
-
-    def __enter__(self) -> AuditWriter:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+        self._append(record)
 
 
-class StepAuditWriter:
+class StepAuditWriter(_LineWriter):
     """Appends one JSON line per committed step to ``directory/steps-{member}.jsonl``: the whole step's samples.
 
     Each line is ``{"epoch": e, "step": s, "member": m, "indices": [...]}``
@@ -193,9 +218,9 @@ class StepAuditWriter:
     def __init__(self, directory: str | os.PathLike[str], member: str) -> None:
         self.member = member
         self.directory = Path(directory)
-        self.path = self.directory / step_file_name(member)
+        name = step_file_name(member)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._lines = _AppendedLines(self.path, type(self).__name__)
+        super().__init__(self.directory / name)
         self._plan: EpochPlan | None = None
 
     def write(self, plan: EpochPlan, epoch: int, step: int, positions: npt.ArrayLike) -> None:
@@ -205,17 +230,7 @@ class StepAuditWriter:
             self._plan = plan
         indices = np.sort(plan.indices_at(epoch, np.asarray(positions, dtype=np.int64).reshape(-1)))
         record = {"epoch": epoch, "step": check_int("step", step, minimum=0), "member": self.member}
-        self._lines.append({**record, "indices": indices.tolist()})
-
-    def close(self) -> None:
-        """Close the file; further writes raise."""
-        self._lines.close()
-
-    def __enter__(self) -> StepAuditWriter:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+        self._append({**record, "indices": indices.tolist()})
 
 
 def write_expected(directory: str | os.PathLike[str], spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -623,33 +638,6 @@ def _check_keys(name: str, keys: Any, count: int) -> list[Any]:
         if isinstance(key, bool) or not isinstance(key, int | str):
             raise TypeError(f"{name} must be ints or strings, got {key!r} ({type(key).__name__})")
     return keys
-
-
-class _AppendedLines:
-    """A file of JSON lines, each appended in one ``write`` to an ``O_APPEND`` descriptor.
-
-    A killed writer leaves whole lines, at worst a torn last one, which is
-    cut off when the file is reopened so that the next line starts on its own.
-    """
-
-    def __init__(self, path: Path, owner: str) -> None:
-        self.path = path
-        self.owner = owner
-        _cut_torn_tail(path)
-        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-
-    def append(self, record: Mapping[str, Any]) -> None:
-        if self._fd is None:
-            raise RuntimeError(f"{self.owner} for {self.path} is closed")
-        data = (json.dumps(record, separators=(",", ":")) + "\n").encode()
-        written = 0
-        while written < len(data):
-            written += os.write(self._fd, data[written:])
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
 
 
 def _cut_torn_tail(path: Path) -> None:
