@@ -41,10 +41,10 @@ def audit_command(directory: Path) -> None:
     delivered as two different rows named. The step records of a Manager's
     ``Checks(audit_dir=...)`` count each committed step once (consumer
     ``quorum``); steps whose members recorded different samples are named.
-    Exits 0 when every complete epoch
-    was covered exactly once and no epoch in progress repeats a sample, 1 on
-    any violation or when the directory holds no records (nothing was consumed
-    through an audited loop), 2 when it cannot be read.
+    Exits 0 when every complete epoch was covered exactly once and no epoch
+    in progress repeats a sample, 1 on any violation or when the directory
+    holds no records (nothing was consumed through an audited loop), 2 when
+    it cannot be read.
     """
     try:
         report = audit_directory(directory)

@@ -124,7 +124,7 @@ class Manager:
     The rest is grouped: ``checkpoint`` (:class:`~stalwart.runtime.config.Checkpointing`:
     durable checkpoints that a whole-fleet restart resumes from), ``reduction``
     (bucket size, reduce dtype), ``checks`` (replica consistency, heal
-    budget), ``transport`` (this process's address, heartbeat, join
+    budget, an audit directory for ``stalwart audit``), ``transport`` (this process's address, heartbeat, join
     attempts), ``timeouts`` (:class:`~stalwart.runtime.timeouts.Timeouts`,
     default: from the environment), ``group`` (a replica group's place and
     store), ``device`` (default: the GPU of ``LOCAL_RANK`` when CUDA is
