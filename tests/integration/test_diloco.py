@@ -29,10 +29,11 @@ from torch.utils.data import DataLoader
 
 from stalwart import ElasticLoader, EpochPlan, Lighthouse, ManagedDistributedSampler, Manager, Overlap
 from stalwart.cli import cli
+from stalwart.data.audit import audit_directory
 from stalwart.launch.cluster import LocalCluster
 from stalwart.launch.report import audit_steps, committed_steps, planned_total, write_audit
 from stalwart.launch.tasks import TASKS, gpt_datasets, reference_run
-from stalwart.runtime.config import Checkpointing
+from stalwart.runtime.config import Checkpointing, Checks
 from stalwart.runtime.diloco.config import DiLoCo
 from stalwart.testing.digits_job import wait_until_together
 from stalwart.testing.groups import ForkedGroup, end_group
@@ -69,7 +70,7 @@ def solo() -> Any:
     ids=["diloco", "streaming", "no-overlap", "dataloader"],
 )
 def test_one_group_with_an_outer_lr_of_1_trains_the_every_step_run(
-    solo: Lighthouse, fragments: int, overlap: int | None, steps: int, loader: str
+    solo: Lighthouse, fragments: int, overlap: int | None, steps: int, loader: str, tmp_path: Path
 ) -> None:
     """With one group every inner step is the reference's step, and lr 1 makes each outer step a copy.
 
@@ -77,6 +78,7 @@ def test_one_group_with_an_outer_lr_of_1_trains_the_every_step_run(
     fragment's pseudo-gradient or in the local update after an overlapped
     exchange would move the parameters off the reference; with a DataLoader
     driven by the Manager's sampler, the foreseen inner steps are what it loads.
+    ``Checks(audit_dir=...)`` records each committed round whole.
     """
     reference, losses = reference_run(PLAN, steps, optimizer_name="adamw", clip=1e9, task="gpt-tiny")
     task = TASKS["gpt-tiny"]
@@ -84,7 +86,10 @@ def test_one_group_with_an_outer_lr_of_1_trains_the_every_step_run(
     optimizer = task.optimizer(model, "adamw", task.lr)
     scheduler = task.scheduler(optimizer, steps)
     sync = DiLoCo(INNER, outer_optimizer=copy_outer, fragments=fragments, overlap=overlap)
-    manager = Manager(model, optimizer, lighthouse=solo.url, member="solo", max_microbatch=5, plan=PLAN, sync=sync)
+    checks = Checks(audit_dir=tmp_path)
+    manager = Manager(
+        model, optimizer, lighthouse=solo.url, member="solo", max_microbatch=5, plan=PLAN, sync=sync, checks=checks
+    )
     manager.register_state("scheduler", scheduler)
     seen = []
     dataset = task.dataset()
@@ -111,6 +116,12 @@ def test_one_group_with_an_outer_lr_of_1_trains_the_every_step_run(
     assert manager.last_round.samples == 16 * INNER
     assert manager.applied_step == steps // INNER
     assert manager.dropped_microbatches == 0  # the DataLoader loaded what the inner steps took, nothing else
+    rounds = [json.loads(line) for line in (tmp_path / "steps-solo.jsonl").read_text().splitlines()]
+    assert [(record["step"], len(record["indices"])) for record in rounds] == [
+        (number, 16 * INNER) for number in range(steps // INNER)
+    ]
+    report = audit_directory(tmp_path)
+    assert report.ok and report.epochs[0].coverage.consumed == 16 * steps
 
 
 def test_bad_configurations_are_refused_before_training(solo: Lighthouse) -> None:

@@ -9,7 +9,15 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from stalwart.data.audit import AuditFileError, AuditReport, Delivery, EpochAudit, KeyConflict, audit_directory
+from stalwart.data.audit import (
+    AuditFileError,
+    AuditReport,
+    Delivery,
+    EpochAudit,
+    KeyConflict,
+    StepDisagreement,
+    audit_directory,
+)
 
 EXIT_VIOLATION = 1
 EXIT_UNREADABLE = 2
@@ -30,10 +38,13 @@ def audit_command(directory: Path) -> None:
 
     Records that carry row keys are checked by key too: rows delivered twice
     are named, rows of a complete epoch never delivered counted, and indices
-    delivered as two different rows named. Exits 0 when every complete epoch
-    was covered exactly once and no epoch in progress repeats a sample, 1 on
-    any violation or when the directory holds no records (nothing was consumed
-    through an audited loop), 2 when it cannot be read.
+    delivered as two different rows named. The step records of a Manager's
+    ``Checks(audit_dir=...)`` count each committed step once (consumer
+    ``quorum``); steps whose members recorded different samples are named.
+    Exits 0 when every complete epoch was covered exactly once and no epoch
+    in progress repeats a sample, 1 on any violation or when the directory
+    holds no records (nothing was consumed through an audited loop), 2 when
+    it cannot be read.
     """
     try:
         report = audit_directory(directory)
@@ -46,6 +57,8 @@ def audit_command(directory: Path) -> None:
             console.print(line, highlight=False, soft_wrap=True)
     if report.conflicts:
         console.print(_conflicts_line(report.conflicts), highlight=False, soft_wrap=True)
+    if report.disagreements:
+        console.print(_disagreements_line(report.disagreements), highlight=False, soft_wrap=True)
     console.print(_verdict(report), highlight=False, soft_wrap=True)
     if not report.ok:
         raise SystemExit(EXIT_VIOLATION)
@@ -95,13 +108,19 @@ def _conflicts_line(conflicts: list[KeyConflict]) -> str:
     return f"{len(conflicts)} indices delivered as different rows ({named}{_more(conflicts)})"
 
 
+def _disagreements_line(disagreements: list[StepDisagreement]) -> str:
+    named = "; ".join(disagreement.describe() for disagreement in disagreements[:NAMED])
+    return f"{len(disagreements)} steps recorded differently by their members ({named}{_more(disagreements)})"
+
+
 def _verdict(report: AuditReport) -> str:
     """One line: OK, or what went wrong in which epochs."""
     torn = f" ({report.torn_lines} torn last line(s) skipped)" if report.torn_lines else ""
     if report.empty:
         return (
             f"[bold red]NO RECORDS[/] in {report.directory}{torn}: nothing was consumed through an audited loop "
-            "(a ShardedStream's consume(), a sampler's steps()), so nothing can be vouched for"
+            "(a ShardedStream's consume(), a sampler's steps(), a Manager's Checks(audit_dir=...)), so nothing "
+            "can be vouched for"
         )
     if report.ok:
         count = len(report.epochs)
@@ -122,6 +141,8 @@ def _verdict(report: AuditReport) -> str:
         problems.append(f"epoch {epoch.epoch}: " + ", ".join(found))
     if report.conflicts:
         problems.append(f"{len(report.conflicts)} indices delivered as different rows")
+    if report.disagreements:
+        problems.append(f"{len(report.disagreements)} steps recorded differently by their members")
     return "[bold red]VIOLATION[/]: " + "; ".join(problems) + torn
 
 

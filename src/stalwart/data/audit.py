@@ -15,6 +15,12 @@ delivered twice, counts the rows of a complete epoch that never came, and
 names every index that was delivered with two different keys. ``audit.json``
 may record the dataset's shards (:class:`~stalwart.data.shards.ShardIdentity`):
 a writer whose shards differ is refused at once, naming the first one.
+
+A Manager given ``Checks(audit_dir=DIR)`` writes *step records* instead
+(:class:`StepAuditWriter`, ``steps-MEMBER.jsonl``): each member records every
+committed step whole, so the records of one step from several members are one
+consumption (consumer ``quorum``) when they agree and a
+:class:`StepDisagreement` when they do not.
 """
 
 from __future__ import annotations
@@ -24,10 +30,11 @@ import os
 import re
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -74,7 +81,10 @@ def coverage(consumed: Iterable[npt.ArrayLike], expected: npt.ArrayLike) -> Cove
 
 
 EXPECTED_FILE = "audit.json"
+QUORUM = "quorum"
+"""The consumer of a committed step's records (:class:`StepAuditWriter`): the quorum that trained it."""
 _RECORD_FILE = re.compile(r"^rank-(\d{5,})(?:-w(\d+))?\.jsonl$")
+_STEP_FILE = re.compile(r"^steps-(.+)\.jsonl$")
 _SPEC_OPTIONS = ("shards", "key")
 
 
@@ -90,17 +100,63 @@ def audit_file_name(rank: int, worker: int | None = None) -> str:
     return f"rank-{rank:05d}-w{check_int('worker', worker, minimum=0):02d}.jsonl"
 
 
-class Consumer(NamedTuple):
-    """Who consumed a batch: a rank, and the world size it ran in (None when the record does not say)."""
+def step_file_name(member: str) -> str:
+    """File name of one member's step records: ``steps-MEMBER.jsonl``."""
+    if not isinstance(member, str) or not member or "/" in member or "\0" in member:
+        raise ValueError(f"member must be a non-empty name without '/' (it names a file), got {member!r}")
+    return f"steps-{member}.jsonl"
 
-    rank: int
+
+class Consumer(NamedTuple):
+    """Who consumed a batch: a rank, and the world size it ran in (None when the record does not say).
+
+    ``rank`` is :data:`QUORUM` for committed steps' records, which no one rank consumed.
+    """
+
+    rank: int | str
     world_size: int | None
 
     def __str__(self) -> str:
         return str(self.rank) if self.world_size is None else f"{self.rank} of {self.world_size}"
 
 
-class AuditWriter:
+class _LineWriter:
+    """Appends JSON lines to ``path``, each in one ``write`` to an ``O_APPEND`` descriptor.
+
+    A killed writer leaves whole lines, at worst a torn last one, which is
+    cut off when the file is reopened so that the next line starts on its own.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        _cut_torn_tail(path)
+        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def _append(self, record: Mapping[str, Any]) -> None:
+        if self._fd is None:
+            raise RuntimeError(f"{type(self).__name__} for {self.path} is closed")
+        data = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+        written = 0
+        while written < len(data):
+            written += os.write(self._fd, data[written:])
+
+    def close(self) -> None:
+        """Close the file; further writes raise."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self: _Writer) -> _Writer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+_Writer = TypeVar("_Writer", bound=_LineWriter)
+
+
+class AuditWriter(_LineWriter):
     """Appends one JSON line per consumed batch to ``directory/rank-{rank:05d}.jsonl``.
 
     Each line is ``{"epoch": e, "step": s, "rank": r, "world_size": w,
@@ -130,14 +186,10 @@ class AuditWriter:
         self.directory.mkdir(parents=True, exist_ok=True)
         if expected is not None:
             write_expected(self.directory, expected)
-        self.path = self.directory / audit_file_name(self.rank, worker)
-        _cut_torn_tail(self.path)
-        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        super().__init__(self.directory / audit_file_name(self.rank, worker))
 
     def write(self, epoch: int, step: int, indices: npt.ArrayLike, *, keys: Sequence[Any] | None = None) -> None:
         """Record that this rank consumed the samples ``indices`` (rows with ``keys``) at step ``step`` of ``epoch``."""
-        if self._fd is None:
-            raise RuntimeError(f"AuditWriter for {self.path} is closed")
         record: dict[str, Any] = {
             "epoch": check_int("epoch", epoch, minimum=0),
             "step": check_int("step", step, minimum=0),
@@ -148,22 +200,37 @@ class AuditWriter:
         record["indices"] = np.asarray(indices, dtype=np.int64).reshape(-1).tolist()
         if keys is not None:
             record["keys"] = _check_keys("keys", list(keys), len(record["indices"]))
-        data = (json.dumps(record, separators=(",", ":")) + "\n").encode()
-        written = 0
-        while written < len(data):
-            written += os.write(self._fd, data[written:])
+        self._append(record)
 
-    def close(self) -> None:
-        """Close the file; further writes raise."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
 
-    def __enter__(self) -> AuditWriter:
-        return self
+class StepAuditWriter(_LineWriter):
+    """Appends one JSON line per committed step to ``directory/steps-{member}.jsonl``: the whole step's samples.
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    Each line is ``{"epoch": e, "step": s, "member": m, "indices": [...]}``
+    with the sorted indices of every sample the quorum trained at step ``s``
+    (not only this member's share). Every member records the same step, so a
+    member that dies after a step committed loses nothing of the record; the
+    reader counts one step's agreeing lines once. The first record writes the
+    plan to ``audit.json`` (:func:`write_expected`; the plan is known once the
+    lighthouse gave it). Lines are appended as :class:`AuditWriter`'s are.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], member: str) -> None:
+        self.member = member
+        self.directory = Path(directory)
+        name = step_file_name(member)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        super().__init__(self.directory / name)
+        self._plan: EpochPlan | None = None
+
+    def write(self, plan: EpochPlan, epoch: int, step: int, positions: npt.ArrayLike) -> None:
+        """Record that the quorum trained the samples at ``positions`` of ``plan``'s epoch ``epoch`` at ``step``."""
+        if plan != self._plan:
+            write_expected(self.directory, {"plan": plan.to_dict()})
+            self._plan = plan
+        indices = np.sort(plan.indices_at(epoch, np.asarray(positions, dtype=np.int64).reshape(-1)))
+        record = {"epoch": epoch, "step": check_int("step", step, minimum=0), "member": self.member}
+        self._append({**record, "indices": indices.tolist()})
 
 
 def write_expected(directory: str | os.PathLike[str], spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -287,11 +354,26 @@ class KeyConflict:
 
 
 @dataclass(frozen=True)
+class StepDisagreement:
+    """Members whose records of one committed step name different samples: ``versions`` groups who agrees."""
+
+    epoch: int
+    step: int
+    versions: list[tuple[str, ...]]
+
+    def describe(self) -> str:
+        """``epoch 0 step 3: members a, b | c recorded different samples`` (``|`` between disagreeing groups)."""
+        groups = " | ".join(", ".join(members) for members in self.versions)
+        return f"epoch {self.epoch} step {self.step}: members {groups} recorded different samples"
+
+
+@dataclass(frozen=True)
 class AuditReport:
     """The audit of a directory: one :class:`EpochAudit` per epoch with records, in epoch order.
 
     ``conflicts`` lists the indices delivered with different keys anywhere in
-    the directory (other epochs, other ranks, other world sizes).
+    the directory (other epochs, other ranks, other world sizes);
+    ``disagreements`` the committed steps whose members' records differ.
     """
 
     directory: Path
@@ -299,6 +381,7 @@ class AuditReport:
     epochs: list[EpochAudit]
     torn_lines: int
     conflicts: list[KeyConflict]
+    disagreements: list[StepDisagreement] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -308,8 +391,11 @@ class AuditReport:
     @property
     def ok(self) -> bool:
         """True when there are records, every complete epoch was consumed exactly once (by index and key), no
-        epoch in progress repeats a sample, and no index was delivered as two different rows."""
-        return not self.empty and not self.conflicts and all(epoch.ok for epoch in self.epochs)
+        epoch in progress repeats a sample, no index was delivered as two different rows and the members'
+        records of each committed step agree."""
+        return (
+            not self.empty and not self.conflicts and not self.disagreements and all(epoch.ok for epoch in self.epochs)
+        )
 
 
 @dataclass
@@ -322,24 +408,41 @@ class _Record:
 
 
 def audit_directory(directory: str | os.PathLike[str]) -> AuditReport:
-    """Read every ``rank-*.jsonl`` file of ``directory`` and compare each epoch with ``audit.json``.
+    """Read every ``rank-*.jsonl`` and ``steps-*.jsonl`` file of ``directory`` and compare each epoch with
+    ``audit.json``.
 
-    Raises ``FileNotFoundError`` naming ``audit.json`` when it is missing and
+    One committed step's records from several members count once when they
+    agree, and are a :class:`StepDisagreement` when they do not. Raises
+    ``FileNotFoundError`` naming ``audit.json`` when it is missing and
     :class:`AuditFileError` for a malformed line (a torn last line is skipped
     and counted in ``torn_lines`` instead).
     """
     directory = Path(directory)
     spec = read_expected(directory)
     by_epoch: dict[int, list[_Record]] = defaultdict(list)
+    by_step: dict[tuple[int, int], list[_Record]] = defaultdict(list)
     torn_lines = 0
     for path in sorted(directory.iterdir()):
-        match = _RECORD_FILE.match(path.name)
-        if not match or not path.is_file():
+        rank_match, step_match = _RECORD_FILE.match(path.name), _STEP_FILE.match(path.name)
+        if not (rank_match or step_match) or not path.is_file():
             continue
-        records, torn = _read_records(path, int(match.group(1)))
+        if rank_match:
+            records, torn = _read_records(path, partial(_parse_record, rank=int(rank_match.group(1))))
+        else:
+            assert step_match is not None
+            records, torn = _read_records(path, partial(_parse_step_record, member=step_match.group(1)))
         torn_lines += torn
         for record in records:
-            by_epoch[record.epoch].append(record)
+            if rank_match:
+                by_epoch[record.epoch].append(record)
+            else:
+                by_step[record.epoch, record.step].append(record)
+    disagreements = []
+    for (epoch, step), records in sorted(by_step.items()):
+        merged, disagreement = _merge_step(epoch, step, records)
+        by_epoch[epoch].append(merged)
+        if disagreement is not None:
+            disagreements.append(disagreement)
     last_epoch = max(by_epoch, default=-1)
     epochs = []
     for epoch in sorted(by_epoch):
@@ -363,12 +466,27 @@ def audit_directory(directory: str | os.PathLike[str]) -> AuditReport:
             )
         )
     every = [record for epoch in sorted(by_epoch) for record in by_epoch[epoch]]
-    return AuditReport(directory, spec, epochs, torn_lines, _conflicts(every))
+    return AuditReport(directory, spec, epochs, torn_lines, _conflicts(every), disagreements)
 
 
-def _consumer_order(item: tuple[Consumer, int]) -> tuple[int, int]:
+def _merge_step(epoch: int, step: int, records: list[_Record]) -> tuple[_Record, StepDisagreement | None]:
+    """One committed step's records as one consumption by the quorum, and who disagrees if they differ.
+
+    A disagreeing step counts the samples most members recorded (the first member's on a tie).
+    """
+    versions: dict[tuple[int, ...], list[str]] = defaultdict(list)
+    for record in records:
+        versions[tuple(record.indices)].append(str(record.consumer.rank))
+    ranked = sorted(versions.items(), key=lambda version: (-len(version[1]), min(version[1])))
+    merged = _Record(epoch, step, Consumer(QUORUM, None), list(ranked[0][0]), None)
+    if len(ranked) == 1:
+        return merged, None
+    return merged, StepDisagreement(epoch, step, [tuple(sorted(members)) for _, members in ranked])
+
+
+def _consumer_order(item: tuple[Consumer, int]) -> tuple[bool, int, str | int]:
     consumer = item[0]
-    return (-1 if consumer.world_size is None else consumer.world_size, consumer.rank)
+    return (isinstance(consumer.rank, str), -1 if consumer.world_size is None else consumer.world_size, consumer.rank)
 
 
 def _deliveries(records: Iterable[_Record]) -> Iterable[tuple[Any, Delivery]]:
@@ -453,43 +571,56 @@ def _conflict(mine: Mapping[str, Any], existing: Mapping[str, Any], target: Path
     return f"spec {dict(mine)} conflicts with the spec already recorded in {target}: {dict(existing)}"
 
 
-def _read_records(path: Path, rank: int) -> tuple[list[_Record], int]:
-    """The records of one file and whether its last line was torn (0 or 1)."""
+def _read_records(path: Path, parse: Callable[[str, str], _Record]) -> tuple[list[_Record], int]:
+    """The records of one file (``parse(where, line)`` each) and whether its last line was torn (0 or 1)."""
     lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
     tail = lines.pop()
     records = []
     for number, line in enumerate(lines, start=1):
         if line.strip():
-            records.append(_parse_record(path, number, line, rank))
+            records.append(parse(f"{path}:{number}", line))
     if not tail:
         return records, 0
     try:
-        records.append(_parse_record(path, len(lines) + 1, tail, rank))
+        records.append(parse(f"{path}:{len(lines) + 1}", tail))
     except AuditFileError:
         return records, 1
     return records, 0
 
 
-def _parse_record(path: Path, number: int, line: str, rank: int) -> _Record:
-    where = f"{path}:{number}"
+def _load_record(where: str, line: str, fields: tuple[str, ...], numbers: tuple[str, ...]) -> dict[str, Any]:
+    """One line's JSON object holding ``fields``, its ``numbers`` ints >= 0 and its indices a list of ints."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
         raise AuditFileError(f"{where}: not a JSON line ({error})") from error
-    if not isinstance(record, dict) or not {"epoch", "step", "rank", "indices"} <= set(record):
-        raise AuditFileError(f"{where}: a record must hold epoch, step, rank and indices, got {line[:80]!r}")
-    for key in ("epoch", "step", "rank", "world_size"):
+    if not isinstance(record, dict) or not set(fields) <= set(record):
+        raise AuditFileError(f"{where}: a record must hold {', '.join(fields)}, got {line[:80]!r}")
+    for key in numbers:
         value = record.get(key, 0)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise AuditFileError(f"{where}: {key} must be an int >= 0, got {value!r}")
+    indices = record["indices"]
+    if not isinstance(indices, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in indices):
+        raise AuditFileError(f"{where}: indices must be a list of ints")
+    return record
+
+
+def _parse_step_record(where: str, line: str, member: str) -> _Record:
+    record = _load_record(where, line, ("epoch", "step", "member", "indices"), ("epoch", "step"))
+    if record["member"] != member:
+        raise AuditFileError(f"{where}: member {record['member']!r} in a file of member {member!r}")
+    return _Record(record["epoch"], record["step"], Consumer(member, None), sorted(record["indices"]), None)
+
+
+def _parse_record(where: str, line: str, rank: int) -> _Record:
+    record = _load_record(where, line, ("epoch", "step", "rank", "indices"), ("epoch", "step", "rank", "world_size"))
     if record["rank"] != rank:
         raise AuditFileError(f"{where}: rank {record['rank']} in a file of rank {rank}")
     world_size = record.get("world_size")
     if world_size is not None and world_size <= rank:
         raise AuditFileError(f"{where}: rank {rank} cannot run in a world of {world_size}")
     indices = record["indices"]
-    if not isinstance(indices, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in indices):
-        raise AuditFileError(f"{where}: indices must be a list of ints")
     keys = record.get("keys")
     if keys is not None:
         try:

@@ -89,16 +89,30 @@ class Checks:
     for larger models); drifted replicas are healed from the majority.
     ``max_heal_bytes`` bounds what a heal may allocate (default: a few times
     this member's own state).
+
+    ``audit_dir``: record what the job trained there, for ``stalwart audit
+    DIR``. After each committed step the member's leading process appends
+    the whole step's sample indices to ``DIR/steps-MEMBER.jsonl`` (every
+    member the same step, so a member that dies loses nothing of the record)
+    and the plan goes to ``DIR/audit.json``; the audit counts each step once
+    and names any step the members recorded differently. A shared directory
+    (or each member's copied into one) audits the whole job.
     """
 
     every: int | None = None
     max_heal_bytes: int | None = None
+    audit_dir: str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
         if self.every is not None:
             check_int("Checks.every", self.every, minimum=1)
         if self.max_heal_bytes is not None:
             check_int("Checks.max_heal_bytes", self.max_heal_bytes, minimum=1)
+        if self.audit_dir is not None:
+            if not isinstance(self.audit_dir, str | os.PathLike) or not str(self.audit_dir):
+                raise TypeError(f"Checks.audit_dir must be a directory path or None, got {self.audit_dir!r}")
+            if Path(self.audit_dir).exists() and not Path(self.audit_dir).is_dir():
+                raise ValueError(f"Checks.audit_dir must be a directory, got the file {str(self.audit_dir)!r}")
 
 
 @dataclass(frozen=True)

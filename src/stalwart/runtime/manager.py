@@ -54,6 +54,7 @@ from torch.utils.data import DataLoader
 
 from stalwart._validate import check_int
 from stalwart.coord.hosted_ledger import ledger_digest
+from stalwart.data.audit import StepAuditWriter
 from stalwart.data.info import DataLoadingInfo
 from stalwart.data.ledger import DataLedger
 from stalwart.data.plan import EpochPlan
@@ -123,7 +124,7 @@ class Manager:
     The rest is grouped: ``checkpoint`` (:class:`~stalwart.runtime.config.Checkpointing`:
     durable checkpoints that a whole-fleet restart resumes from), ``reduction``
     (bucket size, reduce dtype), ``checks`` (replica consistency, heal
-    budget), ``transport`` (this process's address, heartbeat, join
+    budget, an audit directory for ``stalwart audit``), ``transport`` (this process's address, heartbeat, join
     attempts), ``timeouts`` (:class:`~stalwart.runtime.timeouts.Timeouts`,
     default: from the environment), ``group`` (a replica group's place and
     store), ``device`` (default: the GPU of ``LOCAL_RANK`` when CUDA is
@@ -250,6 +251,8 @@ class Manager:
             group_size=group.world.world_size if fsdp else 1,
         )
         self._balance = BalanceWindow()
+        audit_dir = self.checks.audit_dir
+        self._step_audit = None if audit_dir is None or group.world.rank else StepAuditWriter(audit_dir, member)
         self._checkpoints = (
             None
             if checkpoint is None
@@ -593,7 +596,7 @@ class Manager:
             log.warning("%s: step %d committed without optimizer.step() (a GradScaler skip?)", self.member, step.number)
         ledger = self.ledger
         epoch, ends_epoch = ledger.epoch, self._planner.ends_epoch
-        ledger.commit()
+        self._audit_committed(epoch, step.number, ledger.commit())
         self._replica.row_digest.add(epoch, reduced.row_checksum)
         if ends_epoch and not ledger.plan.drop_last:  # every row once: each epoch must sum the same
             self._replica.row_digest.close_epoch(epoch)
@@ -610,6 +613,11 @@ class Manager:
             self._relax_patience()
         self._reset_step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _audit_committed(self, epoch: int, step: int, positions: np.ndarray) -> None:
+        """``Checks(audit_dir=...)``: the group's leading process records the committed step's samples."""
+        if self._step_audit is not None:
+            self._step_audit.write(self.ledger.plan, epoch, step, positions)
 
     def _arm(self) -> None:
         """Start this round's reduction; the tail's values known before the last backward go in now."""
@@ -1000,6 +1008,8 @@ class Manager:
         if self._rounds is not None:
             self._rounds.close()
         self._accumulation.close()
+        if self._step_audit is not None:
+            self._step_audit.close()
         self._window.remove()
         self._departure.uninstall()
         self._session.close(self.applied_step, leave=self._finished and not self.departed)

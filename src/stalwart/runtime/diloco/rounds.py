@@ -583,8 +583,8 @@ class RoundLoop:
         reduced, self._tail = self._tail, None
         assert reduced is not None
         ledger = manager.ledger
-        epoch, ends_epoch = ledger.epoch, manager._planner.ends_epoch
-        ledger.commit()
+        epoch, ends_epoch, round_number = ledger.epoch, manager._planner.ends_epoch, ledger.step
+        manager._audit_committed(epoch, round_number, ledger.commit())
         replica = manager._replica
         replica.row_digest.add(epoch, reduced.row_checksum)
         if ends_epoch and not ledger.plan.drop_last:
