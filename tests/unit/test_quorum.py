@@ -632,6 +632,48 @@ def test_once_the_holder_is_gone_the_newcomers_form_and_learn_the_state_is_lost(
     assert formation.heal == {"source_rank": None, "targets": newcomers, "checkpoint": None}
 
 
+@pytest.mark.parametrize("min_replicas", [1, 3])
+def test_a_late_joiner_after_the_job_ended_is_answered_at_once_whatever_min_replicas(min_replicas: int) -> None:
+    """Every member of the last quorum left cleanly: a joiner forms alone at the final step, with nobody to heal it
+    from (the Manager's ``JobFinishedError``), at its first tick, and no failure is counted."""
+    cluster = SimulatedFleet(PLAN, min_replicas=min_replicas)
+    cluster.start(3)
+    cluster.run_steps(4)
+    finishers = cluster.members
+    early = cluster.spawn()
+    assert cluster.ask(early, "join", 0) is None
+    for member in finishers[:-1]:
+        cluster.state.leave(member, cluster.now, applied_step=4)
+    assert cluster.state.tick(cluster.now) is None, "a member of the last quorum still trains: the joiner waits"
+    cluster.state.leave(finishers[-1], cluster.now, applied_step=4)
+    failures = cluster.state.counts["failures"]
+    formation = cluster.tick()
+    assert formation is not None and formation.members == (early,) and formation.applied_step == 4
+    assert formation.heal == {"source_rank": None, "targets": [early], "checkpoint": None}
+    cluster.state.leave(early, cluster.now, applied_step=0)  # JobFinishedError: it leaves cleanly
+    late = cluster.spawn()
+    assert cluster.ask(late, "join", 0) is None
+    formation = cluster.tick()
+    assert formation is not None and formation.members == (late,) and formation.applied_step == 4
+    assert cluster.state.counts["failures"] == failures == 0 and cluster.state.step == 4
+
+
+def test_newcomers_after_a_whole_fleet_failure_still_wait_for_min_replicas() -> None:
+    """Only a clean end lifts ``min_replicas``: a fleet that died (a restart resumes from a checkpoint) is not done."""
+    cluster = SimulatedFleet(PLAN, min_replicas=3)
+    cluster.start(3)
+    cluster.run_steps(4)
+    for member in cluster.members[:-1]:
+        cluster.state.leave(member, cluster.now, applied_step=4)
+    cluster.kill(cluster.members[-1])
+    newcomer = cluster.spawn()
+    cluster.ask(newcomer, "join", 0)
+    for _ in range(20):
+        cluster.now += 1.0
+        cluster.heartbeat()
+        assert cluster.tick() is None, "one newcomer of the three min_replicas asks for"
+
+
 class CheckedFleet(SimulatedFleet):
     """Processes that follow the protocol on their own; every formation is checked against the processes that hold
     the job's state: the live members of the current quorum (each adopted the last answer and was healed at once)

@@ -54,7 +54,9 @@ Quorums
     members, unless it keeps a member of the current quorum that holds the
     job's state: then it forms whatever its size (survivors carry on below
     ``min_replicas``; it gates the first quorum and a quorum of newcomers
-    only). The first quorum also waits for ``start_replicas`` members (the
+    only, and not once the job ended: when every member of the last quorum
+    left cleanly a late joiner is answered at once, alone at the final step,
+    and finds the job finished). The first quorum also waits for ``start_replicas`` members (the
     fleet being launched), up to ``join_timeout`` after the first request. A
     *failure* quorum (a survivor at the target step asked with ``failure``)
     keeps the survivors only: they take the dead members' in-flight positions
@@ -740,11 +742,16 @@ class LighthouseState:
         survivors of a failure train on below ``min_replicas`` rather than wait
         (and lose the state if they die waiting); restarted members join them
         at the next step boundary. It gates the first quorum, and a quorum of
-        newcomers only (a fleet restarted from a checkpoint). ``cut_off``: live
-        members of the quorum that have not asked and are cut off (nobody waits
-        for them).
+        newcomers only (a fleet restarted from a checkpoint). Once the job
+        ended (every member of the last quorum left cleanly) neither holds a
+        quorum back: nobody else is coming to train, so a late joiner is
+        answered at once, alone at the final step, and finds the job finished.
+        ``cut_off``: live members of the quorum that have not asked and are cut
+        off (nobody waits for them).
         """
-        if not size or (size < self.min_replicas and not carries_on):
+        if not size:
+            return False
+        if size < self.min_replicas and not carries_on and not self._finished_cleanly():
             return False
         if self.roster.quorum is None and size < self.start_replicas and not timed_out:
             return False
@@ -896,9 +903,11 @@ class LighthouseState:
         return checkpoint
 
     def _finished_cleanly(self) -> bool:
-        """Whether every member of the last quorum left cleanly (``/v1/leave``) rather than failing."""
+        """Whether every member of the last quorum left cleanly (``/v1/leave``) rather than failing: the job ended
+        (a whole quorum departing at a boundary leaves unannounced, as failures). Constant time unless every member
+        of the quorum is gone."""
         quorum = self.roster.quorum
-        if quorum is None:
+        if quorum is None or self.roster.counting:
             return False
         records = [self.membership.get(member) for member in quorum.members]
         return all(record is not None and record.left for record in records)
