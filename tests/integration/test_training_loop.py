@@ -168,6 +168,26 @@ def test_evaluation_on_the_leader_alone_forms_no_spurious_quorum(tmp_path: Path)
     assert sorted(steps for steps in evaluations.values() if steps) == [[4, 8]]  # one worker evaluated
 
 
+def test_a_leader_killed_inside_on_leader_is_named_dead_there_not_busy(tmp_path: Path) -> None:
+    """The leader is SIGKILLed inside its evaluation (``manager.on_leader()``) after step 1; the survivor, waiting
+    for it, is told that the leader died inside on_leader (it used to be told nothing, and a loop that went on to
+    reduce a step heard of a peer "alive but busy"), then trains the job's end alone."""
+    args = ["--max-steps", "4", "--max-microbatch", "16", "--eval-every", "2", "--kill-at", "1:during_evaluate"]
+    with Lighthouse(DIGITS_PLAN, min_replicas=1, start_replicas=2, heartbeat_timeout=5.0, join_timeout=30.0) as server:
+        cluster = LocalCluster(server.url, tmp_path, args)
+        for worker in range(2):
+            cluster.start(worker)  # both carry the kill: only the leader evaluates
+        wait_for(cluster, timeout=JOB_TIMEOUT)
+    codes = {worker: process.returncode for worker, process in cluster.processes.items()}
+    assert sorted(codes.values()) == [-signal.SIGKILL, 0], codes
+    leader = next(worker for worker, code in codes.items() if code)
+    survivor = 1 - leader
+    log = (tmp_path / f"worker-{survivor}.log").read_text()
+    assert f"the leader worker-{leader} died inside manager.on_leader()" in log, log
+    assert "alive but busy" not in log
+    assert (tmp_path / f"final-worker-{survivor}.pt").exists()
+
+
 # --- the Manager in this process ----------------------------------------------------------------------
 
 

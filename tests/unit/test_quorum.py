@@ -232,6 +232,7 @@ def test_a_quorum_member_whose_peers_wait_on_it_without_progress_is_hung() -> No
     cluster.heartbeat()
     assert cluster.state.tick(cluster.now) is None
     assert cluster.state.quorum_broken and cluster.state.should_reconfigure(members[0])
+    assert cluster.state.broken_by == [hung], "the broken-quorum notice names it"
     assert cluster.state.failures[-1]["member"] == hung and cluster.state.failures[-1]["reason"] == "hung"
     assert cluster.state.member_state(hung) == "alive", "its heartbeat still lives"
     with pytest.raises(RequestError) as refused:

@@ -333,6 +333,12 @@ class LighthouseState:
         """True while a member of the current quorum is dead: its collectives cannot complete."""
         return self.roster.broken
 
+    @property
+    def broken_by(self) -> list[str]:
+        """The members of the current quorum that no longer count (dead, hung or restarted), in rank order: the
+        broken-quorum notice names them, so that a survivor can say whom it lost."""
+        return self.roster.down
+
     def should_reconfigure(self, member: str) -> bool:
         """Whether ``member``'s heartbeat should be answered with ``{"type": "reconfigure"}``.
 

@@ -45,6 +45,11 @@ class Roster:
         return bool(self._down)
 
     @property
+    def down(self) -> list[str]:
+        """The members that no longer count (dead, or evicted), in rank order: what broke the quorum."""
+        return sorted(self._down, key=self.ranks.__getitem__)
+
+    @property
     def counting(self) -> int:
         """How many members still count."""
         return len(self.ranks) - len(self._down)

@@ -49,10 +49,11 @@ KILL_POINTS = (
     "during_parity",
     "during_exchange",
     "during_outer",
+    "during_evaluate",
 )
 """Where :class:`Faults` can kill: the top of a step (before anything of it), each micro-batch's forward, its
 backward, the reduction in flight, after it, before the update, the sharded state's gather and parity,
-DiLoCo's exchange and outer step."""
+DiLoCo's exchange and outer step, and the leader's evaluation after the step (inside ``manager.on_leader()``)."""
 MANAGER_EVENTS = {
     "reduce_started": "during_reduce",
     "reduce_finished": "after_reduce",
