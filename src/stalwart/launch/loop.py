@@ -191,6 +191,14 @@ class LoopParts:
     evaluate: Callable[[int], None] | None = None
     """Run on the leader (``manager.on_leader``) after every ``eval_every``-th step, given the steps done."""
     eval_every: int = 0
+    eval_first: bool = False
+    """Evaluate at the top of the next step's body, before its micro-batches (nanoGPT's place), not after the
+    update (an evaluation after the last step is then not run)."""
+
+    def evaluation_after(self, done: int) -> Callable[[int], None] | None:
+        """The evaluation the leader runs once ``done`` steps are done (None when none is due)."""
+        due = self.eval_every > 0 and done > 0 and done % self.eval_every == 0
+        return self.evaluate if due else None
 
 
 def train(
@@ -217,6 +225,9 @@ def train(
         held_until(pacing.hold_file, manager.ledger.step, lambda: manager.boundary_wanted)
         _pace(pacing.step_seconds)
         faults.corrupt(model, number)
+        evaluation = parts.evaluation_after(number) if parts.eval_first else None
+        if evaluation is not None:
+            manager.on_leader(evaluation, number)
         for batch in step:
             faults.kill_if("before_forward", number)
             tensors = [tensor.to(device, non_blocking=True) for tensor in batch]
@@ -241,8 +252,9 @@ def train(
         if parts.scheduler is not None:
             parts.scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        if parts.evaluate is not None and parts.eval_every and (number + 1) % parts.eval_every == 0:
-            manager.on_leader(parts.evaluate, number + 1)
+        evaluation = None if parts.eval_first else parts.evaluation_after(number + 1)
+        if evaluation is not None:
+            manager.on_leader(evaluation, number + 1)
         probe.step_finished(manager, step, scaler)
 
 

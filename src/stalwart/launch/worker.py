@@ -197,6 +197,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scaler", action="store_true", help="Scale the loss with a GradScaler (fp16's recipe).")
     parser.add_argument("--inf-at", type=int, default=None, help="Make this worker's gradient inf at this step.")
     parser.add_argument("--eval-every", type=int, default=0, help="Evaluate on the leader every this many steps.")
+    parser.add_argument(
+        "--eval-first", action="store_true", help="Evaluate at the top of a step's body (nanoGPT's place)."
+    )
     parser.add_argument("--eval-seconds", type=float, default=0.0, help="Simulated seconds each evaluation takes.")
     parser.add_argument("--data", default="digits", help="digits, or parquet:DIR, hf:DIR, hf-iterable:DIR (shards).")
     parser.add_argument("--fsdp", action="store_true", help="Shard the model over the group's processes (FSDP2).")
@@ -332,6 +335,7 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
         clip=task.clip if args.clip is None else args.clip,
         evaluate=functools.partial(_evaluate, task, model, args.eval_seconds, events, faults),
         eval_every=args.eval_every,
+        eval_first=args.eval_first,
     )
     pacing = Pacing(step_seconds=args.step_seconds, sample_seconds=args.sample_seconds, hold_file=args.hold_file)
     try:
