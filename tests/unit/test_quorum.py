@@ -659,6 +659,24 @@ def test_a_late_joiner_after_the_job_ended_is_answered_at_once_whatever_min_repl
     assert cluster.state.counts["failures"] == failures == 0 and cluster.state.step == 4
 
 
+def test_a_lighthouse_restarted_after_the_job_ended_answers_a_late_joiner_at_once_and_counts_no_failure() -> None:
+    cluster = SimulatedFleet(PLAN, min_replicas=3)
+    cluster.start(3)
+    for member, incarnation in zip(cluster.members, INCARNATIONS, strict=False):
+        cluster.state.register(member, incarnation, cluster.now)
+    cluster.run_steps(4)
+    for member in cluster.members:
+        cluster.state.leave(member, cluster.now, applied_step=4)
+    saved = json.loads(json.dumps(cluster.state.state_dict()))
+    state = LighthouseState.from_state_dict(saved, now=0.0, min_replicas=3, heartbeat_timeout=HEARTBEAT_TIMEOUT)
+    assert all(state.member_state(member) == "left" for member in cluster.members)
+    assert state.tick(10 * HEARTBEAT_TIMEOUT) is None and state.counts["failures"] == 0, "nobody to time out"
+    state.connected("late", 10 * HEARTBEAT_TIMEOUT)
+    state.request(QuorumRequest("late", 0, None, "join"), 10 * HEARTBEAT_TIMEOUT)
+    formation = state.tick(10 * HEARTBEAT_TIMEOUT)
+    assert formation is not None and formation.members == ("late",) and formation.applied_step == 4
+
+
 def test_newcomers_after_a_whole_fleet_failure_still_wait_for_min_replicas() -> None:
     """Only a clean end lifts ``min_replicas``: a fleet that died (a restart resumes from a checkpoint) is not done."""
     cluster = SimulatedFleet(PLAN, min_replicas=3)

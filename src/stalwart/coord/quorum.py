@@ -376,9 +376,13 @@ class LighthouseState:
 
     def expect_quorum(self, now: float) -> None:
         """Count the quorum's members as alive and seen at ``now``: after a restart they get
-        ``heartbeat_timeout`` to reconnect their heartbeat sockets."""
+        ``heartbeat_timeout`` to reconnect their heartbeat sockets. A member that left cleanly stays gone (the
+        job may have ended: no heartbeat timeout counts it as failed)."""
         quorum = self.roster.quorum
         for member in quorum.members if quorum else ():
+            if self.registry.identities.has_left(member):
+                self.membership[member].left = True
+                continue
             self.membership.expect(member, now)
             self.roster.revived(member)
 
@@ -1051,7 +1055,8 @@ class LighthouseState:
         require_digest: bool = False,
         unreachable_wait: float = UNREACHABLE_WAIT_S,
     ) -> LighthouseState:
-        """Resume from ``state_dict()``: the quorum's members count as alive (seen at ``now``), others as dead; no
+        """Resume from ``state_dict()``: the quorum's members count as alive (seen at ``now``) unless they left
+        cleanly, others as dead; no
         member is cut from another (cuts are not persisted: a cut-off member is reported again at its next failure).
 
         A version 1 state resumes without its last formation: a member whose answer was lost asks again and is
