@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stalwart.coord.quorum import Formation, LighthouseState, QuorumRequest, RequestError
+from stalwart.coord.roster import NAMED_DOWN, Quorum, Roster
 from stalwart.data.ledger import DataLedger
 from stalwart.data.plan import EpochPlan
 from stalwart.testing.fleet import SimulatedFleet
@@ -691,6 +692,19 @@ def test_newcomers_after_a_whole_fleet_failure_still_wait_for_min_replicas() -> 
         cluster.now += 1.0
         cluster.heartbeat()
         assert cluster.tick() is None, "one newcomer of the three min_replicas asks for"
+
+
+def test_the_broken_quorum_notice_names_at_most_eight_down_members_leader_first_as_they_change() -> None:
+    members = tuple(f"m{rank:02d}" for rank in range(20))
+    roster = Roster(Quorum(1, members))
+    assert roster.down == []
+    for member in reversed(members[:12]):
+        roster.died(member)
+    assert roster.down == list(members[:NAMED_DOWN]), "rank order, capped: the leader m00 first"
+    roster.revived("m00")
+    assert roster.down == list(members[1 : NAMED_DOWN + 1])
+    roster.evict("m00")
+    assert roster.down == list(members[:NAMED_DOWN]), "an evicted member no longer counts, alive or not"
 
 
 class CheckedFleet(SimulatedFleet):

@@ -335,8 +335,9 @@ class LighthouseState:
 
     @property
     def broken_by(self) -> list[str]:
-        """The members of the current quorum that no longer count (dead, hung or restarted), in rank order: the
-        broken-quorum notice names them, so that a survivor can say whom it lost."""
+        """The members of the current quorum that no longer count (dead, hung or restarted), in rank order, at most
+        ``NAMED_DOWN`` (the leader first when it is one): the broken-quorum notice names them, so that a survivor
+        can say whom it lost."""
         return self.roster.down
 
     def should_reconfigure(self, member: str) -> bool:
