@@ -91,4 +91,4 @@ def test_a_quorum_that_broke_during_on_leader_names_whom_it_lost_and_where() -> 
     other = LeaderLoss("w0", 3, ("w1",)).describe()
     assert other.startswith("w1 died while the leader w0 ran manager.on_leader()") and "w0 died" not in other
     unnamed = LeaderLoss("w0", 3, ()).describe()
-    assert "while the leader w0 ran manager.on_leader()" in unnamed and "without naming it" in unnamed
+    assert "while the leader w0 ran manager.on_leader()" in unnamed and "did not say which" in unnamed

@@ -97,8 +97,8 @@ class LeaderLoss:
                 f"reported quorum {self.quorum_id} broken)"
             )
         return (
-            f"quorum {self.quorum_id} broke while the leader {self.leader} ran manager.on_leader(): the lighthouse "
-            "reported a member dead without naming it"
+            f"quorum {self.quorum_id} broke while the leader {self.leader} ran manager.on_leader(): a member is "
+            "gone, the lighthouse did not say which"
         )
 
 
