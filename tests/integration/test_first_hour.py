@@ -69,6 +69,33 @@ def test_worker_joining_after_the_job_ended_exits_0_with_one_line(tmp_path: Path
     assert events == ["started", "joined", "joined_after_end"]
 
 
+def test_late_joiner_under_min_replicas_3_is_told_at_once_and_is_no_failure(tmp_path: Path) -> None:
+    """Three workers end the job; a fourth, whose quorum timeout is an hour, exits 0 long before it (the process
+    bound), told that the job ended, and leaves cleanly. It used to wait out its quorum timeout (no quorum of one
+    under ``min_replicas`` 3) and exit 1 with ``JoinError``, counted as a failure."""
+    with Lighthouse(PLAN, min_replicas=3, heartbeat_timeout=5.0, join_timeout=30.0) as lighthouse:
+        finishers = [
+            ForkedWorker(worker_argv(lighthouse.url, tmp_path, f"w{n}"), os.environ, tmp_path / f"w{n}.log")
+            for n in range(3)
+        ]
+        assert [worker.wait(timeout=PROCESS_TIMEOUT) for worker in finishers] == [0, 0, 0]
+        failures = lighthouse.status()["counts"]["failures"]
+        patient = {**os.environ, "STALWART_QUORUM_TIMEOUT": "3600"}
+        late = ForkedWorker(worker_argv(lighthouse.url, tmp_path, "late"), patient, tmp_path / "late.log")
+        try:
+            code = late.wait(timeout=PROCESS_TIMEOUT)
+        finally:
+            late.kill()
+        status = lighthouse.status()
+    printed = (tmp_path / "late.log").read_text()
+    assert code == 0, printed
+    assert "stalwart worker late: the job had already committed its 3 steps" in printed
+    assert status["counts"]["failures"] == failures == 0
+    assert {member["member"]: member["state"] for member in status["members"]}["late"] == "left"
+    events = [json.loads(line)["event"] for line in (tmp_path / "events-late.jsonl").read_text().splitlines()]
+    assert events == ["started", "joined", "joined_after_end"]
+
+
 def test_worker_with_a_wrong_token_says_so_in_one_line(tmp_path: Path) -> None:
     with Lighthouse(PLAN, min_replicas=1, token="right-token", join_timeout=30.0) as lighthouse:
         code, printed = run_worker(lighthouse.url, tmp_path, "w0", "--token", "wrong-token", fresh=True)

@@ -62,6 +62,7 @@ def test_a_new_incarnation_of_a_live_member_needs_its_secret_or_waits_until_it_i
             )
             assert status == 200, "the live incarnation's own headers replace it at once"
             wait_until(lambda: clients["a"].quorum_broken, what="the broken-quorum push to the survivor")
+            assert clients["a"].quorum_down == ("b",), "the push names the member replaced"
             status_now = server.status()
             assert [(f["member"], f["reason"]) for f in status_now["failures"]] == [("b", "restarted")]
             with pytest.raises(LighthouseError) as refused:

@@ -319,11 +319,13 @@ def test_wire_2_over_http_deltas_a_stale_member_and_bad_input(tmp_path: Path, ca
             assert registered["heartbeat_interval"] == recommended_heartbeat_interval(4, 2.0)  # a, b, c and d
             clients.pop("c").close()
             wait_until(lambda: clients["a"].quorum_broken and clients["b"].quorum_broken, what="the push")
+            assert clients["a"].quorum_down == clients["b"].quorum_down == ("c",), "the push names the dead"
             # "b" holds a doctored answer: the delta does not fit it, so it asks again for the whole answer
             clients["b"]._answer = dataclasses.replace(first[1], members=first[1].members[::-1])
             with concurrent.futures.ThreadPoolExecutor(2) as pool:
                 second = list(pool.map(lambda c: c.quorum(0, 1, "failure", 20), clients.values()))
             assert second[0].members == second[1].members  # one quorum, in the order the requests came
+            assert clients["a"].quorum_down == (), "a new quorum forgets whom the last one lost"
             assert sorted(second[0].members) == ["a", "b"]
             assert "b: the ledger rebuilt from the answer does not match its digest" in caplog.text
             assert second[0].ledger == second[1].ledger and second[0].data_ledger().in_step

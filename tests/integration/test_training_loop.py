@@ -168,6 +168,32 @@ def test_evaluation_on_the_leader_alone_forms_no_spurious_quorum(tmp_path: Path)
     assert sorted(steps for steps in evaluations.values() if steps) == [[4, 8]]  # one worker evaluated
 
 
+@pytest.mark.parametrize("first", [False, True], ids=["after-update", "top-of-step"])
+def test_a_leader_killed_inside_on_leader_is_named_dead_there_not_busy(tmp_path: Path, first: bool) -> None:
+    """The leader is SIGKILLed inside its evaluation (``manager.on_leader()``) after step 1; the survivor, waiting
+    for it, is told that the leader died inside on_leader (it used to be told nothing), then trains the job's end
+    alone. Evaluating at the top of a step's body (nanoGPT's place), the survivor goes on to reduce that step: the
+    failed all-reduce's warning says the same, where a busy peer's hint could come."""
+    args = ["--max-steps", "4", "--max-microbatch", "16", "--eval-every", "2", "--kill-at", "1:during_evaluate"]
+    args += ["--eval-first"] if first else []
+    with Lighthouse(DIGITS_PLAN, min_replicas=1, start_replicas=2, heartbeat_timeout=5.0, join_timeout=30.0) as server:
+        cluster = LocalCluster(server.url, tmp_path, args)
+        for worker in range(2):
+            cluster.start(worker)  # both carry the kill: only the leader evaluates
+        wait_for(cluster, timeout=JOB_TIMEOUT)
+    codes = {worker: process.returncode for worker, process in cluster.processes.items()}
+    assert sorted(codes.values()) == [-signal.SIGKILL, 0], codes
+    leader = next(worker for worker, code in codes.items() if code)
+    survivor = 1 - leader
+    log = (tmp_path / f"worker-{survivor}.log").read_text()
+    told = [line for line in log.splitlines() if f"the leader worker-{leader} died inside manager.on_leader()" in line]
+    assert told, log
+    if first:
+        assert any("step 2 all-reduce failed" in line for line in told), log
+    assert "alive but busy" not in log
+    assert (tmp_path / f"final-worker-{survivor}.pt").exists()
+
+
 # --- the Manager in this process ----------------------------------------------------------------------
 
 

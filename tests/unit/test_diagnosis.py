@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from stalwart.runtime.comm import Failure
-from stalwart.runtime.diagnosis import Verdict, diagnose
+from stalwart.runtime.diagnosis import LeaderLoss, Verdict, diagnose
 from stalwart.runtime.probe import Reach
 
 FOUND = st.none() | st.sampled_from(list(Reach))
@@ -80,3 +80,15 @@ def test_an_abandoned_collective_names_the_lighthouse_not_the_store() -> None:
     assert diagnosis.describe() == "not probed: the lighthouse reported a member of this quorum dead"
     assert diagnosis.unreachable == () and not diagnosis.busy_hint
     assert "store did not answer" in diagnose(Failure.ERROR, {}).describe()
+
+
+def test_a_quorum_that_broke_during_on_leader_names_whom_it_lost_and_where() -> None:
+    """The leader dead inside ``manager.on_leader()`` is named as such, never as a busy peer."""
+    dead_leader = LeaderLoss("w0", 3, ("w0",)).describe()
+    assert dead_leader.startswith("the leader w0 died inside manager.on_leader(): ") and "quorum 3" in dead_leader
+    assert "busy" not in dead_leader
+    assert "(and w2 with it)" in LeaderLoss("w0", 3, ("w0", "w2")).describe()
+    other = LeaderLoss("w0", 3, ("w1",)).describe()
+    assert other.startswith("w1 died while the leader w0 ran manager.on_leader()") and "w0 died" not in other
+    unnamed = LeaderLoss("w0", 3, ()).describe()
+    assert "while the leader w0 ran manager.on_leader()" in unnamed and "did not say which" in unnamed

@@ -90,3 +90,12 @@ def test_a_peer_that_votes_within_the_grace_is_agreed_with_after_a_departure_req
     with ThreadPoolExecutor(1) as pool:
         late = pool.submit(lambda: (time.sleep(0.2), peer.agree(True))[1])
         assert leader.agree(True) and late.result(timeout=60)
+
+
+def test_the_leader_relays_a_broken_quorum_with_the_members_the_lighthouse_named() -> None:
+    _, (leader, other) = links(2)
+    assert other.broken_by(4) == ()
+    leader.mark_broken(4, ("w0", "w2"))
+    assert other.broken_by(4) == ("w0", "w2") and other.broken_by(5) == ()
+    leader.mark_broken(5)
+    assert other.broken(5) and other.broken_by(5) == (), "a quorum broken with nobody named is still broken"

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stalwart.coord.quorum import Formation, LighthouseState, QuorumRequest, RequestError
+from stalwart.coord.roster import NAMED_DOWN, Quorum, Roster
 from stalwart.data.ledger import DataLedger
 from stalwart.data.plan import EpochPlan
 from stalwart.testing.fleet import SimulatedFleet
@@ -232,6 +233,7 @@ def test_a_quorum_member_whose_peers_wait_on_it_without_progress_is_hung() -> No
     cluster.heartbeat()
     assert cluster.state.tick(cluster.now) is None
     assert cluster.state.quorum_broken and cluster.state.should_reconfigure(members[0])
+    assert cluster.state.broken_by == [hung], "the broken-quorum notice names it"
     assert cluster.state.failures[-1]["member"] == hung and cluster.state.failures[-1]["reason"] == "hung"
     assert cluster.state.member_state(hung) == "alive", "its heartbeat still lives"
     with pytest.raises(RequestError) as refused:
@@ -630,6 +632,79 @@ def test_once_the_holder_is_gone_the_newcomers_form_and_learn_the_state_is_lost(
     formation = cluster.settle()
     assert formation.members == tuple(newcomers) and formation.applied_step == 2
     assert formation.heal == {"source_rank": None, "targets": newcomers, "checkpoint": None}
+
+
+@pytest.mark.parametrize("min_replicas", [1, 3])
+def test_a_late_joiner_after_the_job_ended_is_answered_at_once_whatever_min_replicas(min_replicas: int) -> None:
+    """Every member of the last quorum left cleanly: a joiner forms alone at the final step, with nobody to heal it
+    from (the Manager's ``JobFinishedError``), at its first tick, and no failure is counted."""
+    cluster = SimulatedFleet(PLAN, min_replicas=min_replicas)
+    cluster.start(3)
+    cluster.run_steps(4)
+    finishers = cluster.members
+    early = cluster.spawn()
+    assert cluster.ask(early, "join", 0) is None
+    for member in finishers[:-1]:
+        cluster.state.leave(member, cluster.now, applied_step=4)
+    assert cluster.state.tick(cluster.now) is None, "a member of the last quorum still trains: the joiner waits"
+    cluster.state.leave(finishers[-1], cluster.now, applied_step=4)
+    failures = cluster.state.counts["failures"]
+    formation = cluster.tick()
+    assert formation is not None and formation.members == (early,) and formation.applied_step == 4
+    assert formation.heal == {"source_rank": None, "targets": [early], "checkpoint": None}
+    cluster.state.leave(early, cluster.now, applied_step=0)  # JobFinishedError: it leaves cleanly
+    late = cluster.spawn()
+    assert cluster.ask(late, "join", 0) is None
+    formation = cluster.tick()
+    assert formation is not None and formation.members == (late,) and formation.applied_step == 4
+    assert cluster.state.counts["failures"] == failures == 0 and cluster.state.step == 4
+
+
+def test_a_lighthouse_restarted_after_the_job_ended_answers_a_late_joiner_at_once_and_counts_no_failure() -> None:
+    cluster = SimulatedFleet(PLAN, min_replicas=3)
+    cluster.start(3)
+    for member, incarnation in zip(cluster.members, INCARNATIONS, strict=False):
+        cluster.state.register(member, incarnation, cluster.now)
+    cluster.run_steps(4)
+    for member in cluster.members:
+        cluster.state.leave(member, cluster.now, applied_step=4)
+    saved = json.loads(json.dumps(cluster.state.state_dict()))
+    state = LighthouseState.from_state_dict(saved, now=0.0, min_replicas=3, heartbeat_timeout=HEARTBEAT_TIMEOUT)
+    assert all(state.member_state(member) == "left" for member in cluster.members)
+    assert state.tick(10 * HEARTBEAT_TIMEOUT) is None and state.counts["failures"] == 0, "nobody to time out"
+    state.connected("late", 10 * HEARTBEAT_TIMEOUT)
+    state.request(QuorumRequest("late", 0, None, "join"), 10 * HEARTBEAT_TIMEOUT)
+    formation = state.tick(10 * HEARTBEAT_TIMEOUT)
+    assert formation is not None and formation.members == ("late",) and formation.applied_step == 4
+
+
+def test_newcomers_after_a_whole_fleet_failure_still_wait_for_min_replicas() -> None:
+    """Only a clean end lifts ``min_replicas``: a fleet that died (a restart resumes from a checkpoint) is not done."""
+    cluster = SimulatedFleet(PLAN, min_replicas=3)
+    cluster.start(3)
+    cluster.run_steps(4)
+    for member in cluster.members[:-1]:
+        cluster.state.leave(member, cluster.now, applied_step=4)
+    cluster.kill(cluster.members[-1])
+    newcomer = cluster.spawn()
+    cluster.ask(newcomer, "join", 0)
+    for _ in range(20):
+        cluster.now += 1.0
+        cluster.heartbeat()
+        assert cluster.tick() is None, "one newcomer of the three min_replicas asks for"
+
+
+def test_the_broken_quorum_notice_names_at_most_eight_down_members_leader_first_as_they_change() -> None:
+    members = tuple(f"m{rank:02d}" for rank in range(20))
+    roster = Roster(Quorum(1, members))
+    assert roster.down == []
+    for member in reversed(members[:12]):
+        roster.died(member)
+    assert roster.down == list(members[:NAMED_DOWN]), "rank order, capped: the leader m00 first"
+    roster.revived("m00")
+    assert roster.down == list(members[1 : NAMED_DOWN + 1])
+    roster.evict("m00")
+    assert roster.down == list(members[:NAMED_DOWN]), "an evicted member no longer counts, alive or not"
 
 
 class CheckedFleet(SimulatedFleet):

@@ -195,6 +195,9 @@ class LighthouseClient:
         warn_cleartext(self.url, token)
         self._reconfigure = threading.Event()
         self._broken = threading.Event()
+        self.quorum_down: tuple[str, ...] = ()
+        """The members the lighthouse named when it reported this member's quorum broken (cleared by ``quorum()``;
+        empty before, or from a lighthouse that does not name them)."""
         self.heartbeat_connected = threading.Event()
         """Set while the heartbeat websocket is open."""
         self._headers = bearer_headers(token)
@@ -344,6 +347,7 @@ class LighthouseClient:
             self._answer = answer
             self._reconfigure.clear()
             self._broken.clear()
+            self.quorum_down = ()
         return answer
 
     def status(self) -> dict[str, Any]:
@@ -767,6 +771,9 @@ class LighthouseClient:
                 elif quorum_id is None or self._quorum_id is None or quorum_id == self._quorum_id:
                     self._reconfigure.set()
                     if data.get("broken") is True:
+                        down = data.get("down")
+                        if isinstance(down, list) and all(isinstance(member, str) for member in down):
+                            self.quorum_down = tuple(down)
                         self._broken.set()
             elif data.get("type") == "error":
                 logger.warning("lighthouse refused a heartbeat of %s: %s", self.member, data.get("error"))

@@ -121,6 +121,11 @@ class Identities:
                 code="left",
             )
 
+    def has_left(self, member: str) -> bool:
+        """Whether ``member``'s current incarnation left cleanly."""
+        identity = self.current.get(member)
+        return identity is not None and identity.left
+
     def leave(self, member: str) -> bool:
         """Mark ``member``'s current incarnation as left; returns whether it had not left before."""
         identity = self.current.get(member)

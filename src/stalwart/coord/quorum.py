@@ -54,7 +54,9 @@ Quorums
     members, unless it keeps a member of the current quorum that holds the
     job's state: then it forms whatever its size (survivors carry on below
     ``min_replicas``; it gates the first quorum and a quorum of newcomers
-    only). The first quorum also waits for ``start_replicas`` members (the
+    only, and not once the job ended: when every member of the last quorum
+    left cleanly a late joiner is answered at once, alone at the final step,
+    and finds the job finished). The first quorum also waits for ``start_replicas`` members (the
     fleet being launched), up to ``join_timeout`` after the first request. A
     *failure* quorum (a survivor at the target step asked with ``failure``)
     keeps the survivors only: they take the dead members' in-flight positions
@@ -331,6 +333,13 @@ class LighthouseState:
         """True while a member of the current quorum is dead: its collectives cannot complete."""
         return self.roster.broken
 
+    @property
+    def broken_by(self) -> list[str]:
+        """The members of the current quorum that no longer count (dead, hung or restarted), in rank order, at most
+        ``NAMED_DOWN`` (the leader first when it is one): the broken-quorum notice names them, so that a survivor
+        can say whom it lost."""
+        return self.roster.down
+
     def should_reconfigure(self, member: str) -> bool:
         """Whether ``member``'s heartbeat should be answered with ``{"type": "reconfigure"}``.
 
@@ -368,9 +377,13 @@ class LighthouseState:
 
     def expect_quorum(self, now: float) -> None:
         """Count the quorum's members as alive and seen at ``now``: after a restart they get
-        ``heartbeat_timeout`` to reconnect their heartbeat sockets."""
+        ``heartbeat_timeout`` to reconnect their heartbeat sockets. A member that left cleanly stays gone (the
+        job may have ended: no heartbeat timeout counts it as failed)."""
         quorum = self.roster.quorum
         for member in quorum.members if quorum else ():
+            if self.registry.identities.has_left(member):
+                self.membership[member].left = True
+                continue
             self.membership.expect(member, now)
             self.roster.revived(member)
 
@@ -740,11 +753,16 @@ class LighthouseState:
         survivors of a failure train on below ``min_replicas`` rather than wait
         (and lose the state if they die waiting); restarted members join them
         at the next step boundary. It gates the first quorum, and a quorum of
-        newcomers only (a fleet restarted from a checkpoint). ``cut_off``: live
-        members of the quorum that have not asked and are cut off (nobody waits
-        for them).
+        newcomers only (a fleet restarted from a checkpoint). Once the job
+        ended (every member of the last quorum left cleanly) neither holds a
+        quorum back: nobody else is coming to train, so a late joiner is
+        answered at once, alone at the final step, and finds the job finished.
+        ``cut_off``: live members of the quorum that have not asked and are cut
+        off (nobody waits for them).
         """
-        if not size or (size < self.min_replicas and not carries_on):
+        if not size:
+            return False
+        if size < self.min_replicas and not carries_on and not self._finished_cleanly():
             return False
         if self.roster.quorum is None and size < self.start_replicas and not timed_out:
             return False
@@ -896,9 +914,11 @@ class LighthouseState:
         return checkpoint
 
     def _finished_cleanly(self) -> bool:
-        """Whether every member of the last quorum left cleanly (``/v1/leave``) rather than failing."""
+        """Whether every member of the last quorum left cleanly (``/v1/leave``) rather than failing: the job ended
+        (a whole quorum departing at a boundary leaves unannounced, as failures). Constant time unless every member
+        of the quorum is gone."""
         quorum = self.roster.quorum
-        if quorum is None:
+        if quorum is None or self.roster.counting:
             return False
         records = [self.membership.get(member) for member in quorum.members]
         return all(record is not None and record.left for record in records)
@@ -1036,7 +1056,8 @@ class LighthouseState:
         require_digest: bool = False,
         unreachable_wait: float = UNREACHABLE_WAIT_S,
     ) -> LighthouseState:
-        """Resume from ``state_dict()``: the quorum's members count as alive (seen at ``now``), others as dead; no
+        """Resume from ``state_dict()``: the quorum's members count as alive (seen at ``now``) unless they left
+        cleanly, others as dead; no
         member is cut from another (cuts are not persisted: a cut-off member is reported again at its next failure).
 
         A version 1 state resumes without its last formation: a member whose answer was lost asks again and is

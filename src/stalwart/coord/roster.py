@@ -9,8 +9,13 @@ revive or are evicted.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+NAMED_DOWN = 8
+"""The most members a broken-quorum notice names (rank order: the leader first when it is one of them), so that a
+notice to each of thousands of survivors stays small when hundreds die at once."""
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,7 @@ class Roster:
         """Members that no longer count though they may live (``hung``, ``restarted``), until the next quorum."""
         self._dead = {member for member in dead if member in self.ranks}
         self._down = set(self._dead)
+        self._named: list[str] | None = None
 
     def __contains__(self, member: object) -> bool:
         return member in self.ranks
@@ -45,6 +51,15 @@ class Roster:
         return bool(self._down)
 
     @property
+    def down(self) -> list[str]:
+        """The first :data:`NAMED_DOWN` members that no longer count (dead, or evicted), in rank order: whom the
+        broken-quorum notice names. Cached until a member dies, revives or is evicted: every survivor's notice
+        reads it, so a failure of many members costs one walk of them per change, not one per survivor."""
+        if self._named is None:
+            self._named = heapq.nsmallest(NAMED_DOWN, self._down, key=self.ranks.__getitem__)
+        return self._named
+
+    @property
     def counting(self) -> int:
         """How many members still count."""
         return len(self.ranks) - len(self._down)
@@ -54,14 +69,17 @@ class Roster:
         if member in self.ranks:
             self._dead.add(member)
             self._down.add(member)
+            self._named = None
 
     def revived(self, member: str) -> None:
         """``member`` is alive again (it counts again unless it was evicted)."""
         self._dead.discard(member)
-        if member not in self.evicted:
+        if member not in self.evicted and member in self._down:
             self._down.discard(member)
+            self._named = None
 
     def evict(self, member: str) -> None:
         """``member`` no longer counts for this quorum, alive or not."""
         self.evicted.add(member)
         self._down.add(member)
+        self._named = None

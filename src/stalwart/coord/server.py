@@ -539,7 +539,9 @@ class Lighthouse:
         if quorum is None or not self.state.quorum_broken or quorum.quorum_id in self._broken_pushed:
             return
         self._broken_pushed.add(quorum.quorum_id)
-        message = json.dumps({"type": "reconfigure", "quorum_id": quorum.quorum_id, "broken": True})
+        message = json.dumps(
+            {"type": "reconfigure", "quorum_id": quorum.quorum_id, "broken": True, "down": self.state.broken_by}
+        )
         now = time.monotonic()
         sockets = []
         for member in quorum.members:
@@ -746,7 +748,10 @@ class Lighthouse:
                 if self.state.should_reconfigure(member):
                     broken = self.state.quorum_broken
                     if self._notice_due(member, ws, (quorum.quorum_id, broken, False)):
-                        await _send(ws, {"type": "reconfigure", "quorum_id": quorum.quorum_id, "broken": broken})
+                        notice = {"type": "reconfigure", "quorum_id": quorum.quorum_id, "broken": broken}
+                        if broken:
+                            notice["down"] = self.state.broken_by
+                        await _send(ws, notice)
                 elif self.state.left_out(member) and self._notice_due(member, ws, (quorum.quorum_id, False, True)):
                     await _send(ws, {"type": "reconfigure", "quorum_id": quorum.quorum_id, "left_out": True})
         finally:

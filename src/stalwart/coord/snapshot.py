@@ -129,7 +129,8 @@ def requeue(state: LighthouseState, taken: Changes) -> None:
 def restore(restored: LighthouseState, saved: Mapping[str, Any], now: float) -> None:
     """Fill a new ``restored`` state (built with ``saved``'s plan) from ``saved`` (a ``state_dict``).
 
-    The quorum's members count as alive (seen at ``now``), others as dead. A
+    The quorum's members count as alive (seen at ``now``), but those that
+    left cleanly (the job ended) stay gone; others are dead. A
     version 1 state resumes without its last formation: a member whose answer
     was lost asks again and is told to join.
     """
@@ -141,6 +142,8 @@ def restore(restored: LighthouseState, saved: Mapping[str, Any], now: float) -> 
         members = tuple(parse_member(m, "state['quorum']['members']") for m in saved["quorum"]["members"])
         quorum_id = check_int("state['quorum']['quorum_id']", saved["quorum"]["quorum_id"])
         restored.roster = Roster(Quorum(quorum_id, members), dead=members)
+    if saved.get("identities") is not None:
+        restored.registry.identities = Identities.from_json(saved["identities"])
     restored.expect_quorum(now)
     if saved["formation"] is not None and saved["version"] == STATE_VERSION:
         restored.formation = Formation.from_json(saved["formation"])
@@ -148,8 +151,6 @@ def restore(restored: LighthouseState, saved: Mapping[str, Any], now: float) -> 
     restored.commits.healing = {name: bool(ahead) for name, ahead in saved["healing"].items()}
     restored.commits.heal_step = check_int("state['heal_step']", saved["heal_step"], minimum=0)
     restored.history = History.from_json(saved["history"])
-    if saved.get("identities") is not None:
-        restored.registry.identities = Identities.from_json(saved["identities"])
     if saved.get("checkpoint") is not None:
         restored.checkpoint = CheckpointRecord.from_json(saved["checkpoint"])
     restored.dirty.formation = True  # the first save writes every part (a version 1 state had one row)

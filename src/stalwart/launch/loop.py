@@ -49,10 +49,11 @@ KILL_POINTS = (
     "during_parity",
     "during_exchange",
     "during_outer",
+    "during_evaluate",
 )
 """Where :class:`Faults` can kill: the top of a step (before anything of it), each micro-batch's forward, its
 backward, the reduction in flight, after it, before the update, the sharded state's gather and parity,
-DiLoCo's exchange and outer step."""
+DiLoCo's exchange and outer step, and the leader's evaluation after the step (inside ``manager.on_leader()``)."""
 MANAGER_EVENTS = {
     "reduce_started": "during_reduce",
     "reduce_finished": "after_reduce",
@@ -190,6 +191,14 @@ class LoopParts:
     evaluate: Callable[[int], None] | None = None
     """Run on the leader (``manager.on_leader``) after every ``eval_every``-th step, given the steps done."""
     eval_every: int = 0
+    eval_first: bool = False
+    """Evaluate at the top of the next step's body, before its micro-batches (nanoGPT's place), not after the
+    update (an evaluation after the last step is then not run)."""
+
+    def evaluation_after(self, done: int) -> Callable[[int], None] | None:
+        """The evaluation the leader runs once ``done`` steps are done (None when none is due)."""
+        due = self.eval_every > 0 and done > 0 and done % self.eval_every == 0
+        return self.evaluate if due else None
 
 
 def train(
@@ -216,6 +225,9 @@ def train(
         held_until(pacing.hold_file, manager.ledger.step, lambda: manager.boundary_wanted)
         _pace(pacing.step_seconds)
         faults.corrupt(model, number)
+        evaluation = parts.evaluation_after(number) if parts.eval_first else None
+        if evaluation is not None:
+            manager.on_leader(evaluation, number)
         for batch in step:
             faults.kill_if("before_forward", number)
             tensors = [tensor.to(device, non_blocking=True) for tensor in batch]
@@ -240,8 +252,9 @@ def train(
         if parts.scheduler is not None:
             parts.scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        if parts.evaluate is not None and parts.eval_every and (number + 1) % parts.eval_every == 0:
-            manager.on_leader(parts.evaluate, number + 1)
+        evaluation = None if parts.eval_first else parts.evaluation_after(number + 1)
+        if evaluation is not None:
+            manager.on_leader(evaluation, number + 1)
         probe.step_finished(manager, step, scaler)
 
 

@@ -25,8 +25,9 @@ step, for tests (:data:`~stalwart.launch.loop.KILL_POINTS`: for example
 ``before_forward``, ``during_backward``, ``during_reduce`` (the buckets are in
 flight: launched from backward's hooks, so a peer already waiting may complete
 the reduction with them before the kill) or ``after_reduce`` (reduced, not
-applied)); with ``--kill-rank R`` only the group's process of intra-group rank
-R does.
+applied), or ``during_evaluate`` (inside the leader's ``manager.on_leader()``
+evaluation after step ``STEP``, with ``--eval-every``); with ``--kill-rank R``
+only the group's process of intra-group rank R does.
 
 ``--hold-file PATH``: while PATH exists and holds a step number ``S``, the
 worker waits before starting any step ``>= S`` (bounded by ``loop.HOLD_LIMIT``),
@@ -196,6 +197,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scaler", action="store_true", help="Scale the loss with a GradScaler (fp16's recipe).")
     parser.add_argument("--inf-at", type=int, default=None, help="Make this worker's gradient inf at this step.")
     parser.add_argument("--eval-every", type=int, default=0, help="Evaluate on the leader every this many steps.")
+    parser.add_argument(
+        "--eval-first", action="store_true", help="Evaluate at the top of a step's body (nanoGPT's place)."
+    )
     parser.add_argument("--eval-seconds", type=float, default=0.0, help="Simulated seconds each evaluation takes.")
     parser.add_argument("--data", default="digits", help="digits, or parquet:DIR, hf:DIR, hf-iterable:DIR (shards).")
     parser.add_argument("--fsdp", action="store_true", help="Shard the model over the group's processes (FSDP2).")
@@ -329,8 +333,9 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
         scheduler=scheduler,
         scaler=scaler,
         clip=task.clip if args.clip is None else args.clip,
-        evaluate=functools.partial(_evaluate, task, model, args.eval_seconds, events),
+        evaluate=functools.partial(_evaluate, task, model, args.eval_seconds, events, faults),
         eval_every=args.eval_every,
+        eval_first=args.eval_first,
     )
     pacing = Pacing(step_seconds=args.step_seconds, sample_seconds=args.sample_seconds, hold_file=args.hold_file)
     try:
@@ -454,8 +459,10 @@ class RoundRecords:
         out.flush()
 
 
-def _evaluate(task: Task, model: torch.nn.Module, seconds: float, events: EventLog, step: int) -> None:
-    """The leader's evaluation: ``seconds`` of simulated work, then the loss of the first 64 samples."""
+def _evaluate(task: Task, model: torch.nn.Module, seconds: float, events: EventLog, faults: Faults, step: int) -> None:
+    """The leader's evaluation after ``step`` steps: ``seconds`` of simulated work, then the loss of the first 64
+    samples (``--kill-at STEP:during_evaluate`` kills it in the middle, after the step numbered ``step - 1``)."""
+    faults.kill_if("during_evaluate", step - 1)
     time.sleep(seconds)
     dataset = task.dataset()
     batch = default_collate([dataset[index] for index in range(64)])

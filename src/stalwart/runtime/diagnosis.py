@@ -10,7 +10,9 @@ all of whose processes were reachable is silent when the failure was a
 deadline (alive, reachable, and busy elsewhere), else alive. Only silent
 peers earn the hint about busy peers (``manager.on_leader()``, a larger
 ``collective_timeout``); a member cut off, dead or on a link too slow for a
-step is what the leader reports to the lighthouse as unreachable.
+step is what the leader reports to the lighthouse as unreachable. A quorum
+that broke while its leader ran ``manager.on_leader()`` work
+(:class:`LeaderLoss`) says so instead: who died, inside ``on_leader``.
 """
 
 from __future__ import annotations
@@ -64,6 +66,40 @@ class Diagnosis:
         if not self.verdicts:
             return "no peer could be examined (the quorum's store did not answer)"
         return "; ".join(f"{member} {verdict.value}" for member, verdict in self.verdicts.items())
+
+
+@dataclass(frozen=True)
+class LeaderLoss:
+    """The quorum broke while its leader ran ``manager.on_leader()`` work and this process waited for it.
+
+    ``down``: the members the lighthouse named when it reported the quorum
+    broken (empty when it named none). It replaces the hint about busy peers
+    in the messages of that quorum's failures: the leader was in
+    ``on_leader``, and dead, not busy.
+    """
+
+    leader: str
+    quorum_id: int
+    down: tuple[str, ...]
+
+    def describe(self) -> str:
+        """One line saying who died, and that it was (or the leader was) inside ``manager.on_leader()``."""
+        if self.leader in self.down:
+            others = [member for member in self.down if member != self.leader]
+            also = f" (and {', '.join(others)} with it)" if others else ""
+            return (
+                f"the leader {self.leader} died inside manager.on_leader(){also}: the lighthouse reported it gone "
+                f"from quorum {self.quorum_id} while the others waited for its work, whose result is lost"
+            )
+        if self.down:
+            return (
+                f"{', '.join(self.down)} died while the leader {self.leader} ran manager.on_leader() (the lighthouse "
+                f"reported quorum {self.quorum_id} broken)"
+            )
+        return (
+            f"quorum {self.quorum_id} broke while the leader {self.leader} ran manager.on_leader(): a member is "
+            "gone, the lighthouse did not say which"
+        )
 
 
 def diagnose(failure: Failure, peers: Mapping[str, Sequence[Reach | None]]) -> Diagnosis:

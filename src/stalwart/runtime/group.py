@@ -40,7 +40,7 @@ import datetime
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -172,10 +172,20 @@ class GroupLink:
         """Other processes: whether the leader relayed a boundary request for quorum ``quorum_id``."""
         return self._store is not None and bool(self._store.check([f"boundary/{quorum_id}"]))
 
-    def mark_broken(self, quorum_id: int) -> None:
-        """Leader: tell the group that quorum ``quorum_id`` has a dead member."""
+    def mark_broken(self, quorum_id: int, down: Sequence[str] = ()) -> None:
+        """Leader: tell the group that quorum ``quorum_id`` has a dead member; ``down``: the members the lighthouse
+        named (JSON)."""
         if self._store is not None:
-            self._store.set(f"broken/{quorum_id}", "1")
+            self._store.set(f"broken/{quorum_id}", json.dumps(list(down)))
+
+    def broken_by(self, quorum_id: int) -> tuple[str, ...]:
+        """Other processes: the members the leader relayed as down in quorum ``quorum_id`` (empty: none named, or
+        the quorum is not marked broken)."""
+        key = f"broken/{quorum_id}"
+        if self._store is None or not self._store.check([key]):
+            return ()
+        down = json.loads(self._store.get(key))
+        return tuple(down) if isinstance(down, list) else ()
 
     def broken(self, quorum_id: int) -> bool:
         """Other processes: whether the leader marked quorum ``quorum_id`` broken (checked every few ms)."""

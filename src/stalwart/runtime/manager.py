@@ -65,6 +65,7 @@ from stalwart.runtime.checkpointing import CheckpointPolicy
 from stalwart.runtime.comm import CollectiveError, default_device
 from stalwart.runtime.config import Checkpointing, Checks, Reduction, ReplicaGroup, Transport
 from stalwart.runtime.consistency import check_loaded
+from stalwart.runtime.diagnosis import LeaderLoss
 from stalwart.runtime.diloco.config import DiLoCo, check_against
 from stalwart.runtime.diloco.rounds import RoundLoop
 from stalwart.runtime.drift import DriftCheck
@@ -261,6 +262,8 @@ class Manager:
         self._on_event = on_event
         self._events = wanted_events
         self._reconfigure = True
+        self._leader_loss: LeaderLoss | None = None
+        """The current quorum broke while its leader ran on_leader() work: its failures' messages say so."""
         self._max_steps: int | None = None
         self._started = False
         self._feed: SamplerFeed | None = None
@@ -427,9 +430,11 @@ class Manager:
             raise RuntimeError("on_leader() needs a quorum: call it inside the manager.steps() loop")
         if self._rounds is not None:  # groups are not in lockstep within a round: the others go on
             return fn(*args, **kwargs) if self._session.answer.rank == 0 else None
-        finished, result = self._session.wait_for_leader(self._session.answer.rank == 0, lambda: fn(*args, **kwargs))
-        if not finished:
+        loss, result = self._session.wait_for_leader(self._session.answer.rank == 0, lambda: fn(*args, **kwargs))
+        if loss is not None:
             self._reconfigure = True
+            self._leader_loss = loss
+            log.warning("%s: %s; the quorum re-forms before the next step", self.member, loss.describe())
         return result
 
     # --- the step loop ---------------------------------------------------------------------------------
@@ -531,16 +536,22 @@ class Manager:
                 failure = CollectiveError("another process of this replica group failed it")
             if failure is not None:
                 diagnosis = self._session.diagnose(failure, need=self._link_need())
+                if self._leader_loss is not None:
+                    hint = f" ({self._leader_loss.describe()})"
+                elif diagnosis.busy_hint:
+                    hint = (
+                        " (a peer that is alive but busy, e.g. evaluating, needs manager.on_leader() or a larger "
+                        f"{self.timeouts.describe('collective_timeout')})"
+                    )
+                else:
+                    hint = ""
                 log.warning(
                     "%s: step %d all-reduce failed (%s); peers: %s; asking for a new quorum%s",
                     self.member,
                     self.ledger.step,
                     failure,
                     diagnosis.describe(),
-                    f" (a peer that is alive but busy, e.g. evaluating, needs manager.on_leader() or a larger "
-                    f"{self.timeouts.describe('collective_timeout')})"
-                    if diagnosis.busy_hint
-                    else "",
+                    hint,
                 )
                 self._join(reason="failure")
                 self.recoveries += 1
@@ -749,6 +760,7 @@ class Manager:
                 last_failure = str(error)
                 continue
             self._reconfigure = False
+            self._leader_loss = None
             self._notify("joined")
             return
         raise JoinError(

@@ -56,7 +56,7 @@ from stalwart.data.shards import ShardIdentity, shard_difference
 from stalwart.errors import JoinError, PlanMismatchError, ShardingMismatchError, StateLostError
 from stalwart.runtime.comm import CollectiveError, Communicator, Failure, arrivals, quorum_store
 from stalwart.runtime.config import ReplicaGroup, Transport
-from stalwart.runtime.diagnosis import Diagnosis, Verdict, diagnose
+from stalwart.runtime.diagnosis import Diagnosis, LeaderLoss, Verdict, diagnose
 from stalwart.runtime.group import GroupLink
 from stalwart.runtime.probe import LinkNeed, ProbeListener, Reach, probe
 from stalwart.runtime.replica import Replica
@@ -218,9 +218,15 @@ class QuorumSession:
         if self._client is None:
             return self.group.broken(self.quorum_id)
         if self._client.quorum_broken:
-            self.group.mark_broken(self.quorum_id)
+            self.group.mark_broken(self.quorum_id, self._client.quorum_down)
             return True
         return False
+
+    def broken_by(self) -> tuple[str, ...]:
+        """The members the lighthouse named when it reported the current quorum broken (empty: it named none)."""
+        if self._client is None:
+            return self.group.broken_by(self.quorum_id)
+        return self._client.quorum_down
 
     def group_agrees(self, succeeded: bool) -> bool:
         """Whether every process of this replica group says the step's collective ``succeeded`` (one vote each).
@@ -430,13 +436,14 @@ class QuorumSession:
 
     # --- the leader's own work -------------------------------------------------------------------
 
-    def wait_for_leader(self, leads: bool, run: Callable[[], Any]) -> tuple[bool, Any]:
-        """Run ``run`` on the leading group's processes while the others wait; ``(finished, result)``.
+    def wait_for_leader(self, leads: bool, run: Callable[[], Any]) -> tuple[LeaderLoss | None, Any]:
+        """Run ``run`` on the leading group's processes while the others wait; ``(loss, result)``.
 
         The waiting processes watch the quorum's store for the leader's
         "done" and the lighthouse for a broken quorum (a dead leader), so no
-        collective of theirs times out meanwhile; ``finished`` is False when
-        the quorum broke first (the next step re-forms it).
+        collective of theirs times out meanwhile; ``loss`` (None when the
+        leader finished) says whom the lighthouse reported dead when the
+        quorum broke first (the next step re-forms it).
         """
         assert self.comm is not None
         self._leader_calls += 1
@@ -448,19 +455,21 @@ class QuorumSession:
                 # a done-mark the waiters miss is covered by their broken-quorum watch
                 with contextlib.suppress(RuntimeError, dist.DistError):
                     store.set(key, "done")
-            return True, result
+            return None, result
+        assert self.answer is not None
+        leader = self.answer.members[0]
         deadline = time.monotonic() + self.timeouts.leader_timeout
         while time.monotonic() < deadline:
             try:
                 if store.check([key]):  # a check, not a wait with a timeout: that would desync the store's client
-                    return True, None
+                    return None, None
             except (RuntimeError, dist.DistError):
-                return False, None  # the store is gone: so is the quorum
+                return LeaderLoss(leader, self.quorum_id, ()), None  # the store is gone: so is the quorum
             if self.abandon():
-                return False, None
+                return LeaderLoss(leader, self.quorum_id, self.broken_by()), None
             time.sleep(_LEADER_POLL)
         raise JoinError(
-            f"{self.member}: the quorum's leader did not finish its on_leader work within "
+            f"{self.member}: the quorum's leader {leader} did not finish its on_leader work within "
             f"{self.timeouts.describe('leader_timeout')}"
         )
 
