@@ -147,6 +147,7 @@ class QuorumSession:
         """The loader's dataset's shards (a ShardedDataset's), named in the message when fingerprints differ."""
         self._heals = 0
         self._leader_calls = 0
+        self._leader_asks = 0
         self._diverged = False
         self._view: tuple[dist.Store, list[int]] | None = None
         """The current quorum's store and group sizes, once known: what :meth:`diagnose` reads and probes."""
@@ -430,16 +431,22 @@ class QuorumSession:
 
     # --- the leader's own work -------------------------------------------------------------------
 
-    def wait_for_leader(self, leads: bool, run: Callable[[], Any]) -> tuple[bool, Any]:
+    def wait_for_leader(
+        self, leads: bool, run: Callable[[], Any], serve: Callable[[], None] | None = None
+    ) -> tuple[bool, Any]:
         """Run ``run`` on the leading group's processes while the others wait; ``(finished, result)``.
 
         The waiting processes watch the quorum's store for the leader's
         "done" and the lighthouse for a broken quorum (a dead leader), so no
         collective of theirs times out meanwhile; ``finished`` is False when
-        the quorum broke first (the next step re-forms it).
+        the quorum broke first (the next step re-forms it). For each
+        :meth:`ask_waiters` of the leader's ``run``, they run ``serve`` (their
+        part of a collective the leader started, a gather of sharded state);
+        one that fails (:class:`CollectiveError`) ends the wait unfinished.
         """
         assert self.comm is not None
         self._leader_calls += 1
+        self._leader_asks = 0
         key = f"leader/{self._leader_calls}"
         store = self.comm.store
         if leads:
@@ -450,12 +457,23 @@ class QuorumSession:
                     store.set(key, "done")
             return True, result
         deadline = time.monotonic() + self.timeouts.leader_timeout
+        served = 0
         while time.monotonic() < deadline:
             try:
                 if store.check([key]):  # a check, not a wait with a timeout: that would desync the store's client
                     return True, None
+                asked = serve is not None and store.check([f"{key}/ask/{served + 1}/{self.group.rank}"])
             except (RuntimeError, dist.DistError):
                 return False, None  # the store is gone: so is the quorum
+            if asked:
+                assert serve is not None
+                try:
+                    serve()
+                except CollectiveError as error:
+                    log.warning("%s: the leader's gather failed (%s)", self.member, error)
+                    return False, None
+                served += 1
+                continue
             if self.abandon():
                 return False, None
             time.sleep(_LEADER_POLL)
@@ -463,6 +481,16 @@ class QuorumSession:
             f"{self.member}: the quorum's leader did not finish its on_leader work within "
             f"{self.timeouts.describe('leader_timeout')}"
         )
+
+    def ask_waiters(self) -> None:
+        """(The leader, inside ``wait_for_leader``'s ``run``.) Make the waiting processes run their ``serve`` once.
+
+        Each process of the leading group asks its counterparts (the same
+        rank in the other groups), which then enter the collective with it.
+        """
+        assert self.comm is not None
+        self._leader_asks += 1
+        self.comm.store.set(f"leader/{self._leader_calls}/ask/{self._leader_asks}/{self.group.rank}", "1")
 
     # --- leaving ---------------------------------------------------------------------------------
 
