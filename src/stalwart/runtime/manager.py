@@ -700,9 +700,10 @@ class Manager:
             plan.source,
             " (this one)" if is_target else "",
         )
-        applied = self._session.transfer(
-            self._replica, plan.source, is_target=is_target, budget=self.checks.max_heal_bytes, comm=heal_comm
-        )
+        with self._internal():
+            applied = self._session.transfer(
+                self._replica, plan.source, is_target=is_target, budget=self.checks.max_heal_bytes, comm=heal_comm
+            )
         if is_target:
             self._replica.applied_step = applied
             self.optimizer.zero_grad(set_to_none=True)
