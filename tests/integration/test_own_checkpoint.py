@@ -27,14 +27,20 @@ JOB_TIMEOUT = 120.0
 ENTRY = "stalwart.testing.own_checkpoint_job:run"
 
 
-def run_job(out: Path, workers: int, args: list[str]) -> None:
-    """``workers`` workers of one job (a lighthouse of its own) until they exit; each must exit 0."""
+def run_job(
+    out: Path, workers: int, args: list[str], *, min_replicas: int | None = None, env: dict[str, str] | None = None
+) -> list[int]:
+    """``workers`` workers of one job (a lighthouse of its own) until they exit; their exit codes.
+
+    Each must exit 0 unless ``min_replicas`` is given (default ``workers``).
+    """
     out.mkdir(parents=True, exist_ok=True)
-    with Lighthouse(PLAN, min_replicas=workers, start_replicas=workers, heartbeat_timeout=1.0) as server:
+    least = workers if min_replicas is None else min_replicas
+    with Lighthouse(PLAN, min_replicas=least, start_replicas=workers, heartbeat_timeout=1.0) as server:
         processes = [
             ForkedWorker(
                 ["--lighthouse", server.url, "--member", f"w{n}", "--out", str(out), *args],
-                dict(os.environ),
+                {**os.environ, **(env or {})},
                 out / f"w{n}.log",
                 entry=ENTRY,
             )
@@ -46,7 +52,8 @@ def run_job(out: Path, workers: int, args: list[str]) -> None:
             for process in processes:
                 process.kill()
     logs = "\n".join(path.read_text()[-3000:] for path in sorted(out.glob("w*.log")))
-    assert codes == [0] * workers, logs
+    assert min_replicas is not None or codes == [0] * workers, logs
+    return codes
 
 
 def assert_close(left: Any, right: Any, where: str = "") -> None:
@@ -107,3 +114,19 @@ def test_moments_restarted_from_zero_would_end_elsewhere(replicated: dict[str, A
     fresh = {"model": replicated["saved"]["model"], "optimizer": reference(0)["optimizer"]}
     ended = reference(RESUMED_STEPS, resume=fresh)["model"]
     assert max(float((ended[k] - v).abs().max()) for k, v in replicated["resumed"].items()) > 100 * TOLERANCE
+
+
+def test_a_state_dict_called_on_one_process_alone_says_what_to_do(tmp_path: Path) -> None:
+    """The leader calls optimizer.state_dict() outside on_leader, the others do not: a StepContractError, no file.
+
+    Its peers' next collective outlasts the meeting's rendezvous_timeout, so
+    the error is the meeting's; the others finish the job without it.
+    """
+    env = {"STALWART_RENDEZVOUS_TIMEOUT": "3", "STALWART_COLLECTIVE_TIMEOUT": "60"}
+    args = ["--steps", str(SAVE_AT + 2), "--save-at", str(SAVE_AT), "--redundancy", "overlap:0.5"]
+    codes = run_job(tmp_path, 3, [*args, "--save", "leader-alone"], min_replicas=1, env=env)
+    assert sorted(codes) == [0, 0, 1]
+    failed = tmp_path / f"w{codes.index(1)}.log"
+    assert "StepContractError: optimizer.state_dict() is a collective" in failed.read_text()
+    assert "call it on every process at the same point of the loop body" in failed.read_text()
+    assert not (tmp_path / "ckpt.pt").exists()

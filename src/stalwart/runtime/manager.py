@@ -85,7 +85,7 @@ from stalwart.runtime.threads import apply_thread_default
 from stalwart.runtime.timeouts import Timeouts
 from stalwart.runtime.update import UpdateWindow
 from stalwart.runtime.zero import RepairStats, ShardedOptimizer
-from stalwart.runtime.zero.whole import WholeStateDict, gather_on_every_rank
+from stalwart.runtime.zero.whole import WholeStateDict
 
 log = logging.getLogger(__name__)
 _CLOSE_WAIT = 120.0
@@ -438,12 +438,17 @@ class Manager:
         """
         zero, comm = self._zero, self._session.grad_comm
         assert zero is not None
-        if not self._leading:
-            return gather_on_every_rank(zero, comm)
-        assert comm is not None
-        self._session.ask_waiters()
-        moments = zero.gather_moments(comm, to_rank=0)
-        assert moments is not None  # the leader's processes are rank 0 of the shards' communicator
+        if comm is None:
+            raise RuntimeError(
+                "optimizer.state_dict() with sharded optimizer state (redundancy=) gathers the state from the "
+                "quorum's processes: call it inside the manager.steps() loop, before manager.close()"
+            )
+        if self._leading:
+            self._session.ask_waiters()
+        else:
+            self._session.meet("optimizer.state_dict()")
+        moments = zero.gather_moments(comm, to_rank=0 if self._leading else None)
+        assert moments is not None  # every rank receives, or this is the leader's: rank 0 of the communicator
         return moments
 
     def _serve_leader_gather(self) -> None:

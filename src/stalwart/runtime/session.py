@@ -53,7 +53,7 @@ from stalwart.coord.protocol import MAX_STORE_KEYS_PER_REQUEST
 from stalwart.coord.tls import client_context
 from stalwart.data.plan import EpochPlan
 from stalwart.data.shards import ShardIdentity, shard_difference
-from stalwart.errors import JoinError, PlanMismatchError, ShardingMismatchError, StateLostError
+from stalwart.errors import JoinError, PlanMismatchError, ShardingMismatchError, StateLostError, StepContractError
 from stalwart.runtime.comm import CollectiveError, Communicator, Failure, arrivals, quorum_store
 from stalwart.runtime.config import ReplicaGroup, Transport
 from stalwart.runtime.diagnosis import Diagnosis, Verdict, diagnose
@@ -148,6 +148,7 @@ class QuorumSession:
         self._heals = 0
         self._leader_calls = 0
         self._leader_asks = 0
+        self._meetings = 0
         self._diverged = False
         self._view: tuple[dist.Store, list[int]] | None = None
         """The current quorum's store and group sizes, once known: what :meth:`diagnose` reads and probes."""
@@ -313,6 +314,7 @@ class QuorumSession:
             self.grad_comm = Communicator(shard_store, answer.rank, len(answer.members), **options)
         self._heals = 0  # heal keys count from 0 in each quorum's store, the same on every member
         self._leader_calls = 0
+        self._meetings = 0
 
     def diagnose(self, error: CollectiveError, *, need: LinkNeed | None = None) -> Diagnosis:
         """What each peer member of the current quorum looked like when ``error`` happened (probed now, bounded by
@@ -481,6 +483,41 @@ class QuorumSession:
             f"{self.member}: the quorum's leader did not finish its on_leader work within "
             f"{self.timeouts.describe('leader_timeout')}"
         )
+
+    def meet(self, what: str) -> None:
+        """Wait until every process of the shards' communicator made this quorum's same-numbered ``what`` call.
+
+        A collective that every process must enter from its own code (the
+        user's ``optimizer.state_dict()`` under sharded state) meets first on
+        the quorum's store, so that a process calling it alone gets
+        :class:`~stalwart.errors.StepContractError` naming the processes that
+        did not come within ``rendezvous_timeout``, instead of entering a
+        collective its peers never match; :class:`CollectiveError` if the
+        quorum broke meanwhile.
+        """
+        comm = self.grad_comm
+        assert comm is not None
+        self._meetings += 1
+        keys = [f"meet/{what}/{self._meetings}/{rank}" for rank in range(comm.world_size)]
+        deadline = time.monotonic() + self.timeouts.rendezvous_timeout
+        try:
+            comm.store.set(keys[comm.rank], "1")
+            while not comm.store.check(keys):
+                if self.abandon():
+                    raise CollectiveError(f"the quorum broke while its processes met for {what}")
+                if time.monotonic() >= deadline:
+                    missing = [rank for rank, key in enumerate(keys) if not comm.store.check([key])]
+                    raise StepContractError(
+                        f"{what} is a collective with sharded optimizer state (redundancy=): processes {missing} of "
+                        f"the quorum did not call it within {self.timeouts.describe('rendezvous_timeout')}; call it "
+                        "on every process at the same point of the loop body, or on the leader alone inside "
+                        "manager.on_leader()"
+                    )
+                time.sleep(_LEADER_POLL)
+        except (RuntimeError, dist.DistError) as error:
+            if isinstance(error, StepContractError | CollectiveError):
+                raise
+            raise CollectiveError(f"the quorum's store did not answer while its processes met for {what}") from error
 
     def ask_waiters(self) -> None:
         """(The leader, inside ``wait_for_leader``'s ``run``.) Make the waiting processes run their ``serve`` once.

@@ -7,7 +7,8 @@ over nanoGPT's two weight-decay groups through a :class:`~stalwart.Manager`
 to ``OUT/ckpt.pt``, as a script does: ``--save every`` calls
 ``optimizer.state_dict()`` on every process and the leader saves; ``--save
 leader`` calls it only on the leader, inside ``manager.on_leader`` (nanoGPT's
-``master_process`` block). ``--resume PATH`` loads such a checkpoint into the
+``master_process`` block); ``--save leader-alone`` calls it on the leader
+alone outside ``on_leader`` (the contract broken). ``--resume PATH`` loads such a checkpoint into the
 model and, before the Manager is built (``--load before``) or in the first
 step's update window (``--load in-loop``), the optimizer. Each worker writes
 its final parameters to ``OUT/final-MEMBER.pt``. :func:`reference` is the same
@@ -87,7 +88,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--redundancy", default="none")
     parser.add_argument("--save-at", type=int, default=None)
-    parser.add_argument("--save", choices=("every", "leader"), default="every")
+    parser.add_argument("--save", choices=("every", "leader", "leader-alone"), default="every")
     parser.add_argument("--resume", type=Path, default=None)
     parser.add_argument("--load", choices=("before", "in-loop"), default="before")
     args = parser.parse_args()
@@ -121,6 +122,9 @@ def main() -> None:
             optimizer.zero_grad(set_to_none=True)
             if step.number + 1 == args.save_at and args.save == "leader":
                 manager.on_leader(save)
+            elif step.number + 1 == args.save_at and args.save == "leader-alone":
+                if manager.is_leader:  # the contract broken: the others do not take part
+                    save()
             elif step.number + 1 == args.save_at:
                 whole = optimizer.state_dict()  # every process, at the same point
                 if manager.is_leader:

@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from stalwart.runtime.comm import Communicator
 from stalwart.runtime.zero.step import ShardedOptimizer
 
 
@@ -78,16 +77,3 @@ class WholeStateDict:
         if self._internal or self._sharded.layout is None:
             return
         self._sharded.adopt_loaded()
-
-
-def gather_on_every_rank(sharded: ShardedOptimizer, comm: Communicator | None) -> dict[int, dict[str, Any]]:
-    """The whole state on every rank of ``comm`` (the quorum's): every process must call it at the same point."""
-    if comm is None:
-        raise RuntimeError(
-            "optimizer.state_dict() with sharded optimizer state (redundancy=) gathers the state from the quorum's "
-            "processes: call it inside the manager.steps() loop, on every process at the same point (or on the "
-            "leader inside manager.on_leader()), before manager.close()"
-        )
-    moments = sharded.gather_moments(comm, to_rank=None)
-    assert moments is not None  # every rank receives
-    return moments
