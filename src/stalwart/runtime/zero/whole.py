@@ -7,16 +7,17 @@ lose them without a word. Hooks on the user's optimizer make it what a torch
 user expects, as ``ZeroRedundancyOptimizer.consolidate_state_dict()`` or
 FSDP2's ``get_optimizer_state_dict(full_state_dict=True)`` do:
 
-- ``state_dict()`` gathers the whole state from the shards onto every
-  process (a collective of the quorum: every process calls it at the same
-  point of the loop body, or inside :meth:`Manager.on_leader` on the leader
-  while the others wait there), keyed by parameter index beside
-  ``param_groups``, equal to a replicated run's;
+- ``state_dict()`` gathers the whole state from the shards, keyed by
+  parameter index beside ``param_groups``, equal to a replicated run's: a
+  collective of the quorum, so every process calls it at the same point of
+  the loop body (they meet on the quorum's store first, and all receive
+  it), or the leader alone inside ``Manager.on_leader`` (the waiting
+  processes send their shards when asked);
 - ``load_state_dict()`` of such a whole dict (or of a replicated run's)
   keeps this process's shards of it, whatever the number of processes that
   saved it; before the first quorum, the first reshard shards it.
 
-The Manager's own state copies (heals, its checkpoints) run
+The Manager's own state copies (heals, drift heals, its checkpoints) run
 :meth:`WholeStateDict.internal`, where the hooks stand aside.
 """
 
