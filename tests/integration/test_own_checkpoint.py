@@ -122,7 +122,7 @@ def test_a_state_dict_called_on_one_process_alone_says_what_to_do(tmp_path: Path
     Its peers' next collective outlasts the meeting's rendezvous_timeout, so
     the error is the meeting's; the others finish the job without it.
     """
-    env = {"STALWART_RENDEZVOUS_TIMEOUT": "3", "STALWART_COLLECTIVE_TIMEOUT": "60"}
+    env = {"STALWART_RENDEZVOUS_TIMEOUT": "5", "STALWART_COLLECTIVE_TIMEOUT": "60"}
     args = ["--steps", str(SAVE_AT + 2), "--save-at", str(SAVE_AT), "--redundancy", "overlap:0.5"]
     codes = run_job(tmp_path, 3, [*args, "--save", "leader-alone"], min_replicas=1, env=env)
     assert sorted(codes) == [0, 0, 1]
