@@ -100,6 +100,9 @@ def test_a_scripts_own_checkpoint_holds_the_whole_sharded_state_and_resumes_at_a
     assert len(saved["optimizer"]["state"]) == len(expected["optimizer"]["state"]) == 4  # never empty
     assert_close(saved["optimizer"], expected["optimizer"], "optimizer")
     assert_close(saved["model"], expected["model"], "model")
+    for member in range(3):  # after manager.close() only the shards are left: an error, never torch's empty state
+        said = (tmp_path / "saved" / f"after-close-w{member}.txt").read_text()
+        assert "call it inside the manager.steps() loop, before manager.close()" in said
 
     ckpt = str(tmp_path / "saved" / "ckpt.pt")
     run_job(tmp_path / "resumed", resumed_workers, ["--steps", str(RESUMED_STEPS), "--resume", ckpt, *resumed_args])

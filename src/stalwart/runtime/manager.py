@@ -1035,9 +1035,7 @@ class Manager:
         if self._rounds is not None:
             self._rounds.close()
         self._accumulation.close()
-        self._window.remove()
-        if self._whole is not None:
-            self._whole.remove()
+        self._window.remove()  # the whole-state hooks stay: after close, state_dict() says it is too late
         self._departure.uninstall()
         self._session.close(self.applied_step, leave=self._finished and not self.departed)
 

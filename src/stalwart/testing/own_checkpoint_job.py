@@ -11,7 +11,9 @@ leader`` calls it only on the leader, inside ``manager.on_leader`` (nanoGPT's
 alone outside ``on_leader`` (the contract broken). ``--resume PATH`` loads such a checkpoint into the
 model and, before the Manager is built (``--load before``) or in the first
 step's update window (``--load in-loop``), the optimizer. Each worker writes
-its final parameters to ``OUT/final-MEMBER.pt``. :func:`reference` is the same
+its final parameters to ``OUT/final-MEMBER.pt``, and (with ``--save-at``)
+what ``optimizer.state_dict()`` says after ``manager.close()`` to
+``OUT/after-close-MEMBER.txt``. :func:`reference` is the same
 training in one process without stalwart (a replicated run's state).
 """
 
@@ -133,6 +135,11 @@ def main() -> None:
         manager.close()
         loader.close()
     torch.save(model.state_dict(), args.out / f"final-{args.member}.pt")
+    if args.save_at is not None:  # too late: the shards' holders are gone
+        try:
+            optimizer.state_dict()
+        except RuntimeError as error:
+            (args.out / f"after-close-{args.member}.txt").write_text(str(error))
 
 
 def run() -> None:

@@ -48,10 +48,10 @@ class WholeStateDict:
         self._sharded = sharded
         self._gather = gather
         self._internal = 0
-        self._handles = [
-            optimizer.register_state_dict_post_hook(self._after_state_dict),
-            optimizer.register_load_state_dict_post_hook(self._after_load),
-        ]
+        # kept for the optimizer's life: after the Manager's close() only the shards are left, and state_dict()
+        # must say so rather than fall back to torch's empty state
+        optimizer.register_state_dict_post_hook(self._after_state_dict)
+        optimizer.register_load_state_dict_post_hook(self._after_load)
 
     @contextlib.contextmanager
     def internal(self) -> Iterator[None]:
@@ -61,12 +61,6 @@ class WholeStateDict:
             yield
         finally:
             self._internal -= 1
-
-    def remove(self) -> None:
-        """Remove the hooks (the Manager is closed)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
 
     def _after_state_dict(self, _optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         # Before the first quorum the user's optimizer holds the whole state itself (a loaded one, or none).
