@@ -80,6 +80,7 @@ def replicated() -> dict[str, Any]:
     return {"saved": saved, "resumed": reference(RESUMED_STEPS, resume=saved)["model"]}
 
 
+@pytest.mark.slow  # two jobs of three workers each
 @pytest.mark.parametrize(
     ("saved_args", "resumed_args", "resumed_workers"),
     [
