@@ -119,7 +119,8 @@ class Manager:
     format, a collective: every process calls it at the same point of the
     loop body, or the leader inside :meth:`on_leader`; ``load_state_dict()``
     of a whole state keeps each process's shards of it, at any number of
-    processes (:mod:`stalwart.runtime.zero.whole`). In FSDP2 groups (``fully_shard`` over a mesh of the group's own
+    processes (:mod:`stalwart.runtime.zero.whole`). In FSDP2 groups
+    (``fully_shard`` over a mesh of the group's own
     processes; build the Manager after ``fully_shard``) it runs as
     fault-tolerant HSDP, and with ``redundancy`` the processes holding the same
     FSDP shard split that shard's optimizer state.
