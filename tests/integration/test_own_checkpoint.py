@@ -3,9 +3,10 @@
 Real worker processes (forked, :mod:`stalwart.testing.own_checkpoint_job`)
 against a real lighthouse: a job under ``Overlap(0.5)`` or ``Parity(2, 1)``
 saves its own checkpoint after step 3; the saved optimizer state equals a
-replicated run's at that step (one process, no stalwart), and a new job at
-another size (or under another redundancy) that loads it trains on as the
-replicated run resumed from its own checkpoint does.
+replicated run's at that step (one process, no stalwart: what a replicated
+Manager run computes), and a new job that loads it (two workers, or three
+loading it between steps) trains on as the replicated run resumed from its
+own checkpoint does. Today's failure, 0 state entries, fails the first check.
 """
 
 from __future__ import annotations
