@@ -76,6 +76,11 @@ def check_run(tmp_path: Path, optimizer: str, finishers: int) -> dict[int, dict]
     for index, state in expected_state.items():
         assert whole[index].keys() == state.keys()
         assert all(torch.equal(whole[index][key], value) for key, value in state.items()), index
+    for result in finished.values():  # gathered onto every rank: the same whole state on each
+        everywhere = result["optimizer_everywhere"]
+        assert everywhere.keys() == whole.keys()
+        for index, state in whole.items():
+            assert all(torch.equal(everywhere[index][key], value) for key, value in state.items()), index
     holders: dict[int, list[torch.Tensor]] = {}
     for result in finished.values():
         for name, value in expected.items():

@@ -216,8 +216,10 @@ def main(argv: list[str]) -> None:
             comm, quorum, alive = repair(step - 1, comm, quorum, alive)
             step = sharded.updates
     whole = sharded.gather_state(comm)  # the whole optimizer state, on the group's rank 0
+    everywhere = sharded.gather_moments(comm, to_rank=None)  # and on every rank (the user's state_dict())
     result = {
         "optimizer": None if whole is None else whole["state"],
+        "optimizer_everywhere": everywhere,
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},
         "rows": sharded.held_rows(),
         "layout_processes": sharded.layout.processes if sharded.layout else 0,

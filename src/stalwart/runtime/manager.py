@@ -39,6 +39,7 @@ and :mod:`~stalwart.runtime.zero` (sharded state and its repair).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -87,6 +88,7 @@ from stalwart.runtime.timeouts import Timeouts
 from stalwart.runtime.update import UpdateWindow
 from stalwart.runtime.values import LoopValues
 from stalwart.runtime.zero import RepairStats, ShardedOptimizer
+from stalwart.runtime.zero.whole import WholeStateDict
 
 log = logging.getLogger(__name__)
 _CLOSE_WAIT = 120.0
@@ -117,7 +119,12 @@ class Manager:
     are sharded over the quorum's processes (ZeRO stage 1, SGD, Adam or
     AdamW; :mod:`stalwart.runtime.zero`); ``node`` labels this process's
     machine (default: the host name), so that copies and parity go to other
-    nodes. In FSDP2 groups (``fully_shard`` over a mesh of the group's own
+    nodes. ``optimizer.state_dict()`` then gathers the whole state in torch's
+    format, a collective: every process calls it at the same point of the
+    loop body, or the leader inside :meth:`on_leader`; ``load_state_dict()``
+    of a whole state keeps each process's shards of it, at any number of
+    processes (:mod:`stalwart.runtime.zero.whole`). In FSDP2 groups
+    (``fully_shard`` over a mesh of the group's own
     processes; build the Manager after ``fully_shard``) it runs as
     fault-tolerant HSDP, and with ``redundancy`` the processes holding the same
     FSDP shard split that shard's optimizer state.
@@ -245,6 +252,9 @@ class Manager:
             lockstep=fsdp,
         )
         self._window = UpdateWindow(optimizer, sharded=self._zero, notify=self._notify, sync=self._sync_shards)
+        self._leading = False
+        """Inside ``on_leader``'s work on the leader: a gather of the sharded state asks the waiting processes."""
+        self._whole = None if self._zero is None else WholeStateDict(optimizer, self._zero, self._gather_whole_state)
         self._drift = DriftCheck(
             params,
             self.checks.every,
@@ -424,18 +434,68 @@ class Manager:
         for the leader's death, bounded by ``leader_timeout``), so nothing
         times out while the leader evaluates. Returns ``fn``'s result on the
         leading group's processes and None elsewhere; if the leader dies
-        meanwhile, the quorum re-forms before the next step.
+        meanwhile, the quorum re-forms before the next step. With sharded
+        optimizer state, ``optimizer.state_dict()`` inside ``fn`` gathers the
+        whole state onto the leader: the waiting processes send their shards
+        when asked (a script's own checkpoint saved here holds every moment).
         """
         if self._session.answer is None or self._session.comm is None:
             raise RuntimeError("on_leader() needs a quorum: call it inside the manager.steps() loop")
         if self._rounds is not None:  # groups are not in lockstep within a round: the others go on
             return fn(*args, **kwargs) if self._session.answer.rank == 0 else None
-        loss, result = self._session.wait_for_leader(self._session.answer.rank == 0, lambda: fn(*args, **kwargs))
+        leads = self._session.answer.rank == 0
+        serve = None if self._zero is None else self._serve_leader_gather
+        self._leading = leads
+        try:
+            loss, result = self._session.wait_for_leader(leads, lambda: fn(*args, **kwargs), serve)
+        except CollectiveError as error:  # only the gather of optimizer.state_dict() runs collectives in there
+            log.warning(
+                "%s: on_leader's work stopped: gathering the optimizer state failed (%s); the quorum re-forms "
+                "before the next step",
+                self.member,
+                error,
+            )
+            self._reconfigure = True
+            return None
+        finally:
+            self._leading = False
         if loss is not None:
             self._reconfigure = True
             self._leader_loss = loss
             log.warning("%s: %s; the quorum re-forms before the next step", self.member, loss.describe())
         return result
+
+    def _gather_whole_state(self) -> dict[int, dict[str, Any]]:
+        """The user's ``optimizer.state_dict()`` under sharded state: the whole state, gathered (a collective).
+
+        On the leader inside :meth:`on_leader`, the waiting processes are asked
+        to send their shards; elsewhere every process calls it together.
+        """
+        zero, comm = self._zero, self._session.grad_comm
+        assert zero is not None
+        if comm is None:
+            raise RuntimeError(
+                "optimizer.state_dict() with sharded optimizer state (redundancy=) gathers the state from the "
+                "quorum's processes: call it inside the manager.steps() loop, before manager.close()"
+            )
+        if self._leading:
+            self._session.ask_waiters()
+        else:
+            self._session.meet("optimizer.state_dict()")
+        moments = zero.gather_moments(comm, to_rank=0 if self._leading else None)
+        assert moments is not None  # every rank receives, or this is the leader's: rank 0 of the communicator
+        return moments
+
+    def _serve_leader_gather(self) -> None:
+        """A waiting process's part of the leader's :meth:`_gather_whole_state` (its shard to the leader)."""
+        assert self._zero is not None and self._session.grad_comm is not None
+        self._zero.gather_moments(self._session.grad_comm, to_rank=0)
+
+    @contextlib.contextmanager
+    def _internal(self) -> Iterator[None]:
+        """The Manager's own use of the optimizer (heal, checkpoints): torch's calls, unguarded and not gathered."""
+        with self._window.passthrough(), self._whole.internal() if self._whole else contextlib.nullcontext():
+            yield
 
     # --- the step loop ---------------------------------------------------------------------------------
 
@@ -691,9 +751,10 @@ class Manager:
             plan.source,
             " (this one)" if is_target else "",
         )
-        applied = self._session.transfer(
-            self._replica, plan.source, is_target=is_target, budget=self.checks.max_heal_bytes, comm=heal_comm
-        )
+        with self._internal():
+            applied = self._session.transfer(
+                self._replica, plan.source, is_target=is_target, budget=self.checks.max_heal_bytes, comm=heal_comm
+            )
         if is_target:
             self._replica.applied_step = applied
             self.optimizer.zero_grad(set_to_none=True)
@@ -804,16 +865,17 @@ class Manager:
 
     def _heal(self, answer: Any) -> None:
         """Take part in the quorum's heal: from a live member, or (a target) from the announced checkpoint."""
-        outcome = self._session.heal(
-            answer, self._replica, max_steps=self._max_steps, max_bytes=self.checks.max_heal_bytes
-        )
+        with self._internal():
+            outcome = self._session.heal(
+                answer, self._replica, max_steps=self._max_steps, max_bytes=self.checks.max_heal_bytes
+            )
         if outcome.checkpoint is not None:
             if self._checkpoints is None:
                 raise JobFinishedError(
                     f"{self.member}: the job resumes from checkpoint {outcome.checkpoint.path}, but this worker has "
                     "no checkpoint directory (Manager(checkpoint=Checkpointing(...))) to load it from"
                 )
-            with self._window.passthrough():
+            with self._internal():
                 step = self._checkpoints.load(outcome.checkpoint)
             self._replica.applied_step = step
             self._session.report = (step, outcome.checkpoint.digest, self.ledger.weights_record())
@@ -877,7 +939,7 @@ class Manager:
     def _between_steps(self) -> None:
         if self._checkpoints is None:
             return
-        with self._window.passthrough():
+        with self._internal():
             if not self._checkpoints.between_steps(self.ledger):
                 self._reconfigure = True
 
@@ -885,7 +947,7 @@ class Manager:
         """The job's last step is committed: the final checkpoint, then the farewell all-reduce."""
         self._finished = True
         if self._checkpoints is not None:
-            with self._window.passthrough():
+            with self._internal():
                 self._checkpoints.final(self.ledger)
         self._session.farewell()
 
@@ -913,7 +975,7 @@ class Manager:
             return False
         whole_quorum = len(leaving) == len(session.members)
         if whole_quorum and self._checkpoints is not None:  # nobody keeps the state: it goes to a checkpoint
-            with self._window.passthrough():
+            with self._internal():
                 self._checkpoints.final(self.ledger)
         self._depart(whole_quorum=whole_quorum)
         return True
@@ -1022,7 +1084,7 @@ class Manager:
         self._accumulation.close()
         if self._step_audit is not None:
             self._step_audit.close()
-        self._window.remove()
+        self._window.remove()  # the whole-state hooks stay: after close, state_dict() says it is too late
         self._departure.uninstall()
         self._session.close(self.applied_step, leave=self._finished and not self.departed)
 

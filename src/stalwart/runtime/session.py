@@ -53,7 +53,7 @@ from stalwart.coord.protocol import MAX_STORE_KEYS_PER_REQUEST
 from stalwart.coord.tls import client_context
 from stalwart.data.plan import EpochPlan
 from stalwart.data.shards import ShardIdentity, shard_difference
-from stalwart.errors import JoinError, PlanMismatchError, ShardingMismatchError, StateLostError
+from stalwart.errors import JoinError, PlanMismatchError, ShardingMismatchError, StateLostError, StepContractError
 from stalwart.runtime.comm import CollectiveError, Communicator, Failure, arrivals, quorum_store
 from stalwart.runtime.config import ReplicaGroup, Transport
 from stalwart.runtime.diagnosis import Diagnosis, LeaderLoss, Verdict, diagnose
@@ -147,6 +147,8 @@ class QuorumSession:
         """The loader's dataset's shards (a ShardedDataset's), named in the message when fingerprints differ."""
         self._heals = 0
         self._leader_calls = 0
+        self._leader_asks = 0
+        self._meetings = 0
         self._diverged = False
         self._view: tuple[dist.Store, list[int]] | None = None
         """The current quorum's store and group sizes, once known: what :meth:`diagnose` reads and probes."""
@@ -318,6 +320,7 @@ class QuorumSession:
             self.grad_comm = Communicator(shard_store, answer.rank, len(answer.members), **options)
         self._heals = 0  # heal keys count from 0 in each quorum's store, the same on every member
         self._leader_calls = 0
+        self._meetings = 0
 
     def diagnose(self, error: CollectiveError, *, need: LinkNeed | None = None) -> Diagnosis:
         """What each peer member of the current quorum looked like when ``error`` happened (probed now, bounded by
@@ -436,17 +439,23 @@ class QuorumSession:
 
     # --- the leader's own work -------------------------------------------------------------------
 
-    def wait_for_leader(self, leads: bool, run: Callable[[], Any]) -> tuple[LeaderLoss | None, Any]:
+    def wait_for_leader(
+        self, leads: bool, run: Callable[[], Any], serve: Callable[[], None] | None = None
+    ) -> tuple[LeaderLoss | None, Any]:
         """Run ``run`` on the leading group's processes while the others wait; ``(loss, result)``.
 
         The waiting processes watch the quorum's store for the leader's
         "done" and the lighthouse for a broken quorum (a dead leader), so no
         collective of theirs times out meanwhile; ``loss`` (None when the
         leader finished) says whom the lighthouse reported dead when the
-        quorum broke first (the next step re-forms it).
+        quorum broke first (the next step re-forms it). For each
+        :meth:`ask_waiters` of the leader's ``run``, they run ``serve`` (their
+        part of a collective the leader started, a gather of sharded state);
+        one that fails (:class:`CollectiveError`) ends the wait with a loss.
         """
         assert self.comm is not None
         self._leader_calls += 1
+        self._leader_asks = 0
         key = f"leader/{self._leader_calls}"
         store = self.comm.store
         if leads:
@@ -459,12 +468,23 @@ class QuorumSession:
         assert self.answer is not None
         leader = self.answer.members[0]
         deadline = time.monotonic() + self.timeouts.leader_timeout
+        served = 0
         while time.monotonic() < deadline:
             try:
                 if store.check([key]):  # a check, not a wait with a timeout: that would desync the store's client
                     return None, None
+                asked = serve is not None and store.check([f"{key}/ask/{served + 1}/{self.group.rank}"])
             except (RuntimeError, dist.DistError):
                 return LeaderLoss(leader, self.quorum_id, ()), None  # the store is gone: so is the quorum
+            if asked:
+                assert serve is not None
+                try:
+                    serve()
+                except CollectiveError as error:
+                    log.warning("%s: the leader's gather failed (%s)", self.member, error)
+                    return LeaderLoss(leader, self.quorum_id, self.broken_by()), None
+                served += 1
+                continue
             if self.abandon():
                 return LeaderLoss(leader, self.quorum_id, self.broken_by()), None
             time.sleep(_LEADER_POLL)
@@ -472,6 +492,51 @@ class QuorumSession:
             f"{self.member}: the quorum's leader {leader} did not finish its on_leader work within "
             f"{self.timeouts.describe('leader_timeout')}"
         )
+
+    def meet(self, what: str) -> None:
+        """Wait until every process of the shards' communicator made this quorum's same-numbered ``what`` call.
+
+        A collective that every process must enter from its own code (the
+        user's ``optimizer.state_dict()`` under sharded state) meets first on
+        the quorum's store, so that a process calling it alone gets
+        :class:`~stalwart.errors.StepContractError` naming the processes that
+        did not come within ``rendezvous_timeout``, instead of entering a
+        collective its peers never match; :class:`CollectiveError` if the
+        quorum broke meanwhile.
+        """
+        comm = self.grad_comm
+        assert comm is not None
+        self._meetings += 1
+        keys = [f"meet/{what}/{self._meetings}/{rank}" for rank in range(comm.world_size)]
+        deadline = time.monotonic() + self.timeouts.rendezvous_timeout
+        try:
+            comm.store.set(keys[comm.rank], "1")
+            while not comm.store.check(keys):
+                if self.abandon():
+                    raise CollectiveError(f"the quorum broke while its processes met for {what}")
+                if time.monotonic() >= deadline:
+                    missing = [rank for rank, key in enumerate(keys) if not comm.store.check([key])]
+                    raise StepContractError(
+                        f"{what} is a collective with sharded optimizer state (redundancy=): processes {missing} of "
+                        f"the quorum did not call it within {self.timeouts.describe('rendezvous_timeout')}; call it "
+                        "on every process at the same point of the loop body, or on the leader alone inside "
+                        "manager.on_leader()"
+                    )
+                time.sleep(_LEADER_POLL)
+        except (RuntimeError, dist.DistError) as error:
+            if isinstance(error, StepContractError | CollectiveError):
+                raise
+            raise CollectiveError(f"the quorum's store did not answer while its processes met for {what}") from error
+
+    def ask_waiters(self) -> None:
+        """(The leader, inside ``wait_for_leader``'s ``run``.) Make the waiting processes run their ``serve`` once.
+
+        Each process of the leading group asks its counterparts (the same
+        rank in the other groups), which then enter the collective with it.
+        """
+        assert self.comm is not None
+        self._leader_asks += 1
+        self.comm.store.set(f"leader/{self._leader_calls}/ask/{self._leader_asks}/{self.group.rank}", "1")
 
     # --- leaving ---------------------------------------------------------------------------------
 

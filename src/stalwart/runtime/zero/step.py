@@ -176,24 +176,38 @@ class ShardedOptimizer:
         # unless some update was applied (again) here, or some process missed the last gather.
         self.sync(comm, check=False, gather=replayed)
 
-    def gather_state(self, comm: Communicator, to_rank: int = 0) -> dict[str, Any] | None:
+    def gather_state(self, comm: Communicator, to_rank: int | None = 0) -> dict[str, Any] | None:
         """The whole optimizer state, as ``template.state_dict()`` would give it, on ``to_rank`` (collective).
 
-        Every primary sends its shard to ``to_rank`` (one all-to-all); other
-        ranks get None. The masters are the parameters, so they are not sent.
-        A DTensor parameter's state comes as a DTensor of its layout (this
-        process's FSDP2 shard of it), as the user's optimizer would hold it.
+        ``to_rank`` None: on every rank. Other ranks get None. See :meth:`gather_moments`.
+        """
+        by_index = self.gather_moments(comm, to_rank)
+        if by_index is None:
+            return None
+        return {"state": by_index, "param_groups": self.state.template.state_dict()["param_groups"]}
+
+    def gather_moments(self, comm: Communicator, to_rank: int | None = 0) -> dict[int, dict[str, Any]] | None:
+        """The whole optimizer state by parameter index (torch's ``state_dict()["state"]``) on ``to_rank`` (collective).
+
+        ``to_rank`` None: on every rank (each primary sends its shard to every
+        rank); other ranks get None. One all-to-all; the masters are the
+        parameters, so they are not sent. A DTensor parameter's state comes as
+        a DTensor of its layout (this process's FSDP2 shard of it), as the
+        user's optimizer would hold it. Before the first update: ``{}``.
         """
         state = self.state
         layout = state.layout
         assert layout is not None
         keys, rows = state.keys(), 1 + len(state.keys())
-        own = state.rows(state.rank)[1:].reshape(-1)
-        send_sizes = [own.numel() if rank == to_rank else 0 for rank in range(comm.world_size)]
+        receives = to_rank is None or comm.rank == to_rank
+        own = state.rows(state.rank)[1:].reshape(-1).to(comm.device)
+        targets = range(comm.world_size) if to_rank is None else [to_rank]
+        send_sizes = [own.numel() if to_rank is None or rank == to_rank else 0 for rank in range(comm.world_size)]
         lengths = [end - start for start, end in layout.shard_ranges]
-        receive_sizes = [(rows - 1) * n if comm.rank == to_rank else 0 for n in lengths]
-        received = comm.all_to_all(own.to(comm.device), send_sizes, receive_sizes).to(state.device)
-        if comm.rank != to_rank:
+        receive_sizes = [(rows - 1) * n if receives else 0 for n in lengths]
+        send = own.repeat(len(targets)) if len(targets) > 1 else own
+        received = comm.all_to_all(send, send_sizes, receive_sizes).to(state.device)
+        if not receives:
             return None
         offsets = [sum(receive_sizes[:shard]) for shard in range(len(lengths))]
         whole = torch.cat(
@@ -210,7 +224,24 @@ class ShardedOptimizer:
                 }
                 by_index[index] = values | clone(state.scalars())
             offset += local.numel()
-        return {"state": by_index, "param_groups": state.template.state_dict()["param_groups"]}
+        return by_index
+
+    def adopt_loaded(self) -> None:
+        """Take this process's shards from a whole state just loaded into the user's optimizer (local).
+
+        Every process loaded the same whole state (``optimizer.load_state_dict``
+        of a :meth:`gather_moments`-made or a replicated run's dict): each
+        keeps its held shards under the current layout, their masters from the
+        parameters, and the user's optimizer is emptied again. Parity is
+        re-encoded at the next update's sync.
+        """
+        state = self.state
+        layout = state.layout
+        assert layout is not None
+        keys, scalars = state.loaded_keys()
+        rows = {shard: state.fresh_rows(layout, shard, keys) for shard in layout.held_shards(state.rank)}
+        state.template.state.clear()
+        state.install(layout, state.rank, rows, keys, scalars)
 
     # --- collectives of the sync -----------------------------------------------------------------
 
