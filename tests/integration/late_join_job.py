@@ -5,7 +5,9 @@ One copy per worker, with ``STALWART_LIGHTHOUSE`` and ``STALWART_MEMBER`` set.
 ``--kill-at STEP`` makes the process SIGKILL itself at the top of step STEP
 (its first incarnation only: not after a torchrun restart); ``--hold-file PATH``
 holds it before any step >= the number the file holds, except when the
-lighthouse asks for a boundary (a joiner), as the stalwart worker's holds do.
+lighthouse asks for a boundary (a joiner), as the stalwart worker's holds do;
+``--restart-waits-for PATH`` makes a torchrun restart wait (bounded) until PATH
+exists before it builds its Manager, so that a test decides when it joins.
 At the end it saves its parameters to ``OUT/final-MEMBER-PID.pt`` and returns:
 no ``os._exit``, so that whatever torch.distributed left alive meets
 interpreter teardown, as in a user's script.
@@ -16,13 +18,14 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
 from torch.utils.data import TensorDataset
 
 from stalwart import ElasticLoader, EpochPlan, Manager
-from stalwart.launch.loop import held_until
+from stalwart.launch.loop import HOLD_LIMIT, held_until
 
 SAMPLES, BATCH = 256, 32
 PLAN = EpochPlan(SAMPLES, BATCH)
@@ -34,8 +37,13 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, required=True)
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--hold-file", type=Path, default=None)
+    parser.add_argument("--restart-waits-for", type=Path, default=None)
     args = parser.parse_args()
     first_incarnation = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if args.restart_waits_for is not None and not first_incarnation:
+        deadline = time.monotonic() + HOLD_LIMIT
+        while not args.restart_waits_for.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
     generator = torch.Generator().manual_seed(0)
     dataset = TensorDataset(torch.randn(SAMPLES, 8, generator=generator), torch.randint(0, 2, (SAMPLES,)))
     torch.manual_seed(0)

@@ -7,10 +7,10 @@ interpreter finalized and the process aborted (``terminate called without an
 active exception``, exit 134), every time.
 
 The whole story: a user's script (``late_join_job.py``) ends through the interpreter's own
-teardown. Worker 1 SIGKILLs itself at step 1 and is started again (by the
-test, or by its torchrun agent); worker 0 trains on alone and is held before
-the last step until the lighthouse asks it for a boundary, which happens when
-the restarted worker asks to join. Worker 0 then commits the job's last step
+teardown. Worker 1 SIGKILLs itself at step 1; worker 0 trains on alone and
+is held before the last step until the lighthouse asks it for a boundary.
+Once it is held there, worker 1 is started again (by the test, or let go by
+the test after its torchrun agent restarted it) and asks to join. Worker 0 then commits the job's last step
 and forms a quorum with the joiner at the job's end, heals it, and both
 close. Every process must exit 0 (they used to end in ``terminate called
 without an active exception``, exit 134: a retired process group was being
@@ -84,17 +84,27 @@ def launch(
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environ)
 
 
+def held_at_the_last_step(lighthouse: Lighthouse) -> bool:
+    """Whether worker 0 applied every step but the last (it is held there) while worker 1 is dead."""
+    members = {entry["member"]: entry for entry in lighthouse.status()["members"]}
+    w0, w1 = members.get("w0"), members.get("w1")
+    return w0 is not None and w0["applied_step"] == STEPS - 1 and w1 is not None and w1["state"] == "dead"
+
+
 @pytest.mark.parametrize("torchrun", [False, True], ids=["plain", "torchrun"])
 def test_every_process_exits_0_when_a_restarted_worker_rejoins_at_the_last_step(
     tmp_path: Path, lighthouse: Lighthouse, torchrun: bool
 ) -> None:
     (tmp_path / "hold").write_text(str(STEPS - 1), encoding="utf-8")  # worker 0 waits before the last step
+    go = tmp_path / "go"
     processes = {"w0": launch("w0", tmp_path, lighthouse, [], torchrun)}
-    processes["w1"] = launch("w1", tmp_path, lighthouse, ["--kill-at", "1"], torchrun)
+    processes["w1"] = launch("w1", tmp_path, lighthouse, ["--kill-at", "1", "--restart-waits-for", str(go)], torchrun)
     try:
-        if not torchrun:  # torchrun's agent restarts the killed worker itself
-            wait_until(lambda: processes["w1"].poll() is not None, TIMEOUT, "worker 1 to kill itself")
-            assert processes["w1"].returncode == -9
+        wait_until(lambda: held_at_the_last_step(lighthouse), TIMEOUT, "worker 0 held before the last step")
+        if torchrun:  # its agent restarted worker 1, which waits for this
+            go.touch()
+        else:
+            assert processes["w1"].wait(TIMEOUT) == -9
             processes["w1"] = launch("w1", tmp_path, lighthouse, [], torchrun)
         wait_until(lambda: all(p.poll() is not None for p in processes.values()), TIMEOUT, "the workers to exit")
     finally:
