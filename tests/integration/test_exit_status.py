@@ -63,13 +63,13 @@ def test_a_process_that_retires_its_group_and_returns_exits_0(store: dist.TCPSto
 
 
 def launch(
-    member: str, out: Path, lighthouse: Lighthouse, options: list[str], torchrun: bool
+    member: str, out: Path, lighthouse: Lighthouse, options: list[str], torchrun: bool, restarts: int = 0
 ) -> subprocess.Popen[bytes]:
-    """One worker: the job script in a fresh interpreter, or under torchrun (one restart allowed)."""
+    """One worker: the job script in a fresh interpreter, or under torchrun (``restarts`` restarts allowed)."""
     script = [str(JOB), "--out", str(out), "--max-steps", str(STEPS), "--hold-file", str(out / "hold"), *options]
     if torchrun:
-        agent = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "--max-restarts", "1"]
-        command = [sys.executable, *agent, "--monitor-interval", "0.1", *script]
+        agent = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "--monitor-interval", "0.1"]
+        command = [sys.executable, *agent, "--max-restarts", str(restarts), *script]
     else:
         command = [sys.executable, *script]
     environ = {
@@ -98,7 +98,8 @@ def test_every_process_exits_0_when_a_restarted_worker_rejoins_at_the_last_step(
     (tmp_path / "hold").write_text(str(STEPS - 1), encoding="utf-8")  # worker 0 waits before the last step
     go = tmp_path / "go"
     processes = {"w0": launch("w0", tmp_path, lighthouse, [], torchrun)}
-    processes["w1"] = launch("w1", tmp_path, lighthouse, ["--kill-at", "1", "--restart-waits-for", str(go)], torchrun)
+    killed = ["--kill-at", "1", "--restart-waits-for", str(go)]
+    processes["w1"] = launch("w1", tmp_path, lighthouse, killed, torchrun, restarts=1)
     try:
         wait_until(lambda: held_at_the_last_step(lighthouse), TIMEOUT, "worker 0 held before the last step")
         if torchrun:  # its agent restarted worker 1, which waits for this
