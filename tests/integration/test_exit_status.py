@@ -6,21 +6,22 @@ helper thread; a daemon one was still inside the C++ destructor when the
 interpreter finalized and the process aborted (``terminate called without an
 active exception``, exit 134), every time.
 
-The whole story: a user's script (``late_join_job.py``) ends through the interpreter's own
-teardown. Worker 1 SIGKILLs itself at step 1; worker 0 trains on alone and
-is held before the last step until the lighthouse asks it for a boundary.
-Once it is held there, worker 1 is started again (by the test, or let go by
-the test after its torchrun agent restarted it) and asks to join. Worker 0 then commits the job's last step
-and forms a quorum with the joiner at the job's end, heals it, and both
-close. Every process must exit 0 (they used to end in ``terminate called
-without an active exception``, exit 134: a retired process group was being
-destroyed on a daemon thread when the interpreter finalized) and hold the
-same parameters.
+The whole story: a user's script (``late_join_job.py``) that ends through
+the interpreter's own teardown. Worker 1 SIGKILLs itself at step 1; worker 0
+trains on alone and is held before the last step until the lighthouse asks
+it for a boundary. Once it is held there, worker 1 is started again (by the
+test, or let go after its torchrun agent restarted it) and asks to join.
+Worker 0 then commits the job's last step, forms a quorum with the joiner at
+the job's end and heals it, and both close. Every process must exit 0 and
+hold the same parameters. Without the fix it aborted under torchrun (2 runs
+of 2) and in some plain runs; before the probe listener's close returned at
+once, its half-second wait hid the race here.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -105,7 +106,7 @@ def test_every_process_exits_0_when_a_restarted_worker_rejoins_at_the_last_step(
         if torchrun:  # its agent restarted worker 1, which waits for this
             go.touch()
         else:
-            assert processes["w1"].wait(TIMEOUT) == -9
+            assert processes["w1"].wait(TIMEOUT) == -signal.SIGKILL
             processes["w1"] = launch("w1", tmp_path, lighthouse, [], torchrun)
         wait_until(lambda: all(p.poll() is not None for p in processes.values()), TIMEOUT, "the workers to exit")
     finally:
