@@ -61,6 +61,19 @@ deadlines come first. A collective whose communicator the watchdog aborted
 completes without an error on the caller's work object, so its work result
 is checked too.
 
+Exit: the threads that create a group (:class:`_Rendezvous`) or destroy one
+(:meth:`Communicator.retire`) are not daemons. A group's constructor and
+destructor run in C++ with the GIL released; a daemon thread still inside one
+when the interpreter finalizes takes the GIL back on its way out, and Python
+(before 3.14) ends it with ``pthread_exit``, whose forced unwinding through a
+``noexcept`` C++ frame calls ``std::terminate``: ``terminate called without
+an active exception``, exit 134 after a correct run (the group ``close()``
+retired, still being destroyed when the script returned). The interpreter
+joins non-daemon threads before it finalizes, so an exit waits for them;
+each ends within the backend's timeouts (a destructor: milliseconds, or a
+pending collective's timeout; a given-up Gloo constructor: its rendezvous
+timeout; an NCCL connect ends when the group is aborted).
+
 Everything above this module is device-agnostic: it hands over tensors on
 ``Communicator.device`` and never names a backend.
 """
@@ -360,7 +373,7 @@ class Communicator:
             self._group.abort()
 
     def retire(self) -> None:
-        """Abort the group and destroy it on a daemon thread; the communicator is not used after.
+        """Abort the group and destroy it on a helper thread; the communicator is not used after.
 
         Gloo's abort does not end a collective still waiting on a live peer,
         and the group's destructor joins the thread running it: destroyed on
@@ -370,13 +383,17 @@ class Communicator:
         retires its groups closes their sockets at once, which ends its
         peers' waits. A retired communicator's collectives raise
         :class:`CollectiveError`; retiring it again does nothing.
+
+        The helper is not a daemon (see the module docstring, "Exit"): the
+        interpreter's exit waits for the destructor (milliseconds, at most the
+        pending collective's timeout) instead of aborting the process.
         """
         if self._group is None:
             return
         self.abort()
         holder = [self._group]  # no local name may hold the group: the caller's frame would destroy it last
         self._group = None
-        threading.Thread(target=holder.clear, name="stalwart-retired-group", daemon=True).start()
+        threading.Thread(target=holder.clear, name="stalwart-retired-group", daemon=False).start()
 
     def _live_group(self) -> Any:
         """The process group; :class:`CollectiveError` once :meth:`retire` handed it away (its quorum is gone)."""
@@ -567,6 +584,8 @@ class _Rendezvous:
     constructor); ``connect`` finishes it (NCCL: the eager connect). A thread
     whose rendezvous was given up aborts and drops what it built when the
     backend returns: a group's destructor can block, and this thread may.
+    Not a daemon (see the module docstring, "Exit"): an exit waits for the
+    backend's own timeouts rather than abort.
     """
 
     def __init__(self, create: Callable[[], Any], connect: Callable[[Any], None]) -> None:
@@ -575,7 +594,7 @@ class _Rendezvous:
         self._group: Any | None = None
         self._failure: BaseException | None = None
         self._given_up = False
-        threading.Thread(target=self._run, args=(create, connect), name="stalwart-rendezvous", daemon=True).start()
+        threading.Thread(target=self._run, args=(create, connect), name="stalwart-rendezvous", daemon=False).start()
 
     def _run(self, create: Callable[[], Any], connect: Callable[[Any], None]) -> None:
         group: Any | None = None

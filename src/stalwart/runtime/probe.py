@@ -30,6 +30,7 @@ run in parallel on a bounded pool.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import math
@@ -173,8 +174,14 @@ class ProbeListener:
             self._slots.release()
 
     def close(self) -> None:
-        """Stop accepting and close the socket (peers' probes are refused from then on)."""
+        """Stop accepting and close the socket (peers' probes are refused from then on).
+
+        The shutdown wakes the thread waiting in ``accept`` (closing alone does
+        not), so that ``close`` returns at once rather than after the accept's
+        next check."""
         self._stop.set()
+        with contextlib.suppress(OSError):  # not connected: a listening socket may refuse a shutdown elsewhere
+            self._socket.shutdown(socket.SHUT_RDWR)
         self._socket.close()
         self._thread.join(2 * _ACCEPT_CHECK)
 
