@@ -92,6 +92,7 @@ def held_at_the_last_step(lighthouse: Lighthouse) -> bool:
     return w0 is not None and w0["applied_step"] == STEPS - 1 and w1 is not None and w1["state"] == "dead"
 
 
+@pytest.mark.slow  # a job of two workers, one restarted (under torchrun: two agents)
 @pytest.mark.parametrize("torchrun", [False, True], ids=["plain", "torchrun"])
 def test_every_process_exits_0_when_a_restarted_worker_rejoins_at_the_last_step(
     tmp_path: Path, lighthouse: Lighthouse, torchrun: bool
