@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -33,6 +31,7 @@ from stalwart.redundancy.config import Overlap, parse_parity
 from stalwart.redundancy.layout import ShardsLostError
 from stalwart.runtime.comm import CollectiveError, Communicator
 from stalwart.runtime.zero import CopyMismatchError, ShardedOptimizer
+from stalwart.testing.forked import run_forked
 
 FEATURES = 13
 
@@ -77,19 +76,7 @@ def reference(kind: str, steps: int) -> tuple[dict[str, torch.Tensor], dict[int,
 
 def run(argv: list[str]) -> None:
     """A process's entry (forked by the test): :func:`main`, then an exit that skips the interpreter's teardown."""
-    torch.set_num_threads(1)  # forked from a process whose thread pool may have run: never enter it
-    code = 1
-    try:
-        main(argv)
-        code = 0
-    except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else 1
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    run_forked(lambda: main(argv))
 
 
 def main(argv: list[str]) -> None:

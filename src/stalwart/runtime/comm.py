@@ -61,18 +61,22 @@ deadlines come first. A collective whose communicator the watchdog aborted
 completes without an error on the caller's work object, so its work result
 is checked too.
 
-Exit: the threads that create a group (:class:`_Rendezvous`) or destroy one
-(:meth:`Communicator.retire`) are not daemons. A group's constructor and
-destructor run in C++ with the GIL released; a daemon thread still inside one
-when the interpreter finalizes takes the GIL back on its way out, and Python
-(before 3.14) ends it with ``pthread_exit``, whose forced unwinding through a
-``noexcept`` C++ frame calls ``std::terminate``: ``terminate called without
-an active exception``, exit 134 after a correct run (the group ``close()``
-retired, still being destroyed when the script returned). The interpreter
-joins non-daemon threads before it finalizes, so an exit waits for them;
-each ends within the backend's timeouts (a destructor: milliseconds, or a
-pending collective's timeout; a given-up Gloo constructor: its rendezvous
-timeout; an NCCL connect ends when the group is aborted).
+Exit: the thread that destroys a retired group (:meth:`Communicator.retire`)
+is not a daemon. A group's destructor runs in C++ with the GIL released; a
+daemon thread still inside it when the interpreter finalizes takes the GIL
+back on its way out, and Python (before 3.14) ends it with ``pthread_exit``,
+whose forced unwinding through a ``noexcept`` C++ frame calls
+``std::terminate``: ``terminate called without an active exception``, exit
+134 after a correct run (the group ``close()`` retired, still being
+destroyed, 17-25 ms after a heal's group, when the script returned). The
+interpreter joins non-daemon threads before it finalizes, so an exit waits
+for it: milliseconds, or a pending collective's timeout. The thread that
+builds a group (:class:`_Rendezvous`) stays a daemon: a rendezvous given up
+on a broken network sits in Gloo's connect for up to five rendezvous
+timeouts (50 s by default), which an exit must not wait for, and it returns
+into Python during the few milliseconds of a finalization only by a rare
+coincidence, where the destroy thread of a just-retired group did so at
+every late rejoin.
 
 Everything above this module is device-agnostic: it hands over tensors on
 ``Communicator.device`` and never names a backend.
@@ -584,8 +588,8 @@ class _Rendezvous:
     constructor); ``connect`` finishes it (NCCL: the eager connect). A thread
     whose rendezvous was given up aborts and drops what it built when the
     backend returns: a group's destructor can block, and this thread may.
-    Not a daemon (see the module docstring, "Exit"): an exit waits for the
-    backend's own timeouts rather than abort.
+    A daemon (see the module docstring, "Exit"): an exit does not wait for a
+    rendezvous given up on a broken network.
     """
 
     def __init__(self, create: Callable[[], Any], connect: Callable[[Any], None]) -> None:
@@ -594,7 +598,7 @@ class _Rendezvous:
         self._group: Any | None = None
         self._failure: BaseException | None = None
         self._given_up = False
-        threading.Thread(target=self._run, args=(create, connect), name="stalwart-rendezvous", daemon=False).start()
+        threading.Thread(target=self._run, args=(create, connect), name="stalwart-rendezvous", daemon=True).start()
 
     def _run(self, create: Callable[[], Any], connect: Callable[[Any], None]) -> None:
         group: Any | None = None

@@ -21,9 +21,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
-import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +28,7 @@ import torch
 
 from stalwart import ElasticLoader, EpochPlan, Manager
 from stalwart.redundancy.config import Overlap, Redundancy, parse_parity
+from stalwart.testing.forked import run_forked
 
 SAMPLES, FEATURES, BATCH, MICRO = 48, 6, 12, 4
 PLAN = EpochPlan(SAMPLES, BATCH, seed=0)
@@ -144,16 +142,4 @@ def main() -> None:
 
 def run() -> None:
     """A forked worker's entry: :func:`main`, then an exit that skips the interpreter's teardown."""
-    torch.set_num_threads(1)
-    code = 1
-    try:
-        main()
-        code = 0
-    except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else 1
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    run_forked(main)
