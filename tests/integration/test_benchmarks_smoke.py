@@ -48,6 +48,7 @@ def run_quick(capsys: pytest.CaptureFixture[str]) -> Callable[..., str]:
     return run
 
 
+@pytest.mark.slow
 def test_quick_run_prints_every_table_and_goal(run_quick: Callable[..., str]) -> None:
     output = run_quick("benchmarks.data_plane", "--quick")
     for title in (

@@ -286,6 +286,7 @@ def test_plot_marks_failures_by_signal_rejoins_and_heals(tmp_path: Path) -> None
     assert report.world_size_history == [(0, 3), (3, 2), (5, 1), (6, 3)]
 
 
+@pytest.mark.slow
 def test_readme_training_example_runs_as_written(tmp_path: Path) -> None:
     """``examples/train.py`` (the README's script) with two workers and a token, as the README launches it."""
     script = Path(__file__).resolve().parents[2] / "examples" / "train.py"

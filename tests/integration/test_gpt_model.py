@@ -309,6 +309,7 @@ def test_the_ddp_script_trains_under_torchrun_and_rank_0_alone_logs_and_saves(tm
     assert final < initial - 0.5, (initial, final)
 
 
+@pytest.mark.slow
 def test_the_stalwart_script_trains_two_workers_and_ends_where_the_ddp_script_does(tmp_path: Path) -> None:
     """examples/gpt.py as written: two workers against a lighthouse with no plan of its own (the script's is
     adopted); the leader alone logs the 2 validation losses and saves; its model trains like the DDP twin's."""

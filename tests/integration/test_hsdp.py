@@ -47,6 +47,7 @@ def run_groups(url: str, run_dir: Path, options: dict[str, list[str]]) -> dict[s
             end_group(agent)
 
 
+@pytest.mark.slow
 def test_a_killed_fsdp_group_restarts_and_is_healed_shard_by_shard(tmp_path: Path, lighthouse: Lighthouse) -> None:
     kill_restart_and_heal(tmp_path, lighthouse, {})
 
@@ -83,6 +84,7 @@ def test_fsdp_groups_run_in_step_when_their_processes_get_unequal_parts(tmp_path
         assert worst < PARAM_TOLERANCE, path.name
 
 
+@pytest.mark.slow
 def test_fsdp_groups_split_their_shards_optimizer_state_with_parity(tmp_path: Path) -> None:
     """HSDP with a partial replicate dimension: three FSDP2 groups, each shard's Adam state split with parity (2, 1).
 

@@ -78,7 +78,11 @@ def logged(caplog: pytest.LogCaptureFixture, text: str) -> int:
 
 @contextmanager
 def stopped(process: subprocess.Popen[bytes]) -> Iterator[None]:
+    """SIGSTOP ``process`` and wait until it is stopped (the signal is delivered asynchronously: on a busy machine
+    the lighthouse answered a request sent right after it), SIGCONT on exit."""
     process.send_signal(signal.SIGSTOP)
+    stat = Path(f"/proc/{process.pid}/stat")
+    wait_until(lambda: stat.read_text().rsplit(")", 1)[1].split()[0] == "T", timeout=30, what="the lighthouse stopped")
     try:
         yield
     finally:
@@ -265,6 +269,7 @@ def test_a_quorum_request_to_a_stopped_lighthouse_raises_lighthouse_unreachable_
     assert "quorum_timeout" in message and "STALWART_QUORUM_TIMEOUT" in message
 
 
+@pytest.mark.slow
 def test_a_worker_whose_lighthouse_does_not_answer_exits_2_with_one_line_naming_url_and_setting(
     tmp_path: Path,
 ) -> None:

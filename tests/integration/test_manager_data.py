@@ -143,6 +143,7 @@ def test_steps_refuses_a_dataloader_it_does_not_drive_and_the_loader_is_not_iter
             manager.close()
 
 
+@pytest.mark.slow
 def test_the_dataloader_example_runs_as_written() -> None:
     """``examples/train_dataloader.py`` with two workers, each with a DataLoader of two worker processes."""
     script = Path(__file__).resolve().parents[2] / "examples" / "train_dataloader.py"

@@ -158,6 +158,7 @@ def test_killed_worker_restarts_and_is_healed(
     assert [event["event"] for event in restarted][:3] == ["started", "healed", "joined"]
 
 
+@pytest.mark.slow
 def test_hung_worker_is_excluded_then_rejoins(
     tmp_path: Path, lighthouse: Lighthouse, long_reference: dict[str, torch.Tensor]
 ) -> None:
