@@ -26,6 +26,7 @@ from stalwart.launch.processes import ForkedWorker
 from stalwart.launch.report import RunReport, event_marks, plot_report, world_size_history
 from stalwart.redundancy import Parity, place, state_bytes
 from stalwart.testing.loopback import free_port
+from stalwart.testing.procfs import stat_fields
 from stalwart.testing.waiting import wait_until
 
 PLAN = EpochPlan(1797, 32, seed=0)
@@ -229,8 +230,7 @@ def _running(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    with open(f"/proc/{pid}/stat", encoding="utf-8") as stat:
-        return stat.read().split()[2] != "Z"
+    return stat_fields(pid)[0] != "Z"
 
 
 def test_plot_marks_failures_by_signal_rejoins_and_heals(tmp_path: Path) -> None:

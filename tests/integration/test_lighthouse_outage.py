@@ -26,6 +26,7 @@ import pytest
 
 from stalwart.coord.client import LighthouseClient, LighthouseUnreachable
 from stalwart.testing.loopback import HOST, free_port
+from stalwart.testing.procfs import stat_fields
 from stalwart.testing.reports import remember, report
 from stalwart.testing.waiting import wait_until
 
@@ -81,8 +82,7 @@ def stopped(process: subprocess.Popen[bytes]) -> Iterator[None]:
     """SIGSTOP ``process`` and wait until it is stopped (the signal is delivered asynchronously: on a busy machine
     the lighthouse answered a request sent right after it), SIGCONT on exit."""
     process.send_signal(signal.SIGSTOP)
-    stat = Path(f"/proc/{process.pid}/stat")
-    wait_until(lambda: stat.read_text().rsplit(")", 1)[1].split()[0] == "T", timeout=30, what="the lighthouse stopped")
+    wait_until(lambda: stat_fields(process.pid)[0] == "T", timeout=30, what="the lighthouse stopped")
     try:
         yield
     finally:

@@ -42,6 +42,7 @@ from stalwart.launch.cluster import read_status
 from stalwart.launch.report import audit_steps, committed_steps, planned_total
 from stalwart.launch.tasks import reference_run
 from stalwart.testing.loopback import free_port
+from stalwart.testing.procfs import stat_fields
 from stalwart.testing.waiting import wait_until
 from stalwart.torchx import STATE_MOUNT, TOKEN_VARIABLE, job
 from tests.kubernetes_objects import typed
@@ -67,7 +68,7 @@ def starts(run_dir: Path, name: str) -> list[int]:
 
 def process_info(pid: int) -> tuple[int, dict[str, str]]:
     """(parent pid, environment) of a live process."""
-    parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    parent = int(stat_fields(pid)[1])
     environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     pairs = (entry.decode(errors="replace").partition("=") for entry in environ if b"=" in entry)
     return parent, {key: value for key, _, value in pairs}
