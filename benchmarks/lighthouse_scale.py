@@ -11,7 +11,8 @@ defaults but ``start_replicas`` = the member count). The members are asyncio
 clients (aiohttp) spread over ``--processes`` processes: each registers, keeps
 its heartbeat websocket, reports its applied step with its ledger digest (the
 driver advances the step every ``--step-seconds``, so the lighthouse commits
-and persists), and asks ``POST /v1/quorum`` the way a worker does: ``join`` at
+and persists), and asks for quorums the way a worker does (on its heartbeat
+socket; ``--asks post``: ``POST /v1/quorum``, as workers did before): ``join`` at
 start-up, ``failure`` as soon as the broken-quorum push arrives. They build
 and read every message with the client's own protocol code
 (:mod:`stalwart.coord.protocol`: headers, registration, heartbeats, quorum
@@ -38,6 +39,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import itertools
 import json
 import logging
 import multiprocessing
@@ -59,6 +61,7 @@ from typing import Any
 import aiohttp
 
 from benchmarks._measure import Goal, make_console, print_goals, print_table
+from stalwart.coord.asks import MAX_ANSWER_BYTES
 from stalwart.coord.protocol import (
     HEARTBEAT_PATH,
     QUORUM_PATH,
@@ -66,6 +69,7 @@ from stalwart.coord.protocol import (
     QuorumAnswer,
     QuorumRequest,
     StoreAddress,
+    ask_message,
     heartbeat_message,
     identity_headers,
     ledger_digest,
@@ -180,6 +184,8 @@ class Sim:
     answered_at: float | None = None
     refused: int = 0
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+    pending: dict[int, asyncio.Future[tuple[int, Any, int]]] = field(default_factory=dict)
+    """Its asks on the heartbeat socket waiting for their answers: the status, the body and the message's size."""
 
     def headers(self) -> dict[str, str]:
         """The identity headers."""
@@ -189,8 +195,12 @@ class Sim:
 class Fleet:
     """The simulated members of one process, driven by commands from the driver over a pipe."""
 
-    def __init__(self, connection: Connection, names: Sequence[str], url: str, wire: int, interval: float | None):
+    def __init__(
+        self, connection: Connection, names: Sequence[str], url: str, wire: int, interval: float | None, asks: str
+    ):
         self.connection = connection
+        self.asks = asks
+        self.ask_ids = itertools.count()
         self.url = url
         self.wire = wire
         self.fixed_interval = interval
@@ -266,7 +276,11 @@ class Fleet:
                 self.interval = max(DEFAULT_INTERVAL, float(data["heartbeat_interval"]))
                 adopted.set()
             sim.socket = await session.ws_connect(
-                self.url + HEARTBEAT_PATH, params={"member": sim.name}, headers=sim.headers(), heartbeat=None
+                self.url + HEARTBEAT_PATH,
+                params={"member": sim.name},
+                headers=sim.headers(),
+                heartbeat=None,
+                max_msg_size=MAX_ANSWER_BYTES,
             )
             sim.tasks += [asyncio.create_task(self._beat(sim)), asyncio.create_task(self._receive(sim))]
 
@@ -292,6 +306,11 @@ class Fleet:
             if message.type != aiohttp.WSMsgType.TEXT:
                 continue
             data = json.loads(message.data)
+            if data.get("type") == "answer":
+                waiter = sim.pending.get(data["ask"])
+                if waiter is not None and not waiter.done():
+                    waiter.set_result((data["status"], data["body"], len(message.data)))
+                continue
             if data.get("type") != "reconfigure" or not data.get("broken") or data.get("quorum_id") != sim.quorum_id:
                 continue
             if sim.pushed_at is None:
@@ -312,24 +331,22 @@ class Fleet:
         try:
             while not sim.dead and time.monotonic() < deadline:
                 try:
-                    async with self.session.post(self.url + QUORUM_PATH, json=body, headers=sim.headers()) as response:
-                        raw = await response.read()
+                    status, data, size = await self._request(sim, body)
                 except aiohttp.ClientConnectionError:  # closed before its answer: asked again, as the client does
                     self.retried["closed"] = self.retried.get("closed", 0) + 1
                     await asyncio.sleep(0.05)
                     continue
-                if response.status in (408, 503):
-                    if response.status not in self.retried:
-                        self.first_retried[response.status] = raw[:200].decode(errors="replace")
-                    self.retried[response.status] = self.retried.get(response.status, 0) + 1
+                if status in (408, 503):
+                    if status not in self.retried:
+                        self.first_retried[status] = repr(data)[:200]
+                    self.retried[status] = self.retried.get(status, 0) + 1
                     await asyncio.sleep(0.05)
                     continue
-                if response.status != 200:
+                if status != 200:
                     sim.refused += 1
-                    self.errors.append(f"{sim.name}: {response.status} {raw[:200]!r}")
+                    self.errors.append(f"{sim.name}: {status} {repr(data)[:200]}")
                     return
-                data = json.loads(raw)
-                self.answer_bytes.append(len(raw))
+                self.answer_bytes.append(size)
                 self._learn(data, sim.quorum_id)
                 sim.quorum_id = data["quorum_id"]
                 sim.answered_at = time.time()
@@ -339,6 +356,26 @@ class Fleet:
             self.errors.append(f"{sim.name}: {type(error).__name__}: {error}"[:300])
         finally:
             sim.asking = False
+
+    async def _request(self, sim: Sim, body: dict[str, Any]) -> tuple[int, Any, int]:
+        """One quorum request: on ``sim``'s heartbeat socket (``--asks socket``, as the client asks while its socket
+        is open) or by POST; the status, the answer's JSON and its size in bytes."""
+        assert self.session is not None and sim.socket is not None
+        if self.asks == "post":
+            async with self.session.post(self.url + QUORUM_PATH, json=body, headers=sim.headers()) as response:
+                raw = await response.read()
+                try:
+                    return response.status, json.loads(raw), len(raw)
+                except ValueError:
+                    return response.status, raw[:200], len(raw)
+        ask_id = next(self.ask_ids)
+        waiter: asyncio.Future[tuple[int, Any, int]] = asyncio.get_running_loop().create_future()
+        sim.pending[ask_id] = waiter
+        try:
+            await sim.socket.send_str(ask_message(ask_id, body))
+            return await waiter
+        finally:
+            del sim.pending[ask_id]
 
     def _learn(self, data: dict[str, Any], known: int | None) -> None:
         """Keep what this process needs of a quorum it first hears of: its members and ledger."""
@@ -435,10 +472,12 @@ async def _bounded_gather(coroutines: Any, limit: int = 128) -> None:
     await asyncio.gather(*(run(coroutine) for coroutine in coroutines))
 
 
-def _fleet_main(connection: Connection, names: list[str], url: str, wire: int, interval: float | None) -> None:
+def _fleet_main(
+    connection: Connection, names: list[str], url: str, wire: int, interval: float | None, asks: str
+) -> None:
     """A member process."""
     _prepare_process()
-    asyncio.run(Fleet(connection, names, url, wire, interval).serve())
+    asyncio.run(Fleet(connection, names, url, wire, interval, asks).serve())
 
 
 # --- the driver --------------------------------------------------------------------------------------------------
@@ -471,7 +510,9 @@ class Driver:
             ours, theirs = context.Pipe()
             self.pipes.append(ours)
             self.fleets.append(
-                context.Process(target=_fleet_main, args=(theirs, mine, self.url, args.wire, interval), daemon=True)
+                context.Process(
+                    target=_fleet_main, args=(theirs, mine, self.url, args.wire, interval, args.asks), daemon=True
+                )
             )
         self.live = load
         self.probes: list[tuple[float, float]] = []
@@ -879,6 +920,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--heartbeat-timeout", type=float, default=2.0)
     parser.add_argument("--join-timeout", type=float, default=30.0)
     parser.add_argument("--wire", type=int, choices=(1, 2), default=2, help="1: ask for the legacy full answer")
+    parser.add_argument(
+        "--asks",
+        choices=("socket", "post"),
+        default="socket",
+        help="how members ask for quorums: on their heartbeat socket (as LighthouseClient does), or POST (before)",
+    )
     parser.add_argument("--stop-after-failure", action="store_true", help="skip larger counts once one fails")
     parser.add_argument("--report", type=Path, help="write the results as JSON")
     parser.add_argument("--compare", type=Path, help="a --report of an earlier run: print before/after")

@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 
 from stalwart.coord.client import LighthouseClient
 from stalwart.coord.hosted_ledger import ledger_digest
+from stalwart.coord.protocol import ASK_PREFIX, ask_message
 from stalwart.coord.server import MAX_BODY_BYTES, Lighthouse
 from stalwart.coord.wire import MAX_WIRE_INT
 from stalwart.data.ledger import DataLedger
@@ -607,6 +608,41 @@ def test_bad_heartbeat_messages_get_error_replies_and_change_nothing(world: Worl
         assert reply.type == aiohttp.WSMsgType.TEXT, (message, reply)
         answer = json.loads(reply.data)
         assert answer["type"] == "error" and isinstance(answer["error"], str), (message, answer)
+    assert after == before, messages
+    settle(world.lighthouse)
+
+
+@st.composite
+def bad_asks(draw: st.DrawFn) -> str:
+    """Quorum requests on a heartbeat socket the lighthouse refuses: not JSON, another shape, a bad id, a request its
+    parser refuses, or m-alpha's valid request on probe's socket."""
+    kind = draw(st.sampled_from(["not_json", "shape", "id", "request", "request", "other_member"]))
+    if kind == "not_json":
+        return ASK_PREFIX + draw(st.text(max_size=60).filter(lambda s: not _is_json(ASK_PREFIX + s)))
+    if kind == "shape":
+        rest = draw(st.sampled_from([{}, {"request": TEMPLATES["/v1/quorum"], "pad": 1}, {"req": {}}]))
+        return json.dumps({"ask": draw(st.integers(0, 9)), **rest}, separators=(",", ":"))
+    if kind == "id":
+        return ask_message(0, TEMPLATES["/v1/quorum"]).replace('"ask":0', f'"ask":{json.dumps(draw(not_an_int))}', 1)
+    if kind == "other_member":
+        return ask_message(draw(st.integers(0, 9)), TEMPLATES["/v1/quorum"])
+    raw = draw(bad_bodies("/v1/quorum").filter(lambda b: len(b) < 3500))
+    try:
+        request = json.loads(raw)
+    except ValueError:
+        request = raw.decode(errors="replace")
+    return ASK_PREFIX + f'{draw(st.integers(0, 9))},"request":{json.dumps(request)}}}'
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(messages=st.lists(bad_asks().filter(lambda m: len(m.encode()) <= 4096), min_size=1, max_size=4))
+def test_bad_socket_asks_get_4xx_answers_and_change_nothing(world: World, messages: list[str]) -> None:
+    before, after, replies = asyncio.run(_fuzz_socket(world, list(messages)))
+    for message, reply in zip(messages, replies, strict=True):
+        assert reply.type == aiohttp.WSMsgType.TEXT, (message, reply)
+        answer = json.loads(reply.data)
+        assert answer["type"] == "answer" and 400 <= answer["status"] < 500, (message, answer)
+        assert isinstance(answer["body"]["error"], str), (message, answer)
     assert after == before, messages
     settle(world.lighthouse)
 

@@ -41,7 +41,9 @@ fast, and a path that comes back is used at once:
   interval, at least 1 s) and a read timeout (``request_timeout``; a quorum
   request's long poll: what is left of its ``timeout``); each request opens its
   own connection, so none is reused after its path died (a pooled keep-alive
-  connection would carry the next request into TCP's retransmission backoff);
+  connection would carry the next request into TCP's retransmission backoff),
+  except a quorum request while the heartbeat socket is open: it is sent on
+  that socket (:mod:`stalwart.coord.asks`), whose path the heartbeat watches;
 - a quorum request that fails is asked again on a fresh connection after a
   pause that grows up to about a heartbeat interval
   (:attr:`LighthouseClient.retry_cap`), and one in flight is given up (and
@@ -74,6 +76,7 @@ from typing import Any, TypeVar
 import aiohttp
 
 from stalwart._validate import check_int
+from stalwart.coord.asks import MAX_ANSWER_BYTES, SocketAsks, SocketClosed
 from stalwart.coord.heal_report import HealTotals
 from stalwart.coord.protocol import (
     CHECKPOINT_PATH,
@@ -221,6 +224,8 @@ class LighthouseClient:
         """What ``report_rounds`` gave: each heartbeat's ``rounds`` field (DiLoCo members)."""
         self._closed = False
         self._reachability = _Reachability(self.url)
+        self._socket_asks = SocketAsks()
+        """Quorum requests sent on the heartbeat socket while it is open (see :mod:`stalwart.coord.asks`)."""
         self._path_lost: asyncio.Future[None] | None = None
         """Done when the heartbeat finds the path to the lighthouse dead (then replaced): quorum requests in flight
         give up their connection and ask again."""
@@ -587,8 +592,8 @@ class LighthouseClient:
     async def _ask_quorum(self, body: dict[str, Any], deadline: float, timeout: float) -> QuorumAnswer:
         """Ask until answered; the request names the quorum this member holds, so the answer may be a delta.
 
-        Each attempt is a fresh connection; one the heartbeat finds cut off is given up and asked again; pauses
-        between attempts grow up to :attr:`retry_cap`."""
+        Each attempt goes on the heartbeat socket while it is open, else on a fresh connection; one the heartbeat
+        finds cut off is given up and asked again; pauses between attempts grow up to :attr:`retry_cap`."""
         previous = self._answer
         body = {**body, "known": None if previous is None else previous.quorum_id}
         backoff = MIN_BACKOFF
@@ -634,12 +639,20 @@ class LighthouseClient:
             backoff = min(2 * backoff, self.retry_cap)
 
     async def _post_quorum(self, body: dict[str, Any], headers: dict[str, str], read: float) -> tuple[int, Any]:
-        """One quorum request on its own connection: the status and JSON; :class:`_PathLost` when the heartbeat
-        finds the path dead meanwhile (the request is abandoned, its connection closed)."""
+        """One quorum request, on the heartbeat socket while it is open, else on its own connection: the status and
+        JSON; :class:`_PathLost` when the heartbeat finds the path dead (or the socket closes) meanwhile (the
+        request is abandoned, its connection closed)."""
         lost = self._path_lost
         assert lost is not None
+        on_socket = self._socket_asks.message(body)
 
         async def post() -> tuple[int, Any]:
+            if on_socket is not None:
+                try:
+                    async with asyncio.timeout(read):
+                        return await self._socket_asks.ask(*on_socket)
+                except SocketClosed:
+                    raise _PathLost from None
             async with self._session.post(
                 self.url + QUORUM_PATH, json=body, headers=headers, timeout=self._timeouts(read)
             ) as response:
@@ -668,11 +681,14 @@ class LighthouseClient:
                         heartbeat=None,
                         autoping=False,  # the pongs are the lighthouse's answers (see _beat)
                         timeout=aiohttp.ClientWSTimeout(ws_close=CLOSE_S),
+                        max_msg_size=MAX_ANSWER_BYTES,
                     )
                 async with socket:
                     backoff = MIN_BACKOFF
                     self.heartbeat_connected.set()
+                    self._socket_asks.attach(socket)
                     if await self._beat(socket):
+                        self._socket_asks.detach()  # before the close, which may wait: nothing more is asked on it
                         self._lose_path(f"no answer on the heartbeat socket for {self.silence_timeout:g} s")
                         await socket.close(code=HEARTBEAT_RECONNECT_CODE, message=b"no answer: reconnecting")
             except asyncio.CancelledError:
@@ -694,6 +710,7 @@ class LighthouseClient:
             except Exception:
                 logger.exception("heartbeat of %s failed; reconnecting", self.member)
             finally:
+                self._socket_asks.detach()
                 self.heartbeat_connected.clear()
             await asyncio.sleep(backoff)
             backoff = min(2 * backoff, self.retry_cap)
@@ -775,6 +792,8 @@ class LighthouseClient:
                         if isinstance(down, list) and all(isinstance(member, str) for member in down):
                             self.quorum_down = tuple(down)
                         self._broken.set()
+            elif data.get("type") == "answer":
+                self._socket_asks.answered(data)
             elif data.get("type") == "error":
                 logger.warning("lighthouse refused a heartbeat of %s: %s", self.member, data.get("error"))
 

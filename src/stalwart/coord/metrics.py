@@ -79,6 +79,12 @@ class LighthouseMetrics:
             "stalwart_persist_seconds", "Seconds a save of the lighthouse's state took (SQLite, on its thread).",
             buckets=_SAVE_BUCKETS, registry=registry,
         )  # fmt: skip
+        self.quorum_requests = Counter(
+            "stalwart_quorum_requests", "Quorum requests answered, by how they came: heartbeat socket or POST.",
+            ["via"], registry=registry,
+        )  # fmt: skip
+        for via in ("socket", "post"):
+            self.quorum_requests.labels(via=via)
         for kind in FAILURE_KINDS:
             self.failures.labels(kind=kind)
         for reason in QUORUM_REASONS:

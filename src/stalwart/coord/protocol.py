@@ -20,7 +20,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stalwart.coord.formation import MemberDelta, step_ledger
-from stalwart.coord.wire import REASONS, RequestError, parse_digest, parse_member, parse_step, parse_weights
+from stalwart.coord.wire import (
+    MAX_WIRE_INT,
+    REASONS,
+    RequestError,
+    parse_digest,
+    parse_member,
+    parse_step,
+    parse_weights,
+)
 from stalwart.data.ledger import DataLedger
 from stalwart.data.plan import EpochPlan
 from stalwart.errors import StalwartError
@@ -229,6 +237,45 @@ class QuorumRequest:
             known=known,
             unreachable=parse_unreachable(body.get("unreachable", []), member),
         )
+
+
+ASK_PREFIX = '{"ask":'
+"""How a quorum request sent on the heartbeat socket begins: the lighthouse tells it from a heartbeat by this prefix,
+without parsing the heartbeats that repeat (``docs/protocol.md``, "Asking on the heartbeat socket")."""
+MAX_SOCKET_MESSAGE_BYTES = 4096
+"""The largest message a member sends on its heartbeat socket (a balanced lighthouse takes up to 64 KiB); a quorum
+request that does not fit goes as ``POST /v1/quorum``."""
+MAX_SOCKET_ASKS = 4
+"""Quorum requests one heartbeat socket may have in flight; more are answered 429 (one long poll per incarnation
+waits at a time anyway: a newer one answers the older with 409)."""
+
+
+def ask_message(ask_id: int, body: Mapping[str, Any]) -> str:
+    """A quorum request (``QuorumRequest.to_body()``) sent on the heartbeat socket: ``{"ask": id, "request": body}``."""
+    return f'{ASK_PREFIX}{int(ask_id)},"request":{json.dumps(body, separators=(",", ":"))}}}'
+
+
+def parse_ask(text: str) -> tuple[int, QuorumRequest]:
+    """The id and request of a socket ask; ``RequestError`` 400 names what is wrong (the id is -1 when unreadable)."""
+    try:
+        message = json.loads(text)
+    except (ValueError, RecursionError) as error:
+        raise RequestError(400, f"the ask is not JSON: {error}", ask=-1) from None
+    if not isinstance(message, dict) or set(message) != {"ask", "request"}:
+        raise RequestError(400, 'an ask must be {"ask": int, "request": {...}}', ask=-1)
+    ask_id = message["ask"]
+    if isinstance(ask_id, bool) or not isinstance(ask_id, int) or not 0 <= ask_id <= MAX_WIRE_INT:
+        raise RequestError(400, f"ask must be an int in [0, 2**62], got {ask_id!r}"[:200], ask=-1)
+    try:
+        return ask_id, QuorumRequest.from_json(message["request"])
+    except RequestError as error:
+        raise RequestError(error.status, error.message, ask=ask_id, **error.details) from None
+
+
+def answer_message(ask_id: int, status: int, body: bytes) -> str:
+    """The lighthouse's answer to socket ask ``ask_id``: ``{"type": "answer", "ask", "status", "body"}``, ``body``
+    being the JSON ``POST /v1/quorum`` would answer (spliced in, not parsed again)."""
+    return f'{{"type":"answer","ask":{int(ask_id)},"status":{int(status)},"body":{body.decode()}}}'
 
 
 _QUORUM_FIELDS = {"member", "applied_step", "quorum_id", "reason", "digest", "weights", "known", "unreachable"}

@@ -60,12 +60,15 @@ from stalwart.coord.heartbeat import read_heartbeat
 from stalwart.coord.metrics import LighthouseMetrics
 from stalwart.coord.persist import StateStore
 from stalwart.coord.protocol import (
+    ASK_PREFIX,
     AUTHORIZATION_HEADER,
     CHECKPOINT_PATH,
     HEARTBEAT_PATH,
     HEARTBEAT_RECONNECT_CODE,
     INCARNATION_HEADER,
     LEAVE_PATH,
+    MAX_SOCKET_ASKS,
+    MAX_SOCKET_MESSAGE_BYTES,
     QUORUM_PATH,
     REACH_PATH,
     REGISTER_PATH,
@@ -74,6 +77,8 @@ from stalwart.coord.protocol import (
     STORE_PATH,
     QuorumRequest,
     StoreRequest,
+    answer_message,
+    parse_ask,
     parse_header,
     parse_unreachable,
 )
@@ -98,7 +103,7 @@ from stalwart.errors import StalwartError
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 * 1024
-MAX_HEARTBEAT_BYTES = 4096
+MAX_HEARTBEAT_BYTES = MAX_SOCKET_MESSAGE_BYTES
 """Largest heartbeat message; a balanced ledger's carry the weights and may take up to ``MAX_BODY_BYTES``."""
 MAX_WAITERS = 4096
 """Default cap on pending quorum long polls (``max_waiters``)."""
@@ -241,6 +246,10 @@ class Lighthouse:
             secure=self._ssl is not None,
         )
         self._saved_revision = -1
+        self._snapshots_taken = 0
+        """Snapshots of what changed taken for a save so far (numbered from 1, taken and saved in order)."""
+        self._snapshot_saved = 0
+        """The number of the last snapshot saved: a request waiting for snapshot ``n`` or later is durable."""
         self._save_failing = False
         self._save_lock: asyncio.Lock | None = None
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="stalwart-lighthouse-save")
@@ -561,23 +570,31 @@ class Lighthouse:
         self._noticed[member] = (socket, key, now)
         return True
 
-    async def _durable(self) -> bool:
+    async def _durable(self, after: int | None = None) -> bool:
         """Save what changed (on the save thread); False when the save failed.
 
         What changed is taken on the loop, so the save is a consistent
         snapshot; it costs what changed (:meth:`LighthouseState.changes`), and
-        what a failed save held is saved with the next one.
+        what a failed save held is saved with the next one. ``after``: the
+        number of snapshots taken when the caller's change was made; a snapshot
+        taken after it and saved meanwhile is enough (a thousand answers of one
+        quorum, or a storm of registrations, wait for one or two saves, not a
+        save each while heartbeats go on changing the state).
         """
         assert self._save_lock is not None
         if self.state.plan is None:
             return True  # nothing to keep before a member brought the plan (registering adopts it, then saves)
         async with self._save_lock:
+            if after is not None and self._snapshot_saved > after:
+                return True
             revision = self.state.revision
             if revision == self._saved_revision and not self.state.history.journal:
                 return True
             changes = self.state.changes()  # drained even without a database, so nothing piles up
+            self._snapshots_taken += 1
+            snapshot = self._snapshots_taken
             if self._database is None:
-                self._saved_revision = revision
+                self._saved_revision, self._snapshot_saved = revision, snapshot
                 return True
             loop = asyncio.get_running_loop()
             try:
@@ -594,11 +611,13 @@ class Lighthouse:
                 logger.warning("the lighthouse saves its state to %s again", self._database.path)
             self._save_failing = False
             self._saved_revision = revision
+            self._snapshot_saved = snapshot
             return True
 
     async def _require_durable(self, what: str) -> None:
-        """503 (the client asks again) unless the state, ``what`` included, is saved."""
-        if not await self._durable():
+        """503 (the client asks again) unless the state, ``what`` included (the change the caller made last), is
+        saved."""
+        if not await self._durable(after=self._snapshots_taken):
             raise RequestError(
                 503, f"the lighthouse could not persist {what}; it is not handed out, ask again", retry=True
             )
@@ -709,6 +728,8 @@ class Lighthouse:
         self.state.connected(member, time.time())
         self._advance()
         spoke = False
+        asks: set[asyncio.Task[None]] = set()
+        """The quorum requests of this socket being answered."""
         counted: tuple[str, int] | None = None
         """The last heartbeat text counted in full without a refusal, and the quorum then: the same text again in the
         same quorum is only a sign of life (:meth:`LighthouseState.heard_again`)."""
@@ -721,6 +742,9 @@ class Lighthouse:
                     await _send(ws, {"type": "error", "error": "heartbeats must be JSON text messages"})
                     continue
                 spoke = True
+                if message.data.startswith(ASK_PREFIX):
+                    await self._take_socket_ask(ws, member, message.data, asks)
+                    continue
                 quorum = self.state.quorum
                 seen = (message.data, -1 if quorum is None else quorum.quorum_id)
                 if seen != counted or not self.state.heard_again(member, time.time()):
@@ -755,6 +779,8 @@ class Lighthouse:
                 elif self.state.left_out(member) and self._notice_due(member, ws, (quorum.quorum_id, False, True)):
                     await _send(ws, {"type": "reconfigure", "quorum_id": quorum.quorum_id, "left_out": True})
         finally:
+            for ask in asks:  # a long poll on a closed socket: nobody reads its answer
+                ask.cancel()
             if self._noticed.get(member, (None,))[0] is ws:
                 del self._noticed[member]
             if self._sockets.get(member) is ws:
@@ -769,8 +795,30 @@ class Lighthouse:
 
     async def _quorum(self, request: web.Request) -> web.Response:
         quorum_request = QuorumRequest.from_json(await _json_body(request))
+        self._authenticate(request, quorum_request.member)
+        body = await self._answer_quorum(quorum_request)
+        self.metrics.quorum_requests.labels(via="post").inc()
+        return web.Response(body=body, content_type="application/json")
+
+    async def _answer_socket_ask(
+        self, socket: web.WebSocketResponse, ask_id: int, quorum_request: QuorumRequest
+    ) -> None:
+        """Answer a quorum request that came on ``socket`` (its member's heartbeat socket, authenticated when it
+        opened) with what ``POST /v1/quorum`` would answer, status included."""
+        try:
+            status, body = 200, await self._answer_quorum(quorum_request)
+            self.metrics.quorum_requests.labels(via="socket").inc()
+        except RequestError as error:
+            status, body = error.status, _error_body(error)
+        except Exception:  # what aiohttp does for a request: log it, answer 500, serve on
+            logger.exception("answering the quorum request of %s on its heartbeat socket failed", quorum_request.member)
+            status, body = 500, _error_body(RequestError(500, "internal error answering the quorum request"))
+        if not socket.closed:
+            await socket.send_str(answer_message(ask_id, status, body))
+
+    async def _answer_quorum(self, quorum_request: QuorumRequest) -> bytes:
+        """The answer to an authenticated quorum request, however it came (a long poll: see docs/protocol.md)."""
         member = quorum_request.member
-        self._authenticate(request, member)
         if self._waiting >= self.max_waiters:
             raise RequestError(
                 503,
@@ -818,8 +866,32 @@ class Lighthouse:
             "store": {"quorum_id": formation.quorum_id, "key": store.key},
             "heartbeat_interval": self.heartbeat_interval(),
         }
-        body = formation.render(member, extra, wire=quorum_request.wire, known=quorum_request.known)
-        return web.Response(body=body, content_type="application/json")
+        return formation.render(member, extra, wire=quorum_request.wire, known=quorum_request.known)
+
+    async def _take_socket_ask(
+        self, socket: web.WebSocketResponse, member: str, text: str, asks: set[asyncio.Task[None]]
+    ) -> None:
+        """Start answering a quorum request sent on ``member``'s heartbeat socket; a bad one is answered with its
+        error (4xx) at once and the socket serves on."""
+        try:
+            ask_id, quorum_request = parse_ask(text)
+        except RequestError as error:
+            await socket.send_str(answer_message(error.details.get("ask", -1), error.status, _error_body(error)))
+            return
+        refusal = None
+        if quorum_request.member != member:
+            refusal = RequestError(
+                403, f"this heartbeat socket is member {member!r}'s, the request is {quorum_request.member!r}'s"
+            )
+        elif len(asks) >= MAX_SOCKET_ASKS:
+            refusal = RequestError(429, f"{MAX_SOCKET_ASKS} quorum requests of this socket are in flight already")
+        if refusal is not None:
+            await socket.send_str(answer_message(ask_id, refusal.status, _error_body(refusal)))
+            return
+        task = asyncio.get_running_loop().create_task(self._answer_socket_ask(socket, ask_id, quorum_request))
+        asks.add(task)
+        task.add_done_callback(asks.discard)
+        task.add_done_callback(_consume)
 
     async def _leave(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
@@ -1014,6 +1086,10 @@ async def _json_body(request: web.BaseRequest) -> Any:
 
 def _parse_store_request(raw: bytes, max_value_bytes: int) -> StoreRequest:
     return StoreRequest.from_json(_decode_json(raw), max_value_bytes)
+
+
+def _error_body(error: RequestError) -> bytes:
+    return json.dumps(error.to_json()).encode()
 
 
 async def _send(socket: web.WebSocketResponse, message: dict[str, Any]) -> None:
