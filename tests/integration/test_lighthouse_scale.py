@@ -185,6 +185,20 @@ def test_silence_while_the_lighthouse_could_not_listen_is_excused() -> None:
     assert members.expired(4.0) == ["b"], "the excuse lasts one timeout past the pause"
 
 
+def test_many_short_pauses_excuse_the_longest_not_their_sum() -> None:
+    """A busy machine: the loop comes 0.2 s late every 0.25 s for 2.5 s and hears b meanwhile; a, silent since 0,
+    is dead past the timeout plus one pause (their sum, 2 s, would keep it alive)."""
+    members = Membership(heartbeat_timeout=1.0)
+    members.touch("a", 0.0)
+    for tick in range(1, 11):
+        now = 0.25 * tick
+        members.excuse(0.2, now)
+        members.touch("b", now)
+        if now <= 1.2:
+            assert members.expired(now) == [], now
+    assert members.expired(2.5) == ["a"]
+
+
 def test_dead_members_are_forgotten_oldest_death_first_never_the_quorums() -> None:
     members = Membership(heartbeat_timeout=1.0)
     extra = 5

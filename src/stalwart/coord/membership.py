@@ -140,11 +140,16 @@ class Membership:
 
     def excuse(self, seconds: float, now: float) -> None:
         """The lighthouse was not listening for ``seconds`` before ``now`` (its loop was blocked): for the next
-        ``heartbeat_timeout`` a member may be silent that much longer before it expires."""
+        ``heartbeat_timeout`` a member may be silent that much longer before it expires.
+
+        The longest such pause counts, not their sum: between pauses the lighthouse reads what waited in its
+        sockets, so a live member's heartbeats are late by one pause at most. (A sum grew without bound on a busy
+        machine, where most ticks come a little late, and members killed there were never found dead by silence.)
+        """
         if now >= self._excused_until:
             self._excuse = 0.0
-        self._excuse += seconds
-        self._excused_until = now + self.heartbeat_timeout + self._excuse
+        self._excuse = max(self._excuse, seconds)
+        self._excused_until = max(self._excused_until, now + self.heartbeat_timeout + self._excuse)
 
     def _timeout(self, now: float) -> float:
         return self.heartbeat_timeout + (self._excuse if now < self._excused_until else 0.0)
