@@ -5,29 +5,32 @@
 ``store`` the quorum store it serves, and ``client`` what each worker runs
 (:class:`LighthouseClient`). ``protocol`` types the wire, which
 ``docs/protocol.md`` describes.
+
+The public names below are imported on first use (PEP 562): a worker, which
+needs the client, does not pay for importing the server (aiohttp's web
+framework, SQLite).
 """
 
-from stalwart.coord.client import (
-    HealPlan,
-    LighthouseClient,
-    LighthouseError,
-    LighthouseUnreachable,
-    QuorumAnswer,
-    StoreAddress,
-)
-from stalwart.coord.quorum import Formation, LighthouseState, QuorumRequest, RequestError
-from stalwart.coord.server import Lighthouse
+from __future__ import annotations
 
-__all__ = [
-    "Formation",
-    "HealPlan",
-    "Lighthouse",
-    "LighthouseClient",
-    "LighthouseError",
-    "LighthouseState",
-    "LighthouseUnreachable",
-    "QuorumAnswer",
-    "QuorumRequest",
-    "RequestError",
-    "StoreAddress",
-]
+from stalwart._exports import lazy_exports
+
+_LOCATIONS: dict[str, str] = {
+    "Formation": "stalwart.coord.quorum",
+    "HealPlan": "stalwart.coord.client",
+    "Lighthouse": "stalwart.coord.server",
+    "LighthouseClient": "stalwart.coord.client",
+    "LighthouseError": "stalwart.coord.client",
+    "LighthouseState": "stalwart.coord.quorum",
+    "LighthouseUnreachable": "stalwart.coord.client",
+    "QuorumAnswer": "stalwart.coord.client",
+    "QuorumRequest": "stalwart.coord.quorum",
+    "RequestError": "stalwart.coord.quorum",
+    "StoreAddress": "stalwart.coord.client",
+}
+"""Public name -> the module of this package that defines it."""
+
+__all__ = sorted(_LOCATIONS)
+
+
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _LOCATIONS)
