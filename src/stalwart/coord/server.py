@@ -240,7 +240,6 @@ class Lighthouse:
             port=lambda: self.port,
             secure=self._ssl is not None,
         )
-        self._saved_revision = -1
         self._save_failing = False
         self._save_lock: asyncio.Lock | None = None
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="stalwart-lighthouse-save")
@@ -572,12 +571,10 @@ class Lighthouse:
         if self.state.plan is None:
             return True  # nothing to keep before a member brought the plan (registering adopts it, then saves)
         async with self._save_lock:
-            revision = self.state.revision
-            if revision == self._saved_revision and not self.state.history.journal:
+            if not self.state.unsaved:
                 return True
             changes = self.state.changes()  # drained even without a database, so nothing piles up
             if self._database is None:
-                self._saved_revision = revision
                 return True
             loop = asyncio.get_running_loop()
             try:
@@ -593,7 +590,6 @@ class Lighthouse:
             if self._save_failing:
                 logger.warning("the lighthouse saves its state to %s again", self._database.path)
             self._save_failing = False
-            self._saved_revision = revision
             return True
 
     async def _require_durable(self, what: str) -> None:
