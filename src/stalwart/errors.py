@@ -9,6 +9,7 @@ imports nothing, so every layer (data, coord, runtime) raises from here.
 from __future__ import annotations
 
 __all__ = [
+    "InsecureLighthouseError",
     "JobFinishedError",
     "JoinError",
     "PlanMismatchError",
@@ -50,3 +51,7 @@ class ShardingMismatchError(StalwartError, ValueError):
 
 class StepContractError(StalwartError, RuntimeError):
     """The loop broke the step's contract: ``optimizer.step()`` outside a reduced step, a step not iterated."""
+
+
+class InsecureLighthouseError(StalwartError, ValueError):
+    """A lighthouse on a non-loopback address without a token: anyone on the network could drive the job."""
