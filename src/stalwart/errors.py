@@ -1,9 +1,13 @@
-"""The errors stalwart raises, all under :class:`StalwartError`.
+""":class:`StalwartError`, the base of every error stalwart raises, and the errors more than one layer raises.
 
-Each also derives from the builtin exception a caller would expect of it
-(``ValueError`` for a configuration that does not fit, ``RuntimeError`` for a
-job that cannot go on), so ``except ValueError`` keeps working. The module
-imports nothing, so every layer (data, coord, runtime) raises from here.
+Every public error class derives from :class:`StalwartError` and from the
+builtin exception a caller would expect of it (``ValueError`` for a
+configuration that does not fit, ``RuntimeError`` for a job that cannot go
+on), so ``except ValueError`` keeps working. An error that one module alone
+raises is defined next to what raises it; every one of them is imported from
+one place, the ``stalwart`` package (``from stalwart import CollectiveError``;
+``tests/unit/test_errors.py`` checks both rules for every module). This
+module imports nothing, so every layer (data, coord, runtime) raises from here.
 """
 
 from __future__ import annotations

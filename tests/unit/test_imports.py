@@ -12,18 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import stalwart
-
-SOURCE = Path(stalwart.__file__).parent.parent
-
-
-def modules() -> dict[str, Path]:
-    """Every module of the ``stalwart`` package by dotted name (a package by its own name)."""
-    found = {}
-    for path in SOURCE.joinpath("stalwart").rglob("*.py"):
-        parts = path.relative_to(SOURCE).with_suffix("").parts
-        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return found
+from stalwart.testing.modules import package_modules
 
 
 def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
@@ -50,7 +39,7 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     "package", ["stalwart.data", "stalwart.coord", "stalwart.launch", "stalwart.cli", "stalwart.redundancy"]
 )
 def test_the_modules_of_a_package_import_one_another_without_a_circle(package: str) -> None:
-    known = modules()
+    known = package_modules()
     inside = {name: path for name, path in known.items() if name.startswith(f"{package}.")}
     graph = {name: {m for m in imports(name, path, known) if m in inside} for name, path in inside.items()}
     try:
