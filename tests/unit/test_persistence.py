@@ -18,6 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stalwart.coord.history import HISTORY_LIMIT
 from stalwart.coord.persist import StateStore
 from stalwart.coord.protocol import ledger_digest
 from stalwart.coord.quorum import LighthouseState, RequestError
@@ -209,3 +210,23 @@ def test_a_keyed_dict_names_the_keys_that_changed() -> None:
     del rows["a"]
     rows.pop("b")
     assert rows.take_keys() == {"a", "b", "c"} and rows.take_keys() == set()
+
+
+def test_members_forgotten_as_long_dead_lose_their_rows(tmp_path: Path) -> None:
+    state = LighthouseState(PLAN, heartbeat_timeout=HEARTBEAT_TIMEOUT)
+    store = StateStore(tmp_path / "state.db", synchronous="NORMAL")
+    try:
+        names = [f"m{n}" for n in range(HISTORY_LIMIT + 3)]
+        for n, name in enumerate(names):
+            state.register(name, uuid.uuid4().hex, float(n))
+            state.disconnected(name, float(n))
+        store.save(state.changes(), 0.0)
+        state.tick(float(len(names)))
+        assert [name for name in names if name not in state.members] == names[:3], "the first to die go first"
+        assert state.unsaved
+        store.save(state.changes(), 1.0)
+        loaded = store.load()
+    finally:
+        store.close()
+    assert loaded == persisted(state)
+    assert not {"m0", "m1", "m2"} & set(loaded["members"]) and "m3" in loaded["identities"]["current"]
