@@ -133,7 +133,7 @@ from stalwart.coord.reachability import Reachability, choose
 from stalwart.coord.registry import NO_PLAN, Registry
 from stalwart.coord.roster import Quorum, Roster
 from stalwart.coord.snapshot import Changes, Parts, Restored, Saver
-from stalwart.coord.tracked import Tracked
+from stalwart.coord.tracked import Tracked, TrackedDict
 from stalwart.coord.wire import (
     REASONS,
     RequestError,
@@ -236,8 +236,8 @@ class LighthouseState(Tracked):
         self.membership = Membership(self.heartbeat_timeout, check_seconds("outage_timeout", outage_timeout))
         self.asks = Pending()
         self.formation: Formation | None = None
-        self.answered: dict[str, QuorumRequest] = {}
-        """The requests the current quorum answered (a :class:`~stalwart.coord.tracked.TrackedDict` once set)."""
+        self.answered: TrackedDict[str, QuorumRequest] = TrackedDict()
+        """The requests the current quorum answered."""
         self.history = History()
         self._hung_checked = float("-inf")
 
@@ -895,7 +895,7 @@ class LighthouseState(Tracked):
             delta,
         )
         self.formation = formation
-        self.answered = requests
+        self.answered = TrackedDict(requests)
         self.history.quorum(quorum_id, list(members), reason, now, target, timed_out=timed_out, unreachable=unreachable)
         for member in unreachable:
             self.reach.renew(member, now)  # it stays out a time to live from now
@@ -1046,7 +1046,7 @@ class LighthouseState(Tracked):
             self.membership.records,
             self.roster.quorum,
             self.formation,
-            self.answered,  # type: ignore[arg-type]  # a TrackedDict once assigned (Tracked wraps every dict)
+            self.answered,
             self.checkpoint,
         )
 
@@ -1116,7 +1116,7 @@ class LighthouseState(Tracked):
             self.registry.identities = saved.identities
         self.expect_quorum(now)
         self.formation = saved.formation
-        self.answered = saved.answered
+        self.answered = TrackedDict(saved.answered)
         self.commits.heal(saved.healing, saved.heal_step)
         self.history = saved.history
         self.checkpoint = saved.checkpoint

@@ -3,7 +3,8 @@
 A persisted part derives from :class:`Tracked`: every assignment to one of
 its attributes after construction stamps the part with the next value of a
 process-wide counter, and a ``dict`` it is given becomes a
-:class:`TrackedDict` whose every mutation stamps the part too. So the save
+:class:`TrackedDict` whose every mutation stamps the part too (a copy of
+it: change it through the attribute, not through the dict given). So the save
 (:mod:`~stalwart.coord.snapshot`) compares each part's stamp with the one it
 saved last, and no mutation has to remember to mark itself: a new field is
 tracked as soon as it is assigned. A part lists the attributes that are not
