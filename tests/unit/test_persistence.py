@@ -41,6 +41,8 @@ OPERATIONS = (
     "leave",
     "replace",
     "checkpoint",
+    "ahead-dies",
+    "fleet-dies",
     "restart",
 )
 
@@ -102,6 +104,18 @@ class Run:
             fleet.disclaimed.add(member)  # it joins afresh
         elif operation == "checkpoint" and fleet.members:
             self.checkpoint()
+        elif operation == "ahead-dies" and len([m for m in fleet.members if m in fleet.processes]) > 1:
+            member = next(m for m in fleet.members if m in fleet.processes)
+            fleet.finish(member)
+            fleet.heartbeat([member])  # the step commits, then its only holder dies: the others roll it back
+            fleet.kill(member)
+        elif operation == "fleet-dies":
+            if fleet.members:
+                self.checkpoint()
+            for member in live:
+                fleet.kill(member)
+            for member in [fleet.spawn() for _ in range(data.draw(st.integers(1, 3), label="new fleet"))]:
+                self.register(member)  # a new fleet: it resumes from the checkpoint
         elif operation == "restart":
             self.restart()
         fleet.now += 0.05
