@@ -37,6 +37,7 @@ _LOCATIONS: dict[str, str] = {
     "Overlap": "stalwart.redundancy.config",
     "Parity": "stalwart.redundancy.config",
     "Lighthouse": "stalwart.coord.server",
+    "LighthouseSettings": "stalwart.coord.settings",
     "StalwartError": "stalwart.errors",
     "JobFinishedError": "stalwart.errors",
     "JoinError": "stalwart.errors",

@@ -60,6 +60,7 @@ def test_a_bad_token_is_refused_without_echoing_it() -> None:
     with pytest.raises(ValueError, match=r"token must be 1 to \d+ characters of printable ASCII") as refused:
         LighthouseSettings(token=secret)
     assert secret not in str(refused.value) and "s3cret" not in str(refused.value)
+    assert "s3cret" not in repr(LighthouseSettings(token="s3cret")), "a settings' repr may land in a log"
 
 
 def test_keywords_replace_the_fields_of_the_settings_given() -> None:

@@ -1,7 +1,8 @@
 """The lighthouse: membership, heartbeats, quorums and the ledger of record, persisted so a restart loses nothing.
 
 ``quorum`` is the pure state machine (its parts in modules of their own),
-``persist`` its SQLite file, ``server`` the aiohttp server (:class:`Lighthouse`),
+``persist`` its SQLite file, ``server`` the aiohttp server (:class:`Lighthouse`,
+configured by a :class:`LighthouseSettings` of ``settings``),
 ``store`` the quorum store it serves, and ``client`` what each worker runs
 (:class:`LighthouseClient`). ``protocol`` types the wire, which
 ``docs/protocol.md`` describes.
@@ -17,6 +18,7 @@ from stalwart.coord.client import (
 )
 from stalwart.coord.quorum import Formation, LighthouseState, QuorumRequest, RequestError
 from stalwart.coord.server import Lighthouse
+from stalwart.coord.settings import LighthouseSettings
 
 __all__ = [
     "Formation",
@@ -24,6 +26,7 @@ __all__ = [
     "Lighthouse",
     "LighthouseClient",
     "LighthouseError",
+    "LighthouseSettings",
     "LighthouseState",
     "LighthouseUnreachable",
     "QuorumAnswer",

@@ -11,7 +11,7 @@ for ``Lighthouse(plan, LighthouseSettings(join_timeout=30.0))``.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from stalwart._validate import check_bool, check_int
@@ -45,8 +45,8 @@ class LighthouseSettings:
     """0: a free one."""
     state_path: FilePath | None = None
     """The SQLite file holding the state (None: the state lives in memory only)."""
-    token: str | None = None
-    """The bearer token every request but ``/healthz`` must carry (None: none is checked)."""
+    token: str | None = field(default=None, repr=False)
+    """The bearer token every request but ``/healthz`` must carry (None: none is checked); never in the repr."""
     heartbeat_timeout: float = 2.0
     join_timeout: float = 5.0
     tick_interval: float = 0.05
@@ -99,7 +99,7 @@ class LighthouseSettings:
         ``TypeError`` naming an unknown field and the known ones."""
         if settings is not None and not isinstance(settings, LighthouseSettings):
             raise TypeError(f"settings must be a LighthouseSettings or None, got {settings!r}")
-        known = [field.name for field in fields(cls)]
+        known = [setting.name for setting in fields(cls)]
         unknown = sorted(set(overrides) - set(known))
         if unknown:
             raise TypeError(f"unknown lighthouse setting(s) {', '.join(unknown)}: the settings are {', '.join(known)}")
