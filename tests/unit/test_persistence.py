@@ -244,3 +244,21 @@ def test_members_forgotten_as_long_dead_lose_their_rows(tmp_path: Path) -> None:
         store.close()
     assert loaded == persisted(state)
     assert not {"m0", "m1", "m2"} & set(loaded["members"]) and "m3" in loaded["identities"]["current"]
+
+
+def test_changes_that_could_not_be_saved_come_back_with_the_next_ones() -> None:
+    fleet = SimulatedFleet(PLAN, heartbeat_timeout=HEARTBEAT_TIMEOUT, join_timeout=JOIN_TIMEOUT)
+    fleet.start(2)
+    state = fleet.state
+    state.changes()
+    fleet.kill("w1")  # the answered requests and the history change
+    joiner = fleet.spawn()
+    failed = state.changes()
+    assert failed.formation is not None and set(failed.members) == {joiner} and failed.events
+    state.requeue(failed)
+    assert state.unsaved
+    fleet.run_steps(1)
+    retried = state.changes()
+    assert retried.formation == failed.formation and set(retried.members) == {joiner}
+    assert retried.events[: len(failed.events)] == failed.events
+    assert not state.unsaved and state.changes().formation is None
