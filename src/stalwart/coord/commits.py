@@ -174,11 +174,15 @@ class Commits(Tracked):
 
     def take_counted(self) -> list[Counted]:
         """The reports verified since the last call, after the events that made them."""
+        if not self.counted:
+            return []  # every heartbeat asks: no assignment (a part's assignments cost a call, see ``Tracked``)
         counted, self.counted = self.counted, []
         return counted
 
     def take_refusals(self) -> list[tuple[str, str]]:
         """``(member, message)`` of the reports refused since the last call, after the events that made them."""
+        if not self.refusals:
+            return []
         refusals, self.refusals = self.refusals, []
         return refusals
 

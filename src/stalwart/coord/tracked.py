@@ -57,7 +57,11 @@ class Tracked:
                     f"{type(self).__name__}.{name} is persisted: a {type(value).__name__}'s in-place changes would "
                     "not be saved; give it a tuple or a frozenset, or list it in UNTRACKED"
                 )
-            if name in self.__dict__:
+            try:  # not ``name in self.__dict__``: reading ``__dict__`` makes every later attribute read slower
+                object.__getattribute__(self, name)
+            except AttributeError:
+                pass  # its first assignment: construction, no change
+            else:
                 object.__setattr__(self, "stamp", next_stamp())
         object.__setattr__(self, name, value)
 
@@ -69,6 +73,8 @@ class Tracked:
 class TrackedDict(dict[K, V]):
     """A dict whose every mutation stamps it (``stamp``) and its ``owner`` part; with ``keys`` it records which
     keys changed (:meth:`take_keys`)."""
+
+    __slots__ = ("keys_changed", "owner", "stamp")  # no instance dict: lookups stay as fast as a dict's
 
     def __init__(
         self, data: Mapping[K, V] | Iterable[tuple[K, V]] = (), *, owner: Tracked | None = None, keys: bool = False
