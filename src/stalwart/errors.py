@@ -1,14 +1,19 @@
-"""The errors stalwart raises, all under :class:`StalwartError`.
+""":class:`StalwartError`, the base of every error stalwart raises, and the errors more than one layer raises.
 
-Each also derives from the builtin exception a caller would expect of it
-(``ValueError`` for a configuration that does not fit, ``RuntimeError`` for a
-job that cannot go on), so ``except ValueError`` keeps working. The module
-imports nothing, so every layer (data, coord, runtime) raises from here.
+Every public error class derives from :class:`StalwartError` and from the
+builtin exception a caller would expect of it (``ValueError`` for a
+configuration that does not fit, ``RuntimeError`` for a job that cannot go
+on), so ``except ValueError`` keeps working. An error that one module alone
+raises is defined next to what raises it; every one of them is imported from
+one place, the ``stalwart`` package (``from stalwart import CollectiveError``;
+``tests/unit/test_errors.py`` checks both rules for every module). This
+module imports nothing, so every layer (data, coord, runtime) raises from here.
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "InsecureLighthouseError",
     "JobFinishedError",
     "JoinError",
     "PlanMismatchError",
@@ -50,3 +55,7 @@ class ShardingMismatchError(StalwartError, ValueError):
 
 class StepContractError(StalwartError, RuntimeError):
     """The loop broke the step's contract: ``optimizer.step()`` outside a reduced step, a step not iterated."""
+
+
+class InsecureLighthouseError(StalwartError, ValueError):
+    """A lighthouse on a non-loopback address without a token: anyone on the network could drive the job."""

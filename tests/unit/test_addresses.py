@@ -8,9 +8,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stalwart.coord.server import InsecureLighthouseError, Lighthouse
+from stalwart.coord.server import Lighthouse
 from stalwart.coord.tls import ExposedSecretError, check_private, is_loopback_authority, is_loopback_origin
 from stalwart.data.plan import EpochPlan
+from stalwart.errors import InsecureLighthouseError
 
 LOOPBACK = ["localhost", "LocalHost:80", "localhost.", "127.0.0.1", "127.0.0.1:29510", "127.8.9.10:1", "[::1]",
             "[::1]:443", "[0:0:0:0:0:0:0:1]:8080"]  # fmt: skip

@@ -18,6 +18,7 @@ from stalwart.data.audit import (
     StepDisagreement,
     audit_directory,
 )
+from stalwart.errors import StalwartError
 
 EXIT_VIOLATION = 1
 EXIT_UNREADABLE = 2
@@ -25,7 +26,7 @@ NAMED = 5
 """Rows (or indices) named per finding; the counts cover all of them."""
 
 
-class UnreadableAudit(click.ClickException):
+class UnreadableAudit(StalwartError, click.ClickException):
     """The audit directory cannot be read: one line through click, exit status :data:`EXIT_UNREADABLE`."""
 
     exit_code = EXIT_UNREADABLE

@@ -15,9 +15,11 @@ from click.core import ParameterSource
 
 from stalwart.coord.connections import HEADER_TIMEOUT
 from stalwart.coord.persist import StateLockedError, read_ledger, read_plan
-from stalwart.coord.server import MAX_UNAUTHENTICATED, InsecureLighthouseError, Lighthouse
+from stalwart.coord.server import Lighthouse
+from stalwart.coord.settings import MAX_UNAUTHENTICATED, LighthouseSettings
 from stalwart.coord.tls import ExposedSecretError, check_private
 from stalwart.data.plan import EpochPlan
+from stalwart.errors import InsecureLighthouseError
 
 _PLAN_OPTIONS = {
     "dataset_size": ("--dataset-size", "dataset_size"),
@@ -234,8 +236,7 @@ def lighthouse_command(
     plan = _plan(click.get_current_context(), state_path, plan_options)
     balance = _balance(click.get_current_context(), state_path, balance_every)
     try:
-        lighthouse = Lighthouse(
-            plan,
+        settings = LighthouseSettings(
             min_replicas=min_replicas,
             start_replicas=start_replicas,
             host=host,
@@ -251,6 +252,7 @@ def lighthouse_command(
             tls_cert=tls_cert,
             tls_key=tls_key,
         )
+        lighthouse = Lighthouse(plan, settings)
     except (InsecureLighthouseError, StateLockedError, ExposedSecretError) as error:
         raise click.ClickException(str(error)) from error
     except _MALFORMED_STATE as error:

@@ -1,7 +1,8 @@
 """The lighthouse: membership, heartbeats, quorums and the ledger of record, persisted so a restart loses nothing.
 
 ``quorum`` is the pure state machine (its parts in modules of their own),
-``persist`` its SQLite file, ``server`` the aiohttp server (:class:`Lighthouse`),
+``persist`` its SQLite file, ``server`` the aiohttp server (:class:`Lighthouse`,
+configured by a :class:`LighthouseSettings` of ``settings``),
 ``store`` the quorum store it serves, and ``client`` what each worker runs
 (:class:`LighthouseClient`). ``protocol`` types the wire, which
 ``docs/protocol.md`` describes.
@@ -21,6 +22,7 @@ _LOCATIONS: dict[str, str] = {
     "Lighthouse": "stalwart.coord.server",
     "LighthouseClient": "stalwart.coord.client",
     "LighthouseError": "stalwart.coord.client",
+    "LighthouseSettings": "stalwart.coord.settings",
     "LighthouseState": "stalwart.coord.quorum",
     "LighthouseUnreachable": "stalwart.coord.client",
     "QuorumAnswer": "stalwart.coord.client",

@@ -6,8 +6,8 @@ and no token check: after a failure at thousands of members those were most
 of what each survivor's ``POST /v1/quorum`` cost. The answer is the same
 status and JSON the POST would get. :class:`SocketAsks` keeps the socket the
 heartbeat has open, numbers the asks and hands each answer to its waiter; a
-socket that closes fails the asks in flight with :class:`SocketClosed`, and the
-client asks again (on the next socket, or by POST while none is open).
+socket that closes answers the asks in flight with None, and the client asks
+again (on the next socket, or by POST while none is open).
 """
 
 from __future__ import annotations
@@ -25,16 +25,12 @@ MAX_ANSWER_BYTES = 64 << 20
 """The largest answer message the client reads on its heartbeat socket (a wire-1 answer carries the ledger)."""
 
 
-class SocketClosed(Exception):
-    """The heartbeat socket closed before the lighthouse answered an ask on it."""
-
-
 class SocketAsks:
     """The quorum requests this client sent on its heartbeat socket and not yet answered (its loop only)."""
 
     def __init__(self) -> None:
         self._socket: aiohttp.ClientWebSocketResponse | None = None
-        self._pending: dict[int, asyncio.Future[tuple[int, Any]]] = {}
+        self._pending: dict[int, asyncio.Future[tuple[int, Any] | None]] = {}
         self._ids = itertools.count()
 
     def attach(self, socket: aiohttp.ClientWebSocketResponse) -> None:
@@ -42,12 +38,12 @@ class SocketAsks:
         self._socket = socket
 
     def detach(self) -> None:
-        """The socket closed: no more asks on it, and those in flight are asked again elsewhere."""
+        """The socket closed: no more asks on it, and those in flight get None (they are asked again elsewhere)."""
         self._socket = None
         pending, self._pending = self._pending, {}
         for future in pending.values():
             if not future.done():
-                future.set_exception(SocketClosed())
+                future.set_result(None)
 
     def message(self, body: Mapping[str, Any]) -> tuple[int, str] | None:
         """A numbered ask for ``body``, or None when no socket is open or the ask does not fit a socket message."""
@@ -57,19 +53,19 @@ class SocketAsks:
         text = ask_message(ask_id, body)
         return (ask_id, text) if len(text.encode()) <= MAX_SOCKET_MESSAGE_BYTES else None
 
-    async def ask(self, ask_id: int, text: str) -> tuple[int, Any]:
-        """Send ask ``text`` and wait for its answer: the status and the JSON body (:class:`SocketClosed` when the
-        socket closes first; the caller bounds the wait)."""
+    async def ask(self, ask_id: int, text: str) -> tuple[int, Any] | None:
+        """Send ask ``text`` and wait for its answer: the status and the JSON body, or None when the socket closed
+        first (the caller bounds the wait)."""
         socket = self._socket
         if socket is None or socket.closed:
-            raise SocketClosed
-        future: asyncio.Future[tuple[int, Any]] = asyncio.get_running_loop().create_future()
+            return None
+        future: asyncio.Future[tuple[int, Any] | None] = asyncio.get_running_loop().create_future()
         self._pending[ask_id] = future
         try:
             await socket.send_str(text)
             return await future
         except (aiohttp.ClientConnectionError, ConnectionError):
-            raise SocketClosed from None
+            return None
         finally:
             self._pending.pop(ask_id, None)
 

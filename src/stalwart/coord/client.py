@@ -76,7 +76,7 @@ from typing import Any, TypeVar
 import aiohttp
 
 from stalwart._validate import check_int
-from stalwart.coord.asks import MAX_ANSWER_BYTES, SocketAsks, SocketClosed
+from stalwart.coord.asks import MAX_ANSWER_BYTES, SocketAsks
 from stalwart.coord.heal_report import HealTotals
 from stalwart.coord.protocol import (
     CHECKPOINT_PATH,
@@ -648,11 +648,11 @@ class LighthouseClient:
 
         async def post() -> tuple[int, Any]:
             if on_socket is not None:
-                try:
-                    async with asyncio.timeout(read):
-                        return await self._socket_asks.ask(*on_socket)
-                except SocketClosed:
-                    raise _PathLost from None
+                async with asyncio.timeout(read):
+                    answer = await self._socket_asks.ask(*on_socket)
+                if answer is None:  # the socket closed first
+                    raise _PathLost
+                return answer
             async with self._session.post(
                 self.url + QUORUM_PATH, json=body, headers=headers, timeout=self._timeouts(read)
             ) as response:

@@ -16,6 +16,7 @@ from typing import Any
 from stalwart.coord.catch_up import CatchUp, Claim, Verdict, replay_budget
 from stalwart.coord.hosted_ledger import HostedLedger
 from stalwart.coord.roster import Roster
+from stalwart.coord.tracked import Tracked
 from stalwart.coord.wire import RequestError
 from stalwart.data.ledger import Positions
 
@@ -34,8 +35,14 @@ class Counted:
     weights: Mapping[str, Any] | None
 
 
-class Commits:
-    """The hosted ledger, its verified catch-up, and who is being healed (whose reports do not count yet)."""
+class Commits(Tracked):
+    """The hosted ledger, its verified catch-up, and who is being healed (whose reports do not count yet).
+
+    A persisted part (:mod:`~stalwart.coord.tracked`): the ledger, healing and the heal step; the verification
+    in progress and its verdicts are not persisted.
+    """
+
+    UNTRACKED = frozenset({"require_digest", "on_commit", "catch_up", "refusals", "counted"})
 
     def __init__(self, hosted: HostedLedger | None, *, require_digest: bool) -> None:
         self.hosted = hosted
@@ -44,8 +51,6 @@ class Commits:
         self.healing: dict[str, bool] = {}
         """Heal targets of the current quorum: whether each was ahead of the heal step (it must report it exactly)."""
         self.heal_step = 0
-        self.revision = 0
-        """Grows with every commit and heal that ends (the state's revision adds it)."""
         self.catch_up = CatchUp()
         self.refusals: list[tuple[str, str]] = []
         """``(member, message)`` for each report refused after the event that made it (the server tells them)."""
@@ -53,6 +58,11 @@ class Commits:
         """Reports verified after the event that made them: the state records their members' steps."""
 
     # --- questions -------------------------------------------------------------------------------
+
+    def heal(self, targets: Mapping[str, bool], step: int) -> None:
+        """A new quorum heals ``targets`` (whether each was ahead of ``step``) to ``step``."""
+        self.healing = dict(targets)
+        self.heal_step = step
 
     def counts(self, roster: Roster, member: str, applied_step: int) -> bool:
         """Whether ``member``'s report of ``applied_step`` counts towards commits."""
@@ -128,7 +138,6 @@ class Commits:
             return
         if member in self.healing:
             del self.healing[member]
-            self.revision += 1
         self.catch_up_to(roster, applied_step, weights)
 
     def catch_up_to(self, roster: Roster, step: int, weights: Mapping[str, Any] | None) -> None:
@@ -137,7 +146,6 @@ class Commits:
         if step <= self.hosted.step:
             return
         for epoch, committed, positions in self.hosted.catch_up(self._members(roster), step, weights):
-            self.revision += 1
             if self.on_commit is not None:
                 self.on_commit(epoch, committed, positions)
 
@@ -155,7 +163,6 @@ class Commits:
                 for epoch, step, positions in trial.commits or ():
                     if self.on_commit is not None:
                         self.on_commit(epoch, step, positions)
-                self.revision += max(1, trial.ledger.step - trial.start)
                 self.counted.append(Counted(verdict.claim.member, verdict.claim.step, verdict.claim.weights))
         elif verdict.outcome == "refused":
             self.refusals.append((verdict.claim.member, _refusal(verdict.claim, self.hosted.step)))
@@ -167,11 +174,15 @@ class Commits:
 
     def take_counted(self) -> list[Counted]:
         """The reports verified since the last call, after the events that made them."""
+        if not self.counted:
+            return []  # every heartbeat asks: no assignment (a part's assignments cost a call, see ``Tracked``)
         counted, self.counted = self.counted, []
         return counted
 
     def take_refusals(self) -> list[tuple[str, str]]:
         """``(member, message)`` of the reports refused since the last call, after the events that made them."""
+        if not self.refusals:
+            return []
         refusals, self.refusals = self.refusals, []
         return refusals
 

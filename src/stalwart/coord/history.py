@@ -1,9 +1,10 @@
 """The lighthouse's history: failures, departures, quorums, recoveries and checkpoint resumes, each capped at
 ``HISTORY_LIMIT``.
 
-Pure: no I/O. Every appended event is also queued in :attr:`History.journal`
-(``(kind, event)``) until the persistence layer drains it, so that a save
-inserts only the new rows.
+Pure: no I/O. A persisted part (:mod:`~stalwart.coord.tracked`): the counts
+and the failures awaiting a recovery stamp it as they change; every appended
+event is also queued in :attr:`History.journal` (``(kind, event)``) until the
+persistence layer drains it, so that a save inserts only the new rows.
 """
 
 from __future__ import annotations
@@ -11,12 +12,17 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from stalwart.coord.tracked import Tracked
+
 HISTORY_LIMIT = 1000
 KINDS = ("failures", "departures", "quorums", "recoveries", "checkpoint_resumes")
 
 
-class History:
+class History(Tracked):
     """The capped event lists, their all-time counts, and the failures not yet followed by a quorum."""
+
+    UNTRACKED = frozenset({*KINDS, "journal", "listener"})
+    """The event lists are saved through the journal, row by row."""
 
     def __init__(self) -> None:
         self.failures: list[dict[str, Any]] = []
@@ -24,7 +30,7 @@ class History:
         self.quorums: list[dict[str, Any]] = []
         self.recoveries: list[dict[str, Any]] = []
         self.checkpoint_resumes: list[dict[str, Any]] = []
-        self.unrecovered: list[dict[str, Any]] = []
+        self.unrecovered: tuple[dict[str, Any], ...] = ()
         self.counts = {
             "failures": 0,
             "recoveries": 0,
@@ -53,7 +59,7 @@ class History:
         event = {"member": member, "time": now, "reason": reason, "in_quorum": in_quorum}
         self._append("failures", event)
         if in_quorum:
-            self.unrecovered.append(event)
+            self.unrecovered = (*self.unrecovered, event)
 
     def departure(self, member: str, now: float, *, in_quorum: bool) -> None:
         """Record a clean ``leave``."""
@@ -90,7 +96,7 @@ class History:
         for event in self.unrecovered:
             recovery = {"member": event["member"], "failed_at": event["time"], "recovered_at": now}
             self._append("recoveries", {**recovery, "quorum_id": quorum_id, "seconds": now - event["time"]})
-        self.unrecovered = []
+        self.unrecovered = ()
         entry = {"quorum_id": quorum_id, "members": list(members), "reason": reason, "time": now}
         if unreachable:
             entry["unreachable"] = list(unreachable)
@@ -109,7 +115,7 @@ class History:
             "quorums": self.quorums,
             "recoveries": self.recoveries,
             "checkpoint_resumes": self.checkpoint_resumes,
-            "unrecovered": self.unrecovered,
+            "unrecovered": list(self.unrecovered),
             "counts": self.counts,
         }
 
@@ -119,6 +125,6 @@ class History:
         history = cls()
         for kind in KINDS:
             setattr(history, kind, list(data[kind])[-HISTORY_LIMIT:])
-        history.unrecovered = list(data["unrecovered"])
+        history.unrecovered = tuple(data["unrecovered"])
         history.counts.update(data["counts"])
         return history

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stalwart.coord.protocol import ledger_digest
+from stalwart.coord.tracked import Tracked
 from stalwart.data.ledger import DataLedger, Positions
 from stalwart.data.plan import EpochPlan
 
@@ -83,8 +84,15 @@ class StepRecord:
         return cls(list(data["members"]), [(list(f), list(s)) for f, s in data["failures"]])
 
 
-class HostedLedger:
-    """The committed :class:`DataLedger`, the record of the step in progress and the rollback snapshot."""
+class HostedLedger(Tracked):
+    """The committed :class:`DataLedger`, the record of the step in progress and the rollback snapshot.
+
+    A persisted part (:mod:`~stalwart.coord.tracked`): the ledger, changed in
+    place by a commit, is always followed by a new record or generation, which
+    stamps the part.
+    """
+
+    UNTRACKED = frozenset({"_in_step", "digests"})
 
     def __init__(self, plan: EpochPlan, balance_every: int = 0) -> None:
         self.ledger = DataLedger(plan, balance_every=balance_every)

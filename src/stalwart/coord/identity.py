@@ -19,9 +19,10 @@ import hmac
 import re
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from stalwart.coord.tracked import Tracked, TrackedDict
 from stalwart.coord.wire import RequestError
 
 _INCARNATION_PATTERN = re.compile(r"[0-9a-f]{32}")
@@ -40,7 +41,7 @@ def _hash(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
-@dataclass
+@dataclass(frozen=True)
 class Identity:
     """A member's registered incarnation and the hash of its secret."""
 
@@ -50,12 +51,20 @@ class Identity:
     """True once this incarnation left cleanly (``/v1/leave``): it may not speak again."""
 
 
-class Identities:
-    """The registered incarnation of every member, and the replaced ones that may not come back."""
+class Identities(Tracked):
+    """The registered incarnation of every member, and the replaced ones that may not come back.
+
+    A persisted part (:mod:`~stalwart.coord.tracked`), saved one row per member: both maps record which members
+    changed.
+    """
 
     def __init__(self) -> None:
-        self.current: dict[str, Identity] = {}
-        self.retired: dict[str, list[str]] = {}
+        self.current: TrackedDict[str, Identity] = TrackedDict(keys=True)
+        self.retired: TrackedDict[str, tuple[str, ...]] = TrackedDict(keys=True)
+
+    def take_changed(self) -> set[str]:
+        """The members whose row changed since the last call."""
+        return self.current.take_keys() | self.retired.take_keys()
 
     def __len__(self) -> int:
         return len(self.current)
@@ -85,9 +94,7 @@ class Identities:
         self.current[member] = Identity(incarnation, _hash(secret))
         if previous is None:
             return secret, None
-        retired = self.retired.setdefault(member, [])
-        retired.append(previous.incarnation)
-        del retired[:-RETIRED_PER_MEMBER]
+        self.retired[member] = (*self.retired.get(member, ()), previous.incarnation)[-RETIRED_PER_MEMBER:]
         return secret, previous.incarnation
 
     def check(self, member: str, incarnation: Any, secret: Any) -> None:
@@ -131,7 +138,7 @@ class Identities:
         identity = self.current.get(member)
         if identity is None or identity.left:
             return False
-        identity.left = True
+        self.current[member] = replace(identity, left=True)
         return True
 
     def forget(self, member: str) -> None:
@@ -160,7 +167,8 @@ class Identities:
             identities.current[member] = Identity(
                 str(entry["incarnation"]), str(entry["secret_sha256"]), entry.get("left") is True
             )
-        identities.retired = {member: [str(i) for i in retired] for member, retired in data["retired"].items()}
+        for member, retired in data["retired"].items():
+            identities.retired[member] = tuple(str(i) for i in retired)
         return identities
 
 

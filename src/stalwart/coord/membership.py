@@ -38,6 +38,7 @@ from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass
 
 from stalwart.coord.history import HISTORY_LIMIT
+from stalwart.coord.tracked import TrackedDict
 
 DEFAULT_OUTAGE_TIMEOUT = 60.0
 """How long (seconds) a lighthouse that hears nobody waits before silent members count as dead (at least
@@ -72,7 +73,9 @@ class Membership:
         self.heartbeat_timeout = heartbeat_timeout
         self.outage_timeout = max(outage_timeout, heartbeat_timeout)
         """The longest a member's silence is excused while the lighthouse hears nobody."""
-        self.records: dict[str, MemberRecord] = {}
+        self.records: TrackedDict[str, MemberRecord] = TrackedDict(keys=True)
+        """Saved one row per member (its identity): the records say which members appeared or were forgotten; what
+        a record holds is not persisted (the members report it again)."""
         self.live = 0
         """How many members are alive."""
         self._sightings: list[tuple[float, str]] = []

@@ -1,7 +1,7 @@
 """The lighthouse's state in SQLite, so that a killed and restarted lighthouse resumes.
 
 Four tables (JSON, never pickle), each written only when its part changed
-(:class:`~stalwart.coord.quorum.Changes`), so a save costs what changed, not
+(:class:`~stalwart.coord.snapshot.Changes`), so a save costs what changed, not
 the number of members: ``lighthouse_state`` holds one small *core* row (the
 ledger, healing, the history's counts, the checkpoint), rewritten on every
 change; ``parts`` holds the ``formation`` row (the quorum, its formation and
@@ -143,8 +143,8 @@ class StateStore:
         return state
 
     def save(self, changes: Changes, saved_at: float) -> None:
-        """Write what changed: the core row, the formation row and member rows that changed, new events; one
-        transaction."""
+        """Write what changed: the core row, the formation row and member rows that changed (every row, the others
+        deleted, for ``every_member``), new events; one transaction."""
         core_text = _dumps(changes.core)
         formation_text = None if changes.formation is None else _dumps(changes.formation)
         upserts = [(name, _dumps(row)) for name, row in changes.members.items() if row is not None]
@@ -161,6 +161,8 @@ class StateStore:
                 connection.execute(
                     "INSERT OR REPLACE INTO parts (name, state) VALUES ('formation', ?)", (formation_text,)
                 )
+            if changes.every_member:
+                connection.execute("DELETE FROM members")
             if upserts:
                 connection.executemany(
                     "INSERT INTO members (name, state) VALUES (?, ?) "

@@ -17,8 +17,12 @@ parts are public attributes:
   requests; ``formation`` (:mod:`~stalwart.coord.formation`): the last quorum
   formed and its answers; ``history`` (:mod:`~stalwart.coord.history`);
 - status (:mod:`~stalwart.coord.status`) and persistence
-  (:mod:`~stalwart.coord.snapshot`, ``dirty``: what changed since the last
-  save) read and write those parts.
+  (:mod:`~stalwart.coord.snapshot`) read those parts, handed to them as plain
+  dataclasses (:meth:`LighthouseState.parts`). What a save writes follows
+  from what changed: the persisted parts, this state included, are
+  :class:`~stalwart.coord.tracked.Tracked` (every change stamps them), and
+  ``saver`` compares their stamps with those it saved last; no mutation
+  marks itself.
 
 The wire formats are :mod:`~stalwart.coord.protocol`'s (and the field
 parsers :mod:`~stalwart.coord.wire`'s); the public names of the parts stay
@@ -128,7 +132,8 @@ from stalwart.coord.protocol import QuorumRequest, ledger_digest
 from stalwart.coord.reachability import Reachability, choose
 from stalwart.coord.registry import NO_PLAN, Registry
 from stalwart.coord.roster import Quorum, Roster
-from stalwart.coord.snapshot import STATE_VERSION, Changes, Dirty
+from stalwart.coord.snapshot import Changes, Parts, Restored, Saver
+from stalwart.coord.tracked import Tracked, TrackedDict
 from stalwart.coord.wire import (
     REASONS,
     RequestError,
@@ -174,12 +179,16 @@ HUNG_CHECK_S = 0.5
 times per ``join_timeout``, so a hang is found within 110% of it."""
 
 
-class LighthouseState:
+class LighthouseState(Tracked):
     """Membership, liveness, pending quorum requests, the current quorum and the hosted ledger.
 
     ``on_commit(epoch, step, positions)`` is called for every step the hosted
-    ledger commits (a rolled-back step is committed again later).
+    ledger commits (a rolled-back step is committed again later). A persisted
+    part itself (:mod:`~stalwart.coord.tracked`): assigning the quorum, its
+    answers or the checkpoint stamps it.
     """
+
+    UNTRACKED = frozenset({"_held", "_hung_checked", "saver"})
 
     def __init__(
         self,
@@ -213,8 +222,8 @@ class LighthouseState:
         self._held: tuple[tuple[int, int], frozenset[str]] = ((-1, -1), frozenset())
         self.registry = Registry(self.max_members, self.heartbeat_timeout)
         """The identities of every member and the rules new registrations must pass."""
-        self.dirty = Dirty()
-        """What changed since the last save (and the revision)."""
+        self.saver = Saver()
+        """What changed since the last save (:meth:`changes`)."""
         self._balance_every = check_int("balance_every", balance_every, minimum=0)
         self.commits = Commits(
             None if plan is None else HostedLedger(plan, self._balance_every),
@@ -227,7 +236,8 @@ class LighthouseState:
         self.membership = Membership(self.heartbeat_timeout, check_seconds("outage_timeout", outage_timeout))
         self.asks = Pending()
         self.formation: Formation | None = None
-        self.answered: dict[str, QuorumRequest] = {}
+        self.answered: TrackedDict[str, QuorumRequest] = TrackedDict()
+        """The requests the current quorum answered."""
         self.history = History()
         self._hung_checked = float("-inf")
 
@@ -235,8 +245,8 @@ class LighthouseState:
 
     @property
     def revision(self) -> int:
-        """Grows with every change that must be persisted (commits, quorums, history)."""
-        return self.dirty.revision + self.commits.revision
+        """Grows with every change that must be persisted (commits, quorums, history, registrations)."""
+        return snapshot.revision(self.parts())
 
     @property
     def require_digest(self) -> bool:
@@ -422,8 +432,6 @@ class LighthouseState:
         if self.commits.hosted is None:
             assert plan is not None  # the registry refused a registration without one
             self.commits.hosted = HostedLedger(plan, self._balance_every)
-        self.dirty.revision += 1
-        self.dirty.members.add(member)
         if replaced is not None and self.membership.alive(member):
             self._mark_dead(member, now, "restarted")
         if replaced is not None and member in self.roster:
@@ -536,9 +544,7 @@ class LighthouseState:
         if record.alive:
             self._mark_dead(member, now, "left")
             record.left = True
-        if self.registry.identities.leave(member):  # this incarnation has no more say (its late heartbeats are refused)
-            self.dirty.members.add(member)
-            self.dirty.revision += 1
+        self.registry.identities.leave(member)  # this incarnation has no more say (its late heartbeats are refused)
 
     def record_checkpoint(self, body: Any, now: float) -> CheckpointRecord:
         """A member wrote a durable checkpoint: keep it if it is newer and its ledger is the one committed.
@@ -566,7 +572,6 @@ class LighthouseState:
         if self.checkpoint is None or record.step > self.checkpoint.step:
             self.checkpoint = record
             self.history.checkpoint()
-            self.dirty.revision += 1
         return self.checkpoint
 
     def request(self, request: QuorumRequest, now: float) -> dict[str, Any] | None:
@@ -643,8 +648,6 @@ class LighthouseState:
             self._mark_dead(name, now, "heartbeat timeout")
         for forgotten in self.membership.forget_dead(self.roster):
             self.registry.identities.forget(forgotten)
-            self.dirty.members.add(forgotten)
-            self.dirty.revision += 1
         if now - self._hung_checked >= min(HUNG_CHECK_S, self.join_timeout / 10) or now < self._hung_checked:
             self._hung_checked = now
             self._detect_hung(now)
@@ -861,8 +864,7 @@ class LighthouseState:
             heal = {"source_rank": None, "targets": targets, "checkpoint": checkpoint.announcement()}
         elif targets:
             heal = {"source_rank": at_target[0] if at_target else None, "targets": targets, "checkpoint": None}
-        self.commits.healing = {m: applied[m] > target for m in targets}
-        self.commits.heal_step = target
+        self.commits.heal({m: applied[m] > target for m in targets}, target)
         self._hosted.snapshot = None
         quorum_id = previous.quorum_id + 1 if previous else 1
         for member in previous.members if previous else ():
@@ -893,13 +895,11 @@ class LighthouseState:
             delta,
         )
         self.formation = formation
-        self.answered = requests
-        self.dirty.formation = True
+        self.answered = TrackedDict(requests)
         self.history.quorum(quorum_id, list(members), reason, now, target, timed_out=timed_out, unreachable=unreachable)
         for member in unreachable:
             self.reach.renew(member, now)  # it stays out a time to live from now
         self.reach.prune(self.membership.__contains__, now)
-        self.dirty.revision += 1
         return formation
 
     def _resume_point(self, members: list[str], target: int, failure: bool) -> CheckpointRecord | None:
@@ -995,9 +995,6 @@ class LighthouseState:
     # --- liveness and history --------------------------------------------------------------------
 
     def _touch(self, member: str, now: float) -> MemberRecord:
-        if member not in self.membership:
-            self.dirty.members.add(member)
-            self.dirty.revision += 1
         record = self.membership.touch(member, now)
         self.roster.revived(member)
         return record
@@ -1006,40 +1003,69 @@ class LighthouseState:
         self.membership.mark_dead(member)
         self.roster.died(member)
         self.asks.pop(member)
-        if self.answered.pop(member, None) is not None:
-            self.dirty.formation = True
+        self.answered.pop(member, None)
         in_quorum = member in self.roster
         if reason == "left":
             self.history.departure(member, now, in_quorum=in_quorum)
-            self.dirty.revision += 1
         else:
             self._record_failure(member, now, reason, in_quorum=in_quorum)
 
     def _record_failure(self, member: str, now: float, reason: str, *, in_quorum: bool) -> None:
         self.history.failure(member, now, reason, in_quorum=in_quorum)
-        self.dirty.revision += 1
 
     # --- status and persistence (stalwart.coord.status, stalwart.coord.snapshot) ------------------
 
     def member_state(self, member: str) -> str:
         """``alive`` (in the quorum), ``joining`` (alive, not in it), ``left`` (it finished cleanly) or ``dead``."""
-        return status.member_state(self, member)
+        return status.member_state(self.membership[member], member in self.roster)
 
     def to_status(self, now: float | None = None) -> dict[str, Any]:
         """One JSON-able dict of everything a dashboard shows (``plan`` null, the ledger at zero: none adopted yet)."""
-        return status.status(self, now)
+        parts = status.StatusParts(
+            self.membership,
+            self.roster,
+            self.asks,
+            self.commits.healing,
+            self.commits.hosted,
+            self.plan,
+            self.checkpoint,
+            self.history,
+            self.reach,
+            self.min_replicas,
+            self.reconfigure_pending,
+        )
+        return status.status(parts, now)
+
+    def parts(self) -> Parts:
+        """The persisted parts, for the save (:mod:`~stalwart.coord.snapshot`)."""
+        return Parts(
+            self.stamp,
+            self.commits,
+            self.history,
+            self.registry.identities,
+            self.membership.records,
+            self.roster.quorum,
+            self.formation,
+            self.answered,
+            self.checkpoint,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable state; ``from_state_dict`` resumes it in a restarted lighthouse."""
-        return snapshot.state_dict(self)
+        return snapshot.state_dict(self.parts())
+
+    @property
+    def unsaved(self) -> bool:
+        """Whether anything changed since the last :meth:`changes` (constant time)."""
+        return self.saver.unsaved(self.parts())
 
     def changes(self) -> Changes:
         """What changed since the last call, for the store; hand it back to :meth:`requeue` if it was not saved."""
-        return snapshot.changes(self)
+        return self.saver.take(self.parts())
 
     def requeue(self, changes: Changes) -> None:
         """``changes`` could not be saved: the next :meth:`changes` includes them again."""
-        snapshot.requeue(self, changes)
+        self.saver.requeue(self.parts(), changes)
 
     @classmethod
     def from_state_dict(
@@ -1063,10 +1089,9 @@ class LighthouseState:
         A version 1 state resumes without its last formation: a member whose answer was lost asks again and is
         told to join.
         """
-        if not isinstance(state, Mapping) or state.get("version") not in (1, STATE_VERSION):
-            raise ValueError(f"state must be a lighthouse state_dict of version {STATE_VERSION}")
+        saved = snapshot.parse(state)
         restored = cls(
-            HostedLedger.from_json(state).ledger.plan,
+            saved.hosted.ledger.plan,
             min_replicas,
             heartbeat_timeout,
             join_timeout,
@@ -1076,5 +1101,23 @@ class LighthouseState:
             require_digest=require_digest,
             unreachable_wait=unreachable_wait,
         )
-        snapshot.restore(restored, state, now)
+        restored.restore(saved, now)
         return restored
+
+    def restore(self, saved: Restored, now: float) -> None:
+        """Put the parts of a persisted state in place (a new state built with its plan); see :meth:`from_state_dict`.
+        The next :meth:`changes` writes every part."""
+        self.commits.hosted = saved.hosted
+        for name, applied_step in saved.members.items():
+            self.membership.restore(name, applied_step, now)
+        if saved.quorum is not None:
+            self.roster = Roster(saved.quorum, dead=saved.quorum.members)
+        if saved.identities is not None:
+            self.registry.identities = saved.identities
+        self.expect_quorum(now)
+        self.formation = saved.formation
+        self.answered = TrackedDict(saved.answered)
+        self.commits.heal(saved.healing, saved.heal_step)
+        self.history = saved.history
+        self.checkpoint = saved.checkpoint
+        self.saver = Saver()

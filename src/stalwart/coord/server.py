@@ -40,7 +40,6 @@ import contextlib
 import hmac
 import json
 import logging
-import os
 import signal
 import socket
 import threading
@@ -51,10 +50,9 @@ from typing import Any
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from stalwart._validate import check_bool, check_int
 from stalwart.coord import quiet_log
 from stalwart.coord.collector import QuietCollector
-from stalwart.coord.connections import HEADER_TIMEOUT, RESERVED_FDS, ConnectionGuard, descriptor_limit
+from stalwart.coord.connections import RESERVED_FDS, ConnectionGuard, descriptor_limit
 from stalwart.coord.dashboard import Dashboard, browser_credential
 from stalwart.coord.heartbeat import read_heartbeat
 from stalwart.coord.metrics import LighthouseMetrics
@@ -83,30 +81,26 @@ from stalwart.coord.protocol import (
     parse_unreachable,
 )
 from stalwart.coord.quorum import (
-    MAX_MEMBERS,
     Formation,
     LighthouseState,
     RequestError,
-    check_seconds,
     parse_digest,
     parse_member,
     parse_step,
     parse_weights,
 )
 from stalwart.coord.rounds import RoundsBoard
+from stalwart.coord.settings import LighthouseSettings
 from stalwart.coord.store import QuorumStores, StoreLimits, answer_bytes, encode_answer
 from stalwart.coord.tls import is_loopback, is_loopback_authority, is_loopback_origin, server_context
 from stalwart.coord.wire import parse_plan
 from stalwart.data.plan import EpochPlan
-from stalwart.errors import StalwartError
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 * 1024
 MAX_HEARTBEAT_BYTES = MAX_SOCKET_MESSAGE_BYTES
 """Largest heartbeat message; a balanced ledger's carry the weights and may take up to ``MAX_BODY_BYTES``."""
-MAX_WAITERS = 4096
-"""Default cap on pending quorum long polls (``max_waiters``)."""
 PUSH_BUFFERED = 1 << 16
 """Bytes waiting in a socket's transport past which a push to it gets a task of its own (see ``_push``)."""
 RENOTICE_S = 1.0
@@ -120,19 +114,12 @@ BODY_TIMEOUT = 10.0
 """Seconds a request's body may take to arrive (a body sent byte by byte is cut off: 408)."""
 MAX_STORE_BODY_BYTES = 4 * (StoreLimits().value_bytes // 3 + 1) + 4096
 """Largest store request: the largest value in base64, and its JSON."""
-MAX_UNAUTHENTICATED = 1024
-"""Default cap on stalled connections: not yet past the credential check, with no complete request head
-(``max_unauthenticated``, see :mod:`stalwart.coord.connections`)."""
 _PUBLIC_PATHS = frozenset({"/healthz"})
 _REGISTER_FIELDS = frozenset({"member", "incarnation", "plan"})
 _SOCKET_ERRORS = (ConnectionError, RuntimeError)
 """What writing to a websocket that is closing raises (aiohttp: ``ClientConnectionResetError``, a ``RuntimeError``
 after close); the member is gone, or going, and nothing else happens."""
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-class InsecureLighthouseError(StalwartError, ValueError):
-    """A lighthouse on a non-loopback address without a token: anyone on the network could drive the job."""
 
 
 class Lighthouse:
@@ -144,14 +131,17 @@ class Lighthouse:
     With ``state_path`` the state lives in that SQLite file; when it already
     holds a state, that state (and its plan) is resumed and ``plan``, if
     given, must equal it; the file is locked while the lighthouse runs.
-    ``port=0`` picks a free port (see ``port`` once started).
+    ``port=0`` picks a free port (see ``port`` once started). The
+    configuration is one validated :class:`~stalwart.coord.settings.LighthouseSettings`;
+    keyword arguments name its fields (``Lighthouse(plan, join_timeout=30.0)``),
+    replacing those of ``settings``.
     ``balance_every=K > 0`` balances the ledger: members' shares follow their
     measured throughput, decided every ``K`` steps (None: as persisted, else
     0, off; a persisted state must agree).
 
     On a ``host`` other than loopback a ``token`` and TLS (``tls_cert`` and
     ``tls_key``, PEM files: HTTPS) are required unless ``insecure=True``
-    (:class:`InsecureLighthouseError`); with ``insecure`` a token on such a
+    (:class:`~stalwart.errors.InsecureLighthouseError`); with ``insecure`` a token on such a
     host travels in cleartext (a warning says so). A ``tls_key`` its group or
     others may read is refused (:class:`~stalwart.coord.tls.ExposedSecretError`).
     ``max_connections`` (default: the process's file-descriptor limit less
@@ -161,41 +151,17 @@ class Lighthouse:
     """
 
     def __init__(
-        self,
-        plan: EpochPlan | None = None,
-        *,
-        min_replicas: int = 1,
-        start_replicas: int | None = None,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        state_path: str | os.PathLike[str] | None = None,
-        token: str | None = None,
-        heartbeat_timeout: float = 2.0,
-        join_timeout: float = 5.0,
-        tick_interval: float = 0.05,
-        max_members: int = MAX_MEMBERS,
-        max_waiters: int = MAX_WAITERS,
-        balance_every: int | None = None,
-        insecure: bool = False,
-        tls_cert: str | os.PathLike[str] | None = None,
-        tls_key: str | os.PathLike[str] | None = None,
-        max_connections: int | None = None,
-        max_unauthenticated: int = MAX_UNAUTHENTICATED,
-        header_timeout: float = HEADER_TIMEOUT,
-        store_limits: StoreLimits | None = None,
+        self, plan: EpochPlan | None = None, settings: LighthouseSettings | None = None, **overrides: Any
     ) -> None:
         if plan is not None and not isinstance(plan, EpochPlan):
             raise TypeError(f"plan must be an EpochPlan or None, got {type(plan).__name__}")
-        if not isinstance(host, str) or not host:
-            raise ValueError(f"host must be a non-empty string, got {host!r}")
-        if token is not None and (not isinstance(token, str) or not token or parse_header(token, "token") is None):
-            raise ValueError("token must be a non-empty string of printable ASCII or None")
-        check_bool("insecure", insecure)
-        if (tls_cert is None) != (tls_key is None):
-            raise ValueError("tls_cert and tls_key go together: give both PEM files, or neither")
-        if not insecure and not is_loopback(host):
-            _check_exposed(host, token, tls_cert)
-        self._ssl = None if tls_cert is None or tls_key is None else server_context(tls_cert, tls_key)
+        settings = LighthouseSettings.of(settings, overrides)
+        self.settings = settings
+        """The validated configuration (:class:`~stalwart.coord.settings.LighthouseSettings`)."""
+        host, token = settings.host, settings.token
+        self._ssl = None
+        if settings.tls_cert is not None and settings.tls_key is not None:
+            self._ssl = server_context(settings.tls_cert, settings.tls_key)
         if token is not None and self._ssl is None and not is_loopback(host):
             logger.warning(
                 "the lighthouse on %s takes its token over plain HTTP: anyone on the network can read it; give "
@@ -203,32 +169,18 @@ class Lighthouse:
                 host,
             )
         self.host = host
-        self._requested_port = check_int("port", port, minimum=0, maximum=65535)
+        self._requested_port = settings.port
         self._token = token
-        self.max_connections = (
-            None if max_connections is None else check_int("max_connections", max_connections, minimum=2)
-        )
-        self.max_unauthenticated = check_int("max_unauthenticated", max_unauthenticated, minimum=1)
-        self.header_timeout = check_seconds("header_timeout", header_timeout)
-        self.join_timeout = check_seconds("join_timeout", join_timeout)
-        self.tick_interval = check_seconds("tick_interval", tick_interval)
-        self.max_waiters = check_int("max_waiters", max_waiters, minimum=1)
-        check_int("max_members", max_members, minimum=1)
-        if balance_every is not None:
-            check_int("balance_every", balance_every, minimum=0)
+        self.max_connections = settings.max_connections
+        self.max_unauthenticated = settings.max_unauthenticated
+        self.header_timeout = settings.header_timeout
+        self.join_timeout = settings.join_timeout
+        self.tick_interval = settings.tick_interval
+        self.max_waiters = settings.max_waiters
+        state_path = settings.state_path
         self._database = StateStore(state_path) if state_path is not None else None
         try:
-            self.state = self._load_state(
-                plan,
-                state_path,
-                min_replicas,
-                start_replicas,
-                heartbeat_timeout,
-                join_timeout,
-                max_members,
-                balance_every,
-            )
-
+            self.state = self._load_state(plan, settings)
         except BaseException:
             if self._database is not None:
                 self._database.close()
@@ -245,7 +197,6 @@ class Lighthouse:
             port=lambda: self.port,
             secure=self._ssl is not None,
         )
-        self._saved_revision = -1
         self._snapshots_taken = 0
         """Snapshots of what changed taken for a save so far (numbered from 1, taken and saved in order)."""
         self._snapshot_saved = 0
@@ -261,7 +212,7 @@ class Lighthouse:
         self.guard: ConnectionGuard | None = None
         """The connection caps and header timeout (once started)."""
         self._ticker: asyncio.Task[None] | None = None
-        self.stores = QuorumStores(store_limits)
+        self.stores = QuorumStores(settings.store_limits)
         """The current quorum's store."""
         self._sockets: dict[str, web.WebSocketResponse] = {}
         self._waiters: dict[str, list[asyncio.Future[Formation | RequestError]]] = {}
@@ -280,40 +231,21 @@ class Lighthouse:
         """Set by ``serve_forever``: the process's file-descriptor limit is raised to its hard limit."""
         self._stopping = False
 
-    def _load_state(
-        self,
-        plan: EpochPlan | None,
-        state_path: object,
-        min_replicas: int,
-        start_replicas: int | None,
-        heartbeat_timeout: float,
-        join_timeout: float,
-        max_members: int,
-        balance_every: int | None,
-    ) -> LighthouseState:
+    def _load_state(self, plan: EpochPlan | None, settings: LighthouseSettings) -> LighthouseState:
         """The persisted state when there is one (the plan, if given, and balance must agree), else a fresh one."""
+        state_path, balance_every = settings.state_path, settings.balance_every
+        rules: dict[str, Any] = {
+            "min_replicas": settings.min_replicas,
+            "start_replicas": settings.start_replicas,
+            "heartbeat_timeout": settings.heartbeat_timeout,
+            "join_timeout": settings.join_timeout,
+            "max_members": settings.max_members,
+            "require_digest": True,
+        }
         persisted = self._database.load() if self._database is not None else None
         if persisted is None:
-            return LighthouseState(
-                plan,
-                min_replicas,
-                heartbeat_timeout,
-                join_timeout,
-                start_replicas=start_replicas,
-                max_members=max_members,
-                require_digest=True,
-                balance_every=balance_every or 0,
-            )
-        state = LighthouseState.from_state_dict(
-            persisted,
-            now=time.time(),
-            min_replicas=min_replicas,
-            start_replicas=start_replicas,
-            heartbeat_timeout=heartbeat_timeout,
-            join_timeout=join_timeout,
-            max_members=max_members,
-            require_digest=True,
-        )
+            return LighthouseState(plan, **rules, balance_every=balance_every or 0)
+        state = LighthouseState.from_state_dict(persisted, now=time.time(), **rules)
         if plan is not None and state.plan is not None:
             _check_same_plan(plan, state.plan, state_path)
         if balance_every is not None and balance_every != state.balance_every:
@@ -587,14 +519,13 @@ class Lighthouse:
         async with self._save_lock:
             if after is not None and self._snapshot_saved > after:
                 return True
-            revision = self.state.revision
-            if revision == self._saved_revision and not self.state.history.journal:
+            if not self.state.unsaved:
                 return True
             changes = self.state.changes()  # drained even without a database, so nothing piles up
             self._snapshots_taken += 1
             snapshot = self._snapshots_taken
             if self._database is None:
-                self._saved_revision, self._snapshot_saved = revision, snapshot
+                self._snapshot_saved = snapshot
                 return True
             loop = asyncio.get_running_loop()
             try:
@@ -610,7 +541,6 @@ class Lighthouse:
             if self._save_failing:
                 logger.warning("the lighthouse saves its state to %s again", self._database.path)
             self._save_failing = False
-            self._saved_revision = revision
             self._snapshot_saved = snapshot
             return True
 
@@ -1103,23 +1033,6 @@ def _path_int(value: str, name: str) -> int:
     if not (value.isascii() and value.isdigit()) or len(value) > 18:
         raise RequestError(400, f"{name} must be a non-negative integer, got {value[:40]!r}", field=name)
     return int(value)
-
-
-def _check_exposed(host: str, token: str | None, tls_cert: object) -> None:
-    """On an address other machines reach, refuse to serve without a token or without TLS (one line, naming the
-    address and the ways out)."""
-    if token is None:
-        raise InsecureLighthouseError(
-            f"host={host!r} is reachable from other machines and no token is set: anyone there could register, "
-            "report checkpoints and read the quorum's keys. Give a token (STALWART_LIGHTHOUSE_TOKEN, or "
-            "--token-file) and --tls-cert/--tls-key, or say insecure=True (--insecure) on a network you trust"
-        )
-    if tls_cert is None:
-        raise InsecureLighthouseError(
-            f"host={host!r} is reachable from other machines and TLS is not set: the token and the quorum's keys "
-            "would cross the network in cleartext. Give --tls-cert/--tls-key (tls_cert, tls_key), or say "
-            "insecure=True (--insecure) on a network you trust"
-        )
 
 
 def _check_same_plan(given: EpochPlan, persisted: EpochPlan, path: object) -> None:

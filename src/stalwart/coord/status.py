@@ -7,43 +7,66 @@ before a plan is adopted). Pure: no I/O; read-only.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
+from stalwart.coord.checkpoints import CheckpointRecord
+from stalwart.coord.history import History
 from stalwart.coord.hosted_ledger import HostedLedger
+from stalwart.coord.membership import MemberRecord, Membership
+from stalwart.coord.pending import Pending
+from stalwart.coord.reachability import Reachability
+from stalwart.coord.roster import Roster
+from stalwart.data.plan import EpochPlan
 
-if TYPE_CHECKING:
-    from stalwart.coord.quorum import LighthouseState
+
+@dataclass(frozen=True)
+class StatusParts:
+    """What the status reads of the lighthouse's state (built by ``LighthouseState.to_status``)."""
+
+    membership: Membership
+    roster: Roster
+    asks: Pending
+    healing: Mapping[str, bool]
+    hosted: HostedLedger | None
+    plan: EpochPlan | None
+    checkpoint: CheckpointRecord | None
+    history: History
+    reach: Reachability
+    min_replicas: int
+    reconfigure_pending: bool
 
 
-def member_state(state: LighthouseState, member: str) -> str:
+def member_state(record: MemberRecord, in_quorum: bool) -> str:
     """``alive`` (in the quorum), ``joining`` (alive, not in it), ``left`` (it finished cleanly) or ``dead``."""
-    record = state.membership[member]
     if not record.alive:
         return "left" if record.left else "dead"
-    return "alive" if member in state.roster else "joining"
+    return "alive" if in_quorum else "joining"
 
 
-def status(state: LighthouseState, now: float | None = None) -> dict[str, Any]:
+def status(parts: StatusParts, now: float | None = None) -> dict[str, Any]:
     """Everything a dashboard shows (``seconds_since_seen`` when ``now`` is given)."""
     members = []
-    for name, record in state.membership.records.items():
-        ask = state.asks.get(name)
+    roster = parts.roster
+    for name, record in parts.membership.records.items():
+        ask = parts.asks.get(name)
         members.append(
             {
                 "member": name,
-                "state": member_state(state, name),
+                "state": member_state(record, name in roster),
                 "applied_step": record.applied_step,
                 "connected": record.connected,
                 "last_seen": record.last_seen,
                 "seconds_since_seen": None if now is None else max(0.0, now - record.last_seen),
                 "asking": None if ask is None else ask.request.reason,
-                "healing": name in state.commits.healing,
+                "healing": name in parts.healing,
             }
         )
-    quorum = state.roster.quorum
-    plan = state.plan
-    checkpoint = state.checkpoint
-    history = state.history
+    quorum = roster.quorum
+    plan = parts.plan
+    checkpoint = parts.checkpoint
+    history = parts.history
     return {
         "members": members,
         "quorum": None if quorum is None else {"quorum_id": quorum.quorum_id, "members": list(quorum.members)},
@@ -51,16 +74,16 @@ def status(state: LighthouseState, now: float | None = None) -> dict[str, Any]:
         if checkpoint is None
         else {**checkpoint.announcement(), "time": checkpoint.time, "member": checkpoint.member},
         "resumed_from_checkpoint": list(history.checkpoint_resumes),
-        "min_replicas": state.min_replicas,
-        "reconfigure_pending": state.reconfigure_pending,
-        "ledger": ledger_status(state.commits.hosted),
+        "min_replicas": parts.min_replicas,
+        "reconfigure_pending": parts.reconfigure_pending,
+        "ledger": ledger_status(parts.hosted),
         "plan": None if plan is None else plan.to_dict(),
         "counts": dict(history.counts),
         "failures": list(history.failures),
         "recoveries": list(history.recoveries),
         "departures": list(history.departures),
         "quorums": list(history.quorums),
-        "cuts": state.reach.to_status(now),
+        "cuts": parts.reach.to_status(now),
     }
 
 
