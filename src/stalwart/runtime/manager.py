@@ -70,6 +70,7 @@ from stalwart.runtime.diagnosis import LeaderLoss
 from stalwart.runtime.diloco.config import DiLoCo, check_against
 from stalwart.runtime.diloco.rounds import RoundLoop
 from stalwart.runtime.drift import DriftCheck
+from stalwart.runtime.events import Event, check_events
 from stalwart.runtime.feed import SamplerFeed
 from stalwart.runtime.loader import ElasticLoader
 from stalwart.runtime.patience import MAX_GROWTH, QUIET_STEPS, CollectivePatience, QuorumView
@@ -136,13 +137,14 @@ class Manager:
     attempts), ``timeouts`` (:class:`~stalwart.runtime.timeouts.Timeouts`,
     default: from the environment), ``group`` (a replica group's place and
     store), ``device`` (default: the GPU of ``LOCAL_RANK`` when CUDA is
-    available, else the CPU). ``on_event(event, step)`` is told ``joined``,
+    available, else the CPU). ``on_event(event, step)`` is told each
+    :class:`~stalwart.runtime.events.Event` (a ``str`` enum: ``joined``,
     ``healed``, ``reduce_started``, ``reduce_finished``, ``update_started``,
-    ``gather_started`` and ``parity_started`` (with ``sync``: also
+    ``gather_started`` and ``parity_started``; with ``sync`` also
     ``exchange_started`` and ``outer_started`` with the round, and
     ``quorum_broken`` when an inner step saw a group die), for tracing and for
-    tests that kill a worker at those points; ``events`` (a collection of those
-    kinds, default all) limits what it is told.
+    tests that kill a worker at those points; ``events`` (a collection of
+    those, or of their names; default all) limits what it is told.
 
     ``sync``: :class:`~stalwart.runtime.diloco.config.DiLoCo` trains
     semi-synchronously across replica groups (DiLoCo, Streaming DiLoCo): the
@@ -186,7 +188,7 @@ class Manager:
         timeouts: Timeouts | None = None,
         group: ReplicaGroup | None = None,
         device: torch.device | None = None,
-        on_event: Callable[[str, int], None] | None = None,
+        on_event: Callable[[Event, int], None] | None = None,
         events: Collection[str] | None = None,
         sync: DiLoCo | None = None,
         sigterm: bool | None = None,
@@ -195,7 +197,7 @@ class Manager:
         member = _from_environment("member", member, "STALWART_MEMBER")
         _check_arguments(model, optimizer, member, plan, checkpoint, reduction, checks, transport, timeouts, group)
         redundancy = parse_redundancy(redundancy)
-        wanted_events = _check_events(events)
+        wanted_events = check_events(events)
         _check_sync(sync, model, redundancy, checkpoint)
         install_sigterm = _check_sigterm(sigterm, sync)
         if sync is not None and plan is not None:  # the ledger's step is a round of inner steps
@@ -717,9 +719,9 @@ class Manager:
         """Finish the round's reduction and wait for it (an empty part arms it here)."""
         if not self._accumulation.armed:
             self._arm()
-        self._notify("reduce_started")
+        self._notify(Event.REDUCE_STARTED)
         reduced = self._accumulation.reduce(self._tail_layout())
-        self._notify("reduce_finished")
+        self._notify(Event.REDUCE_FINISHED)
         return reduced
 
     def _tail_layout(self) -> TailLayout:
@@ -822,7 +824,7 @@ class Manager:
                 continue
             self._reconfigure = False
             self._leader_loss = None
-            self._notify("joined")
+            self._notify(Event.JOINED)
             return
         raise JoinError(
             f"{self.member}: no working quorum after {attempts} attempts "
@@ -894,7 +896,7 @@ class Manager:
             self._reset_step()
             if self._rounds is not None:
                 self._rounds.healed()
-            self._notify("healed")
+            self._notify(Event.HEALED)
         if outcome.job_finished and self._stepping:
             self._stop_mid_step()
 
@@ -1016,7 +1018,7 @@ class Manager:
         index = int(self.ledger.plan.indices_at(self.ledger.epoch, np.zeros(1, dtype=np.int64))[0])
         return source.collate_fn([source.load(self.ledger.epoch, index)])
 
-    def _notify(self, event: str, step: int | None = None) -> None:
+    def _notify(self, event: Event, step: int | None = None) -> None:
         """Tell the ``on_event`` hook (tracing, chaos tests) that ``event`` happened in ``step`` (default: current)."""
         if self._on_event is not None and (self._events is None or event in self._events):
             self._on_event(event, self.ledger.step if step is None else step)
@@ -1097,35 +1099,6 @@ def _from_environment(name: str, value: str | None, variable: str) -> str:
     if not found:
         raise ValueError(f"{name} must be given, or the environment variable {variable} set (neither is)")
     return found
-
-
-EVENTS = frozenset(
-    {
-        "joined",
-        "healed",
-        "reduce_started",
-        "reduce_finished",
-        "update_started",
-        "gather_started",
-        "parity_started",
-        "quorum_broken",
-        "exchange_started",
-        "outer_started",
-    }
-)
-"""The kinds of event ``on_event`` is told (``events`` picks some)."""
-
-
-def _check_events(events: Collection[str] | None) -> frozenset[str] | None:
-    """``events`` as a set of known kinds (None: every kind); else ValueError naming the unknown ones."""
-    if events is None:
-        return None
-    if isinstance(events, str) or not isinstance(events, Collection):
-        raise TypeError(f"events must be a collection of event kinds or None, got {events!r:.80}")
-    unknown = sorted(str(event) for event in events if event not in EVENTS)
-    if unknown:
-        raise ValueError(f"events names unknown kinds {unknown}; the kinds are {sorted(EVENTS)}")
-    return frozenset(events)
 
 
 def _check_sync(sync: Any, model: torch.nn.Module, redundancy: Any, checkpoint: Any) -> None:

@@ -71,6 +71,7 @@ from stalwart.runtime.diloco import exchange
 from stalwart.runtime.diloco.config import DiLoCo
 from stalwart.runtime.diloco.outer import Fragment, GlobalsState, OuterState
 from stalwart.runtime.diloco.schedule import at_round_end, fragment_launches, inner_plan, next_inner_positions
+from stalwart.runtime.events import Event
 from stalwart.runtime.heal import transfer_state
 from stalwart.runtime.step import StepReport, TrainStep
 from stalwart.runtime.tail import ReducedTail, TailHead, TailLayout
@@ -258,7 +259,7 @@ class RoundLoop:
                 yield step
                 broken = self._close_inner(step, positions)
                 if broken:
-                    manager._notify("quorum_broken", self.manager.ledger.step)
+                    manager._notify(Event.QUORUM_BROKEN, self.manager.ledger.step)
                     self._failure()
                 if regular:
                     self._fragment_schedule(self.progress.steps - 1)
@@ -308,7 +309,7 @@ class RoundLoop:
         )
         if not accumulation.armed:
             self._arm()
-        manager._notify("reduce_started", self.inner.steps)
+        manager._notify(Event.REDUCE_STARTED, self.inner.steps)
         try:
             reduced = accumulation.reduce(self._layout())
         except CollectiveError as error:
@@ -316,7 +317,7 @@ class RoundLoop:
                 f"{manager.member}: the reduction inside replica group {manager.member!r} failed ({error}); a process "
                 "of the group died or hung, and the group restarts"
             ) from error
-        manager._notify("reduce_finished", self.inner.steps)
+        manager._notify(Event.REDUCE_FINISHED, self.inner.steps)
         if reduced.samples != positions.size:
             raise RuntimeError(
                 f"round {ledger.step}: the group reduced {reduced.samples} samples in inner step {self.inner.steps}, "
@@ -430,7 +431,7 @@ class RoundLoop:
     def _submit(self, fragment: Fragment, prepared: exchange.Prepared) -> None:
         comm = self._outer_comm
         assert comm is not None and self._future is None
-        self.manager._notify("exchange_started", self.manager.ledger.step)
+        self.manager._notify(Event.EXCHANGE_STARTED, self.manager.ledger.step)
         self._future = self._exchanges.submit(exchange.run, comm, prepared)
         self._future_fragment = fragment
 
@@ -536,7 +537,7 @@ class RoundLoop:
         weight = torch.tensor(self.progress.weight, dtype=torch.float32)
         tail = tail_layout.encode(torch.zeros(0), head, weight, loss).to(manager.device)
         results: list[tuple[Fragment, torch.Tensor, float]] = []
-        manager._notify("outer_started", ledger.step)
+        manager._notify(Event.OUTER_STARTED, ledger.step)
         wait_tail = comm.start_all_reduce_sum(tail)
         for fragment in ending:
             if fragment.pending is not None:  # launched before a failure: the extra inner steps since go in too
