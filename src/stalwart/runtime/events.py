@@ -55,3 +55,19 @@ def check_events(events: Collection[str] | None) -> frozenset[Event] | None:
     if unknown:
         raise ValueError(f"events names unknown kinds {unknown}; the kinds are {sorted(known)}")
     return frozenset(Event(event) for event in events)
+
+
+class EventHook:
+    """The user's ``on_event(event, step)``, told the events ``wanted`` lets through (None: all), for every part."""
+
+    def __init__(
+        self, on_event: Callable[[Event, int], None] | None, wanted: frozenset[Event] | None, step: Callable[[], int]
+    ) -> None:
+        self._on_event = on_event
+        self._wanted = wanted
+        self._step = step
+
+    def notify(self, event: Event, step: int | None = None) -> None:
+        """Tell the hook that ``event`` happened in ``step`` (default: the ledger's current step)."""
+        if self._on_event is not None and (self._wanted is None or event in self._wanted):
+            self._on_event(event, self._step() if step is None else step)

@@ -47,16 +47,15 @@ from collections.abc import Generator, Iterator
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from stalwart.coord.hosted_ledger import ledger_digest
 from stalwart.data.info import split_group_share
 from stalwart.data.schedule import split_microbatches
-from stalwart.errors import JobFinishedError, PlanMismatchError, StepContractError
+from stalwart.errors import PlanMismatchError, StepContractError
 from stalwart.runtime.accumulation import Source
 from stalwart.runtime.comm import CollectiveError, Communicator
 from stalwart.runtime.consistency import (
@@ -71,13 +70,12 @@ from stalwart.runtime.diloco import exchange
 from stalwart.runtime.diloco.config import DiLoCo
 from stalwart.runtime.diloco.outer import Fragment, GlobalsState, OuterState
 from stalwart.runtime.diloco.schedule import at_round_end, fragment_launches, inner_plan, next_inner_positions
+from stalwart.runtime.engine import StepEngine
 from stalwart.runtime.events import Event
 from stalwart.runtime.heal import transfer_state
+from stalwart.runtime.keeper import QuorumKeeper
 from stalwart.runtime.step import StepReport, TrainStep
 from stalwart.runtime.tail import ReducedTail, TailHead, TailLayout
-
-if TYPE_CHECKING:
-    from stalwart.runtime.manager import Manager
 
 log = logging.getLogger(__name__)
 _WAIT_POLL = 0.005
@@ -148,14 +146,17 @@ class InnerProgress:
 
 
 class RoundLoop:
-    """Runs ``manager``'s steps as DiLoCo rounds (see the module docstring)."""
+    """The DiLoCo sync mode: a Manager's steps as rounds (see the module docstring), built on the keeper and engine."""
 
-    def __init__(self, manager: Manager, config: DiLoCo, params: list[torch.nn.Parameter]) -> None:
-        self.manager = manager
+    def __init__(
+        self, keeper: QuorumKeeper, engine: StepEngine, config: DiLoCo, params: list[torch.nn.Parameter]
+    ) -> None:
+        self.keeper = keeper
+        self.engine = engine
         self.config = config
         self.outer = OuterState(params, config)
         self.inner = InnerProgress()
-        replica = manager._replica
+        replica = keeper.replica
         replica.add_internal("sync/globals", GlobalsState(self.outer))
         replica.add_internal("sync/progress", self.inner)
         for fragment in self.outer.fragments:
@@ -177,9 +178,10 @@ class RoundLoop:
         self._own_samples = 0
         self._reconciles = 0
         self._tail: ReducedTail | None = None
-        client = manager._session.client
+        client = keeper.session.client
         if client is not None:  # the group's leader: the lighthouse shows the rounds
             client.report_rounds(self.rounds_report)
+        keeper.on_heal(self.healed)
 
     # --- what the Manager reads ------------------------------------------------------------------------------
 
@@ -199,7 +201,12 @@ class RoundLoop:
             "exchanges": self.traffic.exchanges,
         }
 
-    def rounds_for(self, max_steps: int) -> int:
+    @property
+    def departed(self) -> bool:
+        """Never: a departure at a step boundary is not supported in DiLoCo's rounds yet."""
+        return False
+
+    def commits_for(self, max_steps: int) -> int:
         """The rounds ``max_steps`` inner steps make; a ``ValueError`` unless a multiple of ``inner_steps``."""
         rounds, rest = divmod(max_steps, self.config.inner_steps)
         if rest:
@@ -213,53 +220,44 @@ class RoundLoop:
 
     def steps(self, source: Source, loader: Any, max_rounds: int) -> Iterator[TrainStep]:
         """Yield the inner steps of every round until the ledger has committed ``max_rounds`` rounds."""
-        manager = self.manager
+        keeper = self.keeper
         while True:
-            if manager._reconfigure or not manager._planner.joined:
-                first = not manager._planner.joined
-                self.join("join" if first else "reconfigure")
-                if first:
-                    manager._check_plan(loader)
-                if manager._untrained_late_join:
-                    raise JobFinishedError(
-                        f"the job had already committed its {manager.ledger.step} rounds when {manager.member} "
-                        "joined, and no checkpoint holds the trained state: this worker's parameters are untrained"
-                    )
-            ledger = manager.ledger
+            keeper.enter(loader, "rounds", self.join)
+            ledger = keeper.ledger
             if ledger.balanced:
                 raise PlanMismatchError(
                     "DiLoCo does not balance shares by throughput yet: start the lighthouse without --balance-every"
                 )
             if ledger.step >= max_rounds:
-                self._finish()
-                manager._finish()
+                self.outer.reset_locals_to_globals()  # the job's end: the model holds the global parameters
+                keeper.finish()
                 return
-            manager._planner.begin_step()
+            keeper.planner.begin_step()
             source.take_produced()  # anything produced outside a step is not this step's
             yield from self._round(source, last=ledger.step == max_rounds - 1)
             self._commit()
 
     def _round(self, source: Source, *, last: bool) -> Iterator[TrainStep]:
         """The round's inner steps (regular, then extra), then its end; failures re-form the quorum in between."""
-        manager = self.manager
+        keeper, engine = self.keeper, self.engine
         failed_ends = 0
         while True:
             positions = self._next_inner()
             if positions is not None:
                 regular = self.progress.steps < self.config.inner_steps
-                ledger = manager.ledger
-                ends_epoch = manager._planner.ends_epoch and self.progress.steps == self.config.inner_steps - 1
+                ledger = keeper.ledger
+                ends_epoch = keeper.planner.ends_epoch and self.progress.steps == self.config.inner_steps - 1
                 step = TrainStep(
                     self.inner.steps,
                     ledger.epoch,
                     ends_epoch,
-                    manager._accumulation,
+                    engine.accumulation,
                     self._inner_step(source, positions),
                 )
                 yield step
                 broken = self._close_inner(step, positions)
                 if broken:
-                    manager._notify(Event.QUORUM_BROKEN, self.manager.ledger.step)
+                    engine.events.notify(Event.QUORUM_BROKEN, keeper.ledger.step)
                     self._failure()
                 if regular:
                     self._fragment_schedule(self.progress.steps - 1)
@@ -269,55 +267,54 @@ class RoundLoop:
                 return
             except CollectiveError as error:
                 failed_ends += 1
-                if isinstance(error, GroupBrokenError) or failed_ends > manager._transport.max_join_attempts:
+                if isinstance(error, GroupBrokenError) or failed_ends > keeper.transport.max_join_attempts:
                     raise
                 log.warning(
                     "%s: round %d's exchange failed (%s); asking for a new quorum",
-                    manager.member,
-                    manager.ledger.step,
+                    keeper.member,
+                    keeper.ledger.step,
                     error,
                 )
                 self._failure()
 
     def _next_inner(self) -> np.ndarray | None:
         """The group's positions of its next inner step in this round, or None when the share is trained."""
-        ledger = self.manager.ledger
-        member = self.manager.member
+        ledger = self.keeper.ledger
+        member = self.keeper.member
         share = ledger.in_flight.get(member, np.zeros(0, dtype=np.int64))
         total = int(sum(part.size for part in ledger.in_flight.values()) + ledger.step_missing.size)
         plan = inner_plan(total, ledger.began_with, member, self.config.inner_steps, ledger.plan.local_batch_multiple)
-        done = self.manager._planner.done.size
+        done = self.keeper.planner.done.size
         return next_inner_positions(share, done, self.progress.steps, plan)
 
     # --- one inner step -----------------------------------------------------------------------------------------
 
     def _inner_step(self, source: Source, positions: np.ndarray) -> Generator[Any, None, StepReport]:
         """The inner step's micro-batches, the group's reduction, then the update window; returns its report."""
-        manager = self.manager
-        session = manager._session
-        ledger = manager.ledger
-        group = session.group
+        keeper, engine = self.keeper, self.engine
+        ledger = keeper.ledger
+        group = keeper.session.group
         multiple = ledger.plan.local_batch_multiple
         mine = split_group_share(positions, group.size, group.rank, multiple)
         indices = ledger.plan.indices_at(ledger.epoch, mine).tolist()
-        sizes = [len(chunk) for chunk in split_microbatches(range(mine.size), manager.max_microbatch)]
+        sizes = [len(chunk) for chunk in split_microbatches(range(mine.size), engine.max_microbatch)]
         self._own_samples = mine.size
         self._inner_positions = positions
-        accumulation = manager._accumulation
+        accumulation = engine.accumulation
         yield from accumulation.microbatches(
-            source, ledger.epoch, indices, sizes, arm=self._arm, sample_batch=lambda: manager._sample_batch(source)
+            source, ledger.epoch, indices, sizes, arm=self._arm, sample_batch=lambda: engine.sample_batch(source)
         )
         if not accumulation.armed:
             self._arm()
-        manager._notify(Event.REDUCE_STARTED, self.inner.steps)
+        engine.events.notify(Event.REDUCE_STARTED, self.inner.steps)
         try:
             reduced = accumulation.reduce(self._layout())
         except CollectiveError as error:
             raise GroupBrokenError(
-                f"{manager.member}: the reduction inside replica group {manager.member!r} failed ({error}); a process "
+                f"{keeper.member}: the reduction inside replica group {keeper.member!r} failed ({error}); a process "
                 "of the group died or hung, and the group restarts"
             ) from error
-        manager._notify(Event.REDUCE_FINISHED, self.inner.steps)
+        engine.events.notify(Event.REDUCE_FINISHED, self.inner.steps)
         if reduced.samples != positions.size:
             raise RuntimeError(
                 f"round {ledger.step}: the group reduced {reduced.samples} samples in inner step {self.inner.steps}, "
@@ -325,41 +322,23 @@ class RoundLoop:
             )
         where = f"round {ledger.step}, inner step {self.inner.steps}"
         check_loaded(reduced.loaded_checksum, ledger.plan, ledger.epoch, positions, where, "the group", "its")
-        if reduced.samples:
-            accumulation.apply(reduced.weight)
-        else:
-            manager.optimizer.zero_grad(set_to_none=True)
         self.progress.loaded_checksum = (self.progress.loaded_checksum + accumulation.loaded_checksum) % (1 << 64)
         self.progress.row_checksum = (self.progress.row_checksum + accumulation.row_checksum) % (1 << 64)
         self._reduced = reduced
-        manager._window.open(self.inner.steps)
-        report = StepReport(
-            step=self.inner.steps,
-            epoch=ledger.epoch,
-            samples=reduced.samples,
-            loss=reduced.mean_loss,
-            world_size=manager.world_size,
-            quorum_id=manager.quorum_id,
-            recoveries=manager.recoveries,
-            positions=positions,
-            loaded_checksum=reduced.loaded_checksum,
-        )
-        manager.last_report = report
-        return report
+        return engine.open_update(reduced, self.inner.steps, positions)
 
     def _arm(self) -> None:
         """Start the inner step's reduction within the group; the tail carries whether the quorum is broken."""
-        manager = self.manager
         comm = self._inner_comm
         assert comm is not None
         layout = self._layout()
-        accumulation = manager._accumulation
+        accumulation = self.engine.accumulation
         head = TailHead(
             drift=torch.zeros(DRIFT_SLOTS * comm.world_size),
             loaded_checksum=accumulation.loaded_checksum,
             row_checksum=accumulation.row_checksum,
             samples=self._own_samples,
-            reconfigure=manager._session.abandon(),
+            reconfigure=self.keeper.session.abandon(),
         )
         accumulation.arm(comm, None, layout, head, lambda: torch.zeros(0))
 
@@ -369,25 +348,23 @@ class RoundLoop:
 
     def _close_inner(self, step: TrainStep, positions: np.ndarray) -> bool:
         """The loop body after an inner step ended; True when the group saw the quorum broken (ask for a new one)."""
-        manager = self.manager
+        keeper, engine = self.keeper, self.engine
         reduced, self._reduced = self._reduced, None
         if reduced is None:
             raise StepContractError(
                 f"inner step {step.number} was not iterated to its end: iterate every step's micro-batches before "
                 "the next"
             )
-        if not manager._window.close() and reduced.samples and not manager._warned_no_update:
-            manager._warned_no_update = True
-            log.warning("%s: inner step %d without optimizer.step() (a GradScaler skip?)", manager.member, step.number)
-        manager._planner.mark_done(positions)
+        engine.close_update(reduced, f"inner step {step.number}")
+        keeper.planner.mark_done(positions)
         self.progress.steps += 1
         self.progress.samples += self._own_samples
         self.progress.loss += reduced.loss
         self.progress.weight += reduced.weight
         self.outer.add_samples(reduced.samples)
         self.inner.steps += 1
-        manager._accumulation.reset()
-        manager.optimizer.zero_grad(set_to_none=True)
+        engine.accumulation.reset()
+        engine.optimizer.zero_grad(set_to_none=True)
         return reduced.reconfigure
 
     # --- fragments ---------------------------------------------------------------------------------------------
@@ -406,14 +383,14 @@ class RoundLoop:
 
     def _next_mid_round(self) -> Fragment | None:
         """The next mid-round fragment to exchange in this round, by the member's ``syncs`` (None: all done)."""
-        done = self.outer.syncs - self.manager.ledger.step * len(self.mid_round)
+        done = self.outer.syncs - self.keeper.ledger.step * len(self.mid_round)
         if not 0 <= done < len(self.mid_round):
             return None
         return self.outer.fragments[self.mid_round[done]]
 
     def _launch(self, fragment: Fragment, *, merge: bool) -> None:
         """Start ``fragment``'s exchange on the exchange thread (the weight is the group's window)."""
-        session = self.manager._session
+        session = self.keeper.session
         comm = self._outer_comm
         assert comm is not None
         pending = self.outer.launch(fragment, session.group.rank, session.group.size, comm.world_size, merge=merge)
@@ -422,7 +399,7 @@ class RoundLoop:
     def _reencoded(self, fragment: Fragment) -> exchange.Prepared:
         """The pending exchange's payload for the current quorum (encoded again if the groups changed)."""
         pending = fragment.pending
-        comm, group = self._outer_comm, self.manager._session.group
+        comm, group = self._outer_comm, self.keeper.session.group
         assert pending is not None and comm is not None
         if pending.prepared.members == comm.world_size:
             return pending.prepared
@@ -431,7 +408,7 @@ class RoundLoop:
     def _submit(self, fragment: Fragment, prepared: exchange.Prepared) -> None:
         comm = self._outer_comm
         assert comm is not None and self._future is None
-        self.manager._notify(Event.EXCHANGE_STARTED, self.manager.ledger.step)
+        self.engine.events.notify(Event.EXCHANGE_STARTED, self.keeper.ledger.step)
         self._future = self._exchanges.submit(exchange.run, comm, prepared)
         self._future_fragment = fragment
 
@@ -439,7 +416,7 @@ class RoundLoop:
         """Wait for the exchange in flight, watching the lighthouse; the fragment's gathered sum and weight."""
         future, fragment = self._future, self._future_fragment
         assert future is not None and fragment is not None
-        session = self.manager._session
+        session = self.keeper.session
         try:
             while not future.done():
                 if session.abandon():
@@ -455,7 +432,7 @@ class RoundLoop:
         assert comm is not None
         nbytes = exchange.sent_bytes(self.config.codec, pending.prepared.numel, comm.world_size, self.config.int8_block)
         self.traffic.record(
-            self.manager.ledger.step,
+            self.keeper.ledger.step,
             fragment.index,
             nbytes,
             exchange.collectives(self.config.codec),
@@ -481,7 +458,7 @@ class RoundLoop:
 
     def _apply_pending(self, fragment: Fragment) -> None:
         """Wait for ``fragment``'s mid-round exchange and apply it (a failure re-forms the quorum, then again)."""
-        attempts = self.manager._transport.max_join_attempts
+        attempts = self.keeper.transport.max_join_attempts
         for attempt in range(1, attempts + 2):
             if fragment.pending is None:
                 return
@@ -492,7 +469,7 @@ class RoundLoop:
                     raise
                 log.warning(
                     "%s: fragment %d's exchange failed (%s); asking for a new quorum",
-                    self.manager.member,
+                    self.keeper.member,
                     fragment.index,
                     error,
                 )
@@ -511,8 +488,8 @@ class RoundLoop:
         completed has applied the round (its peers that did not are healed
         from it at the next quorum).
         """
-        manager = self.manager
-        ledger = manager.ledger
+        keeper, engine = self.keeper, self.engine
+        ledger = keeper.ledger
         for fragment in self.outer.fragments:  # a mid-round exchange left after a failure: finish it first
             if fragment.pending is not None and fragment.pending.merge:
                 self._apply_pending(fragment)
@@ -521,7 +498,7 @@ class RoundLoop:
             for fragment in self.outer.fragments
             if last or at_round_end(self.launches[fragment.index], self.config.inner_steps)
         ]
-        session = manager._session
+        session = keeper.session
         comm = session.comm
         assert comm is not None
         tail_layout = TailLayout(comm.world_size, False)
@@ -535,9 +512,9 @@ class RoundLoop:
         )
         loss = torch.tensor(self.progress.loss, dtype=torch.float32)
         weight = torch.tensor(self.progress.weight, dtype=torch.float32)
-        tail = tail_layout.encode(torch.zeros(0), head, weight, loss).to(manager.device)
+        tail = tail_layout.encode(torch.zeros(0), head, weight, loss).to(engine.device)
         results: list[tuple[Fragment, torch.Tensor, float]] = []
-        manager._notify(Event.OUTER_STARTED, ledger.step)
+        engine.events.notify(Event.OUTER_STARTED, ledger.step)
         wait_tail = comm.start_all_reduce_sum(tail)
         for fragment in ending:
             if fragment.pending is not None:  # launched before a failure: the extra inner steps since go in too
@@ -546,7 +523,7 @@ class RoundLoop:
             results.append(self._await())
         wait_tail()
         reduced = tail_layout.decode(tail)
-        positions = manager._planner.step_positions()
+        positions = keeper.planner.step_positions()
         if reduced.samples != positions.size:
             raise RuntimeError(
                 f"round {ledger.step}: the quorum trained {reduced.samples} samples, the ledger's round holds "
@@ -562,7 +539,7 @@ class RoundLoop:
             )
         for fragment, whole, total in results:
             self.outer.apply(fragment, whole, total)
-        members = len(manager._session.members)
+        members = len(keeper.session.members)
         tail_bytes = round(2 * (comm.world_size - 1) / comm.world_size * 4 * tail.numel()) if members > 1 else 0
         self.traffic.record_tail(ledger.step, tail_bytes, alone=not ending)
         self._tail = reduced
@@ -571,49 +548,34 @@ class RoundLoop:
             epoch=ledger.epoch,
             samples=reduced.samples,
             loss=reduced.mean_loss,
-            world_size=manager.world_size,
-            quorum_id=manager.quorum_id,
-            recoveries=manager.recoveries,
+            world_size=keeper.world_size,
+            quorum_id=keeper.session.quorum_id,
+            recoveries=keeper.recoveries,
             positions=positions,
             loaded_checksum=reduced.loaded_checksum,
         )
 
     def _commit(self) -> None:
         """The round's outer step is applied: commit the ledger's round, report it."""
-        manager = self.manager
         reduced, self._tail = self._tail, None
         assert reduced is not None
-        ledger = manager.ledger
-        epoch, ends_epoch, round_number = ledger.epoch, manager._planner.ends_epoch, ledger.step
-        manager._audit_committed(epoch, round_number, ledger.commit())
-        replica = manager._replica
-        replica.row_digest.add(epoch, reduced.row_checksum)
-        if ends_epoch and not ledger.plan.drop_last:
-            replica.row_digest.close_epoch(epoch)
-        replica.applied_step += 1
-        replica.trained_step = replica.applied_step
-        manager._session.report = (replica.applied_step, ledger_digest(ledger.state_dict()), None)
-        manager._reconfigure = manager._reconfigure or reduced.reconfigure
+        self.engine.commit(reduced)
         self.progress = RoundProgress()
-        manager._reset_step()
-
-    def _finish(self) -> None:
-        """The job's end: the model holds the global parameters."""
-        self.outer.reset_locals_to_globals()
+        self.engine.reset()
 
     # --- quorums ----------------------------------------------------------------------------------------------
 
     def _failure(self) -> None:
         """A group died: ask for a failure quorum mid-round (or a boundary one when nothing of the round is done)."""
-        self.manager.recoveries += 1
-        self.join("failure" if self.manager._planner.covered else "reconfigure")
+        self.keeper.count_recovery()
+        self.join("failure" if self.keeper.planner.covered else "reconfigure")
 
     def join(self, reason: str) -> None:
-        """Get into the next quorum (the Manager's join and heal), then build this mode's communicators."""
-        manager = self.manager
-        for attempt in range(1, manager._transport.max_join_attempts + 1):
+        """Get into the next quorum (the keeper's join and heal), then build this mode's communicators."""
+        keeper = self.keeper
+        for attempt in range(1, keeper.transport.max_join_attempts + 1):
             self._drop_exchange()
-            manager._join(reason)
+            keeper.join(reason)
             try:
                 self._connect()
                 self._reconcile()
@@ -626,13 +588,13 @@ class RoundLoop:
                     raise
                 log.warning(
                     "%s: quorum %d's exchange links could not start (%s); asking again (attempt %d)",
-                    manager.member,
-                    manager.quorum_id,
+                    keeper.member,
+                    keeper.session.quorum_id,
                     error,
                     attempt,
                 )
-                reason = "failure" if manager._planner.covered else "reconfigure"
-        raise CollectiveError(f"{manager.member}: no working quorum for DiLoCo after repeated attempts")
+                reason = "failure" if keeper.planner.covered else "reconfigure"
+        raise CollectiveError(f"{keeper.member}: no working quorum for DiLoCo after repeated attempts")
 
     def healed(self) -> None:
         """This process loaded a peer's state: its model becomes the globals, its round starts over."""
@@ -655,8 +617,8 @@ class RoundLoop:
 
     def _connect(self) -> None:
         """The group's communicator and this process's cross-group one, on the quorum's store; the config checked."""
-        manager = self.manager
-        session = manager._session
+        keeper, engine = self.keeper, self.engine
+        session = keeper.session
         comm = session.comm
         answer = session.answer
         assert comm is not None and answer is not None
@@ -664,7 +626,7 @@ class RoundLoop:
         group = session.group
         mine = json.dumps(self.config.describe(), sort_keys=True)
         try:
-            store.set(f"diloco/config/{manager.member}/{group.rank}", mine)
+            store.set(f"diloco/config/{keeper.member}/{group.rank}", mine)
             reference = answer.members[0]
             theirs = store.get(f"diloco/config/{reference}/0").decode()
         except (RuntimeError, dist.DistError) as error:
@@ -674,17 +636,17 @@ class RoundLoop:
             ) from error
         if theirs != mine:
             raise PlanMismatchError(
-                f"member {manager.member!r} trains with DiLoCo {mine} and member {reference!r} with {theirs}: every "
+                f"member {keeper.member!r} trains with DiLoCo {mine} and member {reference!r} with {theirs}: every "
                 "member must give the Manager the same sync=DiLoCo(...)"
             )
-        timeouts = manager.timeouts
+        timeouts = keeper.timeouts
         options: dict[str, Any] = {
-            "device": manager.device,
+            "device": engine.device,
             "host": session.transport.host,
             "rendezvous_timeout": timeouts.rendezvous_timeout,
         }
         self._inner_comm = Communicator(
-            dist.PrefixStore(f"diloco/inner/{manager.member}/", store),
+            dist.PrefixStore(f"diloco/inner/{keeper.member}/", store),
             group.rank,
             group.size,
             timeout=timeouts.collective_timeout,
@@ -703,7 +665,7 @@ class RoundLoop:
         """Processes one mid-round exchange behind take that fragment's globals and outer state from one ahead."""
         if not self.mid_round:
             return
-        comm = self.manager._session.comm
+        comm = self.keeper.session.comm
         assert comm is not None
         counts = [int(value) for value in comm.all_gather(torch.tensor([float(self.outer.syncs)])).tolist()]
         ahead = max(counts)
@@ -716,12 +678,12 @@ class RoundLoop:
         behind = self.outer.syncs < ahead
         if behind and fragment.pending is None:
             raise RuntimeError(
-                f"{self.manager.member}: fragment {fragment.index}'s exchange was applied by a peer but never "
+                f"{self.keeper.member}: fragment {fragment.index}'s exchange was applied by a peer but never "
                 "launched here"
             )
         self._reconciles += 1
         received = _FragmentGlobals(fragment)
-        timeouts = self.manager.timeouts
+        timeouts = self.keeper.timeouts
         transfer_state(
             comm,
             source,
@@ -741,12 +703,12 @@ class RoundLoop:
 
     def foreseen_parts(self, max_rounds: int) -> Iterator[tuple[int, list[int]]]:
         """``(epoch, indices)`` of this process in each later inner step if the quorum holds (a DataLoader's plan)."""
-        manager = self.manager
-        preview = copy.deepcopy(manager.ledger)
-        members = list(manager._planner.members)
-        group = manager._session.group
-        member = manager.member
-        done, steps = manager._planner.done.size, self.progress.steps
+        keeper = self.keeper
+        preview = copy.deepcopy(keeper.ledger)
+        members = list(keeper.planner.members)
+        group = keeper.session.group
+        member = keeper.member
+        done, steps = keeper.planner.done.size, self.progress.steps
 
         def parts() -> Iterator[tuple[int, list[int]]]:
             nonlocal done, steps
