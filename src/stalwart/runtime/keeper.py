@@ -124,7 +124,7 @@ class QuorumKeeper:
 
     def leader_lost(self, loss: LeaderLoss) -> None:
         """The leader died inside ``on_leader``: re-form at the boundary, and say so in the failures' messages."""
-        self._boundary = True
+        self.want_boundary()
         self.leader_loss = loss
 
     def on_heal(self, listener: Callable[[], None]) -> None:
@@ -320,7 +320,7 @@ class QuorumKeeper:
             return
         with self.internal():
             if not self.checkpoints.between_steps(self.ledger):
-                self._boundary = True
+                self.want_boundary()
 
     def finish(self) -> None:
         """The job's last step is committed: the final checkpoint, then the farewell all-reduce."""

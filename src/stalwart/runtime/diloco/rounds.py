@@ -32,8 +32,10 @@ in the same inner step on all its processes. The cross-group communicator
 waits up to ``DiLoCo.round_timeout`` for the slowest group (a dead one is seen
 at once), so a group that is a round's compute ahead does not time out.
 
-This is a part of the Manager: it drives the Manager's session, planner,
-accumulation, update window and replica.
+One of the Manager's two sync modes, built as the every-step one is from the
+:class:`~stalwart.runtime.keeper.QuorumKeeper` (joins, heals, the boundary
+flag, the job's end) and the :class:`~stalwart.runtime.engine.StepEngine`
+(accumulation, update window, the commit of a round).
 """
 
 from __future__ import annotations
