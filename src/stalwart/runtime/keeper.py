@@ -315,7 +315,7 @@ class QuorumKeeper:
         self.session.report = (self.replica.applied_step, ledger_digest(ledger.state_dict()), ledger.weights_record())
 
     def between_steps(self) -> None:
-        """A checkpoint due at this boundary (every-step mode); one that could not be written re-forms the quorum."""
+        """A checkpoint due at this step (round) boundary; one whose state could not be gathered re-forms the quorum."""
         if self.checkpoints is None:
             return
         with self.internal():

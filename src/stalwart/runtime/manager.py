@@ -180,7 +180,7 @@ class Manager:
         _check_arguments(model, optimizer, member, plan, checkpoint, reduction, checks, transport, timeouts, group)
         redundancy = parse_redundancy(redundancy)
         wanted_events = check_events(events)
-        _check_sync(sync, model, redundancy, checkpoint)
+        _check_sync(sync, model, redundancy)
         install_sigterm = _check_sigterm(sigterm, sync)
         if sync is not None and plan is not None:  # the ledger's step is a round of inner steps
             plan = dataclasses.replace(plan, global_batch_size=plan.global_batch_size * sync.inner_steps)
@@ -601,7 +601,7 @@ def _from_environment(name: str, value: str | None, variable: str) -> str:
     return found
 
 
-def _check_sync(sync: Any, model: torch.nn.Module, redundancy: Any, checkpoint: Any) -> None:
+def _check_sync(sync: Any, model: torch.nn.Module, redundancy: Any) -> None:
     """Refuse a ``sync`` that is not a DiLoCo, or that does not fit the model or the other options, before training."""
     if sync is None:
         return
@@ -611,11 +611,6 @@ def _check_sync(sync: Any, model: torch.nn.Module, redundancy: Any, checkpoint: 
         raise ValueError(
             f"sync=DiLoCo(...) with redundancy={redundancy}: each replica group keeps its own inner optimizer state, "
             "which is not sharded across groups; leave redundancy unset"
-        )
-    if checkpoint is not None:
-        raise ValueError(
-            f"sync=DiLoCo(...) with checkpoint={checkpoint}: durable checkpoints of the outer state are not supported "
-            "yet; leave checkpoint unset (a joining group is healed with the global parameters and outer state)"
         )
     if is_sharded(model):
         raise ValueError("sync=DiLoCo(...) with an FSDP2-sharded model is not supported yet: use replicated groups")

@@ -225,6 +225,7 @@ class RoundLoop:
         keeper = self.keeper
         while True:
             keeper.enter(loader, "rounds", self.join)
+            keeper.between_steps()  # a durable checkpoint due at this round boundary (globals, outer state)
             ledger = keeper.ledger
             if ledger.balanced:
                 raise PlanMismatchError(
