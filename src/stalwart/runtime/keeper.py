@@ -21,13 +21,14 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
+from stalwart._validate import check_int
 from stalwart.coord.hosted_ledger import ledger_digest
 from stalwart.data.ledger import DataLedger
 from stalwart.data.plan import EpochPlan
 from stalwart.errors import JobFinishedError, JoinError, PlanMismatchError
 from stalwart.runtime.checkpointing import CheckpointPolicy
 from stalwart.runtime.comm import CollectiveError
-from stalwart.runtime.config import Checks, Transport
+from stalwart.runtime.config import Checkpointing, Checks, Transport
 from stalwart.runtime.diagnosis import LeaderLoss
 from stalwart.runtime.events import Event, EventHook
 from stalwart.runtime.loader import ElasticLoader
@@ -64,8 +65,9 @@ class QuorumKeeper:
         timeouts: Timeouts,
         checks: Checks,
         plan: EpochPlan | None,
-        checkpoints: CheckpointPolicy | None,
+        checkpoint: Checkpointing | None,
         sharded: ShardedOptimizer | None,
+        fsdp: bool,
         events: EventHook,
         internal: Callable[[], contextlib.AbstractContextManager[None]],
         link_bytes: Callable[[], int],
@@ -77,7 +79,10 @@ class QuorumKeeper:
         self.transport = transport
         self.timeouts = timeouts
         self.checks = checks
-        self.checkpoints = checkpoints
+        self.checkpoints = (
+            None if checkpoint is None else CheckpointPolicy(checkpoint, session, replica, sharded, fsdp_group=fsdp)
+        )
+        """Durable checkpoints (``checkpoint``): ``fsdp``, this member is an FSDP2 group writing together."""
         self.events = events
         self.internal = internal
         self._plan = plan
@@ -307,7 +312,24 @@ class QuorumKeeper:
             f"step; {state}"
         )
 
-    # --- commits and the job's end ----------------------------------------------------------------------
+    # --- commits, saving and the job's end ---------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """This member's whole state: applied step, ledger and every state (``Manager.state_dict``)."""
+        return {
+            "applied_step": self.replica.applied_step,
+            "ledger": self.ledger.state_dict(),
+            "states": self.replica.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (checked), and report it with the next heartbeat."""
+        if not isinstance(state, dict) or set(state) != {"applied_step", "ledger", "states"}:
+            raise ValueError("state must be a Manager.state_dict() with applied_step, ledger and states")
+        self.replica.load_state_dict(state["states"])
+        self.planner.restore(DataLedger.from_state_dict(state["ledger"]))
+        self.replica.applied_step = check_int("state['applied_step']", state["applied_step"], minimum=0)
+        self.report_applied()
 
     def report_applied(self) -> None:
         """Tell the lighthouse (with the next heartbeat) the applied step and the ledger's digest."""

@@ -43,15 +43,13 @@ import torch
 from torch.utils.data import DataLoader
 
 from stalwart._validate import check_int
-from stalwart.coord.hosted_ledger import ledger_digest
 from stalwart.data.audit import StepAuditWriter
 from stalwart.data.info import DataLoadingInfo
 from stalwart.data.ledger import DataLedger
 from stalwart.data.plan import EpochPlan
 from stalwart.redundancy.config import Redundancy, parse_redundancy
 from stalwart.runtime.accumulation import Source, StepAccumulation
-from stalwart.runtime.checkpointing import CheckpointPolicy
-from stalwart.runtime.comm import CollectiveError, default_device
+from stalwart.runtime.comm import default_device
 from stalwart.runtime.config import Checkpointing, Checks, Reduction, ReplicaGroup, Transport
 from stalwart.runtime.diloco.config import DiLoCo, check_against
 from stalwart.runtime.diloco.rounds import RoundLoop
@@ -61,6 +59,7 @@ from stalwart.runtime.events import Event, EventHook, check_events
 from stalwart.runtime.every_step import EveryStep
 from stalwart.runtime.feed import SamplerFeed
 from stalwart.runtime.keeper import QuorumKeeper
+from stalwart.runtime.leader import LeaderWork
 from stalwart.runtime.loader import ElasticLoader
 from stalwart.runtime.planner import StepPlanner
 from stalwart.runtime.preemption import Departure
@@ -217,10 +216,9 @@ class Manager:
             layout=sharding_layout(model) if fsdp else REPLICATED,
             leaving=lambda: self._departure.requested,
         )
-        self._planner = StepPlanner(
+        self._planner = planner = StepPlanner(
             member, group.world.rank, group.world.world_size, self.max_microbatch, lockstep=fsdp
         )
-        planner = self._planner
         events_hook = EventHook(on_event, wanted_events, lambda: planner.ledger.step)
         accumulation = StepAccumulation(
             model,
@@ -239,36 +237,29 @@ class Manager:
             timeouts=self.timeouts,
             checks=self.checks,
             plan=plan,
-            checkpoints=(
-                None
-                if checkpoint is None
-                else CheckpointPolicy(checkpoint, self._session, self._replica, self._zero, fsdp_group=fsdp)
-            ),
+            checkpoint=checkpoint,
             sharded=self._zero,
+            fsdp=fsdp,
             events=events_hook,
             internal=lambda: self._engine.internal(),
             link_bytes=lambda: accumulation.reducer.step_bytes,
         )
+        self._leader = leader = LeaderWork(self._keeper, self._zero, lockstep=sync is None)
         audit_dir = self.checks.audit_dir
         self._engine = StepEngine(
             self._keeper,
             optimizer,
             accumulation,
             drift=DriftCheck(
-                params,
-                self.checks.every,
-                enabled=sync is None,
-                group_size=group.world.world_size if fsdp else 1,
+                params, self.checks.every, enabled=sync is None, group_size=group.world.world_size if fsdp else 1
             ),
             sharded=self._zero,
-            whole=None if self._zero is None else WholeStateDict(optimizer, self._zero, self._gather_whole_state),
+            whole=None if self._zero is None else WholeStateDict(optimizer, self._zero, leader.gather_whole_state),
             step_audit=None if audit_dir is None or group.world.rank else StepAuditWriter(audit_dir, member),
             events=events_hook,
             max_microbatch=self.max_microbatch,
             device=self.device,
         )
-        self._leading = False
-        """Inside ``on_leader``'s work on the leader: a gather of the sharded state asks the waiting processes."""
         self._started = False
         self._feed: SamplerFeed | None = None
         self._rounds = None if sync is None else RoundLoop(self._keeper, self._engine, sync, params)
@@ -443,56 +434,7 @@ class Manager:
         whole state onto the leader: the waiting processes send their shards
         when asked (a script's own checkpoint saved here holds every moment).
         """
-        if self._session.answer is None or self._session.comm is None:
-            raise RuntimeError("on_leader() needs a quorum: call it inside the manager.steps() loop")
-        if self._rounds is not None:  # groups are not in lockstep within a round: the others go on
-            return fn(*args, **kwargs) if self._session.answer.rank == 0 else None
-        leads = self._session.answer.rank == 0
-        serve = None if self._zero is None else self._serve_leader_gather
-        self._leading = leads
-        try:
-            loss, result = self._session.wait_for_leader(leads, lambda: fn(*args, **kwargs), serve)
-        except CollectiveError as error:  # only the gather of optimizer.state_dict() runs collectives in there
-            log.warning(
-                "%s: on_leader's work stopped: gathering the optimizer state failed (%s); the quorum re-forms "
-                "before the next step",
-                self.member,
-                error,
-            )
-            self._keeper.want_boundary()
-            return None
-        finally:
-            self._leading = False
-        if loss is not None:
-            self._keeper.leader_lost(loss)
-            log.warning("%s: %s; the quorum re-forms before the next step", self.member, loss.describe())
-        return result
-
-    def _gather_whole_state(self) -> dict[int, dict[str, Any]]:
-        """The user's ``optimizer.state_dict()`` under sharded state: the whole state, gathered (a collective).
-
-        On the leader inside :meth:`on_leader`, the waiting processes are asked
-        to send their shards; elsewhere every process calls it together.
-        """
-        zero, comm = self._zero, self._session.grad_comm
-        assert zero is not None
-        if comm is None:
-            raise RuntimeError(
-                "optimizer.state_dict() with sharded optimizer state (redundancy=) gathers the state from the "
-                "quorum's processes: call it inside the manager.steps() loop, before manager.close()"
-            )
-        if self._leading:
-            self._session.ask_waiters()
-        else:
-            self._session.meet("optimizer.state_dict()")
-        moments = zero.gather_moments(comm, to_rank=0 if self._leading else None)
-        assert moments is not None  # every rank receives, or this is the leader's: rank 0 of the communicator
-        return moments
-
-    def _serve_leader_gather(self) -> None:
-        """A waiting process's part of the leader's :meth:`_gather_whole_state` (its shard to the leader)."""
-        assert self._zero is not None and self._session.grad_comm is not None
-        self._zero.gather_moments(self._session.grad_comm, to_rank=0)
+        return self._leader.run(lambda: fn(*args, **kwargs))
 
     # --- the step loop ---------------------------------------------------------------------------------
 
@@ -561,21 +503,11 @@ class Manager:
         (``checkpoint``) write the same content through
         ``torch.distributed.checkpoint``.
         """
-        return {
-            "applied_step": self.applied_step,
-            "ledger": self.ledger.state_dict(),
-            "states": self._replica.state_dict(),
-        }
+        return self._keeper.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (before ``steps()`` starts, or between steps)."""
-        if not isinstance(state, dict) or set(state) != {"applied_step", "ledger", "states"}:
-            raise ValueError("state must be a Manager.state_dict() with applied_step, ledger and states")
-        self._replica.load_state_dict(state["states"])
-        ledger = DataLedger.from_state_dict(state["ledger"])
-        self._planner.restore(ledger)
-        self._replica.applied_step = check_int("state['applied_step']", state["applied_step"], minimum=0)
-        self._session.report = (self.applied_step, ledger_digest(ledger.state_dict()), ledger.weights_record())
+        self._keeper.load_state_dict(state)
 
     def close(self) -> None:
         """Stop the heartbeat, after a checkpoint being written is reported.
