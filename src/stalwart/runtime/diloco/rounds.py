@@ -40,26 +40,20 @@ flag, the job's end) and the :class:`~stalwart.runtime.engine.StepEngine`
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import json
 import logging
-import threading
 from collections.abc import Generator, Iterator
-from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from stalwart.data.info import split_group_share
 from stalwart.data.schedule import split_microbatches
 from stalwart.errors import PlanMismatchError, StepContractError
 from stalwart.runtime.accumulation import Source
-from stalwart.runtime.comm import CollectiveError, Communicator
+from stalwart.runtime.comm import CollectiveError
 from stalwart.runtime.consistency import (
     DRIFT_SLOTS,
     ReplicaDriftError,
@@ -68,56 +62,17 @@ from stalwart.runtime.consistency import (
     drift_slots,
     parameter_checksum,
 )
-from stalwart.runtime.diloco import exchange
 from stalwart.runtime.diloco.config import DiLoCo
+from stalwart.runtime.diloco.links import GroupBrokenError, GroupLinks, Traffic
 from stalwart.runtime.diloco.outer import Fragment, GlobalsState, OuterState
 from stalwart.runtime.diloco.schedule import at_round_end, fragment_launches, inner_plan, next_inner_positions
 from stalwart.runtime.engine import StepEngine
 from stalwart.runtime.events import Event
-from stalwart.runtime.heal import transfer_state
 from stalwart.runtime.keeper import QuorumKeeper
 from stalwart.runtime.step import StepReport, TrainStep
 from stalwart.runtime.tail import ReducedTail, TailHead, TailLayout
 
 log = logging.getLogger(__name__)
-_WAIT_POLL = 0.005
-"""Seconds between two looks at the lighthouse while an exchange is awaited."""
-
-
-class GroupBrokenError(CollectiveError):
-    """A reduction inside this replica group failed: a process of the group died or hung (the group restarts)."""
-
-
-@dataclass
-class Traffic:
-    """What this process sent to other groups, and how (for the lighthouse's figures and the benchmark)."""
-
-    bytes: int = 0
-    """Bytes sent over the cross-group link (ring algorithms' count, see :func:`exchange.sent_bytes`)."""
-    exchanges: int = 0
-    collectives: int = 0
-    largest: int = 0
-    """The most bytes of one exchange (the peak a link must carry at once)."""
-    log: list[dict[str, Any]] = field(default_factory=list)
-    """One entry per collective step: ``kind`` (``exchange``: a fragment's, ``tail``: the round's end), round,
-    fragment, bytes, collectives, overlap (inner steps it ran behind), alone (a tail with no exchange beside it)."""
-
-    def record(self, round_: int, fragment: int, nbytes: int, collectives: int, overlap: int) -> None:
-        """A fragment's exchange."""
-        self.bytes += nbytes
-        self.exchanges += 1
-        self.collectives += collectives
-        self.largest = max(self.largest, nbytes)
-        self.log.append(
-            {"kind": "exchange", "round": round_, "fragment": fragment, "bytes": nbytes,
-             "collectives": collectives, "overlap": overlap}
-        )  # fmt: skip
-
-    def record_tail(self, round_: int, nbytes: int, *, alone: bool) -> None:
-        """The round's tail all-reduce (``alone``: no exchange ran beside it, so it waits a round trip of its own)."""
-        self.bytes += nbytes
-        self.collectives += 1
-        self.log.append({"kind": "tail", "round": round_, "bytes": nbytes, "collectives": 1, "alone": alone})
 
 
 @dataclass
@@ -166,19 +121,12 @@ class RoundLoop:
         self.launches = fragment_launches(config.inner_steps, config.fragments, config.overlap_steps)
         self.mid_round = [f for f, launch in enumerate(self.launches) if not at_round_end(launch, config.inner_steps)]
         """Fragments exchanged inside a round, in launch order (the others at its end)."""
-        self.traffic = Traffic()
         self.progress = RoundProgress()
         self.last_round: StepReport | None = None
-        self._inner_comm: Communicator | None = None
-        self._outer_comm: Communicator | None = None
-        self._abandon = threading.Event()
-        self._exchanges = ThreadPoolExecutor(1, thread_name_prefix="stalwart-exchange")
-        self._future: Future[tuple[torch.Tensor, float]] | None = None
-        self._future_fragment: Fragment | None = None
+        self.links = GroupLinks(keeper, engine, config, self.outer)
         self._reduced: ReducedTail | None = None
         self._inner_positions: np.ndarray | None = None
         self._own_samples = 0
-        self._reconciles = 0
         self._tail: ReducedTail | None = None
         client = keeper.session.client
         if client is not None:  # the group's leader: the lighthouse shows the rounds
@@ -199,9 +147,14 @@ class RoundLoop:
             "fragments": self.config.fragments,
             "inner_step": self.progress.steps,
             "in_flight": self.in_flight,
-            "bytes": self.traffic.bytes,
-            "exchanges": self.traffic.exchanges,
+            "bytes": self.links.traffic.bytes,
+            "exchanges": self.links.traffic.exchanges,
         }
+
+    @property
+    def traffic(self) -> Traffic:
+        """What this process sent to other groups, and how."""
+        return self.links.traffic
 
     @property
     def departed(self) -> bool:
@@ -332,7 +285,7 @@ class RoundLoop:
 
     def _arm(self) -> None:
         """Start the inner step's reduction within the group; the tail carries whether the quorum is broken."""
-        comm = self._inner_comm
+        comm = self.links.inner
         assert comm is not None
         layout = self._layout()
         accumulation = self.engine.accumulation
@@ -346,8 +299,8 @@ class RoundLoop:
         accumulation.arm(comm, None, layout, head, lambda: torch.zeros(0))
 
     def _layout(self) -> TailLayout:
-        assert self._inner_comm is not None
-        return TailLayout(self._inner_comm.world_size, False)
+        assert self.links.inner is not None
+        return TailLayout(self.links.inner.world_size, False)
 
     def _close_inner(self, step: TrainStep, positions: np.ndarray) -> bool:
         """The loop body after an inner step ended; True when the group saw the quorum broken (ask for a new one)."""
@@ -380,7 +333,7 @@ class RoundLoop:
                 self._apply_pending(pending)
         fragment = self._next_mid_round()
         if fragment is not None and self.launches[fragment.index] == step and fragment.pending is None:
-            self._launch(fragment, merge=overlap > 0)
+            self.links.launch(fragment, merge=overlap > 0)
             if overlap == 0:
                 self._apply_pending(fragment)
 
@@ -391,74 +344,6 @@ class RoundLoop:
             return None
         return self.outer.fragments[self.mid_round[done]]
 
-    def _launch(self, fragment: Fragment, *, merge: bool) -> None:
-        """Start ``fragment``'s exchange on the exchange thread (the weight is the group's window)."""
-        session = self.keeper.session
-        comm = self._outer_comm
-        assert comm is not None
-        pending = self.outer.launch(fragment, session.group.rank, session.group.size, comm.world_size, merge=merge)
-        self._submit(fragment, pending.prepared)
-
-    def _reencoded(self, fragment: Fragment) -> exchange.Prepared:
-        """The pending exchange's payload for the current quorum (encoded again if the groups changed)."""
-        pending = fragment.pending
-        comm, group = self._outer_comm, self.keeper.session.group
-        assert pending is not None and comm is not None
-        if pending.prepared.members == comm.world_size:
-            return pending.prepared
-        return self.outer.reencode(fragment, group.rank, group.size, comm.world_size).prepared
-
-    def _submit(self, fragment: Fragment, prepared: exchange.Prepared) -> None:
-        comm = self._outer_comm
-        assert comm is not None and self._future is None
-        self.engine.events.notify(Event.EXCHANGE_STARTED, self.keeper.ledger.step)
-        self._future = self._exchanges.submit(exchange.run, comm, prepared)
-        self._future_fragment = fragment
-
-    def _await(self) -> tuple[Fragment, torch.Tensor, float]:
-        """Wait for the exchange in flight, watching the lighthouse; the fragment's gathered sum and weight."""
-        future, fragment = self._future, self._future_fragment
-        assert future is not None and fragment is not None
-        session = self.keeper.session
-        try:
-            while not future.done():
-                if session.abandon():
-                    self._abandon.set()
-                futures.wait([future], timeout=_WAIT_POLL)
-            reduced, weight = future.result()
-        finally:
-            self._future = self._future_fragment = None
-        pending = fragment.pending
-        assert pending is not None
-        whole = self._gather(fragment, reduced)
-        comm = self._outer_comm
-        assert comm is not None
-        nbytes = exchange.sent_bytes(self.config.codec, pending.prepared.numel, comm.world_size, self.config.int8_block)
-        self.traffic.record(
-            self.keeper.ledger.step,
-            fragment.index,
-            nbytes,
-            exchange.collectives(self.config.codec),
-            self.config.overlap_steps if pending.merge else 0,
-        )
-        return fragment, whole, weight
-
-    def _gather(self, fragment: Fragment, reduced_slice: torch.Tensor) -> torch.Tensor:
-        """Every slice of the fragment's reduced sum, from the group's processes (the whole fragment)."""
-        comm = self._inner_comm
-        assert comm is not None
-        if comm.world_size == 1:
-            return reduced_slice
-        length = fragment.slice_length(comm.world_size)
-        piece = torch.zeros(length, dtype=torch.float32, device=reduced_slice.device)
-        piece[: reduced_slice.numel()] = reduced_slice[:length]
-        try:
-            return comm.all_gather(piece)[: fragment.numel]
-        except CollectiveError as error:
-            raise GroupBrokenError(
-                f"the gather of fragment {fragment.index} inside the group failed: {error}"
-            ) from error
-
     def _apply_pending(self, fragment: Fragment) -> None:
         """Wait for ``fragment``'s mid-round exchange and apply it (a failure re-forms the quorum, then again)."""
         attempts = self.keeper.transport.max_join_attempts
@@ -466,7 +351,7 @@ class RoundLoop:
             if fragment.pending is None:
                 return
             try:
-                done, whole, weight = self._await()
+                done, whole, weight = self.links.await_exchange()
             except CollectiveError as error:
                 if isinstance(error, GroupBrokenError) or attempt > attempts:
                     raise
@@ -522,8 +407,8 @@ class RoundLoop:
         for fragment in ending:
             if fragment.pending is not None:  # launched before a failure: the extra inner steps since go in too
                 self.outer.withdraw(fragment)
-            self._launch(fragment, merge=False)
-            results.append(self._await())
+            self.links.launch(fragment, merge=False)
+            results.append(self.links.await_exchange())
         wait_tail()
         reduced = tail_layout.decode(tail)
         positions = keeper.planner.step_positions()
@@ -544,7 +429,7 @@ class RoundLoop:
             self.outer.apply(fragment, whole, total)
         members = len(keeper.session.members)
         tail_bytes = round(2 * (comm.world_size - 1) / comm.world_size * 4 * tail.numel()) if members > 1 else 0
-        self.traffic.record_tail(ledger.step, tail_bytes, alone=not ending)
+        self.links.traffic.record_tail(ledger.step, tail_bytes, alone=not ending)
         self._tail = reduced
         self.last_round = StepReport(
             step=ledger.step,
@@ -577,14 +462,12 @@ class RoundLoop:
         """Get into the next quorum (the keeper's join and heal), then build this mode's communicators."""
         keeper = self.keeper
         for attempt in range(1, keeper.transport.max_join_attempts + 1):
-            self._drop_exchange()
+            self.links.drop()
             keeper.join(reason)
             try:
-                self._connect()
-                self._reconcile()
-                for fragment in self.outer.fragments:
-                    if fragment.pending is not None and fragment.pending.merge:  # relaunched in the new quorum
-                        self._submit(fragment, self._reencoded(fragment))
+                self.links.connect()
+                self.links.reconcile(self.mid_round)
+                self.links.relaunch()
                 return
             except CollectiveError as error:
                 if isinstance(error, GroupBrokenError):
@@ -601,106 +484,9 @@ class RoundLoop:
 
     def healed(self) -> None:
         """This process loaded a peer's state: its model becomes the globals, its round starts over."""
-        self._drop_exchange()
+        self.links.drop()
         self.outer.reset_locals_to_globals()
         self.progress = RoundProgress()
-
-    def _drop_exchange(self) -> None:
-        """Abandon an exchange in flight (its quorum is gone): it is relaunched, or healed, after the next quorum."""
-        if self._future is not None:
-            self._abandon.set()
-            with contextlib.suppress(Exception):
-                self._future.result(timeout=self.config.round_timeout)
-            self._future = self._future_fragment = None
-        for comm in (self._inner_comm, self._outer_comm):
-            if comm is not None:
-                comm.retire()  # not destroyed here: an exchange abandoned on a live peer would hold this thread
-        self._inner_comm = self._outer_comm = None
-        self._abandon.clear()
-
-    def _connect(self) -> None:
-        """The group's communicator and this process's cross-group one, on the quorum's store; the config checked."""
-        keeper, engine = self.keeper, self.engine
-        session = keeper.session
-        comm = session.comm
-        answer = session.answer
-        assert comm is not None and answer is not None
-        store = comm.store
-        group = session.group
-        mine = json.dumps(self.config.describe(), sort_keys=True)
-        try:
-            store.set(f"diloco/config/{keeper.member}/{group.rank}", mine)
-            reference = answer.members[0]
-            theirs = store.get(f"diloco/config/{reference}/0").decode()
-        except (RuntimeError, dist.DistError) as error:
-            raise CollectiveError(
-                f"quorum {answer.quorum_id}'s store gave no DiLoCo configuration ({error}): a member died, or trains "
-                "without sync=DiLoCo(...)"
-            ) from error
-        if theirs != mine:
-            raise PlanMismatchError(
-                f"member {keeper.member!r} trains with DiLoCo {mine} and member {reference!r} with {theirs}: every "
-                "member must give the Manager the same sync=DiLoCo(...)"
-            )
-        timeouts = keeper.timeouts
-        options: dict[str, Any] = {
-            "device": engine.device,
-            "host": session.transport.host,
-            "rendezvous_timeout": timeouts.rendezvous_timeout,
-        }
-        self._inner_comm = Communicator(
-            dist.PrefixStore(f"diloco/inner/{keeper.member}/", store),
-            group.rank,
-            group.size,
-            timeout=timeouts.collective_timeout,
-            **options,
-        )
-        self._outer_comm = Communicator(
-            dist.PrefixStore(f"diloco/outer/{group.rank}/", store),
-            answer.rank,
-            len(answer.members),
-            timeout=self.config.round_timeout,
-            abandon=self._abandon.is_set,
-            **options,
-        )
-
-    def _reconcile(self) -> None:
-        """Processes one mid-round exchange behind take that fragment's globals and outer state from one ahead."""
-        if not self.mid_round:
-            return
-        comm = self.keeper.session.comm
-        assert comm is not None
-        counts = [int(value) for value in comm.all_gather(torch.tensor([float(self.outer.syncs)])).tolist()]
-        ahead = max(counts)
-        if min(counts) == ahead:
-            return
-        if ahead - min(counts) > 1:
-            raise RuntimeError(f"processes are {ahead - min(counts)} fragment exchanges apart ({counts}); at most 1")
-        source = counts.index(ahead)
-        fragment = self.outer.fragments[self.mid_round[(ahead - 1) % len(self.mid_round)]]
-        behind = self.outer.syncs < ahead
-        if behind and fragment.pending is None:
-            raise RuntimeError(
-                f"{self.keeper.member}: fragment {fragment.index}'s exchange was applied by a peer but never "
-                "launched here"
-            )
-        self._reconciles += 1
-        received = _FragmentGlobals(fragment)
-        timeouts = self.keeper.timeouts
-        transfer_state(
-            comm,
-            source,
-            {"globals": received, "optimizer": fragment.optimizer},
-            ahead,
-            is_target=behind,
-            key=f"diloco/reconcile/{self._reconciles}",
-            max_bytes=None,
-            timeout=timeouts.heal_timeout,
-            min_bandwidth=timeouts.heal_min_bandwidth,
-        )
-        if behind:
-            received.merge()
-            self.outer.syncs = ahead
 
     # --- foresight --------------------------------------------------------------------------------------------
 
@@ -738,33 +524,4 @@ class RoundLoop:
 
     def close(self) -> None:
         """Stop the exchange thread (the Manager is closed)."""
-        self._drop_exchange()
-        self._exchanges.shutdown(wait=False)
-
-
-class _FragmentGlobals:
-    """One fragment's globals as the state a reconcile moves; a receiver merges them as the exchange it missed."""
-
-    def __init__(self, fragment: Fragment) -> None:
-        self.fragment = fragment
-        self.received: list[torch.Tensor] | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"params": [param.detach() for param in self.fragment.globals]}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.received = list(state["params"])
-
-    def merge(self) -> None:
-        """The exchange a peer completed, applied here: the new globals, and the local update they imply."""
-        fragment, received = self.fragment, self.received
-        pending = fragment.pending
-        assert pending is not None and received is not None
-        with torch.no_grad():
-            offset = 0
-            for local, global_, new in zip(fragment.local, fragment.globals, received, strict=True):
-                step = pending.delta[offset : offset + global_.numel()].view_as(global_)
-                local.add_((new - global_ + step).to(local.dtype))
-                global_.copy_(new)
-                offset += global_.numel()
-        fragment.pending = None
+        self.links.close()
