@@ -305,6 +305,8 @@ def test_a_whole_diloco_fleet_killed_resumes_from_its_checkpoint_and_commits_eac
     assert checkpoint["step"] in (1, 2)
     assert [(r["from_step"], r["to_step"]) for r in status["resumed_from_checkpoint"]] == [(2, checkpoint["step"])]
     assert status["ledger"]["step"] == rounds and status["checkpoint"]["step"] == rounds
+    logs = "".join(path.read_text(errors="replace") for path in run_dir.glob("*.log"))
+    assert "refused checkpoint" not in logs, "a checkpoint was written with a round in progress"
     check_rounds(run_dir, rounds)
     ends = finished(run_dir)
     assert sorted(ends) == ["worker-0", "worker-1"]

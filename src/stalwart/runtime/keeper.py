@@ -92,6 +92,7 @@ class QuorumKeeper:
         self._boundary = True
         """A new quorum is wanted before the next step (the only place this is decided)."""
         self._heal_listeners: list[Callable[[], None]] = []
+        self._connect_listeners: list[Callable[[], None]] = []
         self.max_steps: int | None = None
         """The steps (DiLoCo: rounds) the job commits, once ``steps()`` started."""
         self.recoveries = 0
@@ -135,6 +136,15 @@ class QuorumKeeper:
     def on_heal(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` after this process loaded a peer's state or a checkpoint (before ``healed``)."""
         self._heal_listeners.append(listener)
+
+    def on_connect(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` once each quorum is connected and healed, inside the join's attempt.
+
+        A :class:`~stalwart.runtime.comm.CollectiveError` it raises (a mode's
+        own links that could not start) is a failed attempt: the keeper asks
+        for a quorum again, within the same bounded attempts.
+        """
+        self._connect_listeners.append(listener)
 
     def count_recovery(self) -> None:
         """A failure was recovered from (the quorum re-formed mid-step or mid-round)."""
@@ -203,6 +213,8 @@ class QuorumKeeper:
                 if self._sharded is not None:
                     assert session.grad_comm is not None  # FSDP2 groups: the processes holding this process's shard
                     self._sharded.reshard(session.grad_comm, self.replica.applied_step)
+                for listener in self._connect_listeners:
+                    listener()
             except CollectiveError as error:
                 log.warning(
                     "%s: quorum %d could not start (%s); peers: %s; asking again (attempt %d of %d)",

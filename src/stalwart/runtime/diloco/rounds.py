@@ -132,6 +132,7 @@ class RoundLoop:
         if client is not None:  # the group's leader: the lighthouse shows the rounds
             client.report_rounds(self.rounds_report)
         keeper.on_heal(self.healed)
+        keeper.on_connect(self._connect_links)
 
     # --- what the Manager reads ------------------------------------------------------------------------------
 
@@ -177,8 +178,11 @@ class RoundLoop:
         """Yield the inner steps of every round until the ledger has committed ``max_rounds`` rounds."""
         keeper = self.keeper
         while True:
+            # A checkpoint due at this round boundary (globals, outer state), before a quorum formed here hands out
+            # the next round: the checkpoint's ledger must be the committed one, with no round in progress.
+            if keeper.planner.joined:
+                keeper.between_steps()
             keeper.enter(loader, "rounds", self.join)
-            keeper.between_steps()  # a durable checkpoint due at this round boundary (globals, outer state)
             ledger = keeper.ledger
             if ledger.balanced:
                 raise PlanMismatchError(
@@ -459,28 +463,16 @@ class RoundLoop:
         self.join("failure" if self.keeper.planner.covered else "reconfigure")
 
     def join(self, reason: str) -> None:
-        """Get into the next quorum (the keeper's join and heal), then build this mode's communicators."""
-        keeper = self.keeper
-        for attempt in range(1, keeper.transport.max_join_attempts + 1):
-            self.links.drop()
-            keeper.join(reason)
-            try:
-                self.links.connect()
-                self.links.reconcile(self.mid_round)
-                self.links.relaunch()
-                return
-            except CollectiveError as error:
-                if isinstance(error, GroupBrokenError):
-                    raise
-                log.warning(
-                    "%s: quorum %d's exchange links could not start (%s); asking again (attempt %d)",
-                    keeper.member,
-                    keeper.session.quorum_id,
-                    error,
-                    attempt,
-                )
-                reason = "failure" if keeper.planner.covered else "reconfigure"
-        raise CollectiveError(f"{keeper.member}: no working quorum for DiLoCo after repeated attempts")
+        """Get into the next quorum: the exchange in flight is dropped first (its quorum is gone)."""
+        self.links.drop()
+        self.keeper.join(reason)
+
+    def _connect_links(self) -> None:
+        """Each quorum the keeper joins (inside its attempt: a failure here asks again): this mode's links."""
+        self.links.drop()  # a failed attempt's
+        self.links.connect()
+        self.links.reconcile(self.mid_round)
+        self.links.relaunch()
 
     def healed(self) -> None:
         """This process loaded a peer's state: its model becomes the globals, its round starts over."""
