@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 import pytest
 import torch
 
 from stalwart.launch.loop import KILL_POINTS, MANAGER_EVENTS, Faults, parse_kill_at
-from stalwart.runtime.events import Event, check_events
+from stalwart.runtime.events import Event
 
 
 def test_kill_at_parses_step_and_point_and_names_what_is_allowed() -> None:
@@ -31,20 +30,6 @@ def test_the_kill_points_name_events_the_manager_sends() -> None:
     assert all(isinstance(event, Event) and Event(event.value) is event for event in MANAGER_EVENTS)
     assert set(MANAGER_EVENTS.values()) <= set(KILL_POINTS)
     assert len(set(MANAGER_EVENTS.values())) == len(MANAGER_EVENTS)
-
-
-def test_events_are_their_names_to_user_code() -> None:
-    assert Event.JOINED == "joined" and str(Event.JOINED) == "joined" and f"{Event.HEALED}" == "healed"
-    assert json.dumps({"event": Event.OUTER_STARTED}) == '{"event": "outer_started"}'
-    assert check_events(None) is None
-    assert check_events(["joined", Event.REDUCE_FINISHED]) == {Event.JOINED, Event.REDUCE_FINISHED}
-
-
-def test_an_unknown_event_name_is_refused_naming_it_and_the_kinds() -> None:
-    with pytest.raises(ValueError, match=r"events names unknown kinds \['commited'\]; the kinds are \[.*'joined'"):
-        check_events({"joined", "commited"})
-    with pytest.raises(TypeError, match="events must be a collection"):
-        check_events("joined")
 
 
 def test_every_manager_event_that_is_a_point_is_reported_and_no_other() -> None:
