@@ -119,11 +119,6 @@ class QuorumKeeper:
         """Members (replica groups) in the current quorum."""
         return len(self.session.members)
 
-    @property
-    def boundary_wanted(self) -> bool:
-        """Whether a new quorum is wanted before the next step."""
-        return self._boundary
-
     def want_boundary(self) -> None:
         """Ask for a new quorum at the next step boundary (the tail said so, a gather or a checkpoint failed)."""
         self._boundary = True
