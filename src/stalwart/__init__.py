@@ -19,6 +19,7 @@ _LOCATIONS: dict[str, str] = {
     "Manager": "stalwart.runtime.manager",
     "StepReport": "stalwart.runtime.step",
     "TrainStep": "stalwart.runtime.step",
+    "Event": "stalwart.runtime.events",
     "Checkpointing": "stalwart.runtime.config",
     "Checks": "stalwart.runtime.config",
     "Reduction": "stalwart.runtime.config",

@@ -33,10 +33,11 @@ from stalwart.data.audit import audit_directory
 from stalwart.launch.cluster import LocalCluster
 from stalwart.launch.report import audit_steps, committed_steps, planned_total, write_audit
 from stalwart.launch.tasks import TASKS, gpt_datasets, reference_run
-from stalwart.runtime.config import Checkpointing, Checks
+from stalwart.runtime.config import Checks
 from stalwart.runtime.diloco.config import DiLoCo
 from stalwart.testing.digits_job import wait_until_together
 from stalwart.testing.groups import ForkedGroup, end_group
+from stalwart.testing.waiting import wait_until
 
 TOLERANCE = 1e-4
 INNER = 4
@@ -142,8 +143,6 @@ def test_bad_configurations_are_refused_before_training(solo: Lighthouse) -> Non
         build(sync={"inner_steps": 4})
     with pytest.raises(ValueError, match="redundancy"):
         build(sync=DiLoCo(4), redundancy=Overlap(0.5))
-    with pytest.raises(ValueError, match="checkpoints of the outer state"):
-        build(sync=DiLoCo(4), checkpoint=Checkpointing("unused", every_steps=2))
     manager = build(sync=DiLoCo(4))
     try:
         with pytest.raises(ValueError, match="reserved"):
@@ -255,6 +254,70 @@ def test_diloco_survives_kills_at_an_inner_step_and_at_the_outer_reduction_and_h
     assert restarted[:3] == ["started", "healed", "joined"]
     finals = [torch.load(path, weights_only=True) for path in sorted(tmp_path.glob("final-*.pt"))]
     assert all(largest_difference(final, finals[0]) == 0.0 for final in finals)  # every model is the globals
+
+
+def test_a_whole_diloco_fleet_killed_resumes_from_its_checkpoint_and_commits_each_round_once(tmp_path: Path) -> None:
+    """Two groups checkpoint every round (globals, outer optimizer state); both are SIGKILLed while held at round 2.
+
+    The restarted groups load the newest checkpoint the lighthouse vouches
+    for, the ledger rolls back to it once, and every round then commits its
+    planned samples, each sample once, with both groups ending on the same
+    outer state bit for bit.
+    """
+    rounds = 4
+    run_dir, checkpoints = tmp_path / "run", tmp_path / "checkpoints"
+    args = diloco_args(rounds * INNER, "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "1")
+    with Lighthouse(
+        ROUND_PLAN,
+        min_replicas=1,
+        start_replicas=2,
+        heartbeat_timeout=1.0,
+        join_timeout=30.0,
+        state_path=tmp_path / "lighthouse.sqlite",
+    ) as server:
+        cluster = LocalCluster(server.url, run_dir, args)
+        cluster.hold(from_step=2)
+        for worker in range(2):
+            cluster.start(worker)
+        wait_until(
+            lambda: server.status()["ledger"]["step"] == 2 and server.status()["checkpoint"],
+            timeout=JOB_TIMEOUT,
+            what="the lighthouse to commit round 2 and vouch for a checkpoint",
+        )
+        for worker in range(2):
+            cluster.processes[worker].send_signal(signal.SIGKILL)
+        for worker in range(2):
+            assert cluster.processes[worker].wait(timeout=JOB_TIMEOUT) == -signal.SIGKILL
+        wait_until(
+            lambda: all(member["state"] == "dead" for member in server.status()["members"]),
+            timeout=JOB_TIMEOUT,
+            what="the lighthouse to see every group dead",
+        )
+        checkpoint = server.status()["checkpoint"]
+        cluster.hold(from_step=3)  # the resumed job waits at round 3 until both groups are in its quorum
+        since = server.status()["quorums"][-1]["quorum_id"]
+        for worker in range(2):
+            cluster.start(worker)
+        wait_until_together(server, ["worker-0", "worker-1"], cluster, since)
+        cluster.release()
+        wait_for(cluster, timeout=JOB_TIMEOUT)
+        status = server.status()
+    assert checkpoint["step"] in (1, 2)
+    assert [(r["from_step"], r["to_step"]) for r in status["resumed_from_checkpoint"]] == [(2, checkpoint["step"])]
+    assert status["ledger"]["step"] == rounds and status["checkpoint"]["step"] == rounds
+    logs = "".join(path.read_text(errors="replace") for path in run_dir.glob("*.log"))
+    assert "refused checkpoint" not in logs, "a checkpoint was written with a round in progress"
+    check_rounds(run_dir, rounds)
+    ends = finished(run_dir)
+    assert sorted(ends) == ["worker-0", "worker-1"]
+    assert len({event["outer_digest"] for event in ends.values()}) == 1
+    for worker in range(2):
+        restarted = [
+            json.loads(line)["event"]
+            for line in (run_dir / f"events-worker-{worker}.jsonl").read_text().splitlines()
+            if json.loads(line)["pid"] == cluster.processes[worker].pid
+        ]
+        assert restarted[:3] == ["started", "healed", "joined"], restarted
 
 
 def test_streaming_diloco_in_8_bits_survives_a_kill_during_a_fragments_exchange(tmp_path: Path) -> None:

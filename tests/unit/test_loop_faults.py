@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from stalwart.launch.loop import KILL_POINTS, MANAGER_EVENTS, Faults, parse_kill_at
+from stalwart.runtime.events import Event
 
 
 def test_kill_at_parses_step_and_point_and_names_what_is_allowed() -> None:
@@ -24,8 +25,14 @@ def test_a_fault_at_an_unknown_point_is_refused() -> None:
         Faults(kill_at=(1, "during_lunch"))
 
 
-def test_every_manager_event_that_is_a_point_is_reported_and_no_other() -> None:
+def test_the_kill_points_name_events_the_manager_sends() -> None:
+    # A kill point keyed by a renamed or removed event would never fire: the kill test would pass without a kill.
+    assert all(isinstance(event, Event) and Event(event.value) is event for event in MANAGER_EVENTS)
     assert set(MANAGER_EVENTS.values()) <= set(KILL_POINTS)
+    assert len(set(MANAGER_EVENTS.values())) == len(MANAGER_EVENTS)
+
+
+def test_every_manager_event_that_is_a_point_is_reported_and_no_other() -> None:
     faults = Faults(kill_at=(5, "during_reduce"))  # another step: nothing is killed here
     assert all(faults.manager_event(event, 4) for event in MANAGER_EVENTS)
     assert not any(faults.manager_event(event, 5) for event in ("joined", "healed", "finished"))

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from stalwart.runtime.events import Event
 from stalwart.runtime.loader import ElasticLoader
 from stalwart.runtime.manager import Manager
 from stalwart.runtime.sharding import is_dtensor, local_tensor
@@ -55,15 +56,15 @@ KILL_POINTS = (
 backward, the reduction in flight, after it, before the update, the sharded state's gather and parity,
 DiLoCo's exchange and outer step, and the leader's evaluation after the step (inside ``manager.on_leader()``)."""
 MANAGER_EVENTS = {
-    "reduce_started": "during_reduce",
-    "reduce_finished": "after_reduce",
-    "update_started": "during_update",
-    "gather_started": "during_gather",
-    "parity_started": "during_parity",
-    "exchange_started": "during_exchange",
-    "outer_started": "during_outer",
+    Event.REDUCE_STARTED: "during_reduce",
+    Event.REDUCE_FINISHED: "after_reduce",
+    Event.UPDATE_STARTED: "during_update",
+    Event.GATHER_STARTED: "during_gather",
+    Event.PARITY_STARTED: "during_parity",
+    Event.EXCHANGE_STARTED: "during_exchange",
+    Event.OUTER_STARTED: "during_outer",
 }
-"""The Manager's ``on_event`` names that are kill points, and the points they are."""
+"""The Manager's events that are kill points, and the points they are."""
 HOLD_LIMIT = 600.0
 """Seconds a worker waits at most on a hold file (a bound, should the holder die)."""
 
@@ -108,7 +109,7 @@ class Faults:
         self.before_kill()
         os.kill(os.getpid(), signal.SIGKILL)
 
-    def manager_event(self, event: str, step: int) -> bool:
+    def manager_event(self, event: Event, step: int) -> bool:
         """The Manager's ``on_event``: kill if ``event`` is the kill point; whether ``event`` is a kill point."""
         point = MANAGER_EVENTS.get(event)
         if point is not None:

@@ -122,6 +122,7 @@ from stalwart.redundancy.layout import ShardsLostError
 from stalwart.runtime.comm import default_device
 from stalwart.runtime.config import Checkpointing, ReplicaGroup, Transport
 from stalwart.runtime.diloco.config import DiLoCo
+from stalwart.runtime.events import Event
 from stalwart.runtime.loader import ElasticLoader
 from stalwart.runtime.manager import Manager
 from stalwart.runtime.sharding import is_dtensor
@@ -272,7 +273,7 @@ def _train(args: argparse.Namespace, group: WorldInfo, name: str, events: EventL
         inf_at=args.inf_at,
     )
 
-    def on_event(event: str, step: int) -> None:
+    def on_event(event: Event, step: int) -> None:
         if not faults.manager_event(event, step):
             events.write(event, step=step, quorum_id=manager.quorum_id, world_size=manager.world_size)
 

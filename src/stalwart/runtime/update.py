@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from stalwart.errors import StepContractError
+from stalwart.runtime.events import Event, Notify
 from stalwart.runtime.zero import ShardedOptimizer
 
 
@@ -40,7 +41,7 @@ class UpdateWindow:
         optimizer: torch.optim.Optimizer,
         *,
         sharded: ShardedOptimizer | None,
-        notify: Callable[[str], None],
+        notify: Notify,
         sync: Callable[[], None],
     ) -> None:
         self._sharded = sharded
@@ -103,6 +104,6 @@ class UpdateWindow:
             return
         self.updates += 1
         if self._sharded is not None:
-            self._notify("update_started")
+            self._notify(Event.UPDATE_STARTED)
             self._sharded.update()
             self._sync()

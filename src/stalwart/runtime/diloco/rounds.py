@@ -32,33 +32,28 @@ in the same inner step on all its processes. The cross-group communicator
 waits up to ``DiLoCo.round_timeout`` for the slowest group (a dead one is seen
 at once), so a group that is a round's compute ahead does not time out.
 
-This is a part of the Manager: it drives the Manager's session, planner,
-accumulation, update window and replica.
+One of the Manager's two sync modes, built as the every-step one is from the
+:class:`~stalwart.runtime.keeper.QuorumKeeper` (joins, heals, the boundary
+flag, the job's end) and the :class:`~stalwart.runtime.engine.StepEngine`
+(accumulation, update window, the commit of a round).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import json
 import logging
-import threading
 from collections.abc import Generator, Iterator
-from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from stalwart.coord.hosted_ledger import ledger_digest
 from stalwart.data.info import split_group_share
 from stalwart.data.schedule import split_microbatches
-from stalwart.errors import JobFinishedError, PlanMismatchError, StepContractError
+from stalwart.errors import PlanMismatchError, StepContractError
 from stalwart.runtime.accumulation import Source
-from stalwart.runtime.comm import CollectiveError, Communicator
+from stalwart.runtime.comm import CollectiveError
 from stalwart.runtime.consistency import (
     DRIFT_SLOTS,
     ReplicaDriftError,
@@ -67,56 +62,17 @@ from stalwart.runtime.consistency import (
     drift_slots,
     parameter_checksum,
 )
-from stalwart.runtime.diloco import exchange
 from stalwart.runtime.diloco.config import DiLoCo
+from stalwart.runtime.diloco.links import GroupBrokenError, GroupLinks, Traffic
 from stalwart.runtime.diloco.outer import Fragment, GlobalsState, OuterState
 from stalwart.runtime.diloco.schedule import at_round_end, fragment_launches, inner_plan, next_inner_positions
-from stalwart.runtime.heal import transfer_state
+from stalwart.runtime.engine import StepEngine
+from stalwart.runtime.events import Event
+from stalwart.runtime.keeper import QuorumKeeper
 from stalwart.runtime.step import StepReport, TrainStep
 from stalwart.runtime.tail import ReducedTail, TailHead, TailLayout
 
-if TYPE_CHECKING:
-    from stalwart.runtime.manager import Manager
-
 log = logging.getLogger(__name__)
-_WAIT_POLL = 0.005
-"""Seconds between two looks at the lighthouse while an exchange is awaited."""
-
-
-class GroupBrokenError(CollectiveError):
-    """A reduction inside this replica group failed: a process of the group died or hung (the group restarts)."""
-
-
-@dataclass
-class Traffic:
-    """What this process sent to other groups, and how (for the lighthouse's figures and the benchmark)."""
-
-    bytes: int = 0
-    """Bytes sent over the cross-group link (ring algorithms' count, see :func:`exchange.sent_bytes`)."""
-    exchanges: int = 0
-    collectives: int = 0
-    largest: int = 0
-    """The most bytes of one exchange (the peak a link must carry at once)."""
-    log: list[dict[str, Any]] = field(default_factory=list)
-    """One entry per collective step: ``kind`` (``exchange``: a fragment's, ``tail``: the round's end), round,
-    fragment, bytes, collectives, overlap (inner steps it ran behind), alone (a tail with no exchange beside it)."""
-
-    def record(self, round_: int, fragment: int, nbytes: int, collectives: int, overlap: int) -> None:
-        """A fragment's exchange."""
-        self.bytes += nbytes
-        self.exchanges += 1
-        self.collectives += collectives
-        self.largest = max(self.largest, nbytes)
-        self.log.append(
-            {"kind": "exchange", "round": round_, "fragment": fragment, "bytes": nbytes,
-             "collectives": collectives, "overlap": overlap}
-        )  # fmt: skip
-
-    def record_tail(self, round_: int, nbytes: int, *, alone: bool) -> None:
-        """The round's tail all-reduce (``alone``: no exchange ran beside it, so it waits a round trip of its own)."""
-        self.bytes += nbytes
-        self.collectives += 1
-        self.log.append({"kind": "tail", "round": round_, "bytes": nbytes, "collectives": 1, "alone": alone})
 
 
 @dataclass
@@ -147,14 +103,17 @@ class InnerProgress:
 
 
 class RoundLoop:
-    """Runs ``manager``'s steps as DiLoCo rounds (see the module docstring)."""
+    """The DiLoCo sync mode: a Manager's steps as rounds (see the module docstring), built on the keeper and engine."""
 
-    def __init__(self, manager: Manager, config: DiLoCo, params: list[torch.nn.Parameter]) -> None:
-        self.manager = manager
+    def __init__(
+        self, keeper: QuorumKeeper, engine: StepEngine, config: DiLoCo, params: list[torch.nn.Parameter]
+    ) -> None:
+        self.keeper = keeper
+        self.engine = engine
         self.config = config
         self.outer = OuterState(params, config)
         self.inner = InnerProgress()
-        replica = manager._replica
+        replica = keeper.replica
         replica.add_internal("sync/globals", GlobalsState(self.outer))
         replica.add_internal("sync/progress", self.inner)
         for fragment in self.outer.fragments:
@@ -162,23 +121,18 @@ class RoundLoop:
         self.launches = fragment_launches(config.inner_steps, config.fragments, config.overlap_steps)
         self.mid_round = [f for f, launch in enumerate(self.launches) if not at_round_end(launch, config.inner_steps)]
         """Fragments exchanged inside a round, in launch order (the others at its end)."""
-        self.traffic = Traffic()
         self.progress = RoundProgress()
         self.last_round: StepReport | None = None
-        self._inner_comm: Communicator | None = None
-        self._outer_comm: Communicator | None = None
-        self._abandon = threading.Event()
-        self._exchanges = ThreadPoolExecutor(1, thread_name_prefix="stalwart-exchange")
-        self._future: Future[tuple[torch.Tensor, float]] | None = None
-        self._future_fragment: Fragment | None = None
+        self.links = GroupLinks(keeper, engine, config, self.outer)
         self._reduced: ReducedTail | None = None
         self._inner_positions: np.ndarray | None = None
         self._own_samples = 0
-        self._reconciles = 0
         self._tail: ReducedTail | None = None
-        client = manager._session.client
+        client = keeper.session.client
         if client is not None:  # the group's leader: the lighthouse shows the rounds
             client.report_rounds(self.rounds_report)
+        keeper.on_heal(self.healed)
+        keeper.on_connect(self._connect_links)
 
     # --- what the Manager reads ------------------------------------------------------------------------------
 
@@ -194,11 +148,21 @@ class RoundLoop:
             "fragments": self.config.fragments,
             "inner_step": self.progress.steps,
             "in_flight": self.in_flight,
-            "bytes": self.traffic.bytes,
-            "exchanges": self.traffic.exchanges,
+            "bytes": self.links.traffic.bytes,
+            "exchanges": self.links.traffic.exchanges,
         }
 
-    def rounds_for(self, max_steps: int) -> int:
+    @property
+    def traffic(self) -> Traffic:
+        """What this process sent to other groups, and how."""
+        return self.links.traffic
+
+    @property
+    def departed(self) -> bool:
+        """Never: a departure at a step boundary is not supported in DiLoCo's rounds yet."""
+        return False
+
+    def commits_for(self, max_steps: int) -> int:
         """The rounds ``max_steps`` inner steps make; a ``ValueError`` unless a multiple of ``inner_steps``."""
         rounds, rest = divmod(max_steps, self.config.inner_steps)
         if rest:
@@ -212,53 +176,48 @@ class RoundLoop:
 
     def steps(self, source: Source, loader: Any, max_rounds: int) -> Iterator[TrainStep]:
         """Yield the inner steps of every round until the ledger has committed ``max_rounds`` rounds."""
-        manager = self.manager
+        keeper = self.keeper
         while True:
-            if manager._reconfigure or not manager._planner.joined:
-                first = not manager._planner.joined
-                self.join("join" if first else "reconfigure")
-                if first:
-                    manager._check_plan(loader)
-                if manager._untrained_late_join:
-                    raise JobFinishedError(
-                        f"the job had already committed its {manager.ledger.step} rounds when {manager.member} "
-                        "joined, and no checkpoint holds the trained state: this worker's parameters are untrained"
-                    )
-            ledger = manager.ledger
+            # A checkpoint due at this round boundary (globals, outer state), before a quorum formed here hands out
+            # the next round: the checkpoint's ledger must be the committed one, with no round in progress.
+            if keeper.planner.joined:
+                keeper.between_steps()
+            keeper.enter(loader, "rounds", self.join)
+            ledger = keeper.ledger
             if ledger.balanced:
                 raise PlanMismatchError(
                     "DiLoCo does not balance shares by throughput yet: start the lighthouse without --balance-every"
                 )
             if ledger.step >= max_rounds:
-                self._finish()
-                manager._finish()
+                self.outer.reset_locals_to_globals()  # the job's end: the model holds the global parameters
+                keeper.finish()
                 return
-            manager._planner.begin_step()
+            keeper.planner.begin_step()
             source.take_produced()  # anything produced outside a step is not this step's
             yield from self._round(source, last=ledger.step == max_rounds - 1)
             self._commit()
 
     def _round(self, source: Source, *, last: bool) -> Iterator[TrainStep]:
         """The round's inner steps (regular, then extra), then its end; failures re-form the quorum in between."""
-        manager = self.manager
+        keeper, engine = self.keeper, self.engine
         failed_ends = 0
         while True:
             positions = self._next_inner()
             if positions is not None:
                 regular = self.progress.steps < self.config.inner_steps
-                ledger = manager.ledger
-                ends_epoch = manager._planner.ends_epoch and self.progress.steps == self.config.inner_steps - 1
+                ledger = keeper.ledger
+                ends_epoch = keeper.planner.ends_epoch and self.progress.steps == self.config.inner_steps - 1
                 step = TrainStep(
                     self.inner.steps,
                     ledger.epoch,
                     ends_epoch,
-                    manager._accumulation,
+                    engine.accumulation,
                     self._inner_step(source, positions),
                 )
                 yield step
                 broken = self._close_inner(step, positions)
                 if broken:
-                    manager._notify("quorum_broken", self.manager.ledger.step)
+                    engine.events.notify(Event.QUORUM_BROKEN, keeper.ledger.step)
                     self._failure()
                 if regular:
                     self._fragment_schedule(self.progress.steps - 1)
@@ -268,55 +227,54 @@ class RoundLoop:
                 return
             except CollectiveError as error:
                 failed_ends += 1
-                if isinstance(error, GroupBrokenError) or failed_ends > manager._transport.max_join_attempts:
+                if isinstance(error, GroupBrokenError) or failed_ends > keeper.transport.max_join_attempts:
                     raise
                 log.warning(
                     "%s: round %d's exchange failed (%s); asking for a new quorum",
-                    manager.member,
-                    manager.ledger.step,
+                    keeper.member,
+                    keeper.ledger.step,
                     error,
                 )
                 self._failure()
 
     def _next_inner(self) -> np.ndarray | None:
         """The group's positions of its next inner step in this round, or None when the share is trained."""
-        ledger = self.manager.ledger
-        member = self.manager.member
+        ledger = self.keeper.ledger
+        member = self.keeper.member
         share = ledger.in_flight.get(member, np.zeros(0, dtype=np.int64))
         total = int(sum(part.size for part in ledger.in_flight.values()) + ledger.step_missing.size)
         plan = inner_plan(total, ledger.began_with, member, self.config.inner_steps, ledger.plan.local_batch_multiple)
-        done = self.manager._planner.done.size
+        done = self.keeper.planner.done.size
         return next_inner_positions(share, done, self.progress.steps, plan)
 
     # --- one inner step -----------------------------------------------------------------------------------------
 
     def _inner_step(self, source: Source, positions: np.ndarray) -> Generator[Any, None, StepReport]:
         """The inner step's micro-batches, the group's reduction, then the update window; returns its report."""
-        manager = self.manager
-        session = manager._session
-        ledger = manager.ledger
-        group = session.group
+        keeper, engine = self.keeper, self.engine
+        ledger = keeper.ledger
+        group = keeper.session.group
         multiple = ledger.plan.local_batch_multiple
         mine = split_group_share(positions, group.size, group.rank, multiple)
         indices = ledger.plan.indices_at(ledger.epoch, mine).tolist()
-        sizes = [len(chunk) for chunk in split_microbatches(range(mine.size), manager.max_microbatch)]
+        sizes = [len(chunk) for chunk in split_microbatches(range(mine.size), engine.max_microbatch)]
         self._own_samples = mine.size
         self._inner_positions = positions
-        accumulation = manager._accumulation
+        accumulation = engine.accumulation
         yield from accumulation.microbatches(
-            source, ledger.epoch, indices, sizes, arm=self._arm, sample_batch=lambda: manager._sample_batch(source)
+            source, ledger.epoch, indices, sizes, arm=self._arm, sample_batch=lambda: engine.sample_batch(source)
         )
         if not accumulation.armed:
             self._arm()
-        manager._notify("reduce_started", self.inner.steps)
+        engine.events.notify(Event.REDUCE_STARTED, self.inner.steps)
         try:
             reduced = accumulation.reduce(self._layout())
         except CollectiveError as error:
             raise GroupBrokenError(
-                f"{manager.member}: the reduction inside replica group {manager.member!r} failed ({error}); a process "
+                f"{keeper.member}: the reduction inside replica group {keeper.member!r} failed ({error}); a process "
                 "of the group died or hung, and the group restarts"
             ) from error
-        manager._notify("reduce_finished", self.inner.steps)
+        engine.events.notify(Event.REDUCE_FINISHED, self.inner.steps)
         if reduced.samples != positions.size:
             raise RuntimeError(
                 f"round {ledger.step}: the group reduced {reduced.samples} samples in inner step {self.inner.steps}, "
@@ -324,69 +282,49 @@ class RoundLoop:
             )
         where = f"round {ledger.step}, inner step {self.inner.steps}"
         check_loaded(reduced.loaded_checksum, ledger.plan, ledger.epoch, positions, where, "the group", "its")
-        if reduced.samples:
-            accumulation.apply(reduced.weight)
-        else:
-            manager.optimizer.zero_grad(set_to_none=True)
         self.progress.loaded_checksum = (self.progress.loaded_checksum + accumulation.loaded_checksum) % (1 << 64)
         self.progress.row_checksum = (self.progress.row_checksum + accumulation.row_checksum) % (1 << 64)
         self._reduced = reduced
-        manager._window.open(self.inner.steps)
-        report = StepReport(
-            step=self.inner.steps,
-            epoch=ledger.epoch,
-            samples=reduced.samples,
-            loss=reduced.mean_loss,
-            world_size=manager.world_size,
-            quorum_id=manager.quorum_id,
-            recoveries=manager.recoveries,
-            positions=positions,
-            loaded_checksum=reduced.loaded_checksum,
-        )
-        manager.last_report = report
-        return report
+        return engine.open_update(reduced, self.inner.steps, positions)
 
     def _arm(self) -> None:
         """Start the inner step's reduction within the group; the tail carries whether the quorum is broken."""
-        manager = self.manager
-        comm = self._inner_comm
+        comm = self.links.inner
         assert comm is not None
         layout = self._layout()
-        accumulation = manager._accumulation
+        accumulation = self.engine.accumulation
         head = TailHead(
             drift=torch.zeros(DRIFT_SLOTS * comm.world_size),
             loaded_checksum=accumulation.loaded_checksum,
             row_checksum=accumulation.row_checksum,
             samples=self._own_samples,
-            reconfigure=manager._session.abandon(),
+            reconfigure=self.keeper.session.abandon(),
         )
         accumulation.arm(comm, None, layout, head, lambda: torch.zeros(0))
 
     def _layout(self) -> TailLayout:
-        assert self._inner_comm is not None
-        return TailLayout(self._inner_comm.world_size, False)
+        assert self.links.inner is not None
+        return TailLayout(self.links.inner.world_size, False)
 
     def _close_inner(self, step: TrainStep, positions: np.ndarray) -> bool:
         """The loop body after an inner step ended; True when the group saw the quorum broken (ask for a new one)."""
-        manager = self.manager
+        keeper, engine = self.keeper, self.engine
         reduced, self._reduced = self._reduced, None
         if reduced is None:
             raise StepContractError(
                 f"inner step {step.number} was not iterated to its end: iterate every step's micro-batches before "
                 "the next"
             )
-        if not manager._window.close() and reduced.samples and not manager._warned_no_update:
-            manager._warned_no_update = True
-            log.warning("%s: inner step %d without optimizer.step() (a GradScaler skip?)", manager.member, step.number)
-        manager._planner.mark_done(positions)
+        engine.close_update(reduced, f"inner step {step.number}")
+        keeper.planner.mark_done(positions)
         self.progress.steps += 1
         self.progress.samples += self._own_samples
         self.progress.loss += reduced.loss
         self.progress.weight += reduced.weight
         self.outer.add_samples(reduced.samples)
         self.inner.steps += 1
-        manager._accumulation.reset()
-        manager.optimizer.zero_grad(set_to_none=True)
+        engine.accumulation.reset()
+        engine.optimizer.zero_grad(set_to_none=True)
         return reduced.reconfigure
 
     # --- fragments ---------------------------------------------------------------------------------------------
@@ -399,99 +337,31 @@ class RoundLoop:
                 self._apply_pending(pending)
         fragment = self._next_mid_round()
         if fragment is not None and self.launches[fragment.index] == step and fragment.pending is None:
-            self._launch(fragment, merge=overlap > 0)
+            self.links.launch(fragment, merge=overlap > 0)
             if overlap == 0:
                 self._apply_pending(fragment)
 
     def _next_mid_round(self) -> Fragment | None:
         """The next mid-round fragment to exchange in this round, by the member's ``syncs`` (None: all done)."""
-        done = self.outer.syncs - self.manager.ledger.step * len(self.mid_round)
+        done = self.outer.syncs - self.keeper.ledger.step * len(self.mid_round)
         if not 0 <= done < len(self.mid_round):
             return None
         return self.outer.fragments[self.mid_round[done]]
 
-    def _launch(self, fragment: Fragment, *, merge: bool) -> None:
-        """Start ``fragment``'s exchange on the exchange thread (the weight is the group's window)."""
-        session = self.manager._session
-        comm = self._outer_comm
-        assert comm is not None
-        pending = self.outer.launch(fragment, session.group.rank, session.group.size, comm.world_size, merge=merge)
-        self._submit(fragment, pending.prepared)
-
-    def _reencoded(self, fragment: Fragment) -> exchange.Prepared:
-        """The pending exchange's payload for the current quorum (encoded again if the groups changed)."""
-        pending = fragment.pending
-        comm, group = self._outer_comm, self.manager._session.group
-        assert pending is not None and comm is not None
-        if pending.prepared.members == comm.world_size:
-            return pending.prepared
-        return self.outer.reencode(fragment, group.rank, group.size, comm.world_size).prepared
-
-    def _submit(self, fragment: Fragment, prepared: exchange.Prepared) -> None:
-        comm = self._outer_comm
-        assert comm is not None and self._future is None
-        self.manager._notify("exchange_started", self.manager.ledger.step)
-        self._future = self._exchanges.submit(exchange.run, comm, prepared)
-        self._future_fragment = fragment
-
-    def _await(self) -> tuple[Fragment, torch.Tensor, float]:
-        """Wait for the exchange in flight, watching the lighthouse; the fragment's gathered sum and weight."""
-        future, fragment = self._future, self._future_fragment
-        assert future is not None and fragment is not None
-        session = self.manager._session
-        try:
-            while not future.done():
-                if session.abandon():
-                    self._abandon.set()
-                futures.wait([future], timeout=_WAIT_POLL)
-            reduced, weight = future.result()
-        finally:
-            self._future = self._future_fragment = None
-        pending = fragment.pending
-        assert pending is not None
-        whole = self._gather(fragment, reduced)
-        comm = self._outer_comm
-        assert comm is not None
-        nbytes = exchange.sent_bytes(self.config.codec, pending.prepared.numel, comm.world_size, self.config.int8_block)
-        self.traffic.record(
-            self.manager.ledger.step,
-            fragment.index,
-            nbytes,
-            exchange.collectives(self.config.codec),
-            self.config.overlap_steps if pending.merge else 0,
-        )
-        return fragment, whole, weight
-
-    def _gather(self, fragment: Fragment, reduced_slice: torch.Tensor) -> torch.Tensor:
-        """Every slice of the fragment's reduced sum, from the group's processes (the whole fragment)."""
-        comm = self._inner_comm
-        assert comm is not None
-        if comm.world_size == 1:
-            return reduced_slice
-        length = fragment.slice_length(comm.world_size)
-        piece = torch.zeros(length, dtype=torch.float32, device=reduced_slice.device)
-        piece[: reduced_slice.numel()] = reduced_slice[:length]
-        try:
-            return comm.all_gather(piece)[: fragment.numel]
-        except CollectiveError as error:
-            raise GroupBrokenError(
-                f"the gather of fragment {fragment.index} inside the group failed: {error}"
-            ) from error
-
     def _apply_pending(self, fragment: Fragment) -> None:
         """Wait for ``fragment``'s mid-round exchange and apply it (a failure re-forms the quorum, then again)."""
-        attempts = self.manager._transport.max_join_attempts
+        attempts = self.keeper.transport.max_join_attempts
         for attempt in range(1, attempts + 2):
             if fragment.pending is None:
                 return
             try:
-                done, whole, weight = self._await()
+                done, whole, weight = self.links.await_exchange()
             except CollectiveError as error:
                 if isinstance(error, GroupBrokenError) or attempt > attempts:
                     raise
                 log.warning(
                     "%s: fragment %d's exchange failed (%s); asking for a new quorum",
-                    self.manager.member,
+                    self.keeper.member,
                     fragment.index,
                     error,
                 )
@@ -510,8 +380,8 @@ class RoundLoop:
         completed has applied the round (its peers that did not are healed
         from it at the next quorum).
         """
-        manager = self.manager
-        ledger = manager.ledger
+        keeper, engine = self.keeper, self.engine
+        ledger = keeper.ledger
         for fragment in self.outer.fragments:  # a mid-round exchange left after a failure: finish it first
             if fragment.pending is not None and fragment.pending.merge:
                 self._apply_pending(fragment)
@@ -520,7 +390,7 @@ class RoundLoop:
             for fragment in self.outer.fragments
             if last or at_round_end(self.launches[fragment.index], self.config.inner_steps)
         ]
-        session = manager._session
+        session = keeper.session
         comm = session.comm
         assert comm is not None
         tail_layout = TailLayout(comm.world_size, False)
@@ -534,18 +404,18 @@ class RoundLoop:
         )
         loss = torch.tensor(self.progress.loss, dtype=torch.float32)
         weight = torch.tensor(self.progress.weight, dtype=torch.float32)
-        tail = tail_layout.encode(torch.zeros(0), head, weight, loss).to(manager.device)
+        tail = tail_layout.encode(torch.zeros(0), head, weight, loss).to(engine.device)
         results: list[tuple[Fragment, torch.Tensor, float]] = []
-        manager._notify("outer_started", ledger.step)
+        engine.events.notify(Event.OUTER_STARTED, ledger.step)
         wait_tail = comm.start_all_reduce_sum(tail)
         for fragment in ending:
             if fragment.pending is not None:  # launched before a failure: the extra inner steps since go in too
                 self.outer.withdraw(fragment)
-            self._launch(fragment, merge=False)
-            results.append(self._await())
+            self.links.launch(fragment, merge=False)
+            results.append(self.links.await_exchange())
         wait_tail()
         reduced = tail_layout.decode(tail)
-        positions = manager._planner.step_positions()
+        positions = keeper.planner.step_positions()
         if reduced.samples != positions.size:
             raise RuntimeError(
                 f"round {ledger.step}: the quorum trained {reduced.samples} samples, the ledger's round holds "
@@ -561,191 +431,65 @@ class RoundLoop:
             )
         for fragment, whole, total in results:
             self.outer.apply(fragment, whole, total)
-        members = len(manager._session.members)
+        members = len(keeper.session.members)
         tail_bytes = round(2 * (comm.world_size - 1) / comm.world_size * 4 * tail.numel()) if members > 1 else 0
-        self.traffic.record_tail(ledger.step, tail_bytes, alone=not ending)
+        self.links.traffic.record_tail(ledger.step, tail_bytes, alone=not ending)
         self._tail = reduced
         self.last_round = StepReport(
             step=ledger.step,
             epoch=ledger.epoch,
             samples=reduced.samples,
             loss=reduced.mean_loss,
-            world_size=manager.world_size,
-            quorum_id=manager.quorum_id,
-            recoveries=manager.recoveries,
+            world_size=keeper.world_size,
+            quorum_id=keeper.session.quorum_id,
+            recoveries=keeper.recoveries,
             positions=positions,
             loaded_checksum=reduced.loaded_checksum,
         )
 
     def _commit(self) -> None:
         """The round's outer step is applied: commit the ledger's round, report it."""
-        manager = self.manager
         reduced, self._tail = self._tail, None
         assert reduced is not None
-        ledger = manager.ledger
-        epoch, ends_epoch, round_number = ledger.epoch, manager._planner.ends_epoch, ledger.step
-        manager._audit_committed(epoch, round_number, ledger.commit())
-        replica = manager._replica
-        replica.row_digest.add(epoch, reduced.row_checksum)
-        if ends_epoch and not ledger.plan.drop_last:
-            replica.row_digest.close_epoch(epoch)
-        replica.applied_step += 1
-        replica.trained_step = replica.applied_step
-        manager._session.report = (replica.applied_step, ledger_digest(ledger.state_dict()), None)
-        manager._reconfigure = manager._reconfigure or reduced.reconfigure
+        self.engine.commit(reduced)
         self.progress = RoundProgress()
-        manager._reset_step()
-
-    def _finish(self) -> None:
-        """The job's end: the model holds the global parameters."""
-        self.outer.reset_locals_to_globals()
+        self.engine.reset()
 
     # --- quorums ----------------------------------------------------------------------------------------------
 
     def _failure(self) -> None:
         """A group died: ask for a failure quorum mid-round (or a boundary one when nothing of the round is done)."""
-        self.manager.recoveries += 1
-        self.join("failure" if self.manager._planner.covered else "reconfigure")
+        self.keeper.count_recovery()
+        self.join("failure" if self.keeper.planner.covered else "reconfigure")
 
     def join(self, reason: str) -> None:
-        """Get into the next quorum (the Manager's join and heal), then build this mode's communicators."""
-        manager = self.manager
-        for attempt in range(1, manager._transport.max_join_attempts + 1):
-            self._drop_exchange()
-            manager._join(reason)
-            try:
-                self._connect()
-                self._reconcile()
-                for fragment in self.outer.fragments:
-                    if fragment.pending is not None and fragment.pending.merge:  # relaunched in the new quorum
-                        self._submit(fragment, self._reencoded(fragment))
-                return
-            except CollectiveError as error:
-                if isinstance(error, GroupBrokenError):
-                    raise
-                log.warning(
-                    "%s: quorum %d's exchange links could not start (%s); asking again (attempt %d)",
-                    manager.member,
-                    manager.quorum_id,
-                    error,
-                    attempt,
-                )
-                reason = "failure" if manager._planner.covered else "reconfigure"
-        raise CollectiveError(f"{manager.member}: no working quorum for DiLoCo after repeated attempts")
+        """Get into the next quorum: the exchange in flight is dropped first (its quorum is gone)."""
+        self.links.drop()
+        self.keeper.join(reason)
+
+    def _connect_links(self) -> None:
+        """Each quorum the keeper joins (inside its attempt: a failure here asks again): this mode's links."""
+        self.links.drop()  # a failed attempt's
+        self.links.connect()
+        self.links.reconcile(self.mid_round)
+        self.links.relaunch()
 
     def healed(self) -> None:
         """This process loaded a peer's state: its model becomes the globals, its round starts over."""
-        self._drop_exchange()
+        self.links.drop()
         self.outer.reset_locals_to_globals()
         self.progress = RoundProgress()
-
-    def _drop_exchange(self) -> None:
-        """Abandon an exchange in flight (its quorum is gone): it is relaunched, or healed, after the next quorum."""
-        if self._future is not None:
-            self._abandon.set()
-            with contextlib.suppress(Exception):
-                self._future.result(timeout=self.config.round_timeout)
-            self._future = self._future_fragment = None
-        for comm in (self._inner_comm, self._outer_comm):
-            if comm is not None:
-                comm.retire()  # not destroyed here: an exchange abandoned on a live peer would hold this thread
-        self._inner_comm = self._outer_comm = None
-        self._abandon.clear()
-
-    def _connect(self) -> None:
-        """The group's communicator and this process's cross-group one, on the quorum's store; the config checked."""
-        manager = self.manager
-        session = manager._session
-        comm = session.comm
-        answer = session.answer
-        assert comm is not None and answer is not None
-        store = comm.store
-        group = session.group
-        mine = json.dumps(self.config.describe(), sort_keys=True)
-        try:
-            store.set(f"diloco/config/{manager.member}/{group.rank}", mine)
-            reference = answer.members[0]
-            theirs = store.get(f"diloco/config/{reference}/0").decode()
-        except (RuntimeError, dist.DistError) as error:
-            raise CollectiveError(
-                f"quorum {answer.quorum_id}'s store gave no DiLoCo configuration ({error}): a member died, or trains "
-                "without sync=DiLoCo(...)"
-            ) from error
-        if theirs != mine:
-            raise PlanMismatchError(
-                f"member {manager.member!r} trains with DiLoCo {mine} and member {reference!r} with {theirs}: every "
-                "member must give the Manager the same sync=DiLoCo(...)"
-            )
-        timeouts = manager.timeouts
-        options: dict[str, Any] = {
-            "device": manager.device,
-            "host": session.transport.host,
-            "rendezvous_timeout": timeouts.rendezvous_timeout,
-        }
-        self._inner_comm = Communicator(
-            dist.PrefixStore(f"diloco/inner/{manager.member}/", store),
-            group.rank,
-            group.size,
-            timeout=timeouts.collective_timeout,
-            **options,
-        )
-        self._outer_comm = Communicator(
-            dist.PrefixStore(f"diloco/outer/{group.rank}/", store),
-            answer.rank,
-            len(answer.members),
-            timeout=self.config.round_timeout,
-            abandon=self._abandon.is_set,
-            **options,
-        )
-
-    def _reconcile(self) -> None:
-        """Processes one mid-round exchange behind take that fragment's globals and outer state from one ahead."""
-        if not self.mid_round:
-            return
-        comm = self.manager._session.comm
-        assert comm is not None
-        counts = [int(value) for value in comm.all_gather(torch.tensor([float(self.outer.syncs)])).tolist()]
-        ahead = max(counts)
-        if min(counts) == ahead:
-            return
-        if ahead - min(counts) > 1:
-            raise RuntimeError(f"processes are {ahead - min(counts)} fragment exchanges apart ({counts}); at most 1")
-        source = counts.index(ahead)
-        fragment = self.outer.fragments[self.mid_round[(ahead - 1) % len(self.mid_round)]]
-        behind = self.outer.syncs < ahead
-        if behind and fragment.pending is None:
-            raise RuntimeError(
-                f"{self.manager.member}: fragment {fragment.index}'s exchange was applied by a peer but never "
-                "launched here"
-            )
-        self._reconciles += 1
-        received = _FragmentGlobals(fragment)
-        timeouts = self.manager.timeouts
-        transfer_state(
-            comm,
-            source,
-            {"globals": received, "optimizer": fragment.optimizer},
-            ahead,
-            is_target=behind,
-            key=f"diloco/reconcile/{self._reconciles}",
-            max_bytes=None,
-            timeout=timeouts.heal_timeout,
-            min_bandwidth=timeouts.heal_min_bandwidth,
-        )
-        if behind:
-            received.merge()
-            self.outer.syncs = ahead
 
     # --- foresight --------------------------------------------------------------------------------------------
 
     def foreseen_parts(self, max_rounds: int) -> Iterator[tuple[int, list[int]]]:
         """``(epoch, indices)`` of this process in each later inner step if the quorum holds (a DataLoader's plan)."""
-        manager = self.manager
-        preview = copy.deepcopy(manager.ledger)
-        members = list(manager._planner.members)
-        group = manager._session.group
-        member = manager.member
-        done, steps = manager._planner.done.size, self.progress.steps
+        keeper = self.keeper
+        preview = copy.deepcopy(keeper.ledger)
+        members = list(keeper.planner.members)
+        group = keeper.session.group
+        member = keeper.member
+        done, steps = keeper.planner.done.size, self.progress.steps
 
         def parts() -> Iterator[tuple[int, list[int]]]:
             nonlocal done, steps
@@ -772,33 +516,4 @@ class RoundLoop:
 
     def close(self) -> None:
         """Stop the exchange thread (the Manager is closed)."""
-        self._drop_exchange()
-        self._exchanges.shutdown(wait=False)
-
-
-class _FragmentGlobals:
-    """One fragment's globals as the state a reconcile moves; a receiver merges them as the exchange it missed."""
-
-    def __init__(self, fragment: Fragment) -> None:
-        self.fragment = fragment
-        self.received: list[torch.Tensor] | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"params": [param.detach() for param in self.fragment.globals]}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.received = list(state["params"])
-
-    def merge(self) -> None:
-        """The exchange a peer completed, applied here: the new globals, and the local update they imply."""
-        fragment, received = self.fragment, self.received
-        pending = fragment.pending
-        assert pending is not None and received is not None
-        with torch.no_grad():
-            offset = 0
-            for local, global_, new in zip(fragment.local, fragment.globals, received, strict=True):
-                step = pending.delta[offset : offset + global_.numel()].view_as(global_)
-                local.add_((new - global_ + step).to(local.dtype))
-                global_.copy_(new)
-                offset += global_.numel()
-        fragment.pending = None
+        self.links.close()

@@ -18,7 +18,7 @@ the masters are the parameters, which every process holds.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,7 @@ from stalwart.redundancy.config import Redundancy
 from stalwart.redundancy.layout import ShardLayout
 from stalwart.redundancy.parity import ParityCode, byte_view
 from stalwart.runtime.comm import Communicator
+from stalwart.runtime.events import Event, Notify
 from stalwart.runtime.sharding import shaped_like
 from stalwart.runtime.zero.repair import reshard
 from stalwart.runtime.zero.state import RepairStats, ShardState, Snapshot, check_template, clone
@@ -130,7 +131,7 @@ class ShardedOptimizer:
     def sync(
         self,
         comm: Communicator,
-        notify: Callable[[str], None] = lambda _event: None,
+        notify: Notify = lambda _event: None,
         *,
         check: bool = True,
         gather: bool = True,
@@ -150,9 +151,9 @@ class ShardedOptimizer:
         layout = state.layout
         assert layout is not None
         if layout.parity is not None:
-            notify("parity_started")
+            notify(Event.PARITY_STARTED)
             state.staged_parity = self._encode(comm)
-        notify("gather_started")
+        notify(Event.GATHER_STARTED)
         if gather:
             self._gather_parameters(comm, layout)
         self._check_copies(comm, check=check, barrier=layout.parity is not None and not gather)
