@@ -26,7 +26,8 @@ from stalwart.coord.server import Lighthouse
 from stalwart.data.plan import EpochPlan
 from stalwart.runtime.comm import CollectiveError, Communicator
 from stalwart.runtime.config import ReplicaGroup, Transport
-from stalwart.runtime.session import REPLICATED, QuorumSession
+from stalwart.runtime.peers import REPLICATED
+from stalwart.runtime.session import QuorumSession
 from stalwart.runtime.timeouts import Timeouts
 from stalwart.testing.loopback import free_port
 from stalwart.testing.waiting import wait_until

@@ -25,8 +25,9 @@ from stalwart.data.plan import EpochPlan
 from stalwart.runtime.comm import CollectiveError, Communicator, Failure
 from stalwart.runtime.config import ReplicaGroup, Transport
 from stalwart.runtime.diagnosis import Verdict
+from stalwart.runtime.peers import REPLICATED
 from stalwart.runtime.probe import MAX_PAYLOAD, MAX_PROBE_BYTES, MIN_WINDOW, LinkNeed, ProbeListener, Reach, probe
-from stalwart.runtime.session import REPLICATED, QuorumSession
+from stalwart.runtime.session import QuorumSession
 from stalwart.runtime.timeouts import Timeouts
 from stalwart.testing.loopback import HOST
 
@@ -176,14 +177,16 @@ def test_a_peer_found_dead_after_a_failure_is_reported_unreachable_with_the_next
         try:
             outcomes = on_threads({"survivor": lambda: join(survivor), "peer": lambda: join(peer)})
             assert outcomes == {"survivor": None, "peer": None}
-            slow = survivor.diagnose(CollectiveError("all-reduce passed its deadline", failure=Failure.TIMEOUT))
+            slow = survivor.peers.diagnose(CollectiveError("all-reduce passed its deadline", failure=Failure.TIMEOUT))
             assert slow.verdicts == {"peer": Verdict.SILENT} and slow.busy_hint and slow.unreachable == ()
             # the lighthouse named a member dead: nothing to probe (a dead NIC's peer would cost the probe's timeout)
-            abandoned = survivor.diagnose(CollectiveError("a member of this quorum is dead", failure=Failure.ABANDONED))
+            abandoned = survivor.peers.diagnose(
+                CollectiveError("a member of this quorum is dead", failure=Failure.ABANDONED)
+            )
             assert abandoned.verdicts == {} and "lighthouse reported" in abandoned.describe()
 
             peer.close(0, leave=False)  # its probe listener closes, its heartbeat socket too
-            dead = survivor.diagnose(CollectiveError("all-reduce failed: connection closed by peer"))
+            dead = survivor.peers.diagnose(CollectiveError("all-reduce failed: connection closed by peer"))
             assert dead.verdicts == {"peer": Verdict.DEAD} and not dead.busy_hint and dead.unreachable == ("peer",)
 
             answer = survivor.next_answer("failure", 0)

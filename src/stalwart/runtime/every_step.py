@@ -129,7 +129,7 @@ class EveryStep:
     def _recover(self, failure: CollectiveError) -> None:
         """The step's reduction failed: log what the peers look like, join the failure quorum."""
         keeper = self.keeper
-        diagnosis = keeper.session.diagnose(failure, need=keeper.link_need())
+        diagnosis = keeper.session.peers.diagnose(failure, need=keeper.link_need())
         if keeper.leader_loss is not None:
             hint = f" ({keeper.leader_loss.describe()})"
         elif diagnosis.busy_hint:

@@ -216,7 +216,7 @@ class QuorumKeeper:
                     self.member,
                     answer.quorum_id,
                     error,
-                    session.diagnose(error, need=self.link_need()).describe(),
+                    session.peers.diagnose(error, need=self.link_need()).describe(),
                     attempt,
                     attempts,
                 )

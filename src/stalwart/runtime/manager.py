@@ -61,10 +61,11 @@ from stalwart.runtime.feed import SamplerFeed
 from stalwart.runtime.keeper import QuorumKeeper
 from stalwart.runtime.leader import LeaderWork
 from stalwart.runtime.loader import ElasticLoader
+from stalwart.runtime.peers import REPLICATED
 from stalwart.runtime.planner import StepPlanner
 from stalwart.runtime.preemption import Departure
 from stalwart.runtime.replica import Replica
-from stalwart.runtime.session import REPLICATED, QuorumSession
+from stalwart.runtime.session import QuorumSession
 from stalwart.runtime.sharding import is_sharded, prepare_fsdp, sharding_layout
 from stalwart.runtime.state import Stateful
 from stalwart.runtime.step import StepReport, TrainStep

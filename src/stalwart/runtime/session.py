@@ -10,18 +10,18 @@ It also carries what the heartbeat reports, the farewell that ends a job
 together, and the wait while the leader runs work of its own
 (:meth:`QuorumSession.wait_for_leader`).
 
-After a failed rendezvous or collective, :meth:`QuorumSession.diagnose` probes
-the quorum's peers (:mod:`stalwart.runtime.probe`: every process listens on
-its transport host and publishes the address with its arrival; after a
-deadline passed, each probe also carries a step's bytes, to find a link too
-slow for the job) and says what each looked like
-(:mod:`stalwart.runtime.diagnosis`). The members it could not reach go to
-the lighthouse with the next quorum request; only the group's leader sends
-that request, so only the leader's own probes are reported (a non-leader's
-findings serve its error message: a member cut off from some processes of a
-group and not from its leader is left to the collective's next failure).
-While the leader's quorum request then waits (left out, it asks to join),
-it probes those members again every :data:`REPROBE_INTERVAL` and tells the
+After a failed rendezvous or collective, ``session.peers.diagnose``
+(:class:`~stalwart.runtime.peers.PeerProbes`) probes the quorum's peers
+(:mod:`stalwart.runtime.probe`: every process listens on its transport host
+and publishes the address with its arrival; after a deadline passed, each
+probe also carries a step's bytes, to find a link too slow for the job) and
+says what each looked like (:mod:`stalwart.runtime.diagnosis`). The members
+it could not reach go to the lighthouse with the next quorum request; only
+the group's leader sends that request, so only the leader's own probes are
+reported (a non-leader's findings serve its error message: a member cut off
+from some processes of a group and not from its leader is left to the
+collective's next failure). While the leader's quorum request then waits
+(left out, it asks to join), it probes those members again and tells the
 lighthouse the ones it reaches again (``POST /v1/reach``): their cuts end at
 once, and the member is back at the quorum's next boundary rather than when
 the cuts' time to live runs out.
@@ -33,7 +33,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -52,37 +51,24 @@ from stalwart.coord.client import (
 from stalwart.coord.protocol import MAX_STORE_KEYS_PER_REQUEST
 from stalwart.coord.tls import client_context
 from stalwart.data.plan import EpochPlan
-from stalwart.data.shards import ShardIdentity, shard_difference
-from stalwart.errors import JoinError, PlanMismatchError, ShardingMismatchError, StateLostError, StepContractError
-from stalwart.runtime.comm import CollectiveError, Communicator, Failure, arrivals, quorum_store
+from stalwart.data.shards import ShardIdentity
+from stalwart.errors import JoinError, PlanMismatchError, StateLostError, StepContractError
+from stalwart.runtime.comm import CollectiveError, Communicator, quorum_store
 from stalwart.runtime.config import ReplicaGroup, Transport
-from stalwart.runtime.diagnosis import Diagnosis, LeaderLoss, Verdict, diagnose
+from stalwart.runtime.diagnosis import LeaderLoss
 from stalwart.runtime.group import GroupLink
-from stalwart.runtime.probe import LinkNeed, ProbeListener, Reach, probe
+from stalwart.runtime.peers import REPLICATED, PeerProbes, check_data, check_layout, decoded
+from stalwart.runtime.probe import ProbeListener
 from stalwart.runtime.replica import Replica
 from stalwart.runtime.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-REPLICATED = "replicated"
-"""The layout a process of an unsharded model publishes (any group size is fine then)."""
 _LEADER_POLL = 0.05
 """Seconds between two looks at the store while the leader runs its own work."""
 MAX_GROUP_SIZE = 1 << 16
 """Largest replica group a peer may announce (``group_size/MEMBER``)."""
-MAX_PEER_TEXT = 4096
-"""Longest layout or data fingerprint a peer may publish."""
-
-STORE_LOOK_S = 2.0
-"""Longest wait for the quorum's store while diagnosing a failure. It answers in milliseconds unless the lighthouse
-is cut off from this process; then the diagnosis names no peer and the next quorum request, which the client
-retries on fresh connections, is what waits. (A look on the store's kept-alive connection waited out its read
-timeout, 12 s, and kept a worker whose NIC was down for 10 s out of the quorum 5 s after its link returned.)"""
-
-REPROBE_INTERVAL = 1.0
-"""Seconds between two probes of the members the last diagnosis could not reach, while a quorum request waits."""
-
 PLAN_REFUSALS = ("plan_mismatch", "no_plan")
 """The ``code`` of a lighthouse's answer refusing a member's plan (docs/protocol.md)."""
 Report = tuple[int, str | None, dict[str, Any] | None]
@@ -150,15 +136,8 @@ class QuorumSession:
         self._leader_asks = 0
         self._meetings = 0
         self._diverged = False
-        self._view: tuple[dist.Store, list[int]] | None = None
-        """The current quorum's store and group sizes, once known: what :meth:`diagnose` reads and probes."""
-        self._unreachable: tuple[str, ...] = ()
-        """The members the last diagnosis could not reach: sent with the next quorum request (the leader's)."""
-        self._cut: dict[str, list[str]] = {}
-        """The probe addresses of the members the last diagnosis could not reach (cut off or on a slow link), probed
-        again while the leader's quorum request waits; empty once a quorum is adopted."""
-        self._cut_need: LinkNeed | None = None
-        """What those probes must carry (the last diagnosis's need)."""
+        self.peers = PeerProbes(member)
+        """Which peers this process could not reach when a collective failed (:meth:`PeerProbes.diagnose`)."""
         self._probe = ProbeListener(transport.host)
         self._client: LighthouseClient | None = None
         if self.group.is_leader:
@@ -255,9 +234,9 @@ class QuorumSession:
                     f"{self.member}: the group's leader relayed no quorum answer within "
                     f"{self.timeouts.describe('quorum_timeout')}: {error}"
                 ) from error
-        unreachable, self._unreachable = self._unreachable, ()
+        unreachable = self.peers.take_unreachable()
         try:
-            with _Reprobe(self.member, self._client, dict(self._cut), self._cut_need):
+            with self.peers.reprobing(self._client):
                 answer = self._client.quorum(
                     applied_step=0 if self._diverged and reason == "join" else applied_step,
                     quorum_id=self.quorum_id if self.answer else None,
@@ -286,12 +265,12 @@ class QuorumSession:
         """Make ``answer`` the quorum this process is in (its communicators are built by :meth:`connect`)."""
         self.answer = answer
         self._diverged = False
-        self._cut = {}
+        self.peers.adopted()
 
     def connect(self, answer: QuorumAnswer) -> None:
         """Build the quorum's process group over every process of every member group (and, for FSDP2, per shard)."""
         store = quorum_store(answer.store, self.timeouts.rendezvous_timeout, token=self._token, ssl_context=self._ssl)
-        self._view = None
+        self.peers.unwatch()
         try:
             if self.group.is_leader:
                 store.set(f"group_size/{self.member}", str(self.group.size))
@@ -300,9 +279,12 @@ class QuorumSession:
             shards = json.dumps([identity.to_list() for identity in self.data_identities])
             store.set(f"data-shards/{self.member}/{self.group.rank}", shards)
             self.group_sizes = _group_sizes(store, answer.members)
-            self._view = (store, self.group_sizes)
-            self._check_layout(answer, store)
-            self._check_data(answer, store)
+            self.peers.watch(answer, store, self.group_sizes)
+            group_rank = self.group.rank
+            check_layout(answer, store, member=self.member, layout=self.layout, group_rank=group_rank,
+                         group_sizes=self.group_sizes)  # fmt: skip
+            check_data(answer, store, member=self.member, fingerprint=self.data_fingerprint,
+                       identities=self.data_identities)  # fmt: skip
         except (RuntimeError, dist.DistError) as error:  # a member that never wrote its keys: it died
             raise CollectiveError(f"quorum {answer.quorum_id}'s store did not answer: {error}") from error
         offset = sum(self.group_sizes[: answer.rank])
@@ -321,45 +303,6 @@ class QuorumSession:
         self._heals = 0  # heal keys count from 0 in each quorum's store, the same on every member
         self._leader_calls = 0
         self._meetings = 0
-
-    def diagnose(self, error: CollectiveError, *, need: LinkNeed | None = None) -> Diagnosis:
-        """What each peer member of the current quorum looked like when ``error`` happened (probed now, bounded by
-        :data:`~stalwart.runtime.probe.PROBE_TIMEOUT` and ``need.window``); the leader reports the unreachable ones
-        with its next quorum request.
-
-        Processes are read from the quorum's store: those that never wrote
-        their arrival never came; the others are probed at the address they
-        published, carrying ``need``'s bytes when the failure was a deadline
-        (a peer on a link too slow for them is reported like a cut-off one).
-        Nothing is known before the group sizes were read.
-        """
-        if self._view is None or self.answer is None or error.failure is Failure.ABANDONED:
-            # abandoned: the lighthouse named a member dead and leaves it out itself; a probe of a peer whose NIC
-            # died would hold the quorum request up to PROBE_TIMEOUT for nothing
-            return Diagnosis(error.failure, {})
-        store, sizes = self._view
-        came = _within(STORE_LOOK_S, lambda: arrivals(store, sum(sizes)))
-        if came is None:
-            return Diagnosis(error.failure, {})
-        owners = [member for member, size in zip(self.answer.members, sizes, strict=True) for _ in range(size)]
-        peers = {rank: member for rank, member in enumerate(owners) if member != self.member}
-        addresses = {rank: came[rank] for rank in peers if came.get(rank)}
-        found = probe(addresses, need=need if error.failure is Failure.TIMEOUT else None)
-        reached: dict[str, list[Reach | None]] = {member: [] for member in self.answer.members if member != self.member}
-        for rank, member in peers.items():
-            if rank not in came:
-                reached[member].append(None)
-            elif rank in found:
-                reached[member].append(found[rank])
-        diagnosis = diagnose(error.failure, reached)
-        self._unreachable = diagnosis.unreachable
-        self._cut = {
-            member: [address for rank, address in addresses.items() if peers[rank] == member]
-            for member, verdict in diagnosis.verdicts.items()
-            if verdict in (Verdict.CUT_OFF, Verdict.SLOW_LINK)
-        }
-        self._cut_need = need
-        return diagnosis
 
     def abort(self) -> None:
         """Abandon the quorum's communicators: retired, so that no caller waits for a collective they left pending.
@@ -571,74 +514,6 @@ class QuorumSession:
                 self._client.leave(applied_step)
             self._client.close()
 
-    # --- checks against the peers ----------------------------------------------------------------
-
-    def _check_layout(self, answer: QuorumAnswer, store: dist.Store) -> None:
-        """Refuse to train beside a group that shards differently (FSDP2), or shards when this one does not."""
-        heal = answer.heal
-        reference = 0 if heal is None or heal.source_rank is None else heal.source_rank
-        if reference == answer.rank:
-            return
-        name = answer.members[reference]
-        size = self.group_sizes[reference]
-        theirs = _peer_text(store, f"layout/{name}/{min(self.group.rank, size - 1)}")
-        if (theirs == REPLICATED) != (self.layout == REPLICATED):
-            raise ShardingMismatchError(
-                f"replica group {self.member!r} {'does not shard' if self.layout == REPLICATED else 'shards'} its "
-                f"model with FSDP2 and group {name!r} {'does' if theirs != REPLICATED else 'does not'}: every group "
-                "of a job must run the same training script"
-            )
-        if self.layout == REPLICATED:
-            return
-        if size != self.group.size:
-            raise ShardingMismatchError(
-                f"replica group {self.member!r} shards its model over {self.group.size} processes and group "
-                f"{name!r} over {size}: every FSDP2 group of a job needs the same number of processes"
-            )
-        if theirs != self.layout:
-            raise ShardingMismatchError(
-                f"process {self.group.rank} of replica group {self.member!r} holds its shard with layout "
-                f"{self.layout}, group {name!r}'s with {theirs}: every group must fully_shard the same model "
-                "the same way (see stalwart.runtime.sharding.sharding_layout)"
-            )
-
-    def _check_data(self, answer: QuorumAnswer, store: dist.Store) -> None:
-        """Refuse to train beside a member whose dataset has other shards: the same index would be another sample."""
-        heal = answer.heal
-        reference = 0 if heal is None or heal.source_rank is None else heal.source_rank
-        if reference == answer.rank:
-            return
-        name = answer.members[reference]
-        theirs = _peer_text(store, f"data/{name}/0")
-        if theirs and self.data_fingerprint and theirs != self.data_fingerprint:
-            difference = None
-            try:
-                listed = json.loads(store.get(f"data-shards/{name}/0"))
-                their_shards = [ShardIdentity.from_list(item) for item in listed]
-                difference = shard_difference(their_shards, self.data_identities, f"member {name!r}'s dataset")
-            except (ValueError, TypeError):
-                pass  # a peer's malformed list: the fingerprints' difference is the message
-            raise PlanMismatchError(
-                f"member {self.member!r} reads a dataset with fingerprint {self.data_fingerprint} and member "
-                f"{name!r} one with {theirs}" + (f" ({difference})" if difference else "") + ": every member must "
-                "read the same shards in the same order (the same row counts and contents; sort the file list)"
-            )
-
-
-def _peer_text(store: dist.Store, key: str) -> str:
-    """A peer's text value (a layout, a fingerprint); malformed (not UTF-8, too long) is a failed collective."""
-    return _decoded(key, bytes(store.get(key)))
-
-
-def _decoded(key: str, raw: bytes) -> str:
-    """The text a peer stored under ``key``; malformed (not UTF-8, too long) is a failed collective."""
-    try:
-        if len(raw) > MAX_PEER_TEXT:
-            raise ValueError(f"{len(raw)} bytes, over {MAX_PEER_TEXT}")
-        return raw.decode("utf-8")
-    except ValueError as error:
-        raise CollectiveError(f"a peer's {key!r} in the quorum's store is malformed ({error})") from None
-
 
 def _group_sizes(store: dist.Store, members: Sequence[str]) -> list[int]:
     """Each member's group size from the store: an int in [1, MAX_GROUP_SIZE], else a failed collective.
@@ -652,7 +527,7 @@ def _group_sizes(store: dist.Store, members: Sequence[str]) -> list[int]:
         raws += [bytes(raw) for raw in store.multi_get(keys[start : start + MAX_STORE_KEYS_PER_REQUEST])]
     sizes = []
     for member, key, raw in zip(members, keys, raws, strict=True):
-        text = _decoded(key, raw)
+        text = decoded(key, raw)
         if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_GROUP_SIZE:
             raise CollectiveError(
                 f"member {member!r} announced group size {text[:40]!r} in the quorum's store: not an int in "
@@ -683,68 +558,3 @@ def _connect_client(
         client.close()
         raise
     return client
-
-
-class _Reprobe:
-    """While a quorum request waits: probe the members ``cut`` (their addresses) every :data:`REPROBE_INTERVAL`,
-    carrying ``need``'s bytes, and tell the lighthouse those every process of which answered (each round: the
-    lighthouse ends only cuts that still stand, and a peer's report may come after the first).
-
-    A context manager: the probing runs on a daemon thread from entry to exit.
-    """
-
-    def __init__(self, member: str, client: LighthouseClient, cut: dict[str, list[str]], need: LinkNeed | None) -> None:
-        self._member = member
-        self._client = client
-        self._cut = {peer: addresses for peer, addresses in cut.items() if addresses}
-        self._need = need
-        self._stop = threading.Event()
-
-    def __enter__(self) -> _Reprobe:
-        if self._cut:
-            threading.Thread(target=self._run, name="stalwart-reprobe", daemon=True).start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()  # not joined: a probe in flight ends by its own timeout and reports nothing after this
-
-    def _run(self) -> None:
-        told: set[str] = set()
-        while not self._stop.wait(REPROBE_INTERVAL):
-            addresses = {(peer, i): address for peer, listed in self._cut.items() for i, address in enumerate(listed)}
-            found = probe(addresses, need=self._need)
-            reached = [
-                peer
-                for peer in self._cut
-                if all(found[(peer, i)] is Reach.REACHABLE for i in range(len(self._cut[peer])))
-            ]
-            if not reached or self._stop.is_set():
-                continue
-            try:
-                ended = self._client.report_reached(reached)
-            except (LighthouseError, LighthouseUnreachable, TimeoutError, RuntimeError) as error:  # closed: done
-                log.info("%s: could not tell the lighthouse it reaches %s again: %s", self._member, reached, error)
-                continue
-            if set(reached) - told:
-                log.warning("%s: reaches %s again (%d cut(s) ended)", self._member, ", ".join(reached), ended)
-                told.update(reached)
-
-
-def _within(seconds: float, call: Callable[[], _T]) -> _T | None:
-    """``call()``'s result, or None when it did not return within ``seconds``.
-
-    It runs on a daemon thread of its own, left to end by its own timeouts: a
-    store client's connection is per thread, so the look goes out on a new
-    connection, never on one a dead path left waiting.
-    """
-    results: list[_T] = []
-    done = threading.Event()
-
-    def run() -> None:
-        try:
-            results.append(call())
-        finally:
-            done.set()
-
-    threading.Thread(target=run, name="stalwart-diagnosis", daemon=True).start()
-    return results[0] if done.wait(seconds) and results else None
