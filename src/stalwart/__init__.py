@@ -63,8 +63,8 @@ _LOCATIONS: dict[str, str] = {
     "HealError": "stalwart.runtime.heal",
     "ShardsLostError": "stalwart.redundancy.layout",
     "ShardError": "stalwart.data.shards",
-    "LighthouseError": "stalwart.coord.client",
-    "LighthouseUnreachable": "stalwart.coord.client",
+    "LighthouseError": "stalwart.errors",
+    "LighthouseUnreachable": "stalwart.errors",
 }
 """Public name -> the module that defines it: what a training script writes, and every error stalwart raises (the
 one place to import them from: ``tests/unit/test_errors.py`` fails on a public error class missing here)."""

@@ -7,15 +7,20 @@ on), so ``except ValueError`` keeps working. An error that one module alone
 raises is defined next to what raises it; every one of them is imported from
 one place, the ``stalwart`` package (``from stalwart import CollectiveError``;
 ``tests/unit/test_errors.py`` checks both rules for every module). This
-module imports nothing, so every layer (data, coord, runtime) raises from here.
+module imports nothing of stalwart, so every layer (data, coord, runtime) raises from here.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 __all__ = [
     "InsecureLighthouseError",
     "JobFinishedError",
     "JoinError",
+    "LighthouseError",
+    "LighthouseUnreachable",
     "PlanMismatchError",
     "ShardingMismatchError",
     "StalwartError",
@@ -59,3 +64,16 @@ class StepContractError(StalwartError, RuntimeError):
 
 class InsecureLighthouseError(StalwartError, ValueError):
     """A lighthouse on a non-loopback address without a token: anyone on the network could drive the job."""
+
+
+class LighthouseError(StalwartError, RuntimeError):
+    """The lighthouse refused a request: ``status`` and the JSON ``body`` (``body["error"]`` says why)."""
+
+    def __init__(self, status: int, body: Mapping[str, Any]) -> None:
+        super().__init__(f"lighthouse answered {status}: {body.get('error', body)}")
+        self.status = status
+        self.body = dict(body)
+
+
+class LighthouseUnreachable(StalwartError, ConnectionError):
+    """Nothing answered at the lighthouse's address within the time allowed (the message names both)."""

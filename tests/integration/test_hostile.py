@@ -468,9 +468,11 @@ def test_one_identity_cannot_take_every_waiting_slot() -> None:
         with ThreadPoolExecutor(8) as pool:
             polls = [pool.submit(http, server.url + "/v1/quorum", "POST", ask, mallory["headers"]) for _ in range(4)]
             # each newer poll replaces the older ones (the fix), or all four wait and fill every slot (before it);
-            # server._waiting (private on purpose) counts the polls the lighthouse holds
+            # server.waiters.waiting counts the polls the lighthouse holds
             wait_until(
-                lambda: sum(p.done() for p in polls) >= 3 or server._waiting == 4, BOUND, "mallory's polls to arrive"
+                lambda: sum(p.done() for p in polls) >= 3 or server.waiters.waiting == 4,
+                BOUND,
+                "mallory's polls to arrive",
             )
             honest = LighthouseClient(server.url, "a", token=TOKEN, heartbeat_interval=0.05)
             try:

@@ -38,7 +38,7 @@ def test_a_quorum_that_could_not_be_saved_is_not_handed_out_until_a_save_succeed
     with Lighthouse(PLAN, **options) as server, LighthouseClient(server.url, "a", heartbeat_interval=0.05) as client:
         client.start_heartbeat(lambda: 0)
         assert client.quorum(0, None, "join", 20).quorum_id == 1
-        database = server._database  # private on purpose: a real SQLite failure under the running lighthouse
+        database = server.saves.database
         assert database is not None
         database._connection.close()  # the real SQLite connection fails under the running lighthouse
         headers = client.identity_headers()

@@ -79,8 +79,8 @@ def test_reports_carry_the_weights_and_the_lighthouse_replays_them() -> None:
         member.run(4, changes)
     b.heartbeat()
     assert state.step == 8 and state.ledger_state() == b.ledger.state_dict()  # type: ignore[union-attr]
-    # private on purpose: which digests the hosted ledger keeps is the invariant under test
-    assert set(state._hosted.digests) >= {3, 4, 6, 7, 8}, "steps whose weights are known keep their digests"
+    # which digests the hosted ledger keeps is the invariant under test
+    assert set(state.hosted.digests) >= {3, 4, 6, 7, 8}, "steps whose weights are known keep their digests"
 
 
 def test_a_report_whose_weights_differ_from_the_replay_commits_nothing() -> None:
@@ -103,7 +103,7 @@ def test_two_changes_between_reports_forget_the_digests_whose_weights_are_unknow
     a.run(7, {3: {"a": 4, "b": 2}, 6: {"a": 2, "b": 4}})
     a.heartbeat()
     assert state.step == 7 and state.ledger_state() == a.ledger.state_dict()  # type: ignore[union-attr]
-    digests = state._hosted.digests  # private on purpose, as above
+    digests = state.hosted.digests
     assert 0 in digests and {6, 7} <= set(digests) and not {1, 2, 3, 4, 5} & set(digests)
 
 

@@ -29,6 +29,12 @@ one (:class:`LighthouseError`, status 409, ``body["code"] == "plan_mismatch"``
 and ``body["differences"]``). ``leave`` stops the heartbeat first, so that
 nothing it sends after the leave makes the member alive again.
 
+Its parts: ``registration`` (the secret, :mod:`~stalwart.coord.registration`),
+``report`` (what the heartbeat reports, :mod:`~stalwart.coord.reports`),
+``notices`` (the reconfigure notices, :mod:`~stalwart.coord.notices`), the
+heartbeat loop (:mod:`~stalwart.coord.beats`) and the quorum requests sent on
+its socket (``socket_asks``, :mod:`~stalwart.coord.asks`).
+
 The Manager passes its settings as plain seconds; timeout messages name them
 and their environment variables (:data:`QUORUM_TIMEOUT_SETTING`,
 :data:`CONNECT_TIMEOUT_SETTING`).
@@ -70,22 +76,20 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 import aiohttp
 
 from stalwart._validate import check_int
-from stalwart.coord.asks import MAX_ANSWER_BYTES, SocketAsks
-from stalwart.coord.heal_report import HealTotals
+from stalwart.coord.asks import SocketAsks
+from stalwart.coord.beats import MIN_BACKOFF, HeartbeatLoop, describe_error
+from stalwart.coord.notices import Notices
 from stalwart.coord.protocol import (
     CHECKPOINT_PATH,
-    HEARTBEAT_PATH,
-    HEARTBEAT_RECONNECT_CODE,
     LEAVE_PATH,
     QUORUM_PATH,
     REACH_PATH,
-    REGISTER_PATH,
     SECRET_HEADER,
     CheckpointAnnouncement,
     HealPlan,
@@ -95,15 +99,14 @@ from stalwart.coord.protocol import (
     StoreAddress,
     bearer_headers,
     checkpoint_body,
-    heartbeat_message,
-    identity_headers,
     leave_body,
-    register_body,
 )
+from stalwart.coord.registration import Registration
+from stalwart.coord.reports import MemberReport, Report
 from stalwart.coord.tls import client_context, warn_cleartext
 from stalwart.coord.wire import RequestError, check_seconds, parse_member
 from stalwart.data.plan import EpochPlan
-from stalwart.errors import StalwartError
+from stalwart.errors import LighthouseError, LighthouseUnreachable
 
 __all__ = [
     "CONNECT_TIMEOUT_SETTING",
@@ -120,43 +123,19 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-MIN_BACKOFF = 0.05
 MAX_BACKOFF = 0.5
-"""Reconnection backoff bounds (seconds): well under the default heartbeat timeout of 2 s."""
+"""The longest pause (seconds) between tries to reach the lighthouse (``wait_reachable``); the first is
+``MIN_BACKOFF``."""
 MIN_CONNECT_S = 1.0
 """Floor of one connection attempt's timeout (a SYN lost on a dead path is retransmitted after 1 s)."""
 MIN_SILENCE_S = 2.0
 """Floor of how long the heartbeat socket may go without the lighthouse's answer before it is reopened."""
-CLOSE_S = 1.0
-"""How long closing a heartbeat socket waits for the lighthouse's close frame."""
 _RETRIED_STATUSES = frozenset({408, 502, 503, 504})
 """Answers a quorum request is asked again after, until its timeout: the long poll's end, and a lighthouse (or a
 proxy before it) that cannot answer now."""
-_STICKY_CODES = frozenset({"superseded", "plan_mismatch", "no_plan"})
-"""Registration refusals that no retry can change: every later call raises the same error."""
 QUORUM_TIMEOUT_SETTING = "the Manager's quorum_timeout, or the STALWART_QUORUM_TIMEOUT environment variable"
 CONNECT_TIMEOUT_SETTING = "the Manager's connect_timeout, or the STALWART_CONNECT_TIMEOUT environment variable"
-_REGISTER_RETRIED = frozenset({"member_alive", "rate_limited"})
-"""Registration refusals asked again until ``register_timeout``: the member's old process is alive (it will be dead
-by heartbeat soon, or it really is alive), or registrations come too fast."""
-
 T = TypeVar("T")
-Report = int | tuple[int, str | None] | tuple[int, str | None, dict[str, Any] | None]
-"""What ``start_heartbeat``'s callable returns: ``applied_step``, or ``(applied_step, ledger digest or None)``,
-or ``(applied_step, digest, weights record or None)`` (a balanced ledger's ``weights_record()``)."""
-
-
-class LighthouseError(StalwartError, RuntimeError):
-    """The lighthouse refused a request: ``status`` and the JSON ``body`` (``body["error"]`` says why)."""
-
-    def __init__(self, status: int, body: Mapping[str, Any]) -> None:
-        super().__init__(f"lighthouse answered {status}: {body.get('error', body)}")
-        self.status = status
-        self.body = dict(body)
-
-
-class LighthouseUnreachable(StalwartError, ConnectionError):
-    """Nothing answered at the lighthouse's address within the time allowed (the message names both)."""
 
 
 class LighthouseClient:
@@ -196,35 +175,27 @@ class LighthouseClient:
         self.ssl_context = client_context(self.url, ca_file)
         """What verifies the lighthouse's certificate (None over plain HTTP); the quorum's store uses it too."""
         warn_cleartext(self.url, token)
-        self._reconfigure = threading.Event()
-        self._broken = threading.Event()
-        self.quorum_down: tuple[str, ...] = ()
-        """The members the lighthouse named when it reported this member's quorum broken (cleared by ``quorum()``;
-        empty before, or from a lighthouse that does not name them)."""
+        self.notices = Notices()
+        """What the lighthouse told this member on its heartbeat socket (:mod:`~stalwart.coord.notices`)."""
         self.heartbeat_connected = threading.Event()
         """Set while the heartbeat websocket is open."""
         self._headers = bearer_headers(token)
         self.incarnation = uuid.uuid4().hex
         """This process's incarnation of the member (registered with the lighthouse on first use)."""
-        self._secret: str | None = None
-        self._register_lock: asyncio.Lock | None = None
-        self._refused: LighthouseError | None = None
-        """A registration refusal no retry changes (superseded, another plan, no plan): raised by every call."""
+        self.registration = Registration(
+            self.member, self.incarnation, plan, self.register_timeout, self._headers, self._request
+        )
+        """This incarnation's secret, registered when a call needs it (:mod:`~stalwart.coord.registration`)."""
         self._leaving = False
-        """Set by ``leave``: the heartbeat sends nothing more and does not reconnect."""
-        self._quorum_id: int | None = None
         self._answer: QuorumAnswer | None = None
         """The last quorum answer: the next request names it (``known``) so the next answer can be a delta."""
-        self._recommended_interval = 0.0
-        """The least heartbeat interval the lighthouse asked for (its register and quorum answers say)."""
-        self._get_applied_step: Callable[[], Report] | None = None
+        self.report = MemberReport()
+        """What this member reports: its step, heals and rounds (:mod:`~stalwart.coord.reports`)."""
+        self._heartbeat = HeartbeatLoop(self)
         self._heartbeat_task: asyncio.Task[None] | None = None
-        self._heal_totals = HealTotals()
-        self._rounds: Callable[[], dict[str, Any]] | None = None
-        """What ``report_rounds`` gave: each heartbeat's ``rounds`` field (DiLoCo members)."""
         self._closed = False
         self._reachability = _Reachability(self.url)
-        self._socket_asks = SocketAsks()
+        self.socket_asks = SocketAsks()
         """Quorum requests sent on the heartbeat socket while it is open (see :mod:`stalwart.coord.asks`)."""
         self._path_lost: asyncio.Future[None] | None = None
         """Done when the heartbeat finds the path to the lighthouse dead (then replaced): quorum requests in flight
@@ -237,14 +208,20 @@ class LighthouseClient:
     @property
     def reconfigure_requested(self) -> bool:
         """True once the lighthouse asked the quorum to come to a step boundary; ``quorum()`` clears it."""
-        return self._reconfigure.is_set()
+        return self.notices.reconfigure_requested
 
     # --- synchronous API (worker threads) --------------------------------------------------------
 
     @property
     def quorum_broken(self) -> bool:
         """True once the lighthouse reported a member of this member's quorum dead (cleared by ``quorum()``)."""
-        return self._broken.is_set()
+        return self.notices.quorum_broken
+
+    @property
+    def quorum_down(self) -> tuple[str, ...]:
+        """The members the lighthouse named when it reported this member's quorum broken (cleared by ``quorum()``;
+        empty before, or from a lighthouse that does not name them)."""
+        return self.notices.down
 
     @property
     def connect_attempt_timeout(self) -> float:
@@ -288,10 +265,10 @@ class LighthouseClient:
             raise TypeError(f"get_applied_step must be callable, got {get_applied_step!r}")
         if self._heartbeat_task is not None:
             raise RuntimeError("the heartbeat is already running")
-        self._get_applied_step = get_applied_step
+        self.report.applied_step = get_applied_step
 
         async def spawn() -> asyncio.Task[None]:
-            return asyncio.create_task(self._heartbeat_forever())
+            return asyncio.create_task(self._heartbeat.run())
 
         self._heartbeat_task = self._run(spawn())
 
@@ -300,14 +277,14 @@ class LighthouseClient:
         nbytes = check_int("nbytes", nbytes, minimum=0)
         if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 <= seconds < math.inf:
             raise ValueError(f"seconds must be a finite number >= 0, got {seconds!r}")
-        self._heal_totals = self._heal_totals.add(nbytes, float(seconds))
+        self.report.heals = self.report.heals.add(nbytes, float(seconds))
 
     def report_rounds(self, rounds: Callable[[], dict[str, Any]]) -> None:
         """Send ``rounds()`` (called on the client's thread) as every heartbeat's ``rounds`` field (DiLoCo's figures,
         see :mod:`stalwart.coord.rounds`)."""
         if not callable(rounds):
             raise TypeError(f"rounds must be callable, got {rounds!r}")
-        self._rounds = rounds
+        self.report.rounds = rounds
 
     def quorum(
         self,
@@ -332,7 +309,7 @@ class LighthouseClient:
         ``plan_mismatch`` / ``no_plan`` at registration, see the module doc).
         """
         body = {"member": self.member, "applied_step": applied_step, "quorum_id": quorum_id, "reason": reason}
-        body.update(self._reported_at(applied_step))
+        body.update(self.report.at(applied_step))
         if isinstance(unreachable, str):
             raise TypeError(f"unreachable must be a sequence of member ids, not the string {unreachable!r}")
         if unreachable:
@@ -348,11 +325,8 @@ class LighthouseClient:
             _no_quorum(self.member, timeout),
         )
         if self.member in answer.members:
-            self._quorum_id = answer.quorum_id
             self._answer = answer
-            self._reconfigure.clear()
-            self._broken.clear()
-            self.quorum_down = ()
+            self.notices.joined(answer.quorum_id)
         return answer
 
     def status(self) -> dict[str, Any]:
@@ -367,7 +341,7 @@ class LighthouseClient:
         The heartbeat sends nothing after this is called (the lighthouse closes
         its socket, and refuses this incarnation from then on: 410 ``left``).
         """
-        reported = {} if applied_step is None else self._reported_at(applied_step)
+        reported = {} if applied_step is None else self.report.at(applied_step)
         body = leave_body(self.member, applied_step, reported.get("digest"), reported.get("weights"))
         self._leaving = True
         self._run(self._authenticated_request("POST", LEAVE_PATH, body))
@@ -390,25 +364,9 @@ class LighthouseClient:
         body = checkpoint_body(self.member, step, path, ledger, digest)
         return self._run(self._authenticated_request("POST", CHECKPOINT_PATH, body))
 
-    def _report(self) -> dict[str, Any]:
-        """The heartbeat callable's report as a message: ``applied_step``, and ``digest`` and ``weights`` if set."""
-        assert self._get_applied_step is not None
-        report = self._get_applied_step()
-        step, digest, weights = (*report, None, None)[:3] if isinstance(report, tuple) else (report, None, None)
-        return heartbeat_message(step, digest, weights)
-
-    def _reported_at(self, applied_step: int) -> dict[str, Any]:
-        """The reported ``digest`` and ``weights`` when the heartbeat reports ``applied_step`` too, else nothing."""
-        if self._get_applied_step is None:
-            return {}
-        message = self._report()
-        if message.pop("applied_step") != applied_step:
-            return {}
-        return message
-
     def identity_headers(self) -> dict[str, str]:
         """The headers that authenticate this incarnation (registering first if needed), for tools and tests."""
-        return self._run(self._identity_headers())
+        return self._run(self.registration.headers())
 
     def close(self) -> None:
         """Stop the heartbeat (its socket closes) and the client's thread; safe to call twice."""
@@ -437,7 +395,9 @@ class LighthouseClient:
         try:
             return future.result(limit)
         except aiohttp.ClientConnectionError as error:  # refused, reset, cut short: say where, in the library's terms
-            raise LighthouseUnreachable(f"cannot reach the lighthouse at {self.url} ({_reason(error)})") from None
+            raise LighthouseUnreachable(
+                f"cannot reach the lighthouse at {self.url} ({describe_error(error)})"
+            ) from None
         except concurrent.futures.TimeoutError:
             if future.done():  # the coroutine's own TimeoutError, already worded
                 raise
@@ -449,7 +409,7 @@ class LighthouseClient:
     # --- coroutines (the client's loop) ----------------------------------------------------------
 
     async def _open_session(self) -> aiohttp.ClientSession:
-        self._register_lock = asyncio.Lock()
+        self.registration.start()
         self._path_lost = asyncio.get_running_loop().create_future()
         # a connection per request: none outlives a dead path (see the module's doc)
         connector = aiohttp.TCPConnector(force_close=True, ssl=self.ssl_context or True)
@@ -459,7 +419,7 @@ class LighthouseClient:
         """A request's timeouts: ``read`` in all and between reads, one connection attempt's to connect."""
         return aiohttp.ClientTimeout(total=read, sock_connect=self.connect_attempt_timeout, sock_read=read)
 
-    def _lose_path(self, reason: str) -> None:
+    def lose_path(self, reason: str) -> None:
         """The path to the lighthouse is dead: log it (once), and make quorum requests in flight ask again."""
         self._reachability.lost(reason, self.retry_cap)
         lost = self._path_lost
@@ -501,7 +461,7 @@ class LighthouseClient:
                     self._reachability.answered()
                     return
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as error:
-                reason = _reason(error)
+                reason = describe_error(error)
                 if time.monotonic() + backoff >= deadline:
                     raise LighthouseUnreachable(
                         f"cannot reach the lighthouse at {self.url} ({reason}); gave up after {timeout:g} s "
@@ -511,69 +471,29 @@ class LighthouseClient:
             await asyncio.sleep(backoff)
             backoff = min(2 * backoff, MAX_BACKOFF)
 
-    async def _identity_headers(self) -> dict[str, str]:
-        """Bearer token, incarnation and secret headers; registers this incarnation first when needed."""
-        assert self._register_lock is not None
-        async with self._register_lock:
-            if self._refused is not None:
-                raise self._refused
-            if self._secret is None:
-                await self._register()
-        assert self._secret is not None
-        return {**self._headers, **identity_headers(self.incarnation, self._secret)}
+    @property
+    def leaving(self) -> bool:
+        """Set by ``leave``: the heartbeat sends nothing more and does not reconnect."""
+        return self._leaving
 
-    async def _register(self) -> None:
-        """Register this incarnation; asked again while the member's old process lives (409 ``member_alive``, it
-        may be dead by heartbeat soon), registrations are rate limited, or the connection closed before an answer
-        (a lighthouse at its connection cap), up to ``register_timeout``."""
-        body = register_body(self.member, self.incarnation, self.plan)
-        deadline = time.monotonic() + self.register_timeout
-        warned = False
-        while True:
-            try:
-                registered = await self._request("POST", REGISTER_PATH, body)
-            except aiohttp.ClientConnectionError:
-                if time.monotonic() >= deadline:
-                    raise
-                await asyncio.sleep(MIN_BACKOFF)
-                continue
-            except LighthouseError as error:
-                code = error.body.get("code")
-                if code in _STICKY_CODES:
-                    self._refused = error
-                retry_after = error.body.get("retry_after")
-                if code not in _REGISTER_RETRIED or time.monotonic() >= deadline:
-                    raise
-                if not warned:
-                    logger.warning("%s: %s; registering again", self.member, error.body.get("error"))
-                    warned = True
-                pause = retry_after if isinstance(retry_after, int | float) and not isinstance(retry_after, bool) else 0
-                await asyncio.sleep(min(max(MIN_BACKOFF, float(pause)), MAX_BACKOFF * 4))
-                continue
-            self._secret = str(registered["secret"])
-            self._adopt_interval(registered)
-            return
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The client's HTTP session (a connection per request; see the module's doc)."""
+        return self._session
 
-    def _adopt_interval(self, answer: Mapping[str, Any]) -> None:
-        """Heartbeat no faster than the lighthouse asks (``heartbeat_interval`` in its answers, when it says)."""
-        recommended = answer.get("heartbeat_interval")
-        if isinstance(recommended, int | float) and not isinstance(recommended, bool) and 0 <= recommended < 3600:
-            self._recommended_interval = float(recommended)
+    def heard(self) -> None:
+        """The lighthouse answered: it is reachable (logged once after it was not)."""
+        self._reachability.answered()
 
     @property
     def effective_heartbeat_interval(self) -> float:
         """The interval heartbeats go at: ``heartbeat_interval``, or longer when the lighthouse asks for it."""
-        return max(self.heartbeat_interval, self._recommended_interval)
-
-    def _forget_secret(self, secret: str | None) -> None:
-        """Register again before the next call (the lighthouse no longer knows ``secret``)."""
-        if self._secret == secret:
-            self._secret = None
+        return max(self.heartbeat_interval, self.registration.recommended_interval)
 
     async def _authenticated_request(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
         """A request with the identity headers; registers again once if the lighthouse forgot the incarnation."""
         for attempt in range(2):
-            headers = await self._identity_headers()
+            headers = await self.registration.headers()
             try:
                 async with self._session.request(
                     method, self.url + path, json=body, headers=headers, timeout=self._timeouts(self.request_timeout)
@@ -584,7 +504,7 @@ class LighthouseClient:
             if response.status == 200:
                 return data
             if attempt == 0 and response.status == 403 and data.get("code") == "unregistered":
-                self._forget_secret(headers[SECRET_HEADER])
+                self.registration.forget(headers[SECRET_HEADER])
                 continue
             raise LighthouseError(response.status, data)
         raise AssertionError("unreachable")
@@ -608,10 +528,10 @@ class LighthouseClient:
                     )
                 raise TimeoutError(_no_quorum(self.member, timeout))
             try:
-                headers = await self._identity_headers()
+                headers = await self.registration.headers()
                 status, data = await self._post_quorum(body, headers, remaining)
             except aiohttp.ClientError as error:  # refused, reset, cut short (a restart), no connection in time
-                unreachable = _reason(error)
+                unreachable = describe_error(error)
                 self._reachability.lost(unreachable, self.retry_cap)
             except asyncio.TimeoutError:
                 logger.debug("quorum request for %s timed out; asking again", self.member)
@@ -621,7 +541,7 @@ class LighthouseClient:
                 unreachable = None
                 self._reachability.answered()
                 if status == 200:
-                    self._adopt_interval(data)
+                    self.registration.adopt_interval(data)
                     try:
                         return QuorumAnswer.from_json(data, previous, url=self.url)
                     except StaleAnswer as error:
@@ -629,7 +549,7 @@ class LighthouseClient:
                         body["known"] = previous = None
                         continue
                 if status == 403 and data.get("code") == "unregistered":
-                    self._forget_secret(headers[SECRET_HEADER])
+                    self.registration.forget(headers[SECRET_HEADER])
                     continue
                 if status not in _RETRIED_STATUSES:
                     raise LighthouseError(status, data)
@@ -644,12 +564,12 @@ class LighthouseClient:
         request is abandoned, its connection closed)."""
         lost = self._path_lost
         assert lost is not None
-        on_socket = self._socket_asks.message(body)
+        on_socket = self.socket_asks.message(body)
 
         async def post() -> tuple[int, Any]:
             if on_socket is not None:
                 async with asyncio.timeout(read):
-                    answer = await self._socket_asks.ask(*on_socket)
+                    answer = await self.socket_asks.ask(*on_socket)
                 if answer is None:  # the socket closed first
                     raise _PathLost
                 return answer
@@ -666,136 +586,6 @@ class LighthouseClient:
         attempt.cancel()
         await asyncio.gather(attempt, return_exceptions=True)
         raise _PathLost
-
-    async def _heartbeat_forever(self) -> None:
-        backoff = MIN_BACKOFF
-        while not self._leaving:
-            headers: dict[str, str] = {}
-            try:
-                headers = await self._identity_headers()
-                async with asyncio.timeout(self.silence_timeout):  # the handshake: answered, or the path is dead
-                    socket = await self._session.ws_connect(
-                        self.url + HEARTBEAT_PATH,
-                        params={"member": self.member},
-                        headers=headers,
-                        heartbeat=None,
-                        autoping=False,  # the pongs are the lighthouse's answers (see _beat)
-                        timeout=aiohttp.ClientWSTimeout(ws_close=CLOSE_S),
-                        max_msg_size=MAX_ANSWER_BYTES,
-                    )
-                async with socket:
-                    backoff = MIN_BACKOFF
-                    self.heartbeat_connected.set()
-                    self._socket_asks.attach(socket)
-                    if await self._beat(socket):
-                        self._socket_asks.detach()  # before the close, which may wait: nothing more is asked on it
-                        self._lose_path(f"no answer on the heartbeat socket for {self.silence_timeout:g} s")
-                        await socket.close(code=HEARTBEAT_RECONNECT_CODE, message=b"no answer: reconnecting")
-            except asyncio.CancelledError:
-                raise
-            except aiohttp.WSServerHandshakeError as error:
-                if error.status == 410:  # this incarnation left
-                    return
-                if error.status == 403:
-                    self._forget_secret(headers.get(SECRET_HEADER))
-                logger.debug("heartbeat of %s refused (%s); reconnecting", self.member, error)
-            except LighthouseError as error:
-                if self._refused is not None:
-                    logger.error("%s: the lighthouse refuses this process; no more heartbeats (%s)", self.member, error)
-                    return
-                logger.warning("heartbeat of %s cannot register (%s); retrying", self.member, error)
-            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as error:
-                logger.debug("heartbeat of %s lost (%s); reconnecting", self.member, error)
-                self._lose_path(_reason(error))
-            except Exception:
-                logger.exception("heartbeat of %s failed; reconnecting", self.member)
-            finally:
-                self._socket_asks.detach()
-                self.heartbeat_connected.clear()
-            await asyncio.sleep(backoff)
-            backoff = min(2 * backoff, self.retry_cap)
-
-    async def _beat(self, socket: aiohttp.ClientWebSocketResponse) -> bool:
-        """Send the latest report every interval until the socket closes; True when the lighthouse stopped answering.
-
-        Each report goes with a ping; the next only once the pong came back (the lighthouse read the report), so a
-        dead path holds one report, never a queue: the report sent next is the latest. A report unanswered for
-        :attr:`silence_timeout` gives the socket up.
-        """
-        assert self._get_applied_step is not None
-        answered = asyncio.Event()
-        answered.set()
-        receiver = asyncio.create_task(self._receive(socket, answered))
-        sent = time.monotonic()
-        try:
-            while not receiver.done():
-                if self._leaving:  # the lighthouse closes the socket once the leave is in
-                    await receiver
-                    return False
-                if answered.is_set():
-                    answered.clear()
-                    await socket.send_json(self._heartbeat_message())
-                    await socket.ping()
-                    sent = time.monotonic()
-                elif time.monotonic() - sent > self.silence_timeout:
-                    return True
-                await asyncio.wait({receiver}, timeout=self.effective_heartbeat_interval)
-            return False
-        finally:
-            receiver.cancel()
-            await asyncio.gather(receiver, return_exceptions=True)
-
-    def _heartbeat_message(self) -> dict[str, Any]:
-        """The report, with the heal totals and DiLoCo's rounds when there are any."""
-        message = self._report()
-        heal = self._heal_totals
-        rounds = None if self._rounds is None else self._rounds()
-        if heal.heals or rounds is not None:
-            message = heartbeat_message(
-                message["applied_step"],
-                message.get("digest"),
-                message.get("weights"),
-                heal.to_json() if heal.heals else None,
-                rounds,
-            )
-        return message
-
-    async def _receive(self, socket: aiohttp.ClientWebSocketResponse, answered: asyncio.Event) -> None:
-        async for message in socket:
-            if message.type == aiohttp.WSMsgType.PONG:
-                answered.set()
-                self._reachability.answered()
-                continue
-            if message.type == aiohttp.WSMsgType.PING:
-                await socket.pong(message.data)
-                continue
-            if message.type != aiohttp.WSMsgType.TEXT:
-                continue
-            try:
-                data = json.loads(message.data)
-            except ValueError:
-                logger.warning("lighthouse sent a message that is not JSON: %r", message.data)
-                continue
-            if not isinstance(data, dict):
-                continue
-            if data.get("type") == "reconfigure":
-                quorum_id = data.get("quorum_id")
-                if data.get("left_out") is True:
-                    # a newer quorum went on without this member: abandon what it runs and join again
-                    if isinstance(quorum_id, int) and self._quorum_id is not None and quorum_id > self._quorum_id:
-                        self._reconfigure.set()
-                        self._broken.set()
-                elif quorum_id is None or self._quorum_id is None or quorum_id == self._quorum_id:
-                    self._reconfigure.set()
-                    if data.get("broken") is True:
-                        down = data.get("down")
-                        if isinstance(down, list) and all(isinstance(member, str) for member in down):
-                            self.quorum_down = tuple(down)
-                        self._broken.set()
-            elif data.get("type") == "answer":
-                self._socket_asks.answered(data)
-            elif data.get("type") == "error":
-                logger.warning("lighthouse refused a heartbeat of %s: %s", self.member, data.get("error"))
 
 
 class _NoAnswer(LighthouseUnreachable, TimeoutError):
@@ -828,11 +618,6 @@ class _Reachability:
         if self.since is not None:
             logger.warning("lighthouse at %s reachable again after %.1f s", self.url, time.monotonic() - self.since)
             self.since = None
-
-
-def _reason(error: BaseException) -> str:
-    """What went wrong, in a few words (aiohttp's timeouts have no message)."""
-    return str(error) or type(error).__name__
 
 
 def _no_quorum(member: str, timeout: float) -> str:

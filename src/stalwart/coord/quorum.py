@@ -1,7 +1,9 @@
 """The lighthouse's state machine: the quorum formation policy, composing parts with one job each.
 
-:class:`LighthouseState` holds the policy (when a quorum forms, whom it keeps,
-which step it starts at, who is healed) and the events that drive it; its
+:class:`LighthouseState` is the entry point for the events that drive the
+policy (when a quorum forms, whom it keeps, which step it starts at, who is
+healed); ``intake`` (:mod:`~stalwart.coord.intake`) applies members' events
+to the parts, ``former`` (:mod:`~stalwart.coord.former`) forms quorums. Its
 parts are public attributes:
 
 - ``registry`` (:mod:`~stalwart.coord.registry`): identities and the rules a
@@ -120,16 +122,17 @@ from typing import Any
 
 from stalwart._validate import check_bool, check_int
 from stalwart.coord import snapshot, status
-from stalwart.coord.checkpoints import CheckpointRecord, parse_checkpoint_report, vouch
+from stalwart.coord.checkpoints import CheckpointRecord
 from stalwart.coord.commits import MAX_CATCH_UP, CommitListener, Commits
-from stalwart.coord.formation import Formation, MemberDelta
+from stalwart.coord.formation import Formation
+from stalwart.coord.former import Former
 from stalwart.coord.history import HISTORY_LIMIT, History
 from stalwart.coord.hosted_ledger import HostedLedger, StepRecord
-from stalwart.coord.identity import parse_incarnation
+from stalwart.coord.intake import Intake
 from stalwart.coord.membership import DEFAULT_OUTAGE_TIMEOUT, MemberRecord, Membership
 from stalwart.coord.pending import Pending
 from stalwart.coord.protocol import QuorumRequest, ledger_digest
-from stalwart.coord.reachability import Reachability, choose
+from stalwart.coord.reachability import Reachability
 from stalwart.coord.registry import NO_PLAN, Registry
 from stalwart.coord.roster import Quorum, Roster
 from stalwart.coord.snapshot import Changes, Parts, Restored, Saver
@@ -174,9 +177,6 @@ UNREACHABLE_WAIT_S = 30.0
 """Default ``unreachable_wait``: three times the workers' default ``rendezvous_timeout`` (10 s)."""
 CUT_MAX_TTL = 12
 """A cut's longest time to live, in join timeouts (its first is one join timeout; see ``reachability``)."""
-HUNG_CHECK_S = 0.5
-"""How often, at most, :meth:`LighthouseState.tick` looks for hung members (a walk of the quorum); at least ten
-times per ``join_timeout``, so a hang is found within 110% of it."""
 
 
 class LighthouseState(Tracked):
@@ -188,7 +188,7 @@ class LighthouseState(Tracked):
     answers or the checkpoint stamps it.
     """
 
-    UNTRACKED = frozenset({"_held", "_hung_checked", "saver"})
+    UNTRACKED = frozenset({"former", "intake", "saver"})
 
     def __init__(
         self,
@@ -219,7 +219,6 @@ class LighthouseState(Tracked):
         for the silent members it keeps (they may still sit in the rendezvous the cut-off member gave up on)."""
         self.reach = Reachability(self.join_timeout, CUT_MAX_TTL * self.join_timeout)
         """The cuts members reported (``docs/protocol.md``, "Reachability"); not persisted."""
-        self._held: tuple[tuple[int, int], frozenset[str]] = ((-1, -1), frozenset())
         self.registry = Registry(self.max_members, self.heartbeat_timeout)
         """The identities of every member and the rules new registrations must pass."""
         self.saver = Saver()
@@ -239,7 +238,10 @@ class LighthouseState(Tracked):
         self.answered: TrackedDict[str, QuorumRequest] = TrackedDict()
         """The requests the current quorum answered."""
         self.history = History()
-        self._hung_checked = float("-inf")
+        self.former = Former(self)
+        """The formation policy (:mod:`~stalwart.coord.former`): when the next quorum forms, whom it keeps."""
+        self.intake = Intake(self)
+        """Members' events applied to the parts (:mod:`~stalwart.coord.intake`)."""
 
     # --- read-only views -------------------------------------------------------------------------
 
@@ -268,7 +270,7 @@ class LighthouseState(Tracked):
         return None if self.commits.hosted is None else self.commits.hosted.ledger.plan
 
     @property
-    def _hosted(self) -> HostedLedger:
+    def hosted(self) -> HostedLedger:
         """The ledger of record; every request that needs it comes after a registration, which needs a plan."""
         if self.commits.hosted is None:
             raise RequestError(409, NO_PLAN, code="no_plan")
@@ -282,7 +284,7 @@ class LighthouseState(Tracked):
     @property
     def step(self) -> int:
         """Steps the hosted ledger has committed."""
-        return self._hosted.step
+        return self.hosted.step
 
     @property
     def failures(self) -> list[dict[str, Any]]:
@@ -336,7 +338,7 @@ class LighthouseState(Tracked):
             return False
         # every waiting request but the survivors' (failure or reconfigure from the quorum) is a joiner's; a joiner
         # cut from a member of the quorum would be left out again: it calls nobody to a boundary until its cuts end
-        return self.roster.broken or len(self.asks) - self.asks.survivors > self._held_out_asking()
+        return self.roster.broken or len(self.asks) - self.asks.survivors > self.former.held_out_asking()
 
     @property
     def quorum_broken(self) -> bool:
@@ -372,7 +374,7 @@ class LighthouseState(Tracked):
 
     def ledger_state(self) -> dict[str, Any]:
         """The ledger as the members see it: in the step in progress when a quorum formed in it, else committed."""
-        return self._hosted.ledger_state()
+        return self.hosted.ledger_state()
 
     def formation_for(self, request: QuorumRequest) -> Formation | None:
         """The current quorum if it was formed for exactly this request (a retried long poll)."""
@@ -407,37 +409,12 @@ class LighthouseState(Tracked):
         plan: EpochPlan | None = None,
         current: tuple[object, object] | None = None,
     ) -> str:
-        """Register ``incarnation`` of ``member`` and return its new secret.
-
-        A first registration counts as a sign of life (the process heartbeats
-        next). A new incarnation of a member still alive needs ``current``,
-        the live incarnation and its secret: it then marks the old one dead at
-        once (failure reason ``restarted``) and the old secret stops working;
-        without them the answer is 409 ``member_alive`` (``retry_after``: when
-        the old one is dead by heartbeat, if it stays silent), so that nobody
-        holding only the token can evict a live member. ``plan`` is the plan
-        the member trains with: a lighthouse without one adopts it; one with a
-        plan refuses a different one. ``RequestError`` (nothing changes) 429
-        when ``max_members`` live members are already registered or
-        registrations come faster than their rate limit, 409 for a replaced or
-        already registered incarnation, 409 ``plan_mismatch`` (``differences``
-        names each differing field with both values) or ``no_plan`` (neither
-        side has one).
-        """
-        member = parse_member(member)
-        incarnation = parse_incarnation(incarnation)
-        self.membership.heard(now)  # its network works: the silence of an old incarnation counts
-        self.registry.admit(member, incarnation, now, self.membership, (self.plan, plan), current)
-        secret, replaced = self.registry.identities.register(member, incarnation)
+        """Register ``incarnation`` of ``member`` and return its new secret (the rules, and the refusals:
+        :meth:`~stalwart.coord.intake.Intake.register`); a lighthouse without a plan adopts ``plan``."""
+        secret = self.intake.register(member, incarnation, now, plan, current)
         if self.commits.hosted is None:
             assert plan is not None  # the registry refused a registration without one
             self.commits.hosted = HostedLedger(plan, self._balance_every)
-        if replaced is not None and self.membership.alive(member):
-            self._mark_dead(member, now, "restarted")
-        if replaced is not None and member in self.roster:
-            self.roster.evict(member)
-        elif replaced is None:
-            self._touch(member, now)
         return secret
 
     def authenticate(self, member: str, incarnation: object, secret: object) -> None:
@@ -458,30 +435,12 @@ class LighthouseState(Tracked):
     # --- events ----------------------------------------------------------------------------------
 
     def connected(self, member: str, now: float) -> None:
-        """``member`` opened its heartbeat socket; back from the dead (its link is up again), it is cut from nobody."""
-        member = parse_member(member)
-        came_back = member in self.membership and not self.membership.alive(member)
-        self._touch(member, now).connected = True
-        if came_back:
-            quorum = self.roster.quorum
-            self.reach.reconnected(member, None if quorum is None else quorum.quorum_id, now)
+        """``member`` opened its heartbeat socket (:meth:`~stalwart.coord.intake.Intake.connected`)."""
+        self.intake.connected(member, now)
 
     def disconnected(self, member: str, now: float, *, reconnecting: bool = False) -> None:
-        """``member``'s heartbeat socket closed: it is dead at once (a killed process closes its sockets), unless
-        ``reconnecting`` (its member closed it to open another, or it carried no heartbeat) or the socket was
-        stale: its member silent for longer than ``heartbeat_timeout``. Then its silence is judged by the
-        heartbeat timeout and the outage rule (``docs/protocol.md``).
-
-        A stale socket's close tells nothing new: after an outage of the lighthouse's link, the reset of a socket
-        its member gave up meanwhile arrives when the link returns, often before the member's new socket.
-        """
-        record = self.membership.get(member)
-        if record is None:
-            return
-        record.connected = False
-        stale = now - record.last_seen > self.heartbeat_timeout
-        if record.alive and not reconnecting and not stale:
-            self._mark_dead(member, now, "socket closed")
+        """``member``'s heartbeat socket closed (:meth:`~stalwart.coord.intake.Intake.disconnected`)."""
+        self.intake.disconnected(member, now, reconnecting=reconnecting)
 
     def heartbeat(
         self,
@@ -491,39 +450,13 @@ class LighthouseState(Tracked):
         digest: str | None = None,
         weights: Mapping[str, Any] | None = None,
     ) -> bool:
-        """``member`` reports ``applied_step``; the ledger commits through the largest a quorum member reports.
-        True when the report counted at once (False: its replay goes on, see :meth:`heard_again`).
-
-        ``digest`` is the member's ``ledger_digest`` at ``applied_step``: a
-        report that would commit steps is refused (``RequestError`` 422,
-        nothing changes) when the lighthouse's replay disagrees, or when it is
-        missing and ``require_digest`` is set. ``weights``: the member's
-        weights record at ``applied_step`` (balanced ledgers; see
-        :func:`~stalwart.coord.wire.parse_weights`).
-        """
-        member = parse_member(member)
-        applied_step = parse_step(applied_step)
-        digest = parse_digest(digest)
-        weights = parse_weights(weights)
-        counts = self.commits.verify(self.roster, member, applied_step, digest, weights)
-        record = self._touch(member, now)
-        if counts:  # else its replay goes on: the step is recorded once verified
-            record.report(applied_step)
-            self.commits.progress(self.roster, member, applied_step, weights)
-        self._take_verdicts()
-        return counts
+        """``member`` reports ``applied_step`` (:meth:`~stalwart.coord.intake.Intake.heartbeat`); True when the
+        report counted at once."""
+        return self.intake.heartbeat(member, applied_step, now, digest, weights)
 
     def heard_again(self, member: str, now: float) -> bool:
-        """``member`` sent again the report :meth:`heartbeat` counted last, within the same quorum: it is alive at
-        ``now`` and nothing else changes. False (nothing done) unless it is a live member: then the report is read in
-        full. Most heartbeats repeat the last one (a member heartbeats several times per step, and not at all
-        differently while it waits for a quorum): reading them in full held the loop from quorum requests."""
-        record = self.membership.get(member)
-        if record is None or not record.alive:
-            return False
-        self._touch(member, now)
-        self._take_verdicts()
-        return True
+        """``member`` repeated its last counted report (:meth:`~stalwart.coord.intake.Intake.heard_again`)."""
+        return self.intake.heard_again(member, now)
 
     def leave(
         self,
@@ -533,46 +466,13 @@ class LighthouseState(Tracked):
         digest: str | None = None,
         weights: Mapping[str, Any] | None = None,
     ) -> None:
-        """A clean exit: ``member`` is dead at once, after its last ``applied_step`` (with ``digest`` and
-        ``weights``) counts as a heartbeat."""
-        record = self.membership.get(parse_member(member))
-        if record is None:
-            raise RequestError(404, f"member {member!r} is not known to the lighthouse", field="member")
-        if applied_step is not None and record.alive:
-            self.heartbeat(member, applied_step, now, digest, weights)
-        record.connected = False
-        if record.alive:
-            self._mark_dead(member, now, "left")
-            record.left = True
-        self.registry.identities.leave(member)  # this incarnation has no more say (its late heartbeats are refused)
+        """A clean exit (:meth:`~stalwart.coord.intake.Intake.leave`)."""
+        self.intake.leave(member, now, applied_step, digest, weights)
 
     def record_checkpoint(self, body: Any, now: float) -> CheckpointRecord:
-        """A member wrote a durable checkpoint: keep it if it is newer and its ledger is the one committed.
-
-        Only the current quorum's checkpoint writer (its rank 0, while it
-        counts for the quorum) may report: a worker loads what the lighthouse
-        announces, and DCP's metadata is pickled. Raises ``RequestError``
-        (nothing changes) for a malformed report, a reporter that is not the
-        writer (403 ``not_writer``), a ledger that differs from the one
-        committed at that step (422) or a step not committed yet (409: report
-        again later).
-        """
-        record = parse_checkpoint_report(body, self._hosted.ledger.plan, now)
-        quorum = self.roster.quorum
-        writer = None if quorum is None else quorum.members[0]
-        if record.member != writer or not self.roster.counts(record.member):
-            raise RequestError(
-                403,
-                f"member {record.member!r} is not the checkpoint writer of the current quorum (its rank 0, "
-                f"{writer!r}): only the writer reports checkpoints",
-                field="member",
-                code="not_writer",
-            )
-        vouch(record, self._hosted.step, self._hosted.digests)
-        if self.checkpoint is None or record.step > self.checkpoint.step:
-            self.checkpoint = record
-            self.history.checkpoint()
-        return self.checkpoint
+        """A member wrote a durable checkpoint: keep it if it is newer and its ledger is the one committed
+        (:meth:`~stalwart.coord.intake.Intake.record_checkpoint`)."""
+        return self.intake.record_checkpoint(body, now)
 
     def request(self, request: QuorumRequest, now: float) -> dict[str, Any] | None:
         """:meth:`ask`, with the (wire 1) answer as a dict."""
@@ -580,31 +480,9 @@ class LighthouseState(Tracked):
         return None if formation is None else formation.answer(request.member)
 
     def ask(self, request: QuorumRequest, now: float) -> Formation | None:
-        """Register a quorum request; returns the quorum at once if this very request was already answered.
-
-        Raises ``RequestError`` (and changes nothing) for a stale quorum id, a
-        member not in the quorum asking as a survivor, or an impossible step;
-        the survivor also loses its own older survivor ask, told to join
-        (:meth:`_drop_stale_ask`).
-        """
-        formation = self.formation_for(request)
-        if formation is not None:
-            self._touch(request.member, now)
-            return formation
-        try:
-            self._check_request(request)
-        except RequestError as error:
-            if error.status == 409:
-                self._drop_stale_ask(request.member)
-            raise
-        record = self._touch(request.member, now)
-        if request.reason != "join":
-            record.report(request.applied_step)
-            self.commits.progress(self.roster, request.member, request.applied_step, request.weights)
-        self.asks.add(request, now, self.roster.counts(request.member))
-        self.reach.report(request.member, request.quorum_id, request.unreachable, now)
-        self._take_verdicts()
-        return None
+        """Register a quorum request (:meth:`~stalwart.coord.intake.Intake.ask`); the quorum at once if this very
+        request was already answered."""
+        return self.intake.ask(request, now)
 
     def reached(self, member: str, peers: Sequence[str], now: float) -> int:
         """``member``'s probe got through to ``peers`` again: the cuts between them end (``docs/protocol.md``,
@@ -629,389 +507,16 @@ class LighthouseState(Tracked):
     def work_catch_up(self) -> None:
         """One more slice of the replay in progress (a few milliseconds; the server interleaves them)."""
         self.commits.work(self.roster)
-        self._take_verdicts()
-
-    def _take_verdicts(self) -> None:
-        """Record the steps of reports verified after the events that made them (their replay took slices)."""
-        for report in self.commits.take_counted():
-            record = self.membership.get(report.member)
-            if record is not None and (record.applied_step is None or record.applied_step < report.step):
-                record.report(report.step)
-            self.commits.progress(self.roster, report.member, report.step, report.weights)
+        self.intake.take_verdicts()
 
     def tick(self, now: float) -> Formation | None:
-        """Expire heartbeats and join timeouts, forget long-dead members, verify a slice of a report's replay; form
-        the next quorum when the rules allow."""
-        self.commits.work(self.roster)
-        self._take_verdicts()
-        for name in self.membership.expired(now):
-            self._mark_dead(name, now, "heartbeat timeout")
-        for forgotten in self.membership.forget_dead(self.roster):
-            self.registry.identities.forget(forgotten)
-        if now - self._hung_checked >= min(HUNG_CHECK_S, self.join_timeout / 10) or now < self._hung_checked:
-            self._hung_checked = now
-            self._detect_hung(now)
-        return self.try_form(now)
-
-    def _detect_hung(self, now: float) -> None:
-        """Evict quorum members that live peers wait on (they are ahead) with no progress for ``join_timeout``.
-
-        The member's heartbeat lives but its main loop does not: its peers are
-        blocked in a collective on it. Evicting it breaks the quorum, so the
-        peers are told at once and re-form without it (failure reason ``hung``).
-        A member being healed is not compared; one at a boundary (asking) or
-        whose report is being verified is not known to be behind.
-        """
-        quorum = self.roster.quorum
-        if quorum is None:
-            return
-        for member in self.membership.hung(
-            quorum.members,
-            lambda m: self.roster.counts(m) and m not in self.commits.healing,
-            lambda m: m in self.asks or self.commits.pending(m),
-            now,
-            self.join_timeout,
-        ):
-            self.roster.evict(member)
-            self._record_failure(member, now, "hung", in_quorum=True)
-
-    # --- quorum formation ------------------------------------------------------------------------
+        """Expire heartbeats and join timeouts, find hung members, verify a slice of a replay, form the next quorum
+        when the rules allow (:meth:`~stalwart.coord.intake.Intake.tick`)."""
+        return self.intake.tick(now)
 
     def try_form(self, now: float) -> Formation | None:
-        """Form the next quorum if the rules allow at ``now``; constant time unless it forms (or a failure waits, or
-        cuts touch the candidates: then what they touch)."""
-        pending, roster = self.asks, self.roster
-        if not len(pending):
-            return None
-        if not pending.ours:
-            self.reach.expire(now)  # never while a quorum waits for its members (the cuts decide whom it waits for)
-        # Some member of the quorum must ask (only joiners wait: nothing forms, whatever the cuts).
-        if roster.counting and not pending.ours:
-            return None
-        since = pending.first_time()
-        patient = now - since < self.join_timeout + self.unreachable_wait
-        left_out = self._left_out(patient)
-        cut_off_silent = sum(1 for m in left_out if roster.counts(m) and m not in pending)
-        unaccounted = roster.counting - pending.ours - cut_off_silent
-        timed_out = now - since >= self.join_timeout
-        # After the join timeout the members that did not ask are excluded: they no longer count for the
-        # majority rule, so the askers are the majority of what counts. While a member of the quorum is cut off the
-        # others may sit in the rendezvous it gave up on: the silent members of the best set are waited for longer.
-        if unaccounted and (not timed_out or (patient and any(m in roster for m in left_out))):
-            return None
-        carries_on = pending.survivors > 0  # at most: the walk below tells whether one of them holds the state
-        size = len(pending) - (len(left_out) - cut_off_silent)
-        if not pending.failures and not self._may_form(size, False, timed_out, carries_on, cut_off_silent):
-            return None  # without a failure every asker joins the quorum: the counts decide, no walk needed
-        return self._form_from_pending(now, timed_out, since, left_out)
-
-    def _left_out(self, patient: bool) -> frozenset[str]:
-        """The askers and silent members of the quorum that cuts leave out of the next quorum.
-
-        The candidates are the askers and, while ``patient`` (until
-        ``unreachable_wait`` past the join timeout), the members of the current
-        quorum that count and have not asked;
-        :func:`~stalwart.coord.reachability.choose` keeps the largest set of
-        them that reach one another, holders of the state first. While it
-        leaves out a member of the quorum, the quorum waits for the silent
-        members it keeps (they may sit in the rendezvous the cut-off member
-        gave up on), so a member cut off from the others never forms a
-        quorum alone in place of them. Costs what the cuts touch (nothing
-        without cuts).
-        """
-        if not self.reach.cuts:
-            return frozenset()
-        pending, roster, healing = self.asks, self.roster, self.commits.healing
-
-        def holder(member: str) -> bool:
-            ask = pending.get(member)
-            return roster.counts(member) and member not in healing and (ask is None or ask.request.reason != "join")
-
-        return choose(
-            self.reach.peers,
-            lambda m: m in pending or (patient and roster.counts(m)),
-            holder,
-            lambda m: (roster.ranks.get(m, len(roster.ranks)), m),
-        ).left_out
-
-    def _held_out_asking(self) -> int:
-        """How many waiting joiners are cut from a member of the current quorum (cached per cut set and quorum)."""
-        if not self.reach.cuts:
-            return 0
-        quorum = self.roster.quorum
-        key = (self.reach.version, 0 if quorum is None else quorum.quorum_id)
-        if self._held[0] != key:
-            held = frozenset(
-                m for m, peers in self.reach.peers.items() if m not in self.roster and peers & self.roster.ranks.keys()
-            )
-            self._held = (key, held)
-        pending = self.asks
-        return sum(1 for m in self._held[1] if (ask := pending.get(m)) is not None and not ask.ours)
-
-    def _may_form(self, size: int, failure: bool, timed_out: bool, carries_on: bool, cut_off: int = 0) -> bool:
-        """Whether a quorum of ``size`` members may form now (``min_replicas``, ``start_replicas``, stragglers).
-
-        ``min_replicas`` does not hold back a quorum that ``carries_on``: one
-        that keeps a member of the current quorum holding the job's state. The
-        survivors of a failure train on below ``min_replicas`` rather than wait
-        (and lose the state if they die waiting); restarted members join them
-        at the next step boundary. It gates the first quorum, and a quorum of
-        newcomers only (a fleet restarted from a checkpoint). Once the job
-        ended (every member of the last quorum left cleanly) neither holds a
-        quorum back: nobody else is coming to train, so a late joiner is
-        answered at once, alone at the final step, and finds the job finished.
-        ``cut_off``: live members of the quorum that have not asked and are cut
-        off (nobody waits for them).
-        """
-        if not size:
-            return False
-        if size < self.min_replicas and not carries_on and not self._finished_cleanly():
-            return False
-        if self.roster.quorum is None and size < self.start_replicas and not timed_out:
-            return False
-        return failure or timed_out or not self._yet_to_ask(cut_off)
-
-    def _yet_to_ask(self, cut_off: int = 0) -> bool:
-        """Whether a live member that counts (not evicted, not ``cut_off``) has not asked: a boundary quorum waits."""
-        pending, alive = self.asks, self.membership.alive
-        evicted_silent = sum(1 for m in self.roster.evicted if alive(m) and m not in pending)
-        return self.membership.live - len(pending) - evicted_silent - cut_off > 0  # every waiting member is alive
-
-    def _form_from_pending(
-        self, now: float, timed_out: bool, since: float, left_out: frozenset[str]
-    ) -> Formation | None:
-        pending, roster = self.asks, self.roster
-        quorum_members = roster.quorum.members if roster.quorum else ()
-        asked = [m for m in quorum_members if roster.counts(m) and m in pending and m not in left_out]
-        unaccounted = [m for m in quorum_members if roster.counts(m) and m not in pending]
-        survivors = [m for m in asked if pending[m].request.reason != "join"]
-        chosen = set(survivors)
-        joiners = [m for m, _ in pending.items() if m not in chosen and m not in left_out]
-        # a restarted or hung member of the quorum may come back only as a joiner
-        trusted = [m for m in survivors if m not in self.commits.healing]
-        target, mode = self._target_step(trusted)
-        failure = any(
-            pending[m].request.reason == "failure" and pending[m].request.applied_step == target for m in trusted
-        )
-        members = survivors if failure else survivors + joiners
-        carries_on = any(pending[m].request.applied_step == target for m in trusted)
-        cut_off = [m for m in unaccounted if m in left_out]
-        if not self._may_form(len(members), failure, timed_out, carries_on, len(cut_off)):
-            return None
-        stateless = roster.quorum is not None and not any(pending[m].request.applied_step == target for m in members)
-        if stateless and any(m not in self.commits.healing for m in unaccounted):
-            # no member of this quorum holds the job's state at the target step: never form it (and exclude the
-            # members that do) while one of them lives; the joiners wait for it (a survivor alone in a slow step)
-            return None
-        excluded = [m for m in unaccounted if m not in left_out]
-        unreachable = cut_off + [m for m, _ in pending.items() if m in left_out]
-        return self._form(now, members, target, mode, failure, timed_out, excluded, since, unreachable)
-
-    def _target_step(self, trusted: list[str]) -> tuple[int, str]:
-        """``A`` and how the ledger reaches it: ``catch-up``, ``rollback`` or ``keep`` (no survivor holds more)."""
-        committed = self._hosted.step
-        if trusted:
-            target = max(self.asks[m].request.applied_step for m in trusted)
-            if target >= committed:
-                return target, "catch-up"
-            if target == committed - 1 and self._hosted.snapshot is not None:
-                return target, "rollback"
-        return committed, "keep"
-
-    def _form(
-        self,
-        now: float,
-        members: list[str],
-        target: int,
-        mode: str,
-        failure: bool,
-        timed_out: bool,
-        excluded: list[str],
-        since: float,
-        unreachable: list[str],
-    ) -> Formation:
-        """Form the quorum; members of the old one that did not ask by the timeout are excluded as of ``since``;
-        ``unreachable`` members are left out because cuts keep them from it (no failure: they may ask again)."""
-        previous = self.roster.quorum
-        if mode == "catch-up":
-            asked = [self.asks[m].request for m in members if m not in self.commits.healing]
-            reports = [r.weights for r in asked if r.reason != "join" and r.applied_step == target]
-            self.commits.catch_up_to(self.roster, target, reports[0] if reports else None)
-        elif mode == "rollback":
-            self._hosted.rollback()
-            self.history.rollback()
-        checkpoint = self._resume_point(members, target, failure)
-        if checkpoint is not None:
-            self._resume(checkpoint, now, previous.quorum_id + 1 if previous else 1)
-            target = checkpoint.step
-        if failure:
-            assert previous is not None
-            self._hosted.fail(list(previous.members), members)
-        else:
-            self._hosted.begin(members)
-        requests = {}
-        for m in members:
-            ask = self.asks.pop(m)
-            assert ask is not None
-            requests[m] = ask.request
-        applied = {m: requests[m].applied_step for m in members}
-        targets = [m for m in members if applied[m] != target]
-        if previous is None:
-            targets = [m for m in members[1:] if applied[m] == target] + targets
-        at_target = [rank for rank, m in enumerate(members) if applied[m] == target]
-        heal: dict[str, Any] | None = None
-        if checkpoint is not None:
-            heal = {"source_rank": None, "targets": targets, "checkpoint": checkpoint.announcement()}
-        elif targets:
-            heal = {"source_rank": at_target[0] if at_target else None, "targets": targets, "checkpoint": None}
-        self.commits.heal({m: applied[m] > target for m in targets}, target)
-        self._hosted.snapshot = None
-        quorum_id = previous.quorum_id + 1 if previous else 1
-        for member in previous.members if previous else ():
-            self.membership[member].waited_since = None
-        self.roster = Roster(Quorum(quorum_id, tuple(members)))
-        self.asks.regroup(self.roster.counts)
-        for member in excluded:
-            self._record_failure(member, since, "excluded", in_quorum=True)
-        record = self._hosted.record
-        assert record is not None
-        reason = "start-up" if previous is None else "failure" if failure else "boundary"
-        delta = None
-        if previous is not None:
-            delta = MemberDelta.between(previous.quorum_id, previous.members, members, record.members)
-        formation = Formation(
-            quorum_id,
-            tuple(members),
-            target,
-            heal,
-            self._hosted.ledger.state_dict(),
-            tuple(record.members),
-            tuple(tuple(failed) for failed, _ in record.failures),
-            ledger_digest(self._hosted.ledger_state()),
-            reason,
-            now,
-            timed_out,
-            mode == "rollback",
-            delta,
-        )
-        self.formation = formation
-        self.answered = TrackedDict(requests)
-        self.history.quorum(quorum_id, list(members), reason, now, target, timed_out=timed_out, unreachable=unreachable)
-        for member in unreachable:
-            self.reach.renew(member, now)  # it stays out a time to live from now
-        self.reach.prune(self.membership.__contains__, now)
-        return formation
-
-    def _resume_point(self, members: list[str], target: int, failure: bool) -> CheckpointRecord | None:
-        """The checkpoint to resume from when no member of the new quorum holds the job's state at ``target``."""
-        checkpoint = self.checkpoint
-        if failure or checkpoint is None or checkpoint.step > self._hosted.step:
-            return None
-        if any(self.asks[m].request.applied_step == target for m in members):
-            return None
-        if checkpoint.step < self._hosted.step and self._finished_cleanly():
-            return None  # the job ended: its members left with the state; nothing to roll back for
-        return checkpoint
-
-    def _finished_cleanly(self) -> bool:
-        """Whether every member of the last quorum left cleanly (``/v1/leave``) rather than failing: the job ended
-        (a whole quorum departing at a boundary leaves unannounced, as failures). Constant time unless every member
-        of the quorum is gone."""
-        quorum = self.roster.quorum
-        if quorum is None or self.roster.counting:
-            return False
-        records = [self.membership.get(member) for member in quorum.members]
-        return all(record is not None and record.left for record in records)
-
-    def _resume(self, checkpoint: CheckpointRecord, now: float, quorum_id: int) -> None:
-        """Roll the ledger back to ``checkpoint``: every step after it is trained again, once."""
-        self.history.checkpoint_resume(quorum_id, self._hosted.step, checkpoint.step, checkpoint.path, now)
-        self._hosted.restore(checkpoint.ledger)
-
-    # --- checks ----------------------------------------------------------------------------------
-
-    def _drop_stale_ask(self, member: str) -> None:
-        """Forget ``member``'s pending survivor ask once it is told to join again (409).
-
-        Its long poll ended (408) and the ask stayed, matching a retry of the
-        same request; a left-out member's retry is refused instead, and until
-        its join arrives the old ask would count it into a quorum formed
-        meanwhile (its cuts ended), a quorum it would never hear of: the
-        others would wait for it in the quorum's store (10 s, then a failed
-        start).
-        """
-        ask = self.asks.get(member)
-        if (
-            ask is not None
-            and ask.request.reason != "join"
-            and (member not in self.roster or member in self.roster.evicted)
-        ):
-            self.asks.pop(member)
-
-    def _check_request(self, request: QuorumRequest) -> None:
-        quorum = self.roster.quorum
-        if request.reason == "join":
-            # every report a quorum member makes commits at once, so nothing known is past the ledger's step
-            limit = self._hosted.step + (1 if quorum is not None else 0)
-            if request.applied_step > limit:
-                raise RequestError(
-                    422,
-                    f"applied_step {request.applied_step} is impossible for a join: the ledger is at step "
-                    f"{self._hosted.step} and nothing known is past it (was the lighthouse "
-                    "restarted without its --state file? restart it on that file to go on)",
-                    field="applied_step",
-                )
-            return
-        if quorum is None:
-            raise RequestError(
-                409, f"no quorum has formed yet: ask with reason 'join', not {request.reason!r}", field="reason"
-            )
-        if request.member not in self.roster or request.member in self.roster.evicted:
-            raise RequestError(
-                409,
-                f"member {request.member!r} is not (or no longer) in quorum {quorum.quorum_id}: "
-                "ask again with reason 'join'",
-                field="member",
-                quorum_id=quorum.quorum_id,
-                members=list(quorum.members),
-            )
-        if request.quorum_id != quorum.quorum_id:
-            raise RequestError(
-                409,
-                f"quorum_id {request.quorum_id} is stale: the current quorum is {quorum.quorum_id}",
-                field="quorum_id",
-                quorum_id=quorum.quorum_id,
-                members=list(quorum.members),
-            )
-        if not self.commits.verify(self.roster, request.member, request.applied_step, request.digest, request.weights):
-            raise RequestError(
-                503,
-                f"the lighthouse is verifying the ledger up to applied_step {request.applied_step} (its replay "
-                "goes on in slices); ask again",
-                code="catching_up",
-                retry=True,
-            )
-
-    # --- liveness and history --------------------------------------------------------------------
-
-    def _touch(self, member: str, now: float) -> MemberRecord:
-        record = self.membership.touch(member, now)
-        self.roster.revived(member)
-        return record
-
-    def _mark_dead(self, member: str, now: float, reason: str) -> None:
-        self.membership.mark_dead(member)
-        self.roster.died(member)
-        self.asks.pop(member)
-        self.answered.pop(member, None)
-        in_quorum = member in self.roster
-        if reason == "left":
-            self.history.departure(member, now, in_quorum=in_quorum)
-        else:
-            self._record_failure(member, now, reason, in_quorum=in_quorum)
-
-    def _record_failure(self, member: str, now: float, reason: str, *, in_quorum: bool) -> None:
-        self.history.failure(member, now, reason, in_quorum=in_quorum)
+        """Form the next quorum if the rules allow at ``now`` (:meth:`~stalwart.coord.former.Former.try_form`)."""
+        return self.former.try_form(now)
 
     # --- status and persistence (stalwart.coord.status, stalwart.coord.snapshot) ------------------
 

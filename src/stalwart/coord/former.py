@@ -1,0 +1,315 @@
+"""The quorum formation policy: when the next quorum forms, whom it keeps, at which step, and who is healed. Pure.
+
+The rules are ``docs/protocol.md``'s and :mod:`~stalwart.coord.quorum`'s
+("Quorums", "Reachability", "Healing"): a quorum forms once every member of
+the current one asked or is dead (or ``join_timeout`` passed: the others are
+excluded), ``min_replicas`` and ``start_replicas`` hold back a quorum that
+carries no state on, cuts leave out the members that cannot reach the rest,
+and no quorum forms that would lose the state while a member holding it lives.
+
+:class:`Former` reads the lighthouse state's parts (:class:`FormingState`,
+what :class:`~stalwart.coord.quorum.LighthouseState` holds) and, when a
+quorum forms, puts the new roster, formation and answers in place.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from stalwart.coord.checkpoints import CheckpointRecord
+from stalwart.coord.commits import Commits
+from stalwart.coord.formation import Formation, MemberDelta
+from stalwart.coord.history import History
+from stalwart.coord.hosted_ledger import HostedLedger
+from stalwart.coord.membership import Membership
+from stalwart.coord.pending import Pending
+from stalwart.coord.protocol import QuorumRequest, ledger_digest
+from stalwart.coord.reachability import Reachability, choose
+from stalwart.coord.roster import Quorum, Roster
+from stalwart.coord.tracked import TrackedDict
+
+
+class FormingState(Protocol):
+    """The parts of the lighthouse's state the formation policy reads, and those a formation replaces."""
+
+    min_replicas: int
+    start_replicas: int
+    join_timeout: float
+    unreachable_wait: float
+    asks: Pending
+    roster: Roster
+    commits: Commits
+    membership: Membership
+    reach: Reachability
+    history: History
+    checkpoint: CheckpointRecord | None
+    formation: Formation | None
+    answered: TrackedDict[str, QuorumRequest]
+
+    @property
+    def hosted(self) -> HostedLedger: ...
+
+
+class Former:
+    """Forms the next quorum of ``state`` when the rules allow (:meth:`try_form`)."""
+
+    def __init__(self, state: FormingState) -> None:
+        self.state = state
+        self._held: tuple[tuple[int, int], frozenset[str]] = ((-1, -1), frozenset())
+
+    def try_form(self, now: float) -> Formation | None:
+        """Form the next quorum if the rules allow at ``now``; constant time unless it forms (or a failure waits, or
+        cuts touch the candidates: then what they touch)."""
+        pending, roster = self.state.asks, self.state.roster
+        if not len(pending):
+            return None
+        if not pending.ours:
+            self.state.reach.expire(
+                now
+            )  # never while a quorum waits for its members (the cuts decide whom it waits for)
+        # Some member of the quorum must ask (only joiners wait: nothing forms, whatever the cuts).
+        if roster.counting and not pending.ours:
+            return None
+        since = pending.first_time()
+        patient = now - since < self.state.join_timeout + self.state.unreachable_wait
+        left_out = self._left_out(patient)
+        cut_off_silent = sum(1 for m in left_out if roster.counts(m) and m not in pending)
+        unaccounted = roster.counting - pending.ours - cut_off_silent
+        timed_out = now - since >= self.state.join_timeout
+        # After the join timeout the members that did not ask are excluded: they no longer count for the
+        # majority rule, so the askers are the majority of what counts. While a member of the quorum is cut off the
+        # others may sit in the rendezvous it gave up on: the silent members of the best set are waited for longer.
+        if unaccounted and (not timed_out or (patient and any(m in roster for m in left_out))):
+            return None
+        carries_on = pending.survivors > 0  # at most: the walk below tells whether one of them holds the state
+        size = len(pending) - (len(left_out) - cut_off_silent)
+        if not pending.failures and not self._may_form(size, False, timed_out, carries_on, cut_off_silent):
+            return None  # without a failure every asker joins the quorum: the counts decide, no walk needed
+        return self._form_from_pending(now, timed_out, since, left_out)
+
+    def _left_out(self, patient: bool) -> frozenset[str]:
+        """The askers and silent members of the quorum that cuts leave out of the next quorum.
+
+        The candidates are the askers and, while ``patient`` (until
+        ``unreachable_wait`` past the join timeout), the members of the current
+        quorum that count and have not asked;
+        :func:`~stalwart.coord.reachability.choose` keeps the largest set of
+        them that reach one another, holders of the state first. While it
+        leaves out a member of the quorum, the quorum waits for the silent
+        members it keeps (they may sit in the rendezvous the cut-off member
+        gave up on), so a member cut off from the others never forms a
+        quorum alone in place of them. Costs what the cuts touch (nothing
+        without cuts).
+        """
+        if not self.state.reach.cuts:
+            return frozenset()
+        pending, roster, healing = self.state.asks, self.state.roster, self.state.commits.healing
+
+        def holder(member: str) -> bool:
+            ask = pending.get(member)
+            return roster.counts(member) and member not in healing and (ask is None or ask.request.reason != "join")
+
+        return choose(
+            self.state.reach.peers,
+            lambda m: m in pending or (patient and roster.counts(m)),
+            holder,
+            lambda m: (roster.ranks.get(m, len(roster.ranks)), m),
+        ).left_out
+
+    def held_out_asking(self) -> int:
+        """How many waiting joiners are cut from a member of the current quorum (cached per cut set and quorum)."""
+        if not self.state.reach.cuts:
+            return 0
+        quorum = self.state.roster.quorum
+        key = (self.state.reach.version, 0 if quorum is None else quorum.quorum_id)
+        if self._held[0] != key:
+            held = frozenset(
+                m
+                for m, peers in self.state.reach.peers.items()
+                if m not in self.state.roster and peers & self.state.roster.ranks.keys()
+            )
+            self._held = (key, held)
+        pending = self.state.asks
+        return sum(1 for m in self._held[1] if (ask := pending.get(m)) is not None and not ask.ours)
+
+    def _may_form(self, size: int, failure: bool, timed_out: bool, carries_on: bool, cut_off: int = 0) -> bool:
+        """Whether a quorum of ``size`` members may form now (``min_replicas``, ``start_replicas``, stragglers).
+
+        ``min_replicas`` does not hold back a quorum that ``carries_on``: one
+        that keeps a member of the current quorum holding the job's state. The
+        survivors of a failure train on below ``min_replicas`` rather than wait
+        (and lose the state if they die waiting); restarted members join them
+        at the next step boundary. It gates the first quorum, and a quorum of
+        newcomers only (a fleet restarted from a checkpoint). Once the job
+        ended (every member of the last quorum left cleanly) neither holds a
+        quorum back: nobody else is coming to train, so a late joiner is
+        answered at once, alone at the final step, and finds the job finished.
+        ``cut_off``: live members of the quorum that have not asked and are cut
+        off (nobody waits for them).
+        """
+        if not size:
+            return False
+        if size < self.state.min_replicas and not carries_on and not self.finished_cleanly():
+            return False
+        if self.state.roster.quorum is None and size < self.state.start_replicas and not timed_out:
+            return False
+        return failure or timed_out or not self._yet_to_ask(cut_off)
+
+    def _yet_to_ask(self, cut_off: int = 0) -> bool:
+        """Whether a live member that counts (not evicted, not ``cut_off``) has not asked: a boundary quorum waits."""
+        pending, alive = self.state.asks, self.state.membership.alive
+        evicted_silent = sum(1 for m in self.state.roster.evicted if alive(m) and m not in pending)
+        return self.state.membership.live - len(pending) - evicted_silent - cut_off > 0  # every waiting member is alive
+
+    def _form_from_pending(
+        self, now: float, timed_out: bool, since: float, left_out: frozenset[str]
+    ) -> Formation | None:
+        pending, roster = self.state.asks, self.state.roster
+        quorum_members = roster.quorum.members if roster.quorum else ()
+        asked = [m for m in quorum_members if roster.counts(m) and m in pending and m not in left_out]
+        unaccounted = [m for m in quorum_members if roster.counts(m) and m not in pending]
+        survivors = [m for m in asked if pending[m].request.reason != "join"]
+        chosen = set(survivors)
+        joiners = [m for m, _ in pending.items() if m not in chosen and m not in left_out]
+        # a restarted or hung member of the quorum may come back only as a joiner
+        trusted = [m for m in survivors if m not in self.state.commits.healing]
+        target, mode = self._target_step(trusted)
+        failure = any(
+            pending[m].request.reason == "failure" and pending[m].request.applied_step == target for m in trusted
+        )
+        members = survivors if failure else survivors + joiners
+        carries_on = any(pending[m].request.applied_step == target for m in trusted)
+        cut_off = [m for m in unaccounted if m in left_out]
+        if not self._may_form(len(members), failure, timed_out, carries_on, len(cut_off)):
+            return None
+        stateless = roster.quorum is not None and not any(pending[m].request.applied_step == target for m in members)
+        if stateless and any(m not in self.state.commits.healing for m in unaccounted):
+            # no member of this quorum holds the job's state at the target step: never form it (and exclude the
+            # members that do) while one of them lives; the joiners wait for it (a survivor alone in a slow step)
+            return None
+        excluded = [m for m in unaccounted if m not in left_out]
+        unreachable = cut_off + [m for m, _ in pending.items() if m in left_out]
+        return self._form(now, members, target, mode, failure, timed_out, excluded, since, unreachable)
+
+    def _target_step(self, trusted: list[str]) -> tuple[int, str]:
+        """``A`` and how the ledger reaches it: ``catch-up``, ``rollback`` or ``keep`` (no survivor holds more)."""
+        committed = self.state.hosted.step
+        if trusted:
+            target = max(self.state.asks[m].request.applied_step for m in trusted)
+            if target >= committed:
+                return target, "catch-up"
+            if target == committed - 1 and self.state.hosted.snapshot is not None:
+                return target, "rollback"
+        return committed, "keep"
+
+    def _form(
+        self,
+        now: float,
+        members: list[str],
+        target: int,
+        mode: str,
+        failure: bool,
+        timed_out: bool,
+        excluded: list[str],
+        since: float,
+        unreachable: list[str],
+    ) -> Formation:
+        """Form the quorum; members of the old one that did not ask by the timeout are excluded as of ``since``;
+        ``unreachable`` members are left out because cuts keep them from it (no failure: they may ask again)."""
+        previous = self.state.roster.quorum
+        if mode == "catch-up":
+            asked = [self.state.asks[m].request for m in members if m not in self.state.commits.healing]
+            reports = [r.weights for r in asked if r.reason != "join" and r.applied_step == target]
+            self.state.commits.catch_up_to(self.state.roster, target, reports[0] if reports else None)
+        elif mode == "rollback":
+            self.state.hosted.rollback()
+            self.state.history.rollback()
+        checkpoint = self._resume_point(members, target, failure)
+        if checkpoint is not None:
+            self._resume(checkpoint, now, previous.quorum_id + 1 if previous else 1)
+            target = checkpoint.step
+        if failure:
+            assert previous is not None
+            self.state.hosted.fail(list(previous.members), members)
+        else:
+            self.state.hosted.begin(members)
+        requests = {}
+        for m in members:
+            ask = self.state.asks.pop(m)
+            assert ask is not None
+            requests[m] = ask.request
+        applied = {m: requests[m].applied_step for m in members}
+        targets = [m for m in members if applied[m] != target]
+        if previous is None:
+            targets = [m for m in members[1:] if applied[m] == target] + targets
+        at_target = [rank for rank, m in enumerate(members) if applied[m] == target]
+        heal: dict[str, Any] | None = None
+        if checkpoint is not None:
+            heal = {"source_rank": None, "targets": targets, "checkpoint": checkpoint.announcement()}
+        elif targets:
+            heal = {"source_rank": at_target[0] if at_target else None, "targets": targets, "checkpoint": None}
+        self.state.commits.heal({m: applied[m] > target for m in targets}, target)
+        self.state.hosted.snapshot = None
+        quorum_id = previous.quorum_id + 1 if previous else 1
+        for member in previous.members if previous else ():
+            self.state.membership[member].waited_since = None
+        self.state.roster = Roster(Quorum(quorum_id, tuple(members)))
+        self.state.asks.regroup(self.state.roster.counts)
+        for member in excluded:
+            self.state.history.failure(member, since, "excluded", in_quorum=True)
+        record = self.state.hosted.record
+        assert record is not None
+        reason = "start-up" if previous is None else "failure" if failure else "boundary"
+        delta = None
+        if previous is not None:
+            delta = MemberDelta.between(previous.quorum_id, previous.members, members, record.members)
+        formation = Formation(
+            quorum_id,
+            tuple(members),
+            target,
+            heal,
+            self.state.hosted.ledger.state_dict(),
+            tuple(record.members),
+            tuple(tuple(failed) for failed, _ in record.failures),
+            ledger_digest(self.state.hosted.ledger_state()),
+            reason,
+            now,
+            timed_out,
+            mode == "rollback",
+            delta,
+        )
+        self.state.formation = formation
+        self.state.answered = TrackedDict(requests)
+        self.state.history.quorum(
+            quorum_id, list(members), reason, now, target, timed_out=timed_out, unreachable=unreachable
+        )
+        for member in unreachable:
+            self.state.reach.renew(member, now)  # it stays out a time to live from now
+        self.state.reach.prune(self.state.membership.__contains__, now)
+        return formation
+
+    def _resume_point(self, members: list[str], target: int, failure: bool) -> CheckpointRecord | None:
+        """The checkpoint to resume from when no member of the new quorum holds the job's state at ``target``."""
+        checkpoint = self.state.checkpoint
+        if failure or checkpoint is None or checkpoint.step > self.state.hosted.step:
+            return None
+        if any(self.state.asks[m].request.applied_step == target for m in members):
+            return None
+        if checkpoint.step < self.state.hosted.step and self.finished_cleanly():
+            return None  # the job ended: its members left with the state; nothing to roll back for
+        return checkpoint
+
+    def finished_cleanly(self) -> bool:
+        """Whether every member of the last quorum left cleanly (``/v1/leave``) rather than failing: the job ended
+        (a whole quorum departing at a boundary leaves unannounced, as failures). Constant time unless every member
+        of the quorum is gone."""
+        quorum = self.state.roster.quorum
+        if quorum is None or self.state.roster.counting:
+            return False
+        records = [self.state.membership.get(member) for member in quorum.members]
+        return all(record is not None and record.left for record in records)
+
+    def _resume(self, checkpoint: CheckpointRecord, now: float, quorum_id: int) -> None:
+        """Roll the ledger back to ``checkpoint``: every step after it is trained again, once."""
+        self.state.history.checkpoint_resume(quorum_id, self.state.hosted.step, checkpoint.step, checkpoint.path, now)
+        self.state.hosted.restore(checkpoint.ledger)
