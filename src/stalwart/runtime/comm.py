@@ -419,9 +419,10 @@ class Communicator:
 
         Gloo: the work's future wakes this thread the moment it completes (a
         poll's sleep would add a scheduler wake-up per check on a busy
-        machine); ``abandon()`` is checked meanwhile, every ``_ABANDON_CHECK``
-        seconds at first, backing off to ``_LAST_ABANDON_CHECK``. NCCL: polled, since its future completes through the
-        stream rather than on the host.
+        machine); ``abandon()`` is checked meanwhile, after
+        ``_ABANDON_CHECK`` seconds at first, backing off to
+        ``_LAST_ABANDON_CHECK``. NCCL: polled, since its future completes
+        through the stream rather than on the host.
         """
         done = threading.Event()
         if self.device.type != "cuda":
