@@ -107,7 +107,10 @@ _FIRST_POLL = 20e-6
 _LAST_POLL = 1e-3
 """Polling a collective starts every 20 us (a small model's all-reduce is done in ~100 us) and backs off to 1 ms."""
 _ABANDON_CHECK = 0.005
-"""Seconds between two looks at ``abandon()`` while a Gloo collective's future is awaited."""
+_LAST_ABANDON_CHECK = 0.05
+"""Seconds between two looks at ``abandon()`` while a Gloo collective's future is awaited: 5 ms, doubling to 50 ms
+(a wait for a peer still in its backward, tens of milliseconds on a busy machine, wakes a few times instead of one
+time per 5 ms; a quorum the lighthouse reported broken is still given up within 50 ms)."""
 _GRACE = 1.0
 """Seconds past a collective's timeout before the Communicator gives up itself (the backend should have first)."""
 ARRIVED = "arrived/"
@@ -416,14 +419,15 @@ class Communicator:
 
         Gloo: the work's future wakes this thread the moment it completes (a
         poll's sleep would add a scheduler wake-up per check on a busy
-        machine); ``abandon()`` is checked every ``_ABANDON_CHECK`` seconds
-        meanwhile. NCCL: polled, since its future completes through the
-        stream rather than on the host.
+        machine); ``abandon()`` is checked meanwhile, after
+        ``_ABANDON_CHECK`` seconds at first, backing off to
+        ``_LAST_ABANDON_CHECK``. NCCL: polled, since its future completes
+        through the stream rather than on the host.
         """
         done = threading.Event()
         if self.device.type != "cuda":
             work.get_future().add_done_callback(lambda _: done.set())
-        delay = _FIRST_POLL
+        delay = _FIRST_POLL if self.device.type == "cuda" else _ABANDON_CHECK
         while not (done.is_set() or work.is_completed()):
             if self._abandon():
                 raise CollectiveError(
@@ -439,7 +443,8 @@ class Communicator:
                 time.sleep(delay)
                 delay = min(2 * delay, _LAST_POLL)
             else:
-                done.wait(_ABANDON_CHECK)
+                done.wait(delay)
+                delay = min(2 * delay, _LAST_ABANDON_CHECK)
         try:
             work.wait()
         except (RuntimeError, dist.DistError) as error:

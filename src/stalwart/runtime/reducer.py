@@ -51,7 +51,7 @@ import torch
 
 from stalwart.runtime.comm import CollectiveError, Communicator
 from stalwart.runtime.config import DEFAULT_BUCKET_CAP_MB, REDUCE_DTYPES
-from stalwart.runtime.sharding import local_tensor
+from stalwart.runtime.sharding import is_dtensor, local_tensor
 
 FIRST_BUCKET_BYTES = 1 << 20
 """The first bucket's cap (DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``, or ``bucket_cap_mb`` when smaller)."""
@@ -143,12 +143,18 @@ class GradientReducer:
             first_cap_bytes=min(FIRST_BUCKET_BYTES, cap_bytes),
             reduce_dtype=reduce_dtype,
         )
-        self._place = {
-            param: (number, slot)
-            for number, bucket in enumerate(self.buckets)
-            for slot, param in enumerate(bucket.params)
-        }
+        self._bucket_of = [0] * len(self.params)
+        for number, bucket in enumerate(self.buckets):
+            for index in bucket.params:
+                self._bucket_of[index] = number
+        self._sharded = any(is_dtensor(param) for param in self.params)
         self._buffers: list[torch.Tensor] = []
+        self._views: list[torch.Tensor] = []
+        """Each parameter's slice of its bucket's buffer, shaped like its (local) gradient."""
+        self._same_dtype = [
+            all(self.params[index].dtype == bucket.dtype for index in bucket.params) for bucket in self.buckets
+        ]
+        """Per bucket: whether every gradient in it has the bucket's dtype (a reduce dtype of their own does not)."""
         self._tail_buffer: torch.Tensor | None = None
         self._tail_size = -1
         self._comm: Communicator | None = None
@@ -240,14 +246,32 @@ class GradientReducer:
         return self._tail_view()
 
     def apply(self, divisor: float) -> None:
-        """Replace each ``param.grad`` with the reduced sum divided by ``divisor`` (in the parameter's dtype)."""
-        for bucket, buffer in zip(self.buckets, self._buffers, strict=True):
-            for index, offset in zip(bucket.params, bucket.offsets, strict=True):
+        """Replace each ``param.grad`` with the reduced sum divided by ``divisor`` (in the parameter's dtype).
+
+        A bucket whose gradients share its dtype is divided in place, in one
+        operation, and copied into the gradients in one batched copy
+        (``torch._foreach_copy_``, what torch's own optimizers batch with): no
+        Python work per parameter beyond collecting its gradient. A bucket in
+        a reduce dtype of its own divides into each gradient (the quotient
+        computed in the reduce dtype either way).
+        """
+        gradients, sources = [], []
+        for number, (bucket, buffer) in enumerate(zip(self.buckets, self._buffers, strict=True)):
+            batched = self._same_dtype[number]
+            if batched:
+                buffer[: bucket.numel].div_(divisor)
+            for index in bucket.params:
                 param = self.params[index]
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
-                gradient = local_tensor(param.grad)
-                torch.div(buffer[offset : offset + gradient.numel()].view(gradient.shape), divisor, out=gradient)
+                gradient = local_tensor(param.grad) if self._sharded else param.grad
+                if batched:
+                    gradients.append(gradient)
+                    sources.append(self._views[index])
+                else:
+                    torch.div(self._views[index], divisor, out=gradient)
+        if gradients:
+            torch._foreach_copy_(gradients, sources)
 
     def close(self) -> None:
         """Remove the autograd hooks."""
@@ -269,6 +293,11 @@ class GradientReducer:
         ]
         self._tail_buffer = None if rides else torch.empty(tail_size, dtype=torch.float32, device=self.device)
         self._tail_size = tail_size
+        self._views = [torch.empty(0)] * len(self.params)
+        for bucket, buffer in zip(self.buckets, self._buffers, strict=True):
+            for index, offset in zip(bucket.params, bucket.offsets, strict=True):
+                local = local_tensor(self.params[index])
+                self._views[index] = buffer[offset : offset + local.numel()].view(local.shape)
 
     def _tail_view(self) -> torch.Tensor:
         if self._tail_buffer is not None:
@@ -291,17 +320,14 @@ class GradientReducer:
         return hook
 
     def _copy(self, index: int) -> None:
-        number, slot = self._place[index]
-        bucket = self.buckets[number]
-        param = self.params[index]
-        offset = bucket.offsets[slot]
-        target = self._buffers[number][offset : offset + local_tensor(param).numel()]
-        if param.grad is None:
-            target.zero_()
+        """Put parameter ``index``'s gradient into its slice of the bucket (zeros when it has none)."""
+        gradient = self.params[index].grad
+        if gradient is None:
+            self._views[index].zero_()
         else:
-            target.copy_(local_tensor(param.grad).reshape(-1))
+            self._views[index].copy_(local_tensor(gradient) if self._sharded else gradient)
         self._copied[index] = True
-        self._filled[number] += 1
+        self._filled[self._bucket_of[index]] += 1
 
     def _launch_ready(self) -> None:
         assert self._comm is not None and self._tail is not None
