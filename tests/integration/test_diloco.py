@@ -397,8 +397,11 @@ def assert_same_outer_state(ends: dict[str, dict[str, Any]], *, sharded: bool) -
         assert len(by_rank) == 2 and by_rank["0"] != by_rank["1"], by_rank
 
 
+@pytest.mark.parametrize(
+    "streaming", [[], ["--fragments", "2", "--pseudo-gradient-dtype", "int8"]], ids=["diloco", "streaming-int8"]
+)
 def test_diloco_over_fsdp_groups_survives_a_sigkilled_process_and_heals_its_group_shard_by_shard(
-    tmp_path: Path,
+    tmp_path: Path, streaming: list[str]
 ) -> None:
     """Two FSDP2 groups of two processes in DiLoCo: process 1 of group B is SIGKILLed in inner step 5 (round 1),
     its group ends with it (torchrun's agent's way) and is launched again; it joins at a round's end and is healed
@@ -406,12 +409,13 @@ def test_diloco_over_fsdp_groups_survives_a_sigkilled_process_and_heals_its_grou
 
     Group A trains B's share of round 1 as extra inner steps, so every round commits its planned samples, each
     sample once; both groups end on the same global parameters bit for bit (each process's shards of the outer
-    state equal the same rank's in the other group) and their models are the globals.
+    state equal the same rank's in the other group) and their models are the globals. Streaming: two fragments,
+    one exchanged mid-round behind an inner step, in int8 with error feedback, shard by shard.
     """
     rounds = 4
     hold = tmp_path / "hold"
     hold.write_text(str(2 * INNER))  # group A waits in round 2 until the restarted group B is in its quorum
-    args = [*diloco_args(rounds * INNER, "--fsdp", "--hold-file", str(hold))]
+    args = diloco_args(rounds * INNER, "--fsdp", "--hold-file", str(hold), *streaming)
     kill = ["--kill-at", f"{INNER + 1}:during_backward", "--kill-rank", "1"]
     with Lighthouse(ROUND_PLAN, min_replicas=1, start_replicas=2, heartbeat_timeout=1.0, join_timeout=30.0) as server:
         agents = {"group-a": launch_group(server.url, "group-a", tmp_path, args)}
