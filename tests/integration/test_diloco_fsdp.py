@@ -40,8 +40,10 @@ SGD_PLAN = EpochPlan(PLAN.dataset_size, 15, seed=0)
 @pytest.mark.xfail(
     strict=True,
     reason="found by this test, not fixed yet: the resumed group's first round starts from the right parameters "
-    "(its loss equals the failure-free run's) but its update differs, and the job ends about 3e-3 from the "
-    "failure-free parameters; suspect the inner optimizer's state (SGD momentum) after a DiLoCo resume",
+    "(its loss equals the failure-free run's) but its update differs: the job ends 2.7e-3 from the failure-free "
+    "parameters (1.1e-2 with inner Adam). The same test without --diloco (every-step FSDP2) ends on them, and "
+    "failure-free DiLoCo FSDP2 runs at 1 and 2 groups do too: suspect what a DiLoCo resume loads or resets of "
+    "the inner optimizer's state or LR schedule",
 )
 def test_fsdp_groups_killed_together_resume_their_sharded_outer_state_from_a_checkpoint(tmp_path: Path) -> None:
     """Two FSDP2 groups in DiLoCo checkpoint every round, each process its shards of the model, the globals and
