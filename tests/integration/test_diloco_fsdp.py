@@ -1,14 +1,17 @@
 """DiLoCo over FSDP2 replica groups: durable checkpoints of the sharded outer state through a whole-fleet SIGKILL.
 
 Each group is two workers with ``--fsdp`` started as torchrun starts them
-(:class:`~stalwart.testing.groups.ForkedGroup`). With H = 1, inner SGD and an
-outer SGD at learning rate 1 without momentum, DiLoCo is data-parallel SGD
-whatever the number of groups (``test_diloco.py``'s parity test), so a job
+(:class:`~stalwart.testing.groups.ForkedGroup`). With H = 1, inner SGD without
+momentum and an outer SGD at learning rate 1 without momentum, DiLoCo is
+data-parallel SGD whatever the number of groups, so a job
 that resumes from a checkpoint must end on the failure-free parameters: a
 shard of the globals saved or loaded on the wrong process (a DTensor taken
 for a replicated tensor, rank 0's shard written for every rank) would start
 the resumed rounds from other parameters (a checkpoint's load makes the model
-the globals).
+the globals). The inner optimizer keeps no state: each DiLoCo group has its
+own (a momentum buffer of its own share's gradients), and a checkpoint holds
+the writing group's, so with a stateful inner optimizer a resumed job is
+not the failure-free one (only the groups' average of it was).
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
 import torch
 
 from stalwart import EpochPlan, Lighthouse
@@ -37,14 +39,6 @@ STEPS = 6
 SGD_PLAN = EpochPlan(PLAN.dataset_size, 15, seed=0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="found by this test, not fixed yet: the resumed group's first round starts from the right parameters "
-    "(its loss equals the failure-free run's) but its update differs: the job ends 2.7e-3 from the failure-free "
-    "parameters (1.1e-2 with inner Adam). The same test without --diloco (every-step FSDP2) ends on them, and "
-    "failure-free DiLoCo FSDP2 runs at 1 and 2 groups do too: suspect what a DiLoCo resume loads or resets of "
-    "the inner optimizer's state or LR schedule",
-)
 def test_fsdp_groups_killed_together_resume_their_sharded_outer_state_from_a_checkpoint(tmp_path: Path) -> None:
     """Two FSDP2 groups in DiLoCo checkpoint every round, each process its shards of the model, the globals and
     the optimizers; both groups are SIGKILLed while held in round 4 (the checkpoint of round 3 or 4 written,
@@ -55,7 +49,7 @@ def test_fsdp_groups_killed_together_resume_their_sharded_outer_state_from_a_che
     run_dir, checkpoints, hold = tmp_path / "run", tmp_path / "checkpoints", tmp_path / "hold"
     run_dir.mkdir()
     hold.write_text("4")
-    args = ["--model", "gpt-tiny", "--optimizer", "sgd", "--clip", "1e9", "--max-steps", str(STEPS),
+    args = ["--model", "gpt-tiny", "--optimizer", "plain-sgd", "--clip", "1e9", "--max-steps", str(STEPS),
             "--max-microbatch", "4", "--step-seconds", "0", "--collective-timeout", "5.0", "--diloco", "1",
             "--outer-lr", "1", "--outer-momentum", "0", "--fsdp", "--checkpoint-dir", str(checkpoints),
             "--checkpoint-every", "1", "--hold-file", str(hold)]  # fmt: skip
@@ -96,7 +90,7 @@ def test_fsdp_groups_killed_together_resume_their_sharded_outer_state_from_a_che
     assert [record["samples"] for record in records] == [planned_total(SGD_PLAN, step) for step in range(STEPS)]
     assert audit_steps(SGD_PLAN, records) == (True, 0, 0)
     assert {record["member"] for record in records[checkpoint["step"] :]} == {"group-c"}
-    reference, _ = reference_run(SGD_PLAN, STEPS, optimizer_name="sgd", clip=1e9, task="gpt-tiny")
+    reference, _ = reference_run(SGD_PLAN, STEPS, optimizer_name="plain-sgd", clip=1e9, task="gpt-tiny")
     finals = sorted(run_dir.glob("final-*.pt"))
     assert [path.name for path in finals] == [f"final-group-c.{rank}.pt" for rank in (0, 1)]
     for path in finals:

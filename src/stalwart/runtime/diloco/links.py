@@ -173,9 +173,11 @@ class GroupLinks:
                 if session.abandon():
                     self._abandon.set()
                 futures.wait([future], timeout=_WAIT_POLL)
-            reduced, weight = future.result()
+            failure = future.exception()
         finally:
             self._future = self._future_fragment = None
+        self._agree(fragment, failure)
+        reduced, weight = future.result()
         pending = fragment.pending
         assert pending is not None
         whole = self._gather(fragment, reduced)
@@ -191,6 +193,31 @@ class GroupLinks:
             self._config.overlap_steps if pending.merge else 0,
         )
         return fragment, whole, weight
+
+    def _agree(self, fragment: Fragment, failure: BaseException | None) -> None:
+        """FSDP2 groups: the group's processes apply ``fragment``'s exchange all or none (each exchanged its shards).
+
+        A dead group can leave the exchange completed on some processes of a
+        live group and failed on others; then every process of the group takes
+        it as failed (the exchange is relaunched or withdrawn in the next
+        quorum), as the replicated groups' gather of the slices does.
+        """
+        if failure is not None and not isinstance(failure, CollectiveError):
+            raise failure
+        if not self._outer.sharded:
+            return
+        comm = self.inner
+        assert comm is not None
+        failed = torch.tensor([0.0 if failure is None else 1.0], device=self._engine.device)
+        try:
+            comm.start_all_reduce_sum(failed)()
+        except CollectiveError as error:
+            what = f"the group's vote on fragment {fragment.index}'s exchange failed"
+            raise GroupBrokenError(f"{what}: {error}") from error
+        if failure is not None:
+            raise failure
+        if failed.item():
+            raise CollectiveError(f"fragment {fragment.index}'s exchange failed on another process of this group")
 
     def _gather(self, fragment: Fragment, reduced_slice: torch.Tensor) -> torch.Tensor:
         """Every slice of the fragment's reduced sum, from the group's processes (the whole fragment)."""
