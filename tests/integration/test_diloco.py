@@ -35,7 +35,7 @@ from stalwart.launch.report import audit_steps, committed_steps, planned_total, 
 from stalwart.launch.tasks import TASKS, gpt_datasets, reference_run
 from stalwart.runtime.config import Checks
 from stalwart.runtime.diloco.config import DiLoCo
-from stalwart.testing.digits_job import wait_until_together
+from stalwart.testing.digits_job import together, wait_until_together
 from stalwart.testing.groups import ForkedGroup, end_group
 from stalwart.testing.waiting import wait_until
 
@@ -351,18 +351,20 @@ def test_streaming_diloco_in_8_bits_survives_a_kill_during_a_fragments_exchange(
         assert event["largest_exchange"] < full_float32 / 4  # a fragment, in 8 bits
 
 
-def test_groups_of_two_processes_exchange_slices_and_equal_data_parallel_sgd(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fsdp", [[], ["--fsdp"]], ids=["replicated", "fsdp"])
+def test_groups_of_two_processes_exchange_slices_and_equal_data_parallel_sgd(tmp_path: Path, fsdp: list[str]) -> None:
     """Two groups of two processes, H = 1, inner SGD, outer SGD at lr 1 without momentum: process r of
     each group exchanges slice r of the pseudo-gradient and the group gathers the slices. A step's 15 samples
     split 8 and 7, so only the pseudo-gradients' average weighted by samples is the mean gradient: the run is the
     every-step reference on every process (a wrong weighting, a slice or a group counted twice or not at all, is
-    not)."""
+    not). With FSDP2 groups, process r holds shard r of every parameter and exchanges it whole with process r of
+    the other group (a shard exchanged with the wrong rank, or summed inside the group, is not the reference)."""
     steps = 4
     plan = EpochPlan(PLAN.dataset_size, 15, seed=0)
     reference, _ = reference_run(plan, steps, optimizer_name="sgd", clip=1e9, task="gpt-tiny")
     args = ["--model", "gpt-tiny", "--optimizer", "sgd", "--clip", "1e9", "--max-steps", str(steps),
             "--max-microbatch", "4", "--step-seconds", "0", "--collective-timeout", "5.0", "--diloco", "1",
-            "--outer-lr", "1", "--outer-momentum", "0"]  # fmt: skip
+            "--outer-lr", "1", "--outer-momentum", "0", *fsdp]  # fmt: skip
     with Lighthouse(plan, min_replicas=2, start_replicas=2, heartbeat_timeout=1.0, join_timeout=30.0) as server:
         agents = {name: launch_group(server.url, name, tmp_path, args) for name in ("group-a", "group-b")}
         try:
@@ -381,5 +383,78 @@ def test_groups_of_two_processes_exchange_slices_and_equal_data_parallel_sgd(tmp
     assert len(finals) == 4
     for path in finals:
         assert largest_difference(torch.load(path, weights_only=True), reference) < TOLERANCE, path.name
+    assert_same_outer_state(finished(tmp_path), sharded=bool(fsdp))
+
+
+def assert_same_outer_state(ends: dict[str, dict[str, Any]], *, sharded: bool) -> None:
+    """Every group's outer state (globals, outer optimizer) is the same bit for bit: with FSDP2 groups, process r's
+    shards of it in every group (the digest covers this process's shards), else every process's whole copy."""
+    by_rank: dict[str, set[str]] = {}
+    for name, event in ends.items():
+        by_rank.setdefault(name.rsplit(".", 1)[1] if sharded else "", set()).add(event["outer_digest"])
+    assert all(len(digests) == 1 for digests in by_rank.values()), by_rank
+    if sharded:  # process 0 and process 1 hold different shards
+        assert len(by_rank) == 2 and by_rank["0"] != by_rank["1"], by_rank
+
+
+@pytest.mark.parametrize(
+    "streaming", [[], ["--fragments", "2", "--pseudo-gradient-dtype", "int8"]], ids=["diloco", "streaming-int8"]
+)
+def test_diloco_over_fsdp_groups_survives_a_sigkilled_process_and_heals_its_group_shard_by_shard(
+    tmp_path: Path, streaming: list[str]
+) -> None:
+    """Two FSDP2 groups of two processes in DiLoCo: process 1 of group B is SIGKILLed in inner step 5 (round 1),
+    its group ends with it (torchrun's agent's way) and is launched again; it joins at a round's end and is healed
+    shard by shard from group A (globals, outer optimizer state, model, inner optimizer).
+
+    Group A trains B's share of round 1 as extra inner steps, so every round commits its planned samples, each
+    sample once; both groups end on the same global parameters bit for bit (each process's shards of the outer
+    state equal the same rank's in the other group) and their models are the globals. Streaming: two fragments,
+    one exchanged mid-round behind an inner step, in int8 with error feedback, shard by shard.
+    """
+    rounds = 4
+    hold = tmp_path / "hold"
+    hold.write_text(str(2 * INNER))  # group A waits in round 2 until the restarted group B is in its quorum
+    args = diloco_args(rounds * INNER, "--fsdp", "--hold-file", str(hold), *streaming)
+    kill = ["--kill-at", f"{INNER + 1}:during_backward", "--kill-rank", "1"]
+    with Lighthouse(ROUND_PLAN, min_replicas=1, start_replicas=2, heartbeat_timeout=1.0, join_timeout=30.0) as server:
+        agents = {"group-a": launch_group(server.url, "group-a", tmp_path, args)}
+        agents["group-b"] = launch_group(server.url, "group-b", tmp_path, [*args, *kill])
+        restarted = None
+        try:
+            assert agents["group-b"].wait(timeout=JOB_TIMEOUT) != 0  # process 1 SIGKILLed itself, its sibling ended
+            wait_until(
+                lambda: any(q["reason"] == "failure" for q in server.status()["quorums"]),
+                JOB_TIMEOUT,
+                "group A to form a failure quorum alone",
+            )
+            since = server.status()["quorums"][-1]["quorum_id"]
+            restarted = launch_group(server.url, "group-b", tmp_path, args)
+            wait_until(lambda: together(server, ["group-a", "group-b"], since), JOB_TIMEOUT, "A and B in one quorum")
+            hold.unlink()
+            codes = {"group-a": agents["group-a"].wait(timeout=JOB_TIMEOUT), "group-b": restarted.wait(JOB_TIMEOUT)}
+            status = server.status()
+        finally:
+            for agent in [*agents.values(), restarted]:
+                if agent is not None:
+                    end_group(agent)
+    assert codes == {"group-a": 0, "group-b": 0}, codes
+    records = check_rounds(tmp_path, rounds)
+    world_sizes = [record["world_size"] for record in records]
+    assert world_sizes[:2] == [2, 1] and world_sizes[-1] == 2, world_sizes
+    quorums = [(quorum["reason"], sorted(quorum["members"])) for quorum in status["quorums"]]
+    assert quorums[:2] == [("start-up", ["group-a", "group-b"]), ("failure", ["group-a"])], quorums
     ends = finished(tmp_path)
-    assert len({event["outer_digest"] for event in ends.values()}) == 1
+    assert sorted(ends) == ["group-a.0", "group-a.1", "group-b.0", "group-b.1"]
+    assert_same_outer_state(ends, sharded=True)
+    assert ends["group-a.0"]["inner_steps"] > rounds * INNER  # group A took B's share of round 1 as extra steps
+    for rank in (0, 1):
+        pids = {event["pid"] for event in events_of(tmp_path, f"group-b.{rank}") if event["event"] == "started"}
+        assert len(pids) == 2  # the killed group and the restarted one
+        assert "healed" in [event["event"] for event in events_of(tmp_path, f"group-b.{rank}")]
+    finals = [torch.load(path, weights_only=True) for path in sorted(tmp_path.glob("final-*.pt"))]
+    assert len(finals) == 4 and all(largest_difference(final, finals[0]) == 0.0 for final in finals)
+
+
+def events_of(run_dir: Path, name: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / f"events-{name}.jsonl").read_text().splitlines() if line]

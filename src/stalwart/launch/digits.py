@@ -127,6 +127,11 @@ def digits_sgd(model: torch.nn.Module, lr: float = DEFAULT_LR) -> torch.optim.Op
     return torch.optim.SGD(model.parameters(), lr=10 * lr, momentum=0.9)
 
 
+def digits_plain_sgd(model: torch.nn.Module, lr: float = DEFAULT_LR) -> torch.optim.Optimizer:
+    """SGD without momentum: no optimizer state (its learning rate ten times Adam's)."""
+    return torch.optim.SGD(model.parameters(), lr=10 * lr)
+
+
 def digits_adamw(model: torch.nn.Module, lr: float = DEFAULT_LR) -> torch.optim.Optimizer:
     """AdamW with weight decay 0.01."""
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
@@ -136,6 +141,7 @@ OPTIMIZERS: dict[str, Callable[[torch.nn.Module, float], torch.optim.Optimizer]]
     "adam": digits_optimizer,
     "adamw": digits_adamw,
     "sgd": digits_sgd,
+    "plain-sgd": digits_plain_sgd,
 }
 """The optimizers a worker may train with, by name."""
 

@@ -62,11 +62,14 @@ def _gpt_model(name: str, seed: int) -> torch.nn.Module:
 
 
 def _gpt_optimizer(model: torch.nn.Module, name: str, lr: float) -> torch.optim.Optimizer:
-    """AdamW (or Adam, SGD) over the GPT's weight-decay and no-decay parameter groups."""
+    """AdamW (or Adam, SGD with momentum, plain SGD) over the GPT's weight-decay and no-decay parameter groups.
+
+    ``plain-sgd`` keeps no state: DiLoCo's groups then hold no inner state of their own that a resume could lose.
+    """
     assert isinstance(model, gpt.GPT)
     groups = gpt.optimizer_groups(model, weight_decay=0.1)
-    if name == "sgd":
-        return torch.optim.SGD(groups, lr=10 * lr, momentum=0.9)
+    if name in ("sgd", "plain-sgd"):
+        return torch.optim.SGD(groups, lr=10 * lr, momentum=0.9 if name == "sgd" else 0.0)
     kind = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
     return kind(groups, lr=lr, betas=(0.9, 0.95))
 

@@ -106,7 +106,7 @@ from stalwart.data.sampler import ManagedDistributedSampler
 from stalwart.data.shards import ShardError
 from stalwart.data.world import WorldInfo
 from stalwart.errors import JobFinishedError, PlanMismatchError, ShardingMismatchError, StateLostError
-from stalwart.launch.digits import digits_source
+from stalwart.launch.digits import OPTIMIZERS, digits_source
 from stalwart.launch.loop import (
     Faults,
     LoopParts,
@@ -209,7 +209,9 @@ def main(argv: list[str] | None = None) -> None:
         "--overlap", type=float, default=None, help="Shard the optimizer state; each shard held by round(F*N) more."
     )
     redundancy.add_argument("--parity", type=parse_parity, default=None, help="Shard the optimizer state; K,M parity.")
-    parser.add_argument("--optimizer", choices=("adam", "adamw", "sgd"), default="adam", help="The optimizer.")
+    parser.add_argument(
+        "--optimizer", choices=sorted(OPTIMIZERS), default="adam", help="The optimizer (plain-sgd: no momentum)."
+    )
     parser.add_argument("--node", default=None, help="This process's node label (default: the host name).")
     parser.add_argument("--hold-file", type=Path, default=None, help="Wait before steps >= the number it holds.")
     parser.add_argument(

@@ -545,8 +545,6 @@ def _check_sync(sync: Any, model: torch.nn.Module, redundancy: Any) -> None:
             f"sync=DiLoCo(...) with redundancy={redundancy}: each replica group keeps its own inner optimizer state, "
             "which is not sharded across groups; leave redundancy unset"
         )
-    if is_sharded(model):
-        raise ValueError("sync=DiLoCo(...) with an FSDP2-sharded model is not supported yet: use replicated groups")
     check_against(sync, [param for param in model.parameters() if param.requires_grad])
 
 

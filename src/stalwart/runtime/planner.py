@@ -116,14 +116,8 @@ class StepPlanner:
         multiple = ledger.plan.local_batch_multiple
         positions = split_group_share(fresh, self.group_size, self.group_rank, multiple)
         self.samples += positions.size
-        sizes = [len(chunk) for chunk in split_microbatches(range(positions.size), self.max_microbatch)]
-        if self.lockstep:
-            counts = [
-                -(-split_group_share(fresh, self.group_size, rank, multiple).size // self.max_microbatch)
-                for rank in range(self.group_size)
-            ]
-            sizes += [0] * (max(counts) - len(sizes))
-        return Part(positions, self._indices(positions), tuple(sizes))
+        sizes = microbatch_sizes(fresh, self.group_size, self.group_rank, multiple, self.max_microbatch, self.lockstep)
+        return Part(positions, self._indices(positions), sizes)
 
     def mark_done(self, positions: np.ndarray) -> None:
         """Record ``positions`` of the step in progress as trained by this group (DiLoCo's inner steps)."""
@@ -222,3 +216,22 @@ def step_began(ledger: DataLedger) -> tuple[int, np.ndarray]:
         mismatch = np.flatnonzero(positions[::-1] != below)
         fresh = int(mismatch[0]) if mismatch.size else positions.size
     return ledger.base_index - fresh, np.concatenate([positions[: positions.size - fresh], queued])
+
+
+def microbatch_sizes(
+    group_positions: np.ndarray, group_size: int, group_rank: int, multiple: int, max_microbatch: int, lockstep: bool
+) -> tuple[int, ...]:
+    """Sample counts of this process's micro-batches of ``group_positions`` (the group's, cut by process).
+
+    ``lockstep`` (FSDP2 groups): zero-sample micro-batches pad the count to the
+    most any process of the group runs, so that the group's collectives match.
+    """
+    mine = split_group_share(group_positions, group_size, group_rank, multiple).size
+    sizes = [len(chunk) for chunk in split_microbatches(range(mine), max_microbatch)]
+    if lockstep:
+        counts = [
+            -(-split_group_share(group_positions, group_size, rank, multiple).size // max_microbatch)
+            for rank in range(group_size)
+        ]
+        sizes += [0] * (max(counts) - len(sizes))
+    return tuple(sizes)

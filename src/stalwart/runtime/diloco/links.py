@@ -6,7 +6,17 @@ and one of the processes at the same rank in every group (the fragments'
 exchanges, on a thread of their own so that an exchange overlaps the next
 inner steps). The configuration is compared across groups when they
 connect, and processes one mid-round exchange behind take the fragment from
-one ahead. What is exchanged when is :class:`~stalwart.runtime.diloco.rounds.RoundLoop`'s.
+one ahead.
+
+FSDP2 groups: process r of each group holds shard r of every parameter, so
+it exchanges its whole shards with process r of the others (the cross-group
+communicator as before) and nothing is gathered in the group; the group's
+communicator carries only the inner steps' tails (FSDP2's reduce-scatter
+sums the gradients in the group, and a communicator of this process alone
+takes the reducer's buckets); and a process one mid-round exchange behind
+takes the fragment from the same rank of a group ahead.
+
+What is exchanged when is :class:`~stalwart.runtime.diloco.rounds.RoundLoop`'s.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ from stalwart.runtime.engine import StepEngine
 from stalwart.runtime.events import Event
 from stalwart.runtime.heal import transfer_state
 from stalwart.runtime.keeper import QuorumKeeper
+from stalwart.runtime.sharding import local_tensor
 
 _WAIT_POLL = 0.005
 """Seconds between two looks at the lighthouse while an exchange is awaited."""
@@ -92,7 +103,8 @@ class _FragmentGlobals:
         assert pending is not None and received is not None
         with torch.no_grad():
             offset = 0
-            for local, global_, new in zip(fragment.local, fragment.globals, received, strict=True):
+            for (local, global_), new in zip(fragment.pieces(), received, strict=True):
+                new = local_tensor(new)
                 step = pending.delta[offset : offset + global_.numel()].view_as(global_)
                 local.add_((new - global_ + step).to(local.dtype))
                 global_.copy_(new)
@@ -113,6 +125,8 @@ class GroupLinks:
         """The group's own processes (None between quorums)."""
         self.cross: Communicator | None = None
         """The processes at this process's rank in every group (None between quorums)."""
+        self.solo: Communicator | None = None
+        """This process alone (FSDP2 groups: the inner steps' gradient buckets, which FSDP2 reduced; else None)."""
         self._abandon = threading.Event()
         self._exchanges = ThreadPoolExecutor(1, thread_name_prefix="stalwart-exchange")
         self._future: Future[tuple[torch.Tensor, float]] | None = None
@@ -159,9 +173,11 @@ class GroupLinks:
                 if session.abandon():
                     self._abandon.set()
                 futures.wait([future], timeout=_WAIT_POLL)
-            reduced, weight = future.result()
+            failure = future.exception()
         finally:
             self._future = self._future_fragment = None
+        self._agree(fragment, failure)
+        reduced, weight = future.result()
         pending = fragment.pending
         assert pending is not None
         whole = self._gather(fragment, reduced)
@@ -178,11 +194,36 @@ class GroupLinks:
         )
         return fragment, whole, weight
 
+    def _agree(self, fragment: Fragment, failure: BaseException | None) -> None:
+        """FSDP2 groups: the group's processes apply ``fragment``'s exchange all or none (each exchanged its shards).
+
+        A dead group can leave the exchange completed on some processes of a
+        live group and failed on others; then every process of the group takes
+        it as failed (the exchange is relaunched or withdrawn in the next
+        quorum), as the replicated groups' gather of the slices does.
+        """
+        if failure is not None and not isinstance(failure, CollectiveError):
+            raise failure
+        if not self._outer.sharded:
+            return
+        comm = self.inner
+        assert comm is not None
+        failed = torch.tensor([0.0 if failure is None else 1.0], device=self._engine.device)
+        try:
+            comm.start_all_reduce_sum(failed)()
+        except CollectiveError as error:
+            what = f"the group's vote on fragment {fragment.index}'s exchange failed"
+            raise GroupBrokenError(f"{what}: {error}") from error
+        if failure is not None:
+            raise failure
+        if failed.item():
+            raise CollectiveError(f"fragment {fragment.index}'s exchange failed on another process of this group")
+
     def _gather(self, fragment: Fragment, reduced_slice: torch.Tensor) -> torch.Tensor:
         """Every slice of the fragment's reduced sum, from the group's processes (the whole fragment)."""
         comm = self.inner
         assert comm is not None
-        if comm.world_size == 1:
+        if comm.world_size == 1 or self._outer.sharded:
             return reduced_slice
         length = fragment.slice_length(comm.world_size)
         piece = torch.zeros(length, dtype=torch.float32, device=reduced_slice.device)
@@ -201,10 +242,10 @@ class GroupLinks:
             with contextlib.suppress(Exception):
                 self._future.result(timeout=self._config.round_timeout)
             self._future = self._future_fragment = None
-        for comm in (self.inner, self.cross):
+        for comm in (self.inner, self.cross, self.solo):
             if comm is not None:
                 comm.retire()  # not destroyed here: an exchange abandoned on a live peer would hold this thread
-        self.inner = self.cross = None
+        self.inner = self.cross = self.solo = None
         self._abandon.clear()
 
     def connect(self) -> None:
@@ -252,12 +293,23 @@ class GroupLinks:
             abandon=self._abandon.is_set,
             **options,
         )
+        if self._outer.sharded:
+            self.solo = Communicator(
+                dist.PrefixStore(f"diloco/solo/{keeper.member}/{group.rank}/", store),
+                0,
+                1,
+                timeout=timeouts.collective_timeout,
+                **options,
+            )
 
     def reconcile(self, mid_round: list[int]) -> None:
-        """Processes one mid-round exchange behind take that fragment's globals and outer state from one ahead."""
+        """Processes one mid-round exchange behind take that fragment's globals and outer state from one ahead.
+
+        With FSDP2 groups, among the processes at this rank of every group (each holds its shards only).
+        """
         if not mid_round:
             return
-        comm = self._keeper.session.comm
+        comm = self.cross if self._outer.sharded else self._keeper.session.comm
         assert comm is not None
         counts = [int(value) for value in comm.all_gather(torch.tensor([float(self._outer.syncs)])).tolist()]
         ahead = max(counts)

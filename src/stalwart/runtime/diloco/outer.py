@@ -19,6 +19,14 @@ the outer optimizers and ``syncs`` (mid-round fragment exchanges applied,
 over the job) are the member's state (healed and checked bit for bit); the
 windows, errors and pending exchanges are this process's own and start from
 zero after a heal.
+
+FSDP2 groups (``sharded``): each process holds a shard of every parameter
+(process r of every group the same one), so its globals are DTensors of the
+parameters' layout, its outer optimizer's state is its shard's, and a
+fragment's "flattened" values are this process's shards of it: process r
+exchanges its whole shard with process r of the other groups, and nothing is
+gathered inside the group. Heals and checkpoints move the globals and outer
+state shard by shard, as they do the model's.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import torch
 from stalwart.runtime.diloco.config import DiLoCo
 from stalwart.runtime.diloco.exchange import Prepared, prepare
 from stalwart.runtime.diloco.fragments import partition
+from stalwart.runtime.sharding import local_tensor, shaped_like
 
 
 @dataclass
@@ -56,6 +65,7 @@ class Fragment:
     globals: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     numel: int
+    """Values of the fragment this process holds (all of them; with FSDP2 groups, its shards')."""
     window: int = 0
     """Samples this process's group trained since the fragment's last exchange (the weight of the next one)."""
     error: torch.Tensor | None = None
@@ -70,10 +80,17 @@ class Fragment:
         return -(-self.numel // processes)
 
     def flat_globals(self) -> torch.Tensor:
-        return torch.cat([param.detach().reshape(-1) for param in self.globals])
+        return torch.cat([local_tensor(param.detach()).reshape(-1) for param in self.globals])
 
     def flat_local(self) -> torch.Tensor:
-        return torch.cat([param.detach().reshape(-1).float() for param in self.local])
+        return torch.cat([local_tensor(param.detach()).reshape(-1).float() for param in self.local])
+
+    def pieces(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(local, global)`` tensors this process holds, pairwise (its shards with FSDP2 groups), for updates."""
+        return [
+            (local_tensor(local.detach()), local_tensor(global_.detach()))
+            for local, global_ in zip(self.local, self.globals, strict=True)
+        ]
 
     def reset_local_state(self) -> None:
         """Forget this process's own part (after a heal): window, error feedback, pending exchange."""
@@ -85,8 +102,10 @@ class Fragment:
 class OuterState:
     """Every fragment's globals and outer optimizer (see the module docstring)."""
 
-    def __init__(self, params: list[torch.nn.Parameter], config: DiLoCo) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], config: DiLoCo, *, sharded: bool = False) -> None:
         self.config = config
+        self.sharded = sharded
+        """FSDP2 groups: each process exchanges its whole shards with the same process of the other groups."""
         self.fragments: list[Fragment] = []
         for index, run in enumerate(partition([param.numel() for param in params], config.fragments)):
             local = [params[position] for position in run]
@@ -96,7 +115,8 @@ class OuterState:
                 raise TypeError(
                     f"DiLoCo.outer_optimizer must return a torch.optim.Optimizer, got {type(optimizer).__name__}"
                 )
-            self.fragments.append(Fragment(index, local, globals_, optimizer, sum(p.numel() for p in local)))
+            numel = sum(local_tensor(param).numel() for param in local)
+            self.fragments.append(Fragment(index, local, globals_, optimizer, numel))
         self.syncs = 0
         """Mid-round fragment exchanges applied over the job (the same on every member)."""
 
@@ -104,7 +124,7 @@ class OuterState:
         """The model's parameters := the global ones (a healed process, the job's end); own windows forgotten."""
         with torch.no_grad():
             for fragment in self.fragments:
-                for local, global_ in zip(fragment.local, fragment.globals, strict=True):
+                for local, global_ in fragment.pieces():
                     local.copy_(global_)
                 fragment.reset_local_state()
 
@@ -112,6 +132,10 @@ class OuterState:
         """The group trained ``samples`` more: every fragment's window grows."""
         for fragment in self.fragments:
             fragment.window += samples
+
+    def slicing(self, rank: int, processes: int) -> tuple[int, int]:
+        """``(slice, slices)`` of a fragment this process exchanges: its rank's of its group, or its whole shards."""
+        return (0, 1) if self.sharded else (rank, processes)
 
     def launch(self, fragment: Fragment, rank: int, processes: int, members: int, *, merge: bool) -> Pending:
         """Encode this process's slice of ``fragment``'s weighted pseudo-gradient; the window restarts."""
@@ -138,6 +162,7 @@ class OuterState:
         members: int,
         merge: bool,
     ) -> Pending:
+        rank, processes = self.slicing(rank, processes)
         start, stop = fragment.slice_bounds(rank, processes)
         piece = torch.zeros(fragment.slice_length(processes), dtype=torch.float32, device=delta.device)
         piece[: stop - start] = delta[start:stop]
@@ -172,31 +197,39 @@ class OuterState:
                 average = reduced[: fragment.numel] / weight
                 offset = 0
                 for global_ in fragment.globals:
-                    global_.grad = average[offset : offset + global_.numel()].view_as(global_).clone()
-                    offset += global_.numel()
+                    numel = local_tensor(global_).numel()
+                    global_.grad = shaped_like(average[offset : offset + numel].clone(), global_)
+                    offset += numel
                 fragment.optimizer.step()
                 fragment.optimizer.zero_grad(set_to_none=True)
             offset = 0
-            for local, global_ in zip(fragment.local, fragment.globals, strict=True):
+            for piece, whole in fragment.pieces():
                 if before is None:
-                    local.copy_(global_)
+                    piece.copy_(whole)
                 else:
-                    old = before[offset : offset + global_.numel()].view_as(global_)
-                    step = pending.delta[offset : offset + global_.numel()].view_as(global_)
-                    local.add_((global_ - old + step).to(local.dtype))
-                offset += global_.numel()
+                    old = before[offset : offset + whole.numel()].view_as(whole)
+                    step = pending.delta[offset : offset + whole.numel()].view_as(whole)
+                    piece.add_((whole - old + step).to(piece.dtype))
+                offset += whole.numel()
 
     def digest(self) -> str:
-        """SHA-256 (hex) of the globals, the outer optimizers' state and ``syncs``: equal on every member."""
+        """SHA-256 (hex) of the globals, the outer optimizers' state and ``syncs``: equal on every member.
+
+        With FSDP2 groups, of this process's shards: equal on process r of every member.
+        """
         hasher = hashlib.sha256()
         hasher.update(str(self.syncs).encode())
         for fragment in self.fragments:
             for global_ in fragment.globals:
-                hasher.update(global_.detach().cpu().contiguous().numpy().tobytes())
+                hasher.update(local_tensor(global_.detach()).cpu().contiguous().numpy().tobytes())
             for _, state in sorted(fragment.optimizer.state_dict()["state"].items()):
                 for key in sorted(state):
                     value = state[key]
-                    data = value.detach().cpu().contiguous().numpy().tobytes() if torch.is_tensor(value) else value
+                    data = (
+                        local_tensor(value.detach()).cpu().contiguous().numpy().tobytes()
+                        if torch.is_tensor(value)
+                        else value
+                    )
                     hasher.update(f"{key}={data!r}".encode() if not isinstance(data, bytes) else data)
         return hasher.hexdigest()
 
@@ -217,5 +250,5 @@ class GlobalsState:
         with torch.no_grad():
             for fragment, tensors in zip(self.outer.fragments, state["fragments"], strict=True):
                 for param, tensor in zip(fragment.globals, tensors, strict=True):
-                    param.copy_(tensor)
+                    local_tensor(param.detach()).copy_(local_tensor(tensor))
         self.outer.syncs = int(state["syncs"])

@@ -50,7 +50,6 @@ import numpy as np
 import torch
 
 from stalwart.data.info import split_group_share
-from stalwart.data.schedule import split_microbatches
 from stalwart.errors import PlanMismatchError, StepContractError
 from stalwart.runtime.accumulation import Source
 from stalwart.runtime.comm import CollectiveError
@@ -69,6 +68,8 @@ from stalwart.runtime.diloco.schedule import at_round_end, fragment_launches, in
 from stalwart.runtime.engine import StepEngine
 from stalwart.runtime.events import Event
 from stalwart.runtime.keeper import QuorumKeeper
+from stalwart.runtime.planner import microbatch_sizes
+from stalwart.runtime.sharding import local_tensor
 from stalwart.runtime.step import StepReport, TrainStep
 from stalwart.runtime.tail import ReducedTail, TailHead, TailLayout
 
@@ -111,7 +112,7 @@ class RoundLoop:
         self.keeper = keeper
         self.engine = engine
         self.config = config
-        self.outer = OuterState(params, config)
+        self.outer = OuterState(params, config, sharded=keeper.session.sharded)
         self.inner = InnerProgress()
         replica = keeper.replica
         replica.add_internal("sync/globals", GlobalsState(self.outer))
@@ -257,7 +258,8 @@ class RoundLoop:
         multiple = ledger.plan.local_batch_multiple
         mine = split_group_share(positions, group.size, group.rank, multiple)
         indices = ledger.plan.indices_at(ledger.epoch, mine).tolist()
-        sizes = [len(chunk) for chunk in split_microbatches(range(mine.size), engine.max_microbatch)]
+        sharded = self.outer.sharded
+        sizes = microbatch_sizes(positions, group.size, group.rank, multiple, engine.max_microbatch, sharded)
         self._own_samples = mine.size
         self._inner_positions = positions
         accumulation = engine.accumulation
@@ -288,7 +290,11 @@ class RoundLoop:
         return engine.open_update(reduced, self.inner.steps, positions)
 
     def _arm(self) -> None:
-        """Start the inner step's reduction within the group; the tail carries whether the quorum is broken."""
+        """Start the inner step's reduction within the group; the tail carries whether the quorum is broken.
+
+        FSDP2 groups: FSDP2 summed the gradients in the group, so the buckets go to this process alone (``solo``)
+        and the tail alone to the group.
+        """
         comm = self.links.inner
         assert comm is not None
         layout = self._layout()
@@ -300,7 +306,9 @@ class RoundLoop:
             samples=self._own_samples,
             reconfigure=self.keeper.session.abandon(),
         )
-        accumulation.arm(comm, None, layout, head, lambda: torch.zeros(0))
+        solo = self.links.solo
+        grads, tail = (comm, None) if solo is None else (solo, comm)
+        accumulation.arm(grads, tail, layout, head, lambda: torch.zeros(0))
 
     def _layout(self) -> TailLayout:
         assert self.links.inner is not None
@@ -394,7 +402,7 @@ class RoundLoop:
         comm = session.comm
         assert comm is not None
         tail_layout = TailLayout(comm.world_size, False)
-        s1, s2 = parameter_checksum([param for fragment in self.outer.fragments for param in fragment.globals])
+        s1, s2 = parameter_checksum([local_tensor(p) for fragment in self.outer.fragments for p in fragment.globals])
         head = TailHead(
             drift=drift_slots(comm.rank, comm.world_size, s1, s2, self.outer.syncs),
             loaded_checksum=self.progress.loaded_checksum,
@@ -423,11 +431,13 @@ class RoundLoop:
             )
         where = f"round {ledger.step}"
         check_loaded(reduced.loaded_checksum, ledger.plan, ledger.epoch, positions, where, "the quorum", "the ledger's")
-        drifted = drift_plan(reduced.drift, comm.world_size)
+        group_size = keeper.session.group.size if self.outer.sharded else 1  # a group's processes: one shard each
+        drifted = drift_plan(reduced.drift, comm.world_size, group_size)
         if drifted is not None:
             raise ReplicaDriftError(
-                f"round {ledger.step}: the global parameters of processes {list(drifted.targets)} differ from process "
-                f"{drifted.source}'s: every group must hold the same global parameters bit for bit"
+                f"round {ledger.step}: the global parameters of {'groups' if group_size > 1 else 'processes'} "
+                f"{list(drifted.targets)} differ from {drifted.source}'s: every group must hold the same global "
+                "parameters bit for bit"
             )
         for fragment, whole, total in results:
             self.outer.apply(fragment, whole, total)
