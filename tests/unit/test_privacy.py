@@ -21,11 +21,6 @@ from pathlib import Path
 import stalwart
 
 SOURCE = Path(stalwart.__file__).parent
-KNOWN: dict[tuple[str, str], str] = {
-    ("coord/connections.py", "_admit"): "the lighthouse's connection guard (coord/, issue 38's lighthouse side)",
-    ("coord/connections.py", "_closed"): "the lighthouse's connection guard (coord/, issue 38's lighthouse side)",
-}
-"""Accesses left to fix elsewhere, by (module, member): why each is still here. Add nothing to it."""
 LIBRARIES: dict[tuple[str, str], str] = {
     ("runtime/comm.py", "_timeout"): "torch's process group options take their timeout as _timeout",
 }
@@ -106,7 +101,7 @@ def _offences() -> list[Access]:
             if (
                 access.member in ours
                 and access.member not in around
-                and (module, access.member) not in KNOWN | LIBRARIES
+                and (module, access.member) not in LIBRARIES
             ):
                 found.append(access)
     return found

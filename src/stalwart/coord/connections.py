@@ -120,7 +120,7 @@ class ConnectionGuard:
             guarded.authenticated = True
             self._unauthenticated.pop(guarded, None)
 
-    # --- bookkeeping ---------------------------------------------------------------------------------------
+    # --- what the connections tell ---------------------------------------------------------------------
 
     def head_arrived(self, guarded: _Guarded) -> None:
         """``guarded``'s request head is complete: it is no longer stalled, only queued for the event loop."""
@@ -131,9 +131,8 @@ class ConnectionGuard:
         if not guarded.authenticated and guarded.admitted:
             self._unauthenticated[guarded] = None
 
-    # --- bookkeeping ---------------------------------------------------------------------------------------
-
-    def _admit(self, guarded: _Guarded) -> bool:
+    def admit(self, guarded: _Guarded) -> bool:
+        """Count a new connection in (evicting a stalled one for room when a cap is reached); False: refuse it."""
         if self.open >= self.max_connections and not self._evict_stalled():
             self.refused += 1
             return False
@@ -155,7 +154,8 @@ class ConnectionGuard:
                 return True
         return False
 
-    def _closed(self, guarded: _Guarded) -> None:
+    def closed(self, guarded: _Guarded) -> None:
+        """``guarded``'s connection is gone: it no longer counts."""
         self.open -= 1
         self._unauthenticated.pop(guarded, None)
         self._by_handler.pop(id(guarded.handler), None)
@@ -180,7 +180,7 @@ class _Guarded(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
-        if not self.guard._admit(self):
+        if not self.guard.admit(self):
             transport.abort()
             return
         self.admitted = True
@@ -211,7 +211,7 @@ class _Guarded(asyncio.Protocol):
         if not self.admitted:
             return
         self.admitted = False
-        self.guard._closed(self)
+        self.guard.closed(self)
         self.handler.connection_lost(exc)
 
     def pause_writing(self) -> None:
