@@ -98,11 +98,7 @@ def _offences() -> list[Access]:
     found = []
     for module, tree in trees.items():
         for access, around in _accesses(tree, module):
-            if (
-                access.member in ours
-                and access.member not in around
-                and (module, access.member) not in LIBRARIES
-            ):
+            if access.member in ours and access.member not in around and (module, access.member) not in LIBRARIES:
                 found.append(access)
     return found
 
