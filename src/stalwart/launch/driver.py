@@ -5,8 +5,10 @@ seconds: started again, or sent SIGCONT (once the lighthouse has excluded
 it, so that a short stop still shows as a failure and a rejoin). The
 survivors train ``HOLD_LEAD`` more steps without it, then the job is *held*
 (workers wait before their next step, see :class:`~stalwart.launch.cluster.LocalCluster`)
-until the revived worker asks the lighthouse to join, so that it rejoins
-however long its start-up takes; the hold is bounded by ``rejoin_limit``.
+until the revived worker has rejoined, so that it rejoins however long its
+start-up takes and however fast the steps are; the hold is bounded by
+``rejoin_limit``. A hold never keeps a joiner out: once it asks, the
+lighthouse wants a boundary and the held workers go on to it.
 The job is also held at each planned failure's step until the signal is
 sent, so that ``--kill STEP:WORKER`` lands at that step however fast steps are
 (after the rejoin of a worker revived earlier, so that failures planned at
@@ -190,8 +192,7 @@ class ChaosDriver:
                 continue
             entry = members.get(f"worker-{worker}")
             if not revival.asked and entry is not None and (entry["asking"] == "join" or entry["state"] == "alive"):
-                revival.asked = True
-                self._failure_holds.pop(worker, None)
+                revival.asked = True  # the hold stays until it has joined: it lets the joiner's boundary through
                 self.say(f"worker-{worker} asks to rejoin")
             process = self.cluster.processes[worker]
             if process.poll() is not None:
