@@ -148,7 +148,7 @@ def demo_command(
     """Train with failures injected, then report constant batch, exactly-once data and parameter drift.
 
     Every failed worker is restarted (or resumed) and the job waits for it to
-    ask to rejoin, so the world returns to full size. SIGTERM or Ctrl-C stops
+    rejoin, so the world returns to full size. SIGTERM or Ctrl-C stops
     every process the demo started.
     """
     console = Console()

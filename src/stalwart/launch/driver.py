@@ -36,7 +36,7 @@ from stalwart.launch.cluster import LocalCluster, PlannedKill, latest_step, work
 HOLD_LEAD = 3
 """Steps the survivors train after a failure before the job waits for the failed worker to rejoin."""
 REJOIN_LIMIT = 300.0
-"""Seconds the job is held at most for one revived worker to ask to rejoin."""
+"""Seconds the job is held at most for one revived worker to rejoin."""
 _STATUS_INTERVAL = 0.2
 _POLL_INTERVAL = 0.05
 
@@ -177,7 +177,7 @@ class ChaosDriver:
             self._record("restart", worker, committed, how=how)
             self._waiting[worker] = _Revival(worker, time.time(), self.cluster.processes[worker].pid)
             if committed < self.steps:
-                self.say(f"step {committed}: {how} worker-{worker}; the job waits for it to ask to rejoin")
+                self.say(f"step {committed}: {how} worker-{worker}; the job waits for it to rejoin")
 
     def _follow_revivals(self, committed: int) -> None:
         members = {entry["member"]: entry for entry in self._status().get("members", [])} if self._waiting else {}
