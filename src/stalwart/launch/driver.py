@@ -198,7 +198,7 @@ class ChaosDriver:
             if process.poll() is not None:
                 self._failed(revival, committed, _exit_reason(joined, process.returncode))
             elif time.time() - revival.since > self.rejoin_limit:
-                self._failed(revival, committed, f"did not ask to join within {self.rejoin_limit:g} s")
+                self._failed(revival, committed, f"did not rejoin within {self.rejoin_limit:g} s")
 
     def _rejoined(self, revival: _Revival, join: dict[str, Any], events: list[dict[str, Any]]) -> None:
         worker = revival.worker
