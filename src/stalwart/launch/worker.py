@@ -403,6 +403,12 @@ class StepRecords(StepProbe):
         if self._inner is not None:
             self._inner.close()
 
+    def step_started(self, manager: Manager, number: int) -> None:
+        """DiLoCo: the line of the round committed just before (the loop's first point after a round's commit,
+        before any hold or kill point of the next inner step: a round held or killed after its commit is on
+        record)."""
+        self.rounds.write(manager, self._steps)
+
     @contextlib.contextmanager
     def microbatch(self, manager: Manager, samples: int) -> Iterator[None]:
         if self.dataloader:  # the share's position as the sampler sees it, after any failure retry
@@ -422,7 +428,6 @@ class StepRecords(StepProbe):
         out = self._inner if self._inner is not None else self._steps
         out.write(json.dumps(record) + "\n")
         out.flush()
-        self.rounds.write(manager, self._steps)
 
     def close_rounds(self, manager: Manager) -> None:
         """DiLoCo: the last round's line, once the loop has ended."""
@@ -446,7 +451,8 @@ def report_record(member: str, report: StepReport) -> dict[str, Any]:
 
 
 class RoundRecords:
-    """DiLoCo: one line per committed round, written once the round's outer step is applied."""
+    """DiLoCo: one line per committed round, written at the top of the inner step after its outer step (or at the
+    loop's end)."""
 
     def __init__(self, member: str) -> None:
         self.member = member
