@@ -259,10 +259,13 @@ def test_diloco_survives_kills_at_an_inner_step_and_at_the_outer_reduction_and_h
 def test_a_whole_diloco_fleet_killed_resumes_from_its_checkpoint_and_commits_each_round_once(tmp_path: Path) -> None:
     """Two groups checkpoint every round (globals, outer optimizer state); both are SIGKILLed while held at round 2.
 
-    The restarted groups load the newest checkpoint the lighthouse vouches
-    for, the ledger rolls back to it once, and every round then commits its
-    planned samples, each sample once, with both groups ending on the same
-    outer state bit for bit.
+    Rounds 0-1 are on record before the kill, and a checkpoint of step 1 or
+    2 is vouched for: the writer skips a due step while its last checkpoint
+    is still being written or reported, and a held fleet reaches no later
+    boundary, so a newer one never comes while held. The restarted groups
+    load the newest checkpoint the lighthouse vouches for, the ledger rolls
+    back to it once, and every round then commits its planned samples, each
+    sample once, with both groups ending on the same outer state bit for bit.
     """
     rounds = 4
     run_dir, checkpoints = tmp_path / "run", tmp_path / "checkpoints"
@@ -280,9 +283,14 @@ def test_a_whole_diloco_fleet_killed_resumes_from_its_checkpoint_and_commits_eac
         for worker in range(2):
             cluster.start(worker)
         wait_until(
-            lambda: server.status()["ledger"]["step"] == 2 and server.status()["checkpoint"],
+            lambda: (
+                server.status()["ledger"]["step"] == 2
+                and server.status()["checkpoint"]
+                and [record["step"] for record in committed_steps(run_dir)] == [0, 1]
+            ),
             timeout=JOB_TIMEOUT,
-            what="the lighthouse to commit round 2 and vouch for a checkpoint",
+            what="the groups to be held at round 2 with rounds 0-1 on record and the lighthouse to vouch for a "
+            "checkpoint",
         )
         for worker in range(2):
             cluster.processes[worker].send_signal(signal.SIGKILL)
