@@ -149,6 +149,9 @@ def test_bad_configurations_are_refused_before_training(solo: Lighthouse) -> Non
             manager.register_state("sync/mine", torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0))
         with pytest.raises(ValueError, match=r"max_steps=6 must be a multiple of DiLoCo\.inner_steps=4"):
             next(iter(manager.steps(ElasticLoader(TASKS["gpt-tiny"].dataset()), max_steps=6)))
+        with pytest.raises(RuntimeError, match=r"request_departure\(\) is not supported with sync=DiLoCo"):
+            manager.request_departure()
+        assert not manager.departing
     finally:
         manager.close()
 

@@ -138,6 +138,7 @@ def test_a_departure_before_the_first_quorum_leaves_at_once(solo: Lighthouse) ->
         manager.close()
         loader.close()
     assert manager.departed
+    assert manager.last_round is None  # every-step training has no rounds
     status = solo.status()
     assert [(d["member"], d["in_quorum"]) for d in status["departures"]] == [("early", False)]
     assert status["quorums"] == []

@@ -215,6 +215,16 @@ class SyncMode(Protocol):
         """Whether this worker left the quorum at a step boundary on request."""
         ...
 
+    @property
+    def last_round(self) -> StepReport | None:
+        """What the last committed round did (DiLoCo); None in a mode whose commits are its steps."""
+        ...
+
+    def request_departure(self, reason: str) -> None:
+        """Leave the quorum at the next step boundary (``Manager.request_departure``); a ``RuntimeError`` in a mode
+        that cannot."""
+        ...
+
     def commits_for(self, max_steps: int) -> int:
         """The ledger steps (rounds) that ``max_steps`` yielded steps make; a ``ValueError`` when none fits."""
         ...

@@ -59,6 +59,15 @@ class EveryStep:
         self._leaving: tuple[int, ...] = ()
         """The quorum ranks whose processes leave at the boundary of the step just committed."""
 
+    @property
+    def last_round(self) -> None:
+        """None: every step commits on its own (its report is the step's, ``TrainStep.report``)."""
+        return None
+
+    def request_departure(self, reason: str) -> None:
+        """Leave the quorum at the boundary after the step that carries the request (see :meth:`steps`)."""
+        self.departure.request(reason)
+
     def commits_for(self, max_steps: int) -> int:
         """The ledger's steps ``max_steps`` steps make: the same."""
         return max_steps

@@ -356,9 +356,7 @@ class Manager:
         :attr:`departed` is True, and the others go on without it, retraining
         nothing and waiting for no timeout (docs/design.md, "Preemption").
         """
-        if self._rounds is not None:
-            raise RuntimeError("request_departure() is not supported with sync=DiLoCo(...) yet")
-        self._departure.request(reason)
+        self._mode.request_departure(reason)
 
     @property
     def redundancy_stats(self) -> tuple[int, RepairStats] | None:
@@ -373,7 +371,7 @@ class Manager:
     @property
     def last_round(self) -> StepReport | None:
         """DiLoCo: what the last committed round did (``step``: the round, ``positions``: all its samples)."""
-        return None if self._rounds is None else self._rounds.last_round
+        return self._mode.last_round
 
     @property
     def diloco(self) -> RoundLoop | None:

@@ -163,6 +163,10 @@ class RoundLoop:
         """Never: a departure at a step boundary is not supported in DiLoCo's rounds yet."""
         return False
 
+    def request_departure(self, reason: str) -> None:
+        """Refused: a departure at a step boundary is not supported in DiLoCo's rounds yet."""
+        raise RuntimeError("request_departure() is not supported with sync=DiLoCo(...) yet")
+
     def commits_for(self, max_steps: int) -> int:
         """The rounds ``max_steps`` inner steps make; a ``ValueError`` unless a multiple of ``inner_steps``."""
         rounds, rest = divmod(max_steps, self.config.inner_steps)
