@@ -425,7 +425,7 @@ def test_diloco_over_fsdp_groups_survives_a_sigkilled_process_and_heals_its_grou
     """
     rounds = 4
     hold = tmp_path / "hold"
-    hold.write_text(str(2 * INNER))  # group A waits in round 2 until the restarted group B is in its quorum
+    hold.write_text("2")  # group A waits in round 2 (a hold counts rounds) until the restarted group B is in its quorum
     args = diloco_args(rounds * INNER, "--fsdp", "--hold-file", str(hold), *streaming)
     kill = ["--kill-at", f"{INNER + 1}:during_backward", "--kill-rank", "1"]
     with Lighthouse(ROUND_PLAN, min_replicas=1, start_replicas=2, heartbeat_timeout=1.0, join_timeout=30.0) as server:
