@@ -132,8 +132,9 @@ class Faults:
 class Pacing:
     """Simulated compute and holds: ``step_seconds`` at the top of each step, ``sample_seconds`` per sample.
 
-    ``hold_file``: while it exists and holds a step number ``S``, the loop
-    waits before any step ``>= S`` (at most :data:`HOLD_LIMIT` s), except
+    ``hold_file``: while it exists and holds a step number ``S`` (the
+    ledger's: a round under DiLoCo), the loop waits before any step
+    ``>= S`` (at most :data:`HOLD_LIMIT` s), except
     when the lighthouse asks for a step boundary (a joiner), see
     :func:`held_until`.
     """

@@ -29,8 +29,9 @@ applied), or ``during_evaluate`` (inside the leader's ``manager.on_leader()``
 evaluation after step ``STEP``, with ``--eval-every``); with ``--kill-rank R``
 only the group's process of intra-group rank R does.
 
-``--hold-file PATH``: while PATH exists and holds a step number ``S``, the
-worker waits before starting any step ``>= S`` (bounded by ``loop.HOLD_LIMIT``),
+``--hold-file PATH``: while PATH exists and holds a step number ``S`` (the
+ledger's: a round with ``--diloco``), the worker waits before starting any
+step ``>= S`` (bounded by ``loop.HOLD_LIMIT``),
 except that it runs a step whenever the lighthouse asks for a boundary, so
 that a hold never keeps a joiner out.
 The demo and the tests hold the job this way while a restarted worker starts,
