@@ -241,6 +241,11 @@ class RunResult:
     note: str = ""
     measured: dict[str, float | None] = field(default_factory=dict)
 
+    @property
+    def ok(self) -> bool:
+        """Every group ended with 0 and nothing was noted."""
+        return not self.note and all(code == 0 for code in self.exit_codes.values())
+
     def trouble(self) -> str:
         """The run's note, or the first error its groups logged if one failed (empty when all went well)."""
         if self.note:
@@ -250,7 +255,10 @@ class RunResult:
         return ""
 
     def step_time(self) -> float | None:
-        """Median seconds between a process's batches after the warm-up steps (every process of the run)."""
+        """Median seconds between a process's batches after the warm-up steps (every process of the run); None
+        for a run that did not end well (a group that trained alone is not the job measured)."""
+        if not self.ok:
+            return None
         gaps: list[float] = []
         by_process: dict[tuple[str, int], list[torchtitan_audit.Batch]] = {}
         for batch in self.audit.batches:
@@ -389,7 +397,7 @@ def ratio_rows(legs: Sequence[Leg], runs: dict[str, list[RunResult]]) -> list[li
         times = [run.step_time() for run in runs[leg.name]]
         kept = [value for value in times if value is not None]
         ratios = round_ratios(times, baseline)
-        ok = sum(1 for run in runs[leg.name] if all(code == 0 for code in run.exit_codes.values()))
+        ok = sum(1 for run in runs[leg.name] if run.ok)
         rows.append(
             [
                 leg.name,
@@ -400,6 +408,11 @@ def ratio_rows(legs: Sequence[Leg], runs: dict[str, list[RunResult]]) -> list[li
             ]
         )  # fmt: skip
     return rows
+
+
+def reference(runs: Sequence[RunResult]) -> RunResult:
+    """The failure-free run failure runs are compared with: the first that ended well (else the first)."""
+    return next((run for run in runs if run.ok), runs[0])
 
 
 def failure_row(leg: Leg, failure: RunResult, reference: RunResult) -> list[str]:
@@ -486,10 +499,10 @@ def main(argv: list[str] | None = None) -> int:
     if failures:
         print_table(
             console,
-            "2. A SIGKILL of replica group B and its restart, per run (the failure-free reference is round 1's run)",
+            "2. A SIGKILL of replica group B and its restart, per run (vs the first failure-free run that ended well)",
             ["leg", "kill at step", "recovery (s)", "rejoin (s)", "rejoined", "samples lost", "trained twice",
              "final loss", "failure-free", "exit", "errors"],
-            [failure_row(leg, run, runs[leg.name][0]) for leg in fault_tolerant for run in failures[leg.name]],
+            [failure_row(leg, run, reference(runs[leg.name])) for leg in fault_tolerant for run in failures[leg.name]],
             caption="recovery = SIGKILL -> A's first committed step after it; rejoin = relaunch -> B's first "
             "committed step; rejoined = B committed and A committed after it; lost/twice: samples against the "
             "leg's failure-free run (audit of every batch taken; a step in flight at the kill is not trained).",
@@ -507,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     for name, failed in failures.items():
-        outcomes = [torchtitan_audit.data_outcome(runs[name][0].audit, failure.audit) for failure in failed]
+        outcomes = [torchtitan_audit.data_outcome(reference(runs[name]).audit, failure.audit) for failure in failed]
         lost, twice = sum(o.lost for o in outcomes), sum(o.trained_twice for o in outcomes)
         rejoined = sum(1 for failure in failed if failure.measured.get("rejoined"))
         goals.append(
