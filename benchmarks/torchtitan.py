@@ -149,6 +149,7 @@ def _log_time(stamp: str) -> float:
 
 _STEP_LINE = re.compile(r"^\[titan\] (\S+ \S+) - root - INFO - step:\s*\d+\s+loss:", re.MULTILINE)
 _TORCHFT_COMMIT = re.compile(r"^\[titan\] (\S+ \S+) - torchft\.manager - INFO - .*should_commit=True", re.MULTILINE)
+_FATAL_LINE = re.compile(r"^\[rank\d+\]: (\w*(?:Error|Exception)\b.*)$", re.MULTILINE)
 _ERROR_LINE = re.compile(r"^(?:\[rank\d+\]: )?(\w*(?:Error|Exception)\b.*)$", re.MULTILINE)
 
 
@@ -163,9 +164,11 @@ def torchft_commit_times(log: str) -> list[float]:
 
 
 def first_error(log: str) -> str:
-    """The first exception line a group logged (empty if none)."""
+    """The error that ended a group (the last a rank's traceback names), else the first exception line it logged
+    (empty if none)."""
+    fatal = _FATAL_LINE.findall(log)
     match = _ERROR_LINE.search(log)
-    return match.group(1)[:160] if match else ""
+    return (fatal[-1] if fatal else match.group(1) if match else "")[:160]
 
 
 def group_environment(setup: Setup, label: str, extra: dict[str, str] | None = None) -> dict[str, str]:
