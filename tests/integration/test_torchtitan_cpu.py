@@ -11,6 +11,7 @@ import pytest
 import torch
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install -e '.[torchtitan]')")
+pytest.importorskip("triton", reason="triton is not installed (torchtitan imports it at load; the torchtitan extra)")
 
 from stalwart.testing import torchtitan_cpu
 from stalwart.testing.torchtitan_assets import TorchtitanAssets
