@@ -1,0 +1,70 @@
+"""The tests' torchtitan launcher (:mod:`stalwart.testing.torchtitan_cpu`): plain torchtitan's llama3 debug model
+trains on two CPU processes (FSDP2 over Gloo) with the generated tokenizer and corpus (the shims' pure pieces are
+tested in ``tests/unit/test_torchtitan_launcher.py``)."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install -e '.[torchtitan]')")
+pytest.importorskip("triton", reason="triton is not installed (torchtitan imports it at load; the torchtitan extra)")
+
+from stalwart.testing import torchtitan_cpu
+from stalwart.testing.torchtitan_assets import TorchtitanAssets
+from stalwart.testing.torchtitan_log import step_records
+
+STEPS = 3
+RUN_TIMEOUT = 240.0
+
+
+def debug_args(assets: TorchtitanAssets, dump: Path, steps: int = STEPS) -> list[str]:
+    """The llama3 debug model, short sequences and small batches, a fixed seed."""
+    return [
+        "--module",
+        "llama3",
+        "--config",
+        "llama3_debugmodel",
+        *assets.flags(),
+        "--training.seq-len",
+        "128",
+        "--training.local-batch-size",
+        "2",
+        "--training.steps",
+        str(steps),
+        "--debug.seed",
+        "7",
+        "--metrics.disable-color-printing",
+        "--dump-folder",
+        str(dump),
+    ]
+
+
+@pytest.mark.slow
+def test_plain_torchtitan_trains_on_two_cpu_processes(torchtitan_assets: TorchtitanAssets, tmp_path: Path) -> None:
+    command = torchtitan_cpu.torchrun_command(2, debug_args(torchtitan_assets, tmp_path / "dump"))
+    result = subprocess.run(
+        command,
+        env=torchtitan_cpu.environment(tmp_path),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    records = step_records(result.stdout + result.stderr)
+    # Each of the two ranks logs every step with the same (globally reduced) loss and gradient norm.
+    assert sorted(record.step for record in records) == sorted([*range(1, STEPS + 1)] * 2)
+    by_step: dict[int, set[tuple[float, float]]] = {}
+    for record in records:
+        by_step.setdefault(record.step, set()).add((record.loss, record.grad_norm))
+    assert all(len(values) == 1 for values in by_step.values()), by_step
+    losses = [next(iter(by_step[step]))[0] for step in range(1, STEPS + 1)]
+    assert all(math.isfinite(loss) for loss in losses)
+    # Starts near ln(vocab) (an untrained model over the 2,048 ids) and learns.
+    assert abs(losses[0] - math.log(2048)) < 1.0
+    assert losses[-1] < losses[0]
