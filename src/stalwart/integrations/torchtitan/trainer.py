@@ -1,0 +1,213 @@
+"""``StalwartTrainer``: torchtitan's ``Trainer`` whose replica groups are stalwart members.
+
+One torchrun job is one replica group: torchtitan builds, parallelizes
+(FSDP2 over the job's own processes) and initialises the model, the
+optimizer, the LR schedulers, the metrics and the checkpointer as it always
+does, and :class:`~stalwart.runtime.manager.Manager` joins the group to the
+lighthouse's quorum and reduces each step's gradients across the groups.
+Written for torchtitan 0.3.0 (docs/guide/torchtitan.md says what breaks if
+its seams change). It overrides four of the trainer's public seams and copies
+none of its methods:
+
+- ``__init__``: after torchtitan's own, the Manager over the model part and
+  its optimizer, the LR schedulers and the trainer's counters healed with
+  them, and stalwart's loader over torchtitan's dataset (packed once,
+  :mod:`stalwart.integrations.torchtitan.data`), in place of the
+  data-parallel split of torchtitan's dataloader;
+- ``should_continue_training``: the loop's condition takes the next step
+  from ``manager.steps()``; that call commits the step before, and joins,
+  heals or re-forms the quorum at a step boundary;
+- ``train_step``: the step's micro-batches through torchtitan's
+  ``batch_generator`` and ``forward_backward_step``, each loss back-propagated
+  by ``step.backward`` weighted by its tokens (:class:`StepLoss` wraps
+  torchtitan's loss), then torchtitan's clipping, optimizer, LR schedulers
+  and metrics on the quorum's reduced gradient;
+- ``close``: torchtitan's, then the Manager's and the loader's.
+
+torchtitan's ``train()`` loop is kept whole: checkpoint loading and saving,
+validation, profiling, garbage collection and timeouts run as they do
+without stalwart.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import spmd_types as spmd
+import torch
+from torchtitan.components.dataloader import DataloaderExhaustedError
+from torchtitan.components.loss import IGNORE_INDEX, BaseLoss
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.trainer import Trainer
+
+from stalwart.data.plan import EpochPlan
+from stalwart.data.world import WorldInfo
+from stalwart.integrations.torchtitan.config import (
+    FaultTolerance,
+    TrainingShape,
+    check_fault_tolerance,
+    check_training,
+)
+from stalwart.integrations.torchtitan.data import packed_text
+from stalwart.runtime.config import Checks, ReplicaGroup
+from stalwart.runtime.loader import ElasticLoader
+from stalwart.runtime.manager import Manager
+from stalwart.runtime.step import TrainStep
+from stalwart.runtime.timeouts import Timeouts
+
+OTHER_DEGREES = (
+    "data_parallel_replicate_degree",
+    "tensor_parallel_degree",
+    "context_parallel_degree",
+    "pipeline_parallel_degree",
+    "expert_parallel_degree",
+)
+"""The parallelism flags that must stay 1 (stalwart splits a group's share among its processes: FSDP only)."""
+
+
+class StepLoss:
+    """torchtitan's loss, back-propagated through the current stalwart step.
+
+    torchtitan divides each micro-batch's summed loss by ``global_valid_tokens``
+    and calls ``backward()`` itself. Here the trainer passes the micro-batch's
+    own valid tokens: the loss becomes the micro-batch's mean, which
+    ``step.backward`` weighs by those tokens, so the quorum's reduced gradient
+    is the mean over every token of the global batch, whatever groups trained
+    it. torchtitan then gets the mean as a detached leaf, whose ``backward()``
+    reaches no parameter.
+    """
+
+    def __init__(self, loss: BaseLoss) -> None:
+        self.loss = loss
+        self.step: TrainStep | None = None
+
+    def __call__(
+        self, pred: torch.Tensor, labels: torch.Tensor, global_valid_tokens: torch.Tensor, **kwargs: Any
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if self.step is None:
+            raise RuntimeError("StepLoss called outside a stalwart step")
+        total, metrics = self.loss(pred, labels, None, **kwargs)  # summed over the micro-batch's tokens
+        mean = total / global_valid_tokens.clamp(min=1)  # a micro-batch of no token (FSDP lockstep) weighs 0
+        with spmd.no_typecheck():
+            self.step.backward(mean, weight=global_valid_tokens)
+        return mean.detach().requires_grad_(), metrics
+
+
+class StalwartTrainer(Trainer):
+    """torchtitan's trainer as one replica group of a stalwart job (see the module docstring)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
+        """Where this torchrun job stands among the replica groups, and how they synchronise."""
+
+    config: Config
+    loss_fn: BaseLoss
+
+    def __init__(self, config: Config) -> None:
+        flags = config.fault_tolerance
+        super().__init__(config)
+        check_fault_tolerance(flags, device_type=self.device.type)
+        check_training(
+            TrainingShape(
+                global_batch_size=config.training.global_batch_size,
+                local_batch_size=config.training.local_batch_size,
+                steps=config.training.steps,
+                degrees={name: getattr(config.parallelism, name) for name in OTHER_DEGREES},
+                optimizers=len(self.optimizers.optimizers),
+                cuda_graphs=self.device.type == "cuda" and not config.training.disable_cuda_graphs,
+            ),
+            flags,
+        )
+        global_batch = config.training.global_batch_size
+        dataset = packed_text(
+            config.dataloader, self.tokenizer, config.training.seq_len, limit=config.training.steps * global_batch
+        )
+        self.stalwart_loader = ElasticLoader(dataset)
+        timeout_ms = flags.process_group_timeout_ms
+        self.manager = Manager(
+            self.model_parts[0],
+            self.optimizers.optimizers[0],
+            max_microbatch=config.training.local_batch_size,
+            member=flags.member(),
+            plan=EpochPlan(len(dataset), global_batch, seed=config.debug.seed or 0),
+            redundancy=flags.redundancy,
+            checks=Checks(audit_dir=flags.audit_dir),
+            timeouts=Timeouts.resolve(collective_timeout=None if timeout_ms is None else timeout_ms / 1000),
+            group=ReplicaGroup(WorldInfo.from_env()),
+            device=self.device,
+            sync=flags.sync(),
+        )
+        self.manager.register_state("lr_schedulers", self.lr_schedulers)
+        self.manager.register_state("train_state", self)
+        self.step_loss = StepLoss(self.loss_fn)
+        self.loss_fn = cast(BaseLoss, self.step_loss)
+        self.stalwart_steps: Iterator[TrainStep] = self.manager.steps(
+            self.stalwart_loader, max_steps=config.training.steps
+        )
+        self.stalwart_step: TrainStep | None = None
+
+    def should_continue_training(self) -> bool:
+        """Take the next step from stalwart (committing the one before; joining or healing at a boundary)."""
+        self.stalwart_step = next(self.stalwart_steps, None)
+        if self.stalwart_step is None:
+            return False
+        self.step = self.stalwart_step.number  # torchtitan's train() adds 1: its steps count from 1
+        return True
+
+    def train_step(self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> None:
+        """One stalwart step: this process's micro-batches (``data_iterator``, torchtitan's split, is not read)."""
+        step = self.stalwart_step
+        if step is None:
+            raise RuntimeError("train_step() runs inside train(), after should_continue_training()")
+        self.optimizers.zero_grad()
+        lr_metrics = self.lr_schedulers.get_metrics()
+        self.step_loss.step = step
+        batches = self.batch_generator(step)
+        while True:
+            try:
+                input_dict, labels = next(batches)
+            except DataloaderExhaustedError:  # the step's micro-batches ended: stalwart reduced them
+                break
+            self.forward_backward_step(
+                input_dict={name: tensor.to(self.device) for name, tensor in input_dict.items()},
+                labels=labels.to(self.device),
+                global_valid_tokens=(labels != IGNORE_INDEX).sum().to(self.device),
+            )
+        self.step_loss.step = None
+        grad_norm = dist_utils.clip_grad_norm_(
+            [param for part in self.model_parts for param in part.parameters()],
+            self.config.training.max_norm,
+            foreach=True,
+            pp_mesh=self.parallel_dims.get_optional_mesh("pp"),
+            ep_enabled=self.parallel_dims.ep_enabled,
+        )
+        self.checkpointer.maybe_wait_for_staging()
+        self.optimizers.step()
+        self.lr_schedulers.step()
+        if not self.metrics_processor.should_log(self.step):
+            return
+        report = step.report
+        if not math.isfinite(report.loss):
+            raise RuntimeError(f"Loss is not finite ({report.loss}) at step {self.step}. Stopping training.")
+        self.metrics_processor.log(
+            self.step,
+            report.loss,
+            report.loss,
+            float(grad_norm.item()),
+            extra_metrics={
+                "n_tokens_seen": self.ntokens_seen,
+                "stalwart/replica_groups": report.world_size,
+                "stalwart/samples": report.samples,
+                **lr_metrics,
+            },
+        )
+
+    def close(self) -> None:
+        """torchtitan's close, then stalwart's: after the last step, this group leaves the quorum cleanly."""
+        super().close()
+        self.manager.close()
+        self.stalwart_loader.close()
