@@ -21,6 +21,7 @@ from stalwart.testing import digits_job
 from stalwart.testing.loopback import HOST
 
 STORE_TIMEOUT = 30.0
+TORCHTITAN_DOCUMENTS = 400  # ~40k tokens: some 80 steps of the CPU runs' 512 tokens before the corpus loops
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -86,3 +87,13 @@ def reference() -> dict[str, torch.Tensor]:
 def long_reference() -> dict[str, torch.Tensor]:
     """The digits job's failure-free parameters after ``digits_job.LONG_STEPS`` steps."""
     return digits_job.reference_parameters(digits_job.LONG_STEPS)
+
+
+@pytest.fixture(scope="session")
+def torchtitan_assets(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A seeded corpus and the byte-level BPE tokenizer trained on it, written once per session
+    (:func:`stalwart.testing.torchtitan_assets.write_assets`; ``.flags()`` points torchtitan at them)."""
+    pytest.importorskip("tokenizers", reason="tokenizers is not installed (the torchtitan extra installs it)")
+    from stalwart.testing.torchtitan_assets import write_assets
+
+    return write_assets(tmp_path_factory.mktemp("torchtitan_assets"), documents=TORCHTITAN_DOCUMENTS)

@@ -1,0 +1,255 @@
+"""torchtitan on CPU with Gloo: the tests' and benchmarks' torchrun entry point.
+
+Run as the module torchrun starts in every process, followed by torchtitan's
+own flags::
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 \\
+        -m stalwart.testing.torchtitan_cpu --module llama3 --config llama3_debugmodel ...
+
+It applies the shims below, then runs ``torchtitan.train.main()`` unchanged.
+torchtitan picks the trainer from ``--module``/``--config`` (the config
+function's ``Trainer.Config`` subclass builds its own trainer), so the same
+entry point runs plain torchtitan (``--module llama3``), torchft's
+``FaultTolerantTrainer`` (``--module torchft.llama3 --config
+llama3_torchft_debugmodel``) or any trainer a module's ``config_registry``
+names (a dotted module path works). :func:`torchrun_command` builds that
+command line.
+
+Everything CPU needs lives here, never in an integration (issue 39). The
+shims, for torchtitan 0.3.0 and torch 2.13 (each patches the narrowest public
+name that works):
+
+1. **Device type.** ``torchtitan.tools.utils.device_type``/``device_module``
+   fall back to ``"cuda"``/``torch.cuda`` when no accelerator is present, and
+   the trainer's first act is ``torch.cuda.set_device``. They are set to
+   ``"cpu"`` and :class:`CpuDeviceModule` (``torch.cpu`` plus the memory
+   queries the metrics ask for, answering "no device memory") before
+   torchtitan builds anything, and every already-imported torchtitan module
+   that bound them by value (``from torchtitan.tools.utils import
+   device_type``: metrics, distributed utils, parallel dims, ...) is updated.
+   Gloo then serves the default process group (torch's map of ``cpu``).
+2. **FlexAttention.** The llama3 models' attention is ``flex_attention``
+   under ``torch.compile``; its CPU kernel has no backward. Its one entry
+   point, ``FlexAttention.compiled_flex_attn``, is replaced by eager
+   ``scaled_dot_product_attention`` with the block mask's ``mask_mod``
+   evaluated as a dense boolean mask (same result, slower; the debug model's
+   sequences are short). Score mods and the log-sum-exp output are not
+   supported and raise. ``create_attention_mask`` (``create_block_mask``
+   under ``torch.compile``: a C++ inductor build of half a minute per process
+   on a busy CPU) becomes the eager ``create_block_mask``.
+3. **Sum reduction for FSDP's gradients.** torchtitan divides gradients
+   itself and sets FSDP2's divide factor to 1, which makes FSDP reduce-scatter
+   with ``ReduceOp.PREMUL_SUM``; Gloo has no ``PREMUL_SUM``. Setting a divide
+   factor now also forces sum reduction for comms
+   (``set_force_sum_reduction_for_comms``), which reduces with ``SUM`` and
+   divides locally: the same gradients.
+4. **``torch.distributed.set_timeout``.** torchtitan's
+   ``set_pg_timeouts`` calls it after the first step; torch 2.13 has it only
+   as ``distributed_c10d._set_pg_timeout``, aliased here when missing.
+5. **SPMD backend.** torchtitan's default ``spmd_types`` backend is not run
+   on CPU here; ``--parallelism.spmd-backend partial_dtensor`` is put before
+   the caller's flags, so a caller's own choice still wins.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SPMD_BACKEND_FLAGS = ("--parallelism.spmd-backend", "partial_dtensor")
+
+
+class CpuDeviceModule:
+    """``torch.cpu`` with the device-memory queries torchtitan's metrics make (CPU has no device memory to report:
+    capacity is the machine's memory, the statistics are empty)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cpu, name)
+
+    @staticmethod
+    def current_device() -> int:
+        """An index, as CUDA's (``torch.cpu.current_device`` answers ``"cpu"``, which ``barrier(device_ids=...)``
+        refuses)."""
+        return 0
+
+    @staticmethod
+    def get_device_name(device: object = None) -> str:
+        return "cpu"
+
+    @staticmethod
+    def get_device_properties(device: object = None) -> Any:
+        class Properties:
+            name = "cpu"
+            total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+        return Properties()
+
+    @staticmethod
+    def memory_stats(device: object = None) -> dict[str, int]:
+        return {}
+
+    @staticmethod
+    def reset_peak_memory_stats(device: object = None) -> None:
+        return None
+
+    @staticmethod
+    def empty_cache() -> None:
+        return None
+
+
+def rebind(name: str, old: object, new: object) -> None:
+    """Set ``name`` to ``new`` in every imported torchtitan module where it is ``old`` (a module that did ``from m
+    import name`` holds its own binding; modules imported later read the patched source)."""
+    for module_name, module in list(sys.modules.items()):
+        if module is not None and module_name.split(".")[0] == "torchtitan" and getattr(module, name, None) is old:
+            setattr(module, name, new)
+
+
+def use_cpu_device() -> None:
+    """Shim 1: torchtitan's device type and module become CPU's, in ``torchtitan.tools.utils`` and in every
+    imported torchtitan module that bound them by value."""
+    import torchtitan.tools.utils as titan_utils
+
+    if titan_utils.device_type == "cpu":
+        return
+    rebind("device_module", titan_utils.device_module, CpuDeviceModule())
+    rebind("device_type", titan_utils.device_type, "cpu")
+
+
+def eager_flex_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    score_mod: Callable[..., torch.Tensor] | None,
+    block_mask: Any,
+    scale: float | None,
+    enable_gqa: bool,
+    return_aux: Any,
+    kernel_options: dict[str, Any],
+) -> tuple[torch.Tensor, Any]:
+    """Shim 2: ``FlexAttention.compiled_flex_attn``'s contract ((B, N, L, H) in and out) by eager SDPA over the
+    block mask's dense boolean mask."""
+    from torch.nn.attention.flex_attention import AuxOutput, create_mask
+
+    if score_mod is not None:
+        raise NotImplementedError("the CPU shim's flex attention supports no score_mod")
+    if return_aux is not None and (getattr(return_aux, "lse", False) or getattr(return_aux, "max_scores", False)):
+        raise NotImplementedError(f"the CPU shim's flex attention returns no auxiliary outputs, asked {return_aux!r}")
+    mask = None
+    if block_mask is not None:
+        batch, _, q_len, kv_len = block_mask.shape[0], None, q.shape[-2], k.shape[-2]
+        mask = create_mask(block_mask.mask_mod, batch, None, q_len, kv_len, device=q.device)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+    return out, AuxOutput()
+
+
+def eager_attention_mask(*args: Any, **kwargs: Any) -> Any:
+    """Shim 2: ``create_attention_mask`` by eager ``create_block_mask`` (no inductor compile on CPU)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(*args, **kwargs)
+
+
+def use_eager_attention() -> None:
+    """Shim 2: install :func:`eager_flex_attention` as torchtitan's compiled flex attention, and
+    :func:`eager_attention_mask` wherever a torchtitan module bound ``create_attention_mask``."""
+    from torchtitan.models.common import attention
+
+    attention.FlexAttention.compiled_flex_attn = staticmethod(eager_flex_attention)
+    rebind("create_attention_mask", attention.create_attention_mask, eager_attention_mask)
+
+
+def force_sum_reduction() -> None:
+    """Shim 3: setting an FSDP2 module's gradient divide factor also forces sum reduction for its comms."""
+    from torch.distributed.fsdp import FSDPModule
+
+    original = FSDPModule.set_gradient_divide_factor
+    if getattr(original, "stalwart_cpu_shim", False):
+        return
+
+    @functools.wraps(original)
+    def set_gradient_divide_factor(self: FSDPModule, factor: float) -> None:
+        original(self, factor)
+        self.set_force_sum_reduction_for_comms(True)
+
+    set_gradient_divide_factor.stalwart_cpu_shim = True  # type: ignore[attr-defined]
+    FSDPModule.set_gradient_divide_factor = set_gradient_divide_factor  # type: ignore[method-assign]
+
+
+def alias_set_timeout() -> None:
+    """Shim 4: ``torch.distributed.set_timeout`` where torch has only the private ``_set_pg_timeout``."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    if not hasattr(dist, "set_timeout"):
+        dist.set_timeout = distributed_c10d._set_pg_timeout  # type: ignore[attr-defined]
+
+
+def apply_shims() -> None:
+    """All the shims of this module's docstring (idempotent)."""
+    use_cpu_device()
+    use_eager_attention()
+    force_sum_reduction()
+    alias_set_timeout()
+
+
+def torchtitan_args(args: Sequence[str]) -> list[str]:
+    """torchtitan's flags with the CPU defaults (shim 5) before the caller's."""
+    return [*SPMD_BACKEND_FLAGS, *args]
+
+
+def torchrun_command(nproc: int, args: Sequence[str], python: str = sys.executable) -> list[str]:
+    """The command running torchtitan on ``nproc`` CPU processes (``torchrun --standalone``, its own free port)
+    through this launcher with torchtitan's flags ``args``."""
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc must be a positive int, got {nproc!r}")
+    return [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "-m",
+        __name__ if __name__ != "__main__" else "stalwart.testing.torchtitan_cpu",
+        *args,
+    ]
+
+
+def environment(scratch: Path, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``base`` (this process's environment by default) for a torchtitan run: the stalwart this process imported
+    first on ``PYTHONPATH`` (the run imports the same sources from any working directory), Hugging Face datasets'
+    cache under ``scratch`` (runs beside each other share no cache, nothing is written to the home directory),
+    offline (the corpus is local: nothing may be fetched), one OpenMP thread per process."""
+    import stalwart
+
+    env = dict(os.environ if base is None else base)
+    source_root = str(Path(stalwart.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(part for part in (source_root, env.get("PYTHONPATH")) if part)
+    env.update(
+        HF_DATASETS_CACHE=str(Path(scratch) / "hf_datasets"),
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+    )
+    return env
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Apply the shims and run ``torchtitan.train.main`` on ``argv`` (the process's arguments by default)."""
+    apply_shims()
+    from torchtitan import train
+
+    sys.argv = [sys.argv[0], *torchtitan_args(sys.argv[1:] if argv is None else argv)]
+    train.main()
+
+
+if __name__ == "__main__":
+    main()
