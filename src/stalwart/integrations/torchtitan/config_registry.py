@@ -20,14 +20,24 @@ from stalwart.integrations.torchtitan.config import FaultTolerance
 from stalwart.integrations.torchtitan.trainer import StalwartTrainer
 
 
-def with_stalwart(config: Trainer.Config, fault_tolerance: FaultTolerance | None = None) -> StalwartTrainer.Config:
-    """``config`` (any torchtitan ``Trainer.Config``) as stalwart's trainer's, with ``fault_tolerance``'s flags."""
+def with_stalwart(
+    config: Trainer.Config,
+    fault_tolerance: FaultTolerance | None = None,
+    *,
+    trainer: type[StalwartTrainer] = StalwartTrainer,
+) -> StalwartTrainer.Config:
+    """``config`` (any torchtitan ``Trainer.Config``) as stalwart's trainer's, with ``fault_tolerance``'s flags.
+
+    ``trainer``: a subclass of :class:`StalwartTrainer` whose ``Config`` builds it (your own seams on top).
+    """
+    if not isinstance(trainer, type) or not issubclass(trainer, StalwartTrainer):
+        raise TypeError(f"trainer must be StalwartTrainer or a subclass of it, got {trainer!r}")
     if not isinstance(config, Trainer.Config):
         raise TypeError(f"config must be a torchtitan Trainer.Config, got {type(config).__name__}")
     if fault_tolerance is not None and not isinstance(fault_tolerance, FaultTolerance):
         raise TypeError(f"fault_tolerance must be a FaultTolerance or None, got {type(fault_tolerance).__name__}")
     fields = {field.name: getattr(config, field.name) for field in dataclasses.fields(config) if field.init}
-    return StalwartTrainer.Config(**fields, fault_tolerance=fault_tolerance or FaultTolerance())
+    return trainer.Config(**fields, fault_tolerance=fault_tolerance or FaultTolerance())
 
 
 def llama3_debugmodel() -> StalwartTrainer.Config:

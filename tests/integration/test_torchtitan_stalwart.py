@@ -1,0 +1,201 @@
+"""stalwart's torchtitan trainer on CPU: two replica groups (torchrun jobs) of torchtitan's llama3 debug model.
+
+Group B's process is SIGKILLed while both groups are held at the top of step
+``KILL_AT`` (:mod:`tests.integration.torchtitan_job`); group A trains that
+step and the next alone with the whole global batch, B is launched again,
+joins A's quorum and is healed to its step; both finish. The run must train
+every step on the same global batch, each sample exactly once (the audit of
+``--fault_tolerance.audit_dir``), and end, on every process of both groups,
+with the parameters of a failure-free run (one group alone: the step's
+gradient is the mean over its samples whoever trains them) within 1e-4.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install -e '.[torchtitan]')")
+
+from stalwart.coord.server import Lighthouse
+from stalwart.data.audit import audit_directory
+from stalwart.testing import torchtitan_cpu
+from stalwart.testing.digits_job import together
+from stalwart.testing.torchtitan_assets import TorchtitanAssets
+from stalwart.testing.waiting import wait_until
+from tests.integration.torchtitan_job import HOLD_VARIABLE, RUN_DIR_VARIABLE
+
+STEPS = 8
+KILL_AT = 3
+REJOIN_AT = 5
+TOLERANCE = 1e-4
+RUN_TIMEOUT = 420.0
+REPOSITORY = Path(__file__).resolve().parents[2]
+
+
+def stalwart_args(assets: TorchtitanAssets, dump: Path, replica: int, local_batch: int, *more: str) -> list[str]:
+    """The llama3 debug model under stalwart's (held) trainer: short sequences, a global batch of 4, a fixed seed."""
+    return [
+        "--module", "tests.integration.torchtitan_job", "--config", "llama3_held", *assets.flags(),
+        "--training.seq-len", "32", "--training.local-batch-size", str(local_batch),
+        "--training.global-batch-size", "4", "--training.steps", str(STEPS), "--debug.seed", "7",
+        "--checkpoint.no-enable", "--validator.no-enable", "--metrics.disable-color-printing",
+        "--dump-folder", str(dump / f"dump-{replica}"),
+        "--fault-tolerance.replica-id", str(replica), "--fault-tolerance.audit-dir", str(dump / "audit"),
+        *more,
+    ]  # fmt: skip
+
+
+class Groups:
+    """Replica groups as torchrun jobs (one per launch) against one lighthouse, writing into one run directory."""
+
+    def __init__(self, run_dir: Path, lighthouse: Lighthouse, assets: TorchtitanAssets, processes: int) -> None:
+        self.run_dir = run_dir
+        self.assets = assets
+        self.processes = processes
+        self.environ = {
+            **torchtitan_cpu.environment(run_dir),
+            "STALWART_LIGHTHOUSE": lighthouse.url,
+            RUN_DIR_VARIABLE: str(run_dir),
+            HOLD_VARIABLE: str(run_dir / "hold"),
+        }
+        self.environ["PYTHONPATH"] = os.pathsep.join([self.environ["PYTHONPATH"], str(REPOSITORY)])
+        self.launched: list[subprocess.Popen[bytes]] = []
+
+    def launch(self, replica: int, *more: str) -> subprocess.Popen[bytes]:
+        local_batch = 2 // self.processes
+        args = stalwart_args(self.assets, self.run_dir, replica, local_batch, *more)
+        log = (self.run_dir / f"replica-{replica}.log").open("ab")
+        agent = subprocess.Popen(
+            torchtitan_cpu.torchrun_command(self.processes, args),
+            env=self.environ,
+            cwd=self.run_dir,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # the agent and its workers: one process group, ended together
+        )
+        self.launched.append(agent)
+        return agent
+
+    def steps(self, replica: int, rank: int = 0) -> list[tuple[int, int]]:
+        """``(step, pid)`` of every step the group's process ``rank`` started, in order."""
+        path = self.run_dir / f"step-replica-{replica}.{rank}"
+        if not path.exists():
+            return []
+        return [(int(step), int(pid)) for step, pid in (line.split() for line in path.read_text().splitlines())]
+
+    def at(self, replica: int, step: int) -> Callable[[], bool]:
+        """Whether every process of the group started ``step`` or a later one."""
+        return lambda: all(
+            (found := self.steps(replica, rank)) and found[-1][0] >= step for rank in range(self.processes)
+        )
+
+    def hold(self, step: int | None) -> None:
+        """Hold every group at the top of ``step`` and later (None: release them)."""
+        path = self.run_dir / "hold"
+        if step is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_text(str(step))
+
+    def log(self, replica: int) -> str:
+        return (self.run_dir / f"replica-{replica}.log").read_text(errors="replace")[-6000:]
+
+    def end(self) -> None:
+        for agent in self.launched:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait(timeout=60)
+
+
+def finals(run_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
+    return {path.name: torch.load(path, weights_only=True) for path in sorted(run_dir.glob("final-*.pt"))}
+
+
+def worst_difference(one: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> float:
+    assert one.keys() == other.keys()
+    return max(float((one[name] - other[name]).abs().max()) for name in one)
+
+
+def failure_free(run_dir: Path, make_lighthouse: Callable[..., Lighthouse], assets: TorchtitanAssets) -> dict:
+    """The parameters after ``STEPS`` steps of one group of one process: the failure-free run."""
+    run_dir.mkdir()
+    groups = Groups(run_dir, make_lighthouse(None, workers=1, heartbeat_timeout=5.0), assets, processes=1)
+    try:
+        assert groups.launch(0).wait(timeout=RUN_TIMEOUT) == 0, groups.log(0)
+    finally:
+        groups.end()
+    (found,) = finals(run_dir).values()
+    return found
+
+
+def kill_restart_and_heal(
+    run_dir: Path, lighthouse: Lighthouse, assets: TorchtitanAssets, processes: int, more: Sequence[str] = ()
+) -> None:
+    """Groups 0 and 1 start; all of group 1 is SIGKILLed at ``KILL_AT``, launched again and healed; both finish."""
+    groups = Groups(run_dir, lighthouse, assets, processes)
+    groups.hold(KILL_AT)
+    try:
+        first = {replica: groups.launch(replica, *more) for replica in (0, 1)}
+        wait_until(groups.at(1, KILL_AT), RUN_TIMEOUT, f"group 1 at step {KILL_AT}")
+        killed = {groups.steps(1, rank)[-1][1] for rank in range(processes)}
+        for pid in killed:
+            os.kill(pid, signal.SIGKILL)
+        assert first[1].wait(timeout=RUN_TIMEOUT) != 0
+        groups.hold(REJOIN_AT)
+        wait_until(groups.at(0, REJOIN_AT), RUN_TIMEOUT, f"group 0 alone at step {REJOIN_AT}")
+        since = lighthouse.status()["quorums"][-1]["quorum_id"]
+        restarted = groups.launch(1, *more)
+        wait_until(
+            lambda: together(lighthouse, ["replica-0", "replica-1"], since) or restarted.poll() is not None,
+            RUN_TIMEOUT,
+            "the restarted group 1 in group 0's quorum",
+        )
+        groups.hold(None)
+        assert first[0].wait(timeout=RUN_TIMEOUT) == 0, groups.log(0)
+        assert restarted.wait(timeout=RUN_TIMEOUT) == 0, groups.log(1)
+    finally:
+        groups.end()
+    for rank in range(processes):  # the restarted group was healed to the quorum's step and trained to the end
+        restarted_steps = [step for step, pid in groups.steps(1, rank) if pid not in killed]
+        assert restarted_steps[0] >= REJOIN_AT and restarted_steps[-1] == STEPS - 1, restarted_steps
+    quorums = lighthouse.status()["quorums"]
+    assert ["replica-0"] in [sorted(q["members"]) for q in quorums]  # group 0 went on alone
+    assert sorted(quorums[-1]["members"]) == ["replica-0", "replica-1"]
+
+
+def assert_audited_exactly_once_at_a_constant_global_batch(audit_dir: Path) -> None:
+    records = [
+        json.loads(line) for path in sorted(audit_dir.glob("steps-*.jsonl")) for line in path.read_text().splitlines()
+    ]
+    by_step: dict[int, set[tuple[int, ...]]] = {}
+    for record in records:
+        by_step.setdefault(record["step"], set()).add(tuple(record["indices"]))
+    assert sorted(by_step) == list(range(STEPS))
+    assert all(len(versions) == 1 and len(next(iter(versions))) == 4 for versions in by_step.values()), by_step
+    report = audit_directory(audit_dir)
+    assert report.ok
+    assert all(epoch.coverage.exactly_once for epoch in report.epochs)
+
+
+@pytest.mark.slow
+def test_a_killed_group_restarts_rejoins_and_is_healed(
+    tmp_path: Path, make_lighthouse: Callable[..., Lighthouse], torchtitan_assets: TorchtitanAssets
+) -> None:
+    reference = failure_free(tmp_path / "reference", make_lighthouse, torchtitan_assets)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    lighthouse = make_lighthouse(None, workers=2, heartbeat_timeout=5.0, join_timeout=120.0)
+    kill_restart_and_heal(run_dir, lighthouse, torchtitan_assets, processes=1)
+    assert_audited_exactly_once_at_a_constant_global_batch(run_dir / "audit")
+    found = finals(run_dir)
+    assert sorted(found) == ["final-replica-0.0.pt", "final-replica-1.0.pt"]
+    for name, parameters in found.items():
+        assert worst_difference(parameters, reference) < TOLERANCE, name
