@@ -1,13 +1,16 @@
 """stalwart's torchtitan trainer on CPU: two replica groups (torchrun jobs) of torchtitan's llama3 debug model.
 
-Group B's process is SIGKILLed while both groups are held at the top of step
-``KILL_AT`` (:mod:`tests.integration.torchtitan_job`); group A trains that
-step and the next alone with the whole global batch, B is launched again,
-joins A's quorum and is healed to its step; both finish. The run must train
-every step on the same global batch, each sample exactly once (the audit of
-``--fault_tolerance.audit_dir``), and end, on every process of both groups,
-with the parameters of a failure-free run (one group alone: the step's
-gradient is the mean over its samples whoever trains them) within 1e-4.
+Group 1's processes are SIGKILLed while both groups are held at the top of
+step ``KILL_AT`` (:mod:`tests.integration.torchtitan_job`); group 0 trains
+that step and the next alone with the whole global batch, group 1 is
+launched again, joins group 0's quorum and is healed to its step; both
+finish. The run must train every step on the same global batch, each sample
+exactly once (the audit of ``--fault_tolerance.audit_dir``), and end, on
+every process of both groups, with the parameters of a failure-free run
+(one group of the same size alone: the step's gradient is the mean over its
+samples whoever trains them) within 1e-4. Three shapes: groups of one
+process; groups of two with FSDP2 inside (healed shard by shard); groups of
+one whose optimizer state is sharded across them with ``Parity``.
 """
 
 from __future__ import annotations
@@ -106,7 +109,7 @@ class Groups:
             path.write_text(str(step))
 
     def log(self, replica: int) -> str:
-        return (self.run_dir / f"replica-{replica}.log").read_text(errors="replace")[-6000:]
+        return groups_log(self.run_dir, replica)[-6000:]
 
     def end(self) -> None:
         for agent in self.launched:
@@ -119,21 +122,41 @@ def finals(run_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
     return {path.name: torch.load(path, weights_only=True) for path in sorted(run_dir.glob("final-*.pt"))}
 
 
+def groups_log(run_dir: Path, replica: int) -> str:
+    return (run_dir / f"replica-{replica}.log").read_text(errors="replace")
+
+
 def worst_difference(one: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> float:
     assert one.keys() == other.keys()
     return max(float((one[name] - other[name]).abs().max()) for name in one)
 
 
-def failure_free(run_dir: Path, make_lighthouse: Callable[..., Lighthouse], assets: TorchtitanAssets) -> dict:
-    """The parameters after ``STEPS`` steps of one group of one process: the failure-free run."""
-    run_dir.mkdir()
-    groups = Groups(run_dir, make_lighthouse(None, workers=1, heartbeat_timeout=5.0), assets, processes=1)
-    try:
-        assert groups.launch(0).wait(timeout=RUN_TIMEOUT) == 0, groups.log(0)
-    finally:
-        groups.end()
-    (found,) = finals(run_dir).values()
-    return found
+@pytest.fixture(scope="module")
+def failure_free(
+    tmp_path_factory: pytest.TempPathFactory, torchtitan_assets: TorchtitanAssets
+) -> Callable[[int], dict[str, torch.Tensor]]:
+    """The parameters after ``STEPS`` steps of one group of ``processes`` (one run per size, kept for the module).
+
+    One group of the same size as the tested groups: FSDP2's initialisation of
+    a sharded parameter draws differently from a whole one's."""
+    runs: dict[int, dict[str, torch.Tensor]] = {}
+
+    def run(processes: int) -> dict[str, torch.Tensor]:
+        if processes not in runs:
+            run_dir = tmp_path_factory.mktemp(f"failure_free_{processes}")
+            options = {"min_replicas": 1, "start_replicas": 1, "heartbeat_timeout": 5.0, "join_timeout": 30.0}
+            with Lighthouse(None, **options) as lighthouse:
+                groups = Groups(run_dir, lighthouse, torchtitan_assets, processes)
+                try:
+                    assert groups.launch(0).wait(timeout=RUN_TIMEOUT) == 0, groups.log(0)
+                finally:
+                    groups.end()
+            found = finals(run_dir)
+            assert sorted(found) == [f"final-replica-0.{rank}.pt" for rank in range(processes)]
+            runs[processes] = found["final-replica-0.0.pt"]
+        return runs[processes]
+
+    return run
 
 
 def kill_restart_and_heal(
@@ -144,13 +167,15 @@ def kill_restart_and_heal(
     groups.hold(KILL_AT)
     try:
         first = {replica: groups.launch(replica, *more) for replica in (0, 1)}
-        wait_until(groups.at(1, KILL_AT), RUN_TIMEOUT, f"group 1 at step {KILL_AT}")
+        wait_until(lambda: groups.at(1, KILL_AT)() or first[1].poll() is not None, RUN_TIMEOUT, "group 1 held")
+        assert first[1].poll() is None, groups.log(1)
         killed = {groups.steps(1, rank)[-1][1] for rank in range(processes)}
         for pid in killed:
             os.kill(pid, signal.SIGKILL)
         assert first[1].wait(timeout=RUN_TIMEOUT) != 0
         groups.hold(REJOIN_AT)
-        wait_until(groups.at(0, REJOIN_AT), RUN_TIMEOUT, f"group 0 alone at step {REJOIN_AT}")
+        wait_until(lambda: groups.at(0, REJOIN_AT)() or first[0].poll() is not None, RUN_TIMEOUT, "group 0 held")
+        assert first[0].poll() is None, groups.log(0)
         since = lighthouse.status()["quorums"][-1]["quorum_id"]
         restarted = groups.launch(1, *more)
         wait_until(
@@ -186,16 +211,27 @@ def assert_audited_exactly_once_at_a_constant_global_batch(audit_dir: Path) -> N
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("processes", "redundancy"),
+    [(1, None), (2, None), (1, "parity:1,1")],
+    ids=["groups-of-one", "fsdp2-groups-of-two", "parity-across-groups"],
+)
 def test_a_killed_group_restarts_rejoins_and_is_healed(
-    tmp_path: Path, make_lighthouse: Callable[..., Lighthouse], torchtitan_assets: TorchtitanAssets
+    tmp_path: Path,
+    make_lighthouse: Callable[..., Lighthouse],
+    torchtitan_assets: TorchtitanAssets,
+    failure_free: Callable[[int], dict[str, torch.Tensor]],
+    processes: int,
+    redundancy: str | None,
 ) -> None:
-    reference = failure_free(tmp_path / "reference", make_lighthouse, torchtitan_assets)
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
+    reference = failure_free(processes)
     lighthouse = make_lighthouse(None, workers=2, heartbeat_timeout=5.0, join_timeout=120.0)
-    kill_restart_and_heal(run_dir, lighthouse, torchtitan_assets, processes=1)
-    assert_audited_exactly_once_at_a_constant_global_batch(run_dir / "audit")
-    found = finals(run_dir)
-    assert sorted(found) == ["final-replica-0.0.pt", "final-replica-1.0.pt"]
+    more = [] if redundancy is None else ["--fault-tolerance.redundancy", redundancy]
+    kill_restart_and_heal(tmp_path, lighthouse, torchtitan_assets, processes, more)
+    assert_audited_exactly_once_at_a_constant_global_batch(tmp_path / "audit")
+    found = finals(tmp_path)
+    assert sorted(found) == [f"final-replica-{replica}.{rank}.pt" for replica in (0, 1) for rank in range(processes)]
     for name, parameters in found.items():
         assert worst_difference(parameters, reference) < TOLERANCE, name
+    if redundancy is not None:  # the optimizer's state was sharded across the groups, and rebuilt for group 0 alone
+        assert "shrinks to" in groups_log(tmp_path, 0)

@@ -96,6 +96,33 @@ class StepLoss:
         return mean.detach().requires_grad_(), metrics
 
 
+class HealedParameters(torch.nn.Module):
+    """The model as stalwart heals it: its parameters by name, this process's shards, read and written in place.
+
+    torchtitan's modules reshape their ``state_dict`` for export (the fused
+    ``wqkv`` split into ``wq``, ``wk``, ``wv`` after gathering it across the
+    FSDP group: a collective), while a heal reads a process's own state on
+    some processes only (the source's, the leader's report). The buffers
+    (RoPE caches) are not state: every group computes them.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        return {name: param.detach() for name, param in self.model.named_parameters()}
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        params = dict(self.model.named_parameters())
+        if not isinstance(state_dict, dict) or state_dict.keys() != params.keys():
+            given = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise KeyError(f"the model's parameters {sorted(params)} differ from the state's {given}")
+        with torch.no_grad():
+            for name, param in params.items():
+                param.copy_(state_dict[name])
+
+
 class StalwartTrainer(Trainer):
     """torchtitan's trainer as one replica group of a stalwart job (see the module docstring)."""
 
@@ -129,7 +156,7 @@ class StalwartTrainer(Trainer):
         self.stalwart_loader = ElasticLoader(dataset)
         timeout_ms = flags.process_group_timeout_ms
         self.manager = Manager(
-            self.model_parts[0],
+            HealedParameters(self.model_parts[0]),
             self.optimizers.optimizers[0],
             max_microbatch=config.training.local_batch_size,
             member=flags.member(),
