@@ -27,11 +27,9 @@ benchmark reports; it never fails because a goal is missed.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -52,6 +50,7 @@ from stalwart.coord.server import Lighthouse
 from stalwart.data.plan import EpochPlan
 from stalwart.launch.cluster import read_records
 from stalwart.testing.groups import ForkedGroup
+from stalwart.testing.torchrun import TorchrunGroup
 from stalwart.testing.waiting import wait_until
 
 PLAN = EpochPlan(1797, 48, seed=0, local_batch_multiple=4)
@@ -60,45 +59,6 @@ STEP_SECONDS = 0.05
 WAIT_LIMIT = 240.0
 """Seconds any single wait of the driver may take (a bound, not an expectation)."""
 RECOVERY_GOAL_S = 1.0
-
-
-class TorchrunGroup:
-    """One torchrun launch of two digits workers forming FSDP2 replica group ``name``.
-
-    Answers what :class:`~stalwart.testing.groups.ForkedGroup` does (the
-    ``--quick`` run's groups): ``worker_pids``, ``wait`` and ``kill``.
-    """
-
-    def __init__(self, argv: list[str], log_path: Path) -> None:
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            "-m", "stalwart.launch.worker", *argv,
-        ]  # fmt: skip
-        with open(log_path, "ab") as log:
-            self.agent = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def worker_pids(self) -> dict[int, int]:
-        """The worker processes torchrun's agent started (its children), in pid order."""
-        pids = []
-        for entry in Path("/proc").iterdir():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) if entry.name.isdigit() else -1
-            except (OSError, IndexError, ValueError):
-                continue
-            if parent == self.agent.pid:
-                pids.append(int(entry.name))
-        return dict(enumerate(sorted(pids)))
-
-    def wait(self, timeout: float) -> int:
-        return self.agent.wait(timeout=timeout)
-
-    def kill(self) -> None:
-        """SIGKILL the workers (torchrun may start them in sessions of their own) and the agent."""
-        for pid in self.worker_pids().values():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        if self.agent.poll() is None:
-            os.killpg(self.agent.pid, signal.SIGKILL)
 
 
 Group: TypeAlias = TorchrunGroup | ForkedGroup
@@ -112,7 +72,13 @@ def launch_group(url: str, name: str, run_dir: Path, steps: int, hold: Path, for
         "--step-seconds", str(STEP_SECONDS), "--fsdp", "--hold-file", str(hold),
     ]  # fmt: skip
     log_path = run_dir / f"{name}.log"
-    return ForkedGroup(argv, os.environ, log_path) if forked else TorchrunGroup(argv, log_path)
+    if forked:
+        return ForkedGroup(argv, os.environ, log_path)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "stalwart.launch.worker", *argv,
+    ]  # fmt: skip
+    return TorchrunGroup(command, log_path)
 
 
 def end_group(group: Group) -> None:

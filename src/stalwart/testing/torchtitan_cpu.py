@@ -62,6 +62,8 @@ from typing import Any
 
 import torch
 
+from stalwart.testing import torchtitan_audit
+
 SPMD_BACKEND_FLAGS = ("--parallelism.spmd-backend", "partial_dtensor")
 
 
@@ -243,12 +245,19 @@ def environment(scratch: Path, base: Mapping[str, str] | None = None) -> dict[st
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Apply the shims and run ``torchtitan.train.main`` on ``argv`` (the process's arguments by default)."""
+    """Apply the shims and run ``torchtitan.train.main`` on ``argv`` (the process's arguments by default); with
+    ``STALWART_TORCHTITAN_AUDIT`` set, record the batches (:mod:`stalwart.testing.torchtitan_audit`)."""
     apply_shims()
     from torchtitan import train
 
+    audit_dir = os.environ.get(torchtitan_audit.AUDIT_DIR_ENV)
+    hold = os.environ.get(torchtitan_audit.HOLD_ENV)
+    if audit_dir:
+        torchtitan_audit.install(Path(audit_dir), Path(hold) if hold else None)
     sys.argv = [sys.argv[0], *torchtitan_args(sys.argv[1:] if argv is None else argv)]
     train.main()
+    if audit_dir:
+        torchtitan_audit.finish(Path(audit_dir))
 
 
 if __name__ == "__main__":
