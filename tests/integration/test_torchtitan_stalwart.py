@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from stalwart.coord.server import Lighthouse
 from stalwart.data.audit import audit_directory
 from stalwart.testing import torchtitan_cpu
 from stalwart.testing.digits_job import together
+from stalwart.testing.torchrun import TorchrunGroup
 from stalwart.testing.torchtitan_assets import TorchtitanAssets
 from stalwart.testing.waiting import wait_until
 from tests.integration.torchtitan_job import HOLD_VARIABLE, RUN_DIR_VARIABLE
@@ -70,22 +70,14 @@ class Groups:
             HOLD_VARIABLE: str(run_dir / "hold"),
         }
         self.environ["PYTHONPATH"] = os.pathsep.join([self.environ["PYTHONPATH"], str(REPOSITORY)])
-        self.launched: list[subprocess.Popen[bytes]] = []
+        self.launched: list[TorchrunGroup] = []
 
-    def launch(self, replica: int, *more: str) -> subprocess.Popen[bytes]:
-        local_batch = 2 // self.processes
-        args = stalwart_args(self.assets, self.run_dir, replica, local_batch, *more)
-        log = (self.run_dir / f"replica-{replica}.log").open("ab")
-        agent = subprocess.Popen(
-            torchtitan_cpu.torchrun_command(self.processes, args),
-            env=self.environ,
-            cwd=self.run_dir,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # the agent and its workers: one process group, ended together
-        )
-        self.launched.append(agent)
-        return agent
+    def launch(self, replica: int, *more: str) -> TorchrunGroup:
+        args = stalwart_args(self.assets, self.run_dir, replica, 2 // self.processes, *more)
+        command = torchtitan_cpu.torchrun_command(self.processes, args)
+        group = TorchrunGroup(command, self.run_dir / f"replica-{replica}.log", self.environ)
+        self.launched.append(group)
+        return group
 
     def steps(self, replica: int, rank: int = 0) -> list[tuple[int, int]]:
         """``(step, pid)`` of every step the group's process ``rank`` started, in order."""
@@ -112,10 +104,9 @@ class Groups:
         return groups_log(self.run_dir, replica)[-6000:]
 
     def end(self) -> None:
-        for agent in self.launched:
-            if agent.poll() is None:
-                os.killpg(agent.pid, signal.SIGKILL)
-            agent.wait(timeout=60)
+        for group in self.launched:
+            group.kill()
+            group.wait(timeout=60)
 
 
 def finals(run_dir: Path) -> dict[str, dict[str, torch.Tensor]]:

@@ -77,11 +77,12 @@ def test_nccl_is_the_backend_on_cuda() -> None:
         ({"degrees": {"tensor_parallel_degree": 2}}, "parallelism.tensor_parallel_degree=2"),
         ({"optimizers": 2}, "build 2 optimizers"),
         ({"cuda_graphs": True}, "training.disable_cuda_graphs=False"),
+        ({"checkpointing": True}, "checkpoint.enable with fault_tolerance.redundancy='parity:1,1'"),
     ],
 )
 def test_a_config_the_trainer_cannot_run_is_refused(change: dict[str, object], named: str) -> None:
     with pytest.raises(ValueError) as error:
-        check_training(dataclasses.replace(SHAPE, **change), FaultTolerance())  # type: ignore[arg-type]
+        check_training(dataclasses.replace(SHAPE, **change), FaultTolerance(redundancy="parity:1,1"))  # type: ignore[arg-type]
     assert named in str(error.value)
 
 

@@ -123,6 +123,8 @@ class TrainingShape:
     """Optimizer instances in torchtitan's container."""
     cuda_graphs: bool
     """CUDA graphs would capture the forward and backward (on CUDA, unless ``training.disable_cuda_graphs``)."""
+    checkpointing: bool = False
+    """torchtitan's checkpointer is enabled (``checkpoint.enable``)."""
 
 
 def check_training(shape: TrainingShape, flags: FaultTolerance) -> None:
@@ -149,6 +151,12 @@ def check_training(shape: TrainingShape, flags: FaultTolerance) -> None:
         raise ValueError(
             "training.disable_cuda_graphs=False on CUDA: stalwart back-propagates each micro-batch weighted by its "
             "tokens and varies the micro-batches per step as groups come and go; set --training.disable_cuda_graphs"
+        )
+    if shape.checkpointing and flags.redundancy is not None:
+        raise ValueError(
+            f"checkpoint.enable with fault_tolerance.redundancy={flags.redundancy!r}: torchtitan's checkpointer "
+            "initialises an empty optimizer state with a step of its own, which the sharded optimizer refuses; "
+            "disable one of them"
         )
     if flags.semi_sync_method is not None and shape.steps % flags.sync_steps:
         raise ValueError(

@@ -146,6 +146,7 @@ class StalwartTrainer(Trainer):
                 degrees={name: getattr(config.parallelism, name) for name in OTHER_DEGREES},
                 optimizers=len(self.optimizers.optimizers),
                 cuda_graphs=self.device.type == "cuda" and not config.training.disable_cuda_graphs,
+                checkpointing=config.checkpoint.enable,
             ),
             flags,
         )
