@@ -226,3 +226,20 @@ def test_a_killed_group_restarts_rejoins_and_is_healed(
         assert worst_difference(parameters, reference) < TOLERANCE, name
     if redundancy is not None:  # the optimizer's state was sharded across the groups, and rebuilt for group 0 alone
         assert "shrinks to" in groups_log(tmp_path, 0)
+
+
+def test_a_heal_moves_the_parameters_in_place_without_the_models_state_dict_hooks() -> None:
+    from stalwart.integrations.torchtitan.trainer import HealedParameters
+
+    def collective_on_save(*args: object) -> None:
+        raise AssertionError("torchtitan's export hook ran (on FSDP2 groups: a collective on one side only)")
+
+    source, target = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    for model in (source, target):
+        model.register_state_dict_post_hook(collective_on_save)
+    state = HealedParameters(source).state_dict()
+    assert sorted(state) == ["bias", "weight"] and not any(value.requires_grad for value in state.values())
+    HealedParameters(target).load_state_dict(state)
+    assert torch.equal(target.weight, source.weight) and torch.equal(target.bias, source.bias)
+    with pytest.raises(KeyError, match=r"differ from the state's \['weight'\]"):
+        HealedParameters(target).load_state_dict({"weight": state["weight"]})
