@@ -41,6 +41,7 @@ import torch
 from torchtitan.components.dataloader import DataloaderExhaustedError
 from torchtitan.components.loss import IGNORE_INDEX, BaseLoss
 from torchtitan.distributed import utils as dist_utils
+from torchtitan.tools import utils as titan_utils
 from torchtitan.trainer import Trainer
 
 from stalwart.data.plan import EpochPlan
@@ -136,8 +137,8 @@ class StalwartTrainer(Trainer):
 
     def __init__(self, config: Config) -> None:
         flags = config.fault_tolerance
+        check_fault_tolerance(flags, device_type=titan_utils.device_type)  # before torchtitan builds anything
         super().__init__(config)
-        check_fault_tolerance(flags, device_type=self.device.type)
         check_training(
             TrainingShape(
                 global_batch_size=config.training.global_batch_size,
