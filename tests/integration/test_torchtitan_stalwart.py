@@ -36,6 +36,7 @@ from stalwart.testing.waiting import wait_until
 from tests.integration.torchtitan_job import HOLD_VARIABLE, RUN_DIR_VARIABLE
 
 STEPS = 8
+GLOBAL_BATCH = 4
 KILL_AT = 3
 REJOIN_AT = 5
 TOLERANCE = 1e-4
@@ -48,7 +49,7 @@ def stalwart_args(assets: TorchtitanAssets, dump: Path, replica: int, local_batc
     return [
         "--module", "tests.integration.torchtitan_job", "--config", "llama3_held", *assets.flags(),
         "--training.seq-len", "32", "--training.local-batch-size", str(local_batch),
-        "--training.global-batch-size", "4", "--training.steps", str(STEPS), "--debug.seed", "7",
+        "--training.global-batch-size", str(GLOBAL_BATCH), "--training.steps", str(STEPS), "--debug.seed", "7",
         "--checkpoint.no-enable", "--validator.no-enable", "--metrics.disable-color-printing",
         "--dump-folder", str(dump / f"dump-{replica}"),
         "--fault-tolerance.replica-id", str(replica), "--fault-tolerance.audit-dir", str(dump / "audit"),
@@ -187,15 +188,19 @@ def kill_restart_and_heal(
     assert sorted(quorums[-1]["members"]) == ["replica-0", "replica-1"]
 
 
-def assert_audited_exactly_once_at_a_constant_global_batch(audit_dir: Path) -> None:
+def assert_audited_exactly_once_at_a_constant_global_batch(
+    audit_dir: Path, steps: int = STEPS, samples: int = GLOBAL_BATCH
+) -> None:
+    """Every committed step (a DiLoCo round: ``steps`` rounds of ``samples``) recorded alike by every group that
+    recorded it, each of ``samples`` samples, and the epoch's samples trained exactly once."""
     records = [
         json.loads(line) for path in sorted(audit_dir.glob("steps-*.jsonl")) for line in path.read_text().splitlines()
     ]
     by_step: dict[int, set[tuple[int, ...]]] = {}
     for record in records:
         by_step.setdefault(record["step"], set()).add(tuple(record["indices"]))
-    assert sorted(by_step) == list(range(STEPS))
-    assert all(len(versions) == 1 and len(next(iter(versions))) == 4 for versions in by_step.values()), by_step
+    assert sorted(by_step) == list(range(steps))
+    assert all(len(versions) == 1 and len(next(iter(versions))) == samples for versions in by_step.values()), by_step
     report = audit_directory(audit_dir)
     assert report.ok
     assert all(epoch.coverage.exactly_once for epoch in report.epochs)
@@ -226,6 +231,30 @@ def test_a_killed_group_restarts_rejoins_and_is_healed(
         assert worst_difference(parameters, reference) < TOLERANCE, name
     if redundancy is not None:  # the optimizer's state was sharded across the groups, and rebuilt for group 0 alone
         assert "shrinks to" in groups_log(tmp_path, 0)
+
+
+@pytest.mark.slow
+def test_diloco_groups_end_on_the_same_parameters_and_train_each_sample_once(
+    tmp_path: Path, make_lighthouse: Callable[..., Lighthouse], torchtitan_assets: TorchtitanAssets
+) -> None:
+    """``--fault-tolerance.semi-sync-method diloco``: each group trains its inner steps alone, the outer step of
+    every round leaves both on the same global parameters; a round is one step of the ledger."""
+    sync_steps = 2
+    lighthouse = make_lighthouse(None, workers=2, heartbeat_timeout=5.0, join_timeout=120.0)
+    groups = Groups(tmp_path, lighthouse, torchtitan_assets, processes=1)
+    more = ["--fault-tolerance.semi-sync-method", "diloco", "--fault-tolerance.sync-steps", str(sync_steps)]
+    try:
+        launched = [groups.launch(replica, *more) for replica in (0, 1)]
+        codes = [group.wait(timeout=RUN_TIMEOUT) for group in launched]
+    finally:
+        groups.end()
+    assert codes == [0, 0], groups.log(0) + groups.log(1)
+    assert_audited_exactly_once_at_a_constant_global_batch(
+        tmp_path / "audit", STEPS // sync_steps, GLOBAL_BATCH * sync_steps
+    )
+    first, second = finals(tmp_path).values()
+    assert worst_difference(first, second) < TOLERANCE
+    assert [sorted(q["members"]) for q in lighthouse.status()["quorums"]] == [["replica-0", "replica-1"]]
 
 
 def test_a_heal_moves_the_parameters_in_place_without_the_models_state_dict_hooks() -> None:
