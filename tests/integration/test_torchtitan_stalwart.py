@@ -254,7 +254,6 @@ def test_diloco_groups_end_on_the_same_parameters_and_train_each_sample_once(
     )
     first, second = finals(tmp_path).values()
     assert worst_difference(first, second) < TOLERANCE
-    assert [sorted(q["members"]) for q in lighthouse.status()["quorums"]] == [["replica-0", "replica-1"]]
 
 
 def test_a_heal_moves_the_parameters_in_place_without_the_models_state_dict_hooks() -> None:
