@@ -38,7 +38,8 @@ Two measurements, each a table:
 2. **One SIGKILL of a replica group and its restart** (fault-tolerant legs):
    group B's processes are SIGKILLed when it takes the batch of a step drawn
    from ``--seed`` (the same step for every leg), and relaunched once group A
-   has trained on without it; A is held two steps after the kill (the
+   has trained on without it (``--failure-runs N``: N runs, seeds ``--seed``
+   and on); A is held two steps after the kill (the
    launcher's hold file) until the relaunched B's trainer is built, so the
    job cannot end before B is back, however slow its restart. Reported: **recovery** (SIGKILL -> A's
    first step committed after it), **rejoin** (relaunch -> B's first committed
@@ -155,6 +156,7 @@ def _log_time(stamp: str) -> float:
 
 _STEP_LINE = re.compile(r"^\[titan\] (\S+ \S+) - root - INFO - step:\s*\d+\s+loss:", re.MULTILINE)
 _TORCHFT_COMMIT = re.compile(r"^\[titan\] (\S+ \S+) - torchft\.manager - INFO - .*should_commit=True", re.MULTILINE)
+_FATAL_LINE = re.compile(r"^\[rank\d+\]: (\w*(?:Error|Exception)\b.*)$", re.MULTILINE)
 _ERROR_LINE = re.compile(r"^(?:\[rank\d+\]: )?(\w*(?:Error|Exception)\b.*)$", re.MULTILINE)
 
 
@@ -169,9 +171,11 @@ def torchft_commit_times(log: str) -> list[float]:
 
 
 def first_error(log: str) -> str:
-    """The first exception line a group logged (empty if none)."""
+    """The error that ended a group (the last a rank's traceback names), else the first exception line it logged
+    (empty if none)."""
+    fatal = _FATAL_LINE.findall(log)
     match = _ERROR_LINE.search(log)
-    return match.group(1)[:160] if match else ""
+    return (fatal[-1] if fatal else match.group(1) if match else "")[:160]
 
 
 def group_environment(setup: Setup, label: str, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -269,6 +273,11 @@ class RunResult:
     note: str = ""
     measured: dict[str, float | None] = field(default_factory=dict)
 
+    @property
+    def ok(self) -> bool:
+        """Every group ended with 0 and nothing was noted."""
+        return not self.note and all(code == 0 for code in self.exit_codes.values())
+
     def trouble(self) -> str:
         """The run's note, or the first error its groups logged if one failed (empty when all went well)."""
         if self.note:
@@ -278,7 +287,10 @@ class RunResult:
         return ""
 
     def step_time(self) -> float | None:
-        """Median seconds between a process's batches after the warm-up steps (every process of the run)."""
+        """Median seconds between a process's batches after the warm-up steps (every process of the run); None
+        for a run that did not end well (a group that trained alone is not the job measured)."""
+        if not self.ok:
+            return None
         gaps: list[float] = []
         by_process: dict[tuple[str, int], list[torchtitan_audit.Batch]] = {}
         for batch in self.audit.batches:
@@ -417,7 +429,7 @@ def ratio_rows(legs: Sequence[Leg], runs: dict[str, list[RunResult]]) -> list[li
         times = [run.step_time() for run in runs[leg.name]]
         kept = [value for value in times if value is not None]
         ratios = round_ratios(times, baseline)
-        ok = sum(1 for run in runs[leg.name] if all(code == 0 for code in run.exit_codes.values()))
+        ok = sum(1 for run in runs[leg.name] if run.ok)
         rows.append(
             [
                 leg.name,
@@ -428,6 +440,11 @@ def ratio_rows(legs: Sequence[Leg], runs: dict[str, list[RunResult]]) -> list[li
             ]
         )  # fmt: skip
     return rows
+
+
+def reference(runs: Sequence[RunResult]) -> RunResult:
+    """The failure-free run failure runs are compared with: the first that ended well (else the first)."""
+    return next((run for run in runs if run.ok), runs[0])
 
 
 def failure_row(leg: Leg, failure: RunResult, reference: RunResult) -> list[str]:
@@ -464,6 +481,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, choices=range(8, 201), metavar="N", help="training steps (8-200)")
     parser.add_argument("--legs", nargs="+", choices=list(LEGS), default=list(LEGS), help="legs to run")
     parser.add_argument("--seed", type=int, default=0, help="draws the step at which group B is SIGKILLed")
+    parser.add_argument(
+        "--failure-runs", type=int, choices=range(1, 11), metavar="N", default=1, help="SIGKILL runs per leg (1-10)"
+    )
     parser.add_argument("--skip-step-time", action="store_true", help="one failure-free run per leg, no rounds")
     parser.add_argument("--run-dir", type=Path, default=None, help="keep logs, audits and checkpoints here")
     args = parser.parse_args(argv)
@@ -484,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     with run_directory(args.run_dir, "stalwart-torchtitan-") as run_dir, progress_display(console) as progress:
         assets = write_assets(run_dir / "assets", documents=DOCUMENTS, seed=SEED)
         fault_tolerant = [leg for leg in legs if leg.fault_tolerant]
-        task = progress.add_task("torchtitan runs", total=rounds * len(legs) + len(fault_tolerant))
+        task = progress.add_task("torchtitan runs", total=rounds * len(legs) + args.failure_runs * len(fault_tolerant))
 
         def measure(name: str, number: int) -> RunResult:
             progress.update(task, description=f"{name}, round {number + 1}")
@@ -493,11 +513,13 @@ def main(argv: list[str] | None = None) -> int:
             return result
 
         runs = interleaved_rounds([leg.name for leg in legs], rounds, measure)
-        failures = {}
-        for leg in fault_tolerant:
-            progress.update(task, description=f"{leg.name}, SIGKILL of group {leg.groups[1]} and restart")
-            failures[leg.name] = run_with_failure(leg, Setup(assets, steps, run_dir / f"{leg.name}-failure"), args.seed)
-            progress.advance(task)
+        failures: dict[str, list[RunResult]] = {leg.name: [] for leg in fault_tolerant}
+        for number in range(args.failure_runs):
+            for leg in fault_tolerant:
+                progress.update(task, description=f"{leg.name}, SIGKILL of group {leg.groups[1]} and restart")
+                setup = Setup(assets, steps, run_dir / f"{leg.name}-failure-{number}")
+                failures[leg.name].append(run_with_failure(leg, setup, args.seed + number))
+                progress.advance(task)
     print_table(
         console,
         f"1. Step time without failures: llama3 debug model, 2 CPU processes, {steps} steps, {rounds} round(s)",
@@ -509,10 +531,10 @@ def main(argv: list[str] | None = None) -> int:
     if failures:
         print_table(
             console,
-            "2. One SIGKILL of replica group B and its restart (the failure-free reference is round 1's run)",
+            "2. A SIGKILL of replica group B and its restart, per run (vs the first failure-free run that ended well)",
             ["leg", "kill at step", "recovery (s)", "rejoin (s)", "rejoined", "samples lost", "trained twice",
              "final loss", "failure-free", "exit", "errors"],
-            [failure_row(leg, failures[leg.name], runs[leg.name][0]) for leg in fault_tolerant],
+            [failure_row(leg, run, reference(runs[leg.name])) for leg in fault_tolerant for run in failures[leg.name]],
             caption="recovery = SIGKILL -> A's first committed step after it; rejoin = relaunch -> B's first "
             "committed step; rejoined = B committed and A committed after it; lost/twice: samples against the "
             "leg's failure-free run (audit of every batch taken; a step in flight at the kill is not trained).",
@@ -529,14 +551,15 @@ def main(argv: list[str] | None = None) -> int:
                 "not measured" if worst is None else f"median ratio {worst:.3f}x",
             )
         )
-    for name, failure in failures.items():
-        outcome = torchtitan_audit.data_outcome(runs[name][0].audit, failure.audit)
+    for name, failed in failures.items():
+        outcomes = [torchtitan_audit.data_outcome(reference(runs[name]).audit, failure.audit) for failure in failed]
+        lost, twice = sum(o.lost for o in outcomes), sum(o.trained_twice for o in outcomes)
+        rejoined = sum(1 for failure in failed if failure.measured.get("rejoined"))
         goals.append(
             Goal(
-                f"{name}: 0 samples lost or trained twice, rejoined",
-                outcome.lost == 0 and outcome.trained_twice == 0 and bool(failure.measured.get("rejoined")),
-                f"lost {outcome.lost}, twice {outcome.trained_twice}, "
-                f"rejoined {'yes' if failure.measured.get('rejoined') else 'no'}",
+                f"{name}: 0 samples lost or trained twice, rejoined every time",
+                lost == 0 and twice == 0 and rejoined == len(failed),
+                f"over {len(failed)} failure run(s): lost {lost}, twice {twice}, rejoined {rejoined}",
             )
         )
     print_goals(console, goals)

@@ -13,7 +13,9 @@ from stalwart.testing.torchtitan_audit import (
     Batch,
     data_outcome,
     finish,
+    held,
     read_audit,
+    wait_at_hold,
 )
 from stalwart.testing.torchtitan_log import losses_by_step, step_records
 
@@ -72,3 +74,13 @@ def test_step_lines_are_read_with_or_without_colours() -> None:
     )
     assert [(r.step, r.loss, r.grad_norm) for r in step_records(log)] == [(1, 8.18734, 0.8617), (2, 8.00484, 0.8725)]
     assert losses_by_step(log) == {1: 8.18734, 2: 8.00484}
+
+
+def test_a_hold_keeps_back_only_the_steps_above_it_while_it_exists(tmp_path: Path) -> None:
+    hold = tmp_path / "hold"
+    assert not held(hold, 10)
+    hold.write_text("4")
+    assert [held(hold, step) for step in (3, 4, 5)] == [False, False, True]
+    wait_at_hold(hold, 4)  # returns at once: step 4 is not held
+    hold.unlink()
+    assert not held(hold, 5)

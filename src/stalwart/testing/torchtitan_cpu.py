@@ -42,13 +42,20 @@ name that works):
    with ``ReduceOp.PREMUL_SUM``; Gloo has no ``PREMUL_SUM``. Setting a divide
    factor now also forces sum reduction for comms
    (``set_force_sum_reduction_for_comms``), which reduces with ``SUM`` and
-   divides locally: the same gradients.
+   divides locally (by the factor: 1 here): the same gradients.
 4. **``torch.distributed.set_timeout``.** torchtitan's
    ``set_pg_timeouts`` calls it after the first step; torch 2.13 has it only
    as ``distributed_c10d._set_pg_timeout``, aliased here when missing.
-5. **SPMD backend.** torchtitan's default ``spmd_types`` backend is not run
-   on CPU here; ``--parallelism.spmd-backend partial_dtensor`` is put before
-   the caller's flags, so a caller's own choice still wins.
+5. **SPMD backend.** With torchtitan's default ``spmd_types`` backend,
+   FSDP2 refuses the debug model on 2 CPU processes with torch 2.13 ("When
+   dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD
+   mesh ... Got plain tensor for parameter 'weight'");
+   ``--parallelism.spmd-backend partial_dtensor`` is put before the caller's
+   flags, so a caller's own choice still wins.
+
+Not a shim: with ``STALWART_TORCHTITAN_AUDIT`` (and ``STALWART_TORCHTITAN_HOLD``)
+set, the batches each process takes are recorded (and held at a step) for the
+benchmarks (:mod:`stalwart.testing.torchtitan_audit`).
 """
 
 from __future__ import annotations
