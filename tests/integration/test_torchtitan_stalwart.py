@@ -9,8 +9,9 @@ exactly once (the audit of ``--fault_tolerance.audit_dir``), and end, on
 every process of both groups, with the parameters of a failure-free run
 (one group of the same size alone: the step's gradient is the mean over its
 samples whoever trains them) within 1e-4. Three shapes: groups of one
-process; groups of two with FSDP2 inside (healed shard by shard); groups of
-one whose optimizer state is sharded across them with ``Parity``.
+process saving torchtitan's checkpoints (the relaunched group loads its own
+last one first); groups of two with FSDP2 inside (healed shard by shard);
+groups of one whose optimizer state is sharded across them with ``Parity``.
 """
 
 from __future__ import annotations
@@ -206,11 +207,16 @@ def assert_audited_exactly_once_at_a_constant_global_batch(
     assert all(epoch.coverage.exactly_once for epoch in report.epochs)
 
 
+CHECKPOINTS = ("--checkpoint.enable", "--checkpoint.interval", "2")
+"""torchtitan's own checkpoints, every 2 steps: the relaunched group loads its last one, then is healed."""
+PARITY = ("--fault-tolerance.redundancy", "parity:1,1")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("processes", "redundancy"),
-    [(1, None), (2, None), (1, "parity:1,1")],
-    ids=["groups-of-one", "fsdp2-groups-of-two", "parity-across-groups"],
+    ("processes", "more"),
+    [(1, CHECKPOINTS), (2, ()), (1, PARITY)],
+    ids=["groups-of-one-with-torchtitan-checkpoints", "fsdp2-groups-of-two", "parity-across-groups"],
 )
 def test_a_killed_group_restarts_rejoins_and_is_healed(
     tmp_path: Path,
@@ -218,18 +224,20 @@ def test_a_killed_group_restarts_rejoins_and_is_healed(
     torchtitan_assets: TorchtitanAssets,
     failure_free: Callable[[int], dict[str, torch.Tensor]],
     processes: int,
-    redundancy: str | None,
+    more: tuple[str, ...],
 ) -> None:
     reference = failure_free(processes)
     lighthouse = make_lighthouse(None, workers=2, heartbeat_timeout=5.0, join_timeout=120.0)
-    more = [] if redundancy is None else ["--fault-tolerance.redundancy", redundancy]
     kill_restart_and_heal(tmp_path, lighthouse, torchtitan_assets, processes, more)
     assert_audited_exactly_once_at_a_constant_global_batch(tmp_path / "audit")
     found = finals(tmp_path)
     assert sorted(found) == [f"final-replica-{replica}.{rank}.pt" for replica in (0, 1) for rank in range(processes)]
     for name, parameters in found.items():
         assert worst_difference(parameters, reference) < TOLERANCE, name
-    if redundancy is not None:  # the optimizer's state was sharded across the groups, and rebuilt for group 0 alone
+    if more == CHECKPOINTS:  # the relaunched group loaded its step-2 checkpoint before the heal replaced it
+        assert (tmp_path / "dump-0" / "checkpoint" / f"step-{STEPS}").is_dir()
+        assert "Loading the checkpoint from" in groups_log(tmp_path, 1)
+    if more == PARITY:  # the optimizer's state was sharded across the groups, and rebuilt for group 0 alone
         assert "shrinks to" in groups_log(tmp_path, 0)
 
 

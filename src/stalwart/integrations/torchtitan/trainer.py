@@ -24,6 +24,11 @@ none of its methods:
   and metrics on the quorum's reduced gradient;
 - ``close``: torchtitan's, then the Manager's and the loader's.
 
+With torchtitan's checkpointer on, the optimizer's state is created before
+the Manager hooks it (:func:`fresh_state`): a restarted group loads its own
+last torchtitan checkpoint as torchtitan does, and the heal then brings it
+to the live groups' step.
+
 torchtitan's ``train()`` loop is kept whole: checkpoint loading and saving,
 validation, profiling, garbage collection and timeouts run as they do
 without stalwart.
@@ -40,6 +45,7 @@ import spmd_types as spmd
 import torch
 from torchtitan.components.dataloader import DataloaderExhaustedError
 from torchtitan.components.loss import IGNORE_INDEX, BaseLoss
+from torchtitan.components.optimizer.utils import init_optim_state
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools import utils as titan_utils
 from torchtitan.trainer import Trainer
@@ -124,6 +130,26 @@ class HealedParameters(torch.nn.Module):
                 param.copy_(state_dict[name])
 
 
+def fresh_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create ``optimizer``'s state as it is before its first step (zero moments, step 0), before stalwart hooks it.
+
+    torchtitan's checkpointer creates a missing optimizer state with a
+    zero-gradient, zero-learning-rate ``step()`` (``init_optim_state``) when
+    it loads a checkpoint (a restarted group finds its own); stalwart's update
+    window refuses a step outside a reduced step. So the state is created
+    here, with torchtitan's own function, and its step counts are put back to
+    0: for Adam, AdamW and SGD the state then equals a fresh one's (a zero
+    gradient leaves the moments and the momentum at zero).
+    """
+    init_optim_state(optimizer)
+    for state in optimizer.state.values():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor):
+            step.zero_()
+        elif step is not None:
+            state["step"] = 0
+
+
 class StalwartTrainer(Trainer):
     """torchtitan's trainer as one replica group of a stalwart job (see the module docstring)."""
 
@@ -151,6 +177,8 @@ class StalwartTrainer(Trainer):
             ),
             flags,
         )
+        if config.checkpoint.enable:
+            fresh_state(self.optimizers.optimizers[0])
         global_batch = config.training.global_batch_size
         dataset = packed_text(
             config.dataloader, self.tokenizer, config.training.seq_len, limit=config.training.steps * global_batch
