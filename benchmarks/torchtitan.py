@@ -1,4 +1,4 @@
-"""torchtitan benchmark: plain torchtitan and torchtitan with torchft's integration (stalwart's joins as a leg) on
+"""torchtitan benchmark: plain torchtitan, torchtitan with torchft's integration and with stalwart's, on
 the same model, data and seeds: step time, and one SIGKILL of a replica group and its restart.
 
 Run from the repository root, with the virtual environment active (the ``torchtitan`` extra installed)::
@@ -21,7 +21,13 @@ per process per step, seed 7, two processes in all:
   between groups, a step's all-reduce across groups (no semi-sync), its
   per-replica dataloader checkpoints every :data:`CHECKPOINT_INTERVAL` steps
   (which its live recovery needs enabled);
-- further legs register in :data:`LEGS` (the stalwart integration's).
+- ``stalwart``: stalwart's torchtitan trainer
+  (:mod:`stalwart.integrations.torchtitan`, ``--module
+  stalwart.integrations.torchtitan``), two replica groups of one process
+  each (one ``torchrun`` per group) against stalwart's lighthouse on
+  127.0.0.1, the global batch of the plain job (2 processes x 2 samples)
+  kept constant across the groups, the step's reduction across groups over
+  Gloo; further legs register in :data:`LEGS`.
 
 Two measurements, each a table:
 
@@ -79,6 +85,7 @@ from benchmarks._measure import (
 )
 from benchmarks._rounds import fixed, interleaved_rounds, median_span, round_ratios
 from benchmarks._workers import TorchftLighthouse, torchft_missing
+from stalwart.coord.server import Lighthouse
 from stalwart.testing import torchtitan_audit, torchtitan_cpu
 from stalwart.testing.torchrun import TorchrunGroup
 from stalwart.testing.torchtitan_assets import TorchtitanAssets, write_assets
@@ -227,11 +234,33 @@ def torchft_session(setup: Setup) -> Iterator[GroupLauncher]:
         lighthouse.stop()
 
 
+@contextlib.contextmanager
+def stalwart_session(setup: Setup) -> Iterator[GroupLauncher]:
+    """stalwart's torchtitan trainer: replica groups ``A`` (replica 0) and ``B`` (1) of one process each, against
+    an embedded lighthouse (the plan the trainers offer; both awaited at the start; a silent member dropped after
+    2 s, as torchft's leg)."""
+    options = {"min_replicas": 1, "start_replicas": 2, "heartbeat_timeout": 2.0, "join_timeout": 60.0}
+    with Lighthouse(None, **options) as lighthouse:
+
+        def launch(label: str, run_dir: Path) -> TorchrunGroup:
+            args = [
+                "--module", "stalwart.integrations.torchtitan", "--config", "llama3_debugmodel",
+                *setup.torchtitan_flags(run_dir / label),
+                "--training.global-batch-size", str(2 * LOCAL_BATCH),
+                "--fault-tolerance.replica-id", str("AB".index(label)),
+            ]  # fmt: skip
+            env = group_environment(setup, label, {"STALWART_LIGHTHOUSE": lighthouse.url})
+            return TorchrunGroup(torchtitan_cpu.torchrun_command(1, args), run_dir / f"{label}.log", env)
+
+        yield launch
+
+
 LEGS: dict[str, Leg] = {
     "torchtitan": Leg("torchtitan", ("job",), plain_session, step_line_times),
     "torchft": Leg("torchft", ("A", "B"), torchft_session, torchft_commit_times, torchft_missing),
+    "stalwart": Leg("stalwart", ("A", "B"), stalwart_session, step_line_times),
 }
-"""The legs, in table order; the first is every ratio's baseline. stalwart's integration adds its own here."""
+"""The legs, in table order; the first is every ratio's baseline."""
 
 
 @dataclass

@@ -36,7 +36,15 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
 
 
 @pytest.mark.parametrize(
-    "package", ["stalwart.data", "stalwart.coord", "stalwart.launch", "stalwart.cli", "stalwart.redundancy"]
+    "package",
+    [
+        "stalwart.data",
+        "stalwart.coord",
+        "stalwart.launch",
+        "stalwart.cli",
+        "stalwart.redundancy",
+        "stalwart.integrations",
+    ],
 )
 def test_the_modules_of_a_package_import_one_another_without_a_circle(package: str) -> None:
     known = package_modules()
@@ -61,3 +69,14 @@ def test_the_reader_sees_deferred_imports_and_modules_imported_from_their_packag
     known["stalwart.coord.roster"] = source
     found = imports("stalwart.coord.status", source, known)
     assert found == {"stalwart.coord.quorum", "stalwart.coord.history", "stalwart.coord.roster"}
+
+
+def test_integrations_stand_above_runtime_and_the_library_never_imports_them() -> None:
+    known = package_modules()
+    graph = {name: imports(name, path, known) for name, path in known.items()}
+    inside = {name for name in known if name.startswith("stalwart.integrations")}
+    importers = sorted(name for name, found in graph.items() if name not in inside and found & inside)
+    assert importers == [], f"modules importing an integration: {importers}"
+    above = ("stalwart.launch", "stalwart.cli", "stalwart.testing")
+    upward = sorted(f"{name} -> {m}" for name in inside for m in graph[name] if m.startswith(above))
+    assert upward == [], f"integrations importing a layer above runtime: {upward}"

@@ -23,3 +23,10 @@ def package_modules() -> dict[str, Path]:
         if parts[-1] != "__main__":
             found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
+
+
+FRAMEWORK_MODULES = frozenset(
+    {"stalwart.integrations.torchtitan.trainer", "stalwart.integrations.torchtitan.config_registry"}
+)
+"""Modules that import an optional framework (torchtitan, an install extra) when imported: a test that imports every
+module leaves them out where the framework is missing."""

@@ -1,0 +1,86 @@
+"""torchtitan's text samples as a map-style dataset: what stalwart's loader needs for exactly-once steps.
+
+torchtitan's ``HuggingFaceTextDataset`` is an iterable: it tokenizes each
+document with the job's tokenizer and packs the tokens into samples of
+``seq_len`` inputs, labels and positions, each data-parallel rank reading its
+own part. stalwart hands out sample *positions* (a step's share, a dead
+group's positions again), so it needs random access: :func:`packed_text`
+runs torchtitan's dataset once over the whole corpus (one rank of one) and
+keeps the packed samples, the same samples torchtitan would train on, in
+memory as int32. ``limit`` bounds them (the trainer passes the samples the
+whole run needs), so a streamed corpus is read only as far as the run goes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from stalwart._validate import check_int
+
+Sample = tuple[dict[str, torch.Tensor], torch.Tensor]
+
+
+class PackedText(Dataset[Sample]):
+    """Packed token samples: item ``i`` is ``({"input": ..., "positions": ...}, labels)`` as torchtitan yields it."""
+
+    def __init__(self, inputs: dict[str, torch.Tensor], labels: torch.Tensor) -> None:
+        if any(tensor.shape != labels.shape for tensor in inputs.values()):
+            shapes = {name: tuple(tensor.shape) for name, tensor in inputs.items()}
+            raise ValueError(f"inputs {shapes} must have the labels' shape {tuple(labels.shape)}")
+        self.inputs = inputs
+        self.labels = labels
+        digest = hashlib.sha256()
+        for name in sorted(inputs):
+            digest.update(name.encode())
+            digest.update(inputs[name].numpy().tobytes())
+        digest.update(labels.numpy().tobytes())
+        self.fingerprint = digest.hexdigest()[:16]
+        """Equal on every group exactly when they packed the same samples (the Manager compares it)."""
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> Sample:
+        return {name: tensor[index].long() for name, tensor in self.inputs.items()}, self.labels[index].long()
+
+
+def pack_samples(samples: Iterable[Sample], limit: int) -> PackedText:
+    """The first ``limit`` of ``samples`` (all if fewer) as a :class:`PackedText`; at least one is needed."""
+    check_int("limit", limit, minimum=1)
+    inputs: dict[str, list[torch.Tensor]] = {}
+    labels: list[torch.Tensor] = []
+    for input_dict, sample_labels in samples:
+        for name, tensor in input_dict.items():
+            inputs.setdefault(name, []).append(tensor.to(torch.int32))
+        labels.append(sample_labels.to(torch.int32))
+        if len(labels) == limit:
+            break
+    if not labels:
+        raise ValueError("the dataset packed no sample: its documents hold fewer tokens than training.seq_len")
+    return PackedText({name: torch.stack(tensors) for name, tensors in inputs.items()}, torch.stack(labels))
+
+
+def packed_text(dataloader_config: Any, tokenizer: Any, seq_len: int, limit: int) -> PackedText:
+    """torchtitan's text dataset of ``dataloader_config`` (a ``HuggingFaceTextDataLoader.Config``), packed."""
+    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader, HuggingFaceTextDataset
+
+    if not isinstance(dataloader_config, HuggingFaceTextDataLoader.Config):
+        raise ValueError(
+            f"dataloader={type(dataloader_config).__name__}: stalwart's torchtitan trainer reads text datasets "
+            "through HuggingFaceTextDataLoader.Config (--dataloader.dataset, --dataloader.dataset_path)"
+        )
+    dataset = HuggingFaceTextDataset(
+        dataset_name=dataloader_config.dataset,
+        dataset_path=dataloader_config.dataset_path,
+        tokenizer=tokenizer,
+        seq_len=check_int("training.seq_len", seq_len, minimum=1),
+        dp_rank=0,
+        dp_world_size=1,
+        infinite=False,
+    )
+    return pack_samples(dataset, limit)

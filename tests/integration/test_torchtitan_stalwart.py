@@ -1,0 +1,281 @@
+"""stalwart's torchtitan trainer on CPU: two replica groups (torchrun jobs) of torchtitan's llama3 debug model.
+
+Group 1's processes are SIGKILLed while both groups are held at the top of
+step ``KILL_AT`` (:mod:`tests.integration.torchtitan_job`); group 0 trains
+that step and the next alone with the whole global batch, group 1 is
+launched again, joins group 0's quorum and is healed to its step; both
+finish. The run must train every step on the same global batch, each sample
+exactly once (the audit of ``--fault_tolerance.audit_dir``), and end, on
+every process of both groups, with the parameters of a failure-free run
+(one group of the same size alone: the step's gradient is the mean over its
+samples whoever trains them) within 1e-4. Three shapes: groups of one
+process saving torchtitan's checkpoints (the relaunched group loads its own
+last one first); groups of two with FSDP2 inside (healed shard by shard);
+groups of one whose optimizer state is sharded across them with ``Parity``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install -e '.[torchtitan]')")
+
+from stalwart.coord.server import Lighthouse
+from stalwart.data.audit import audit_directory
+from stalwart.testing import torchtitan_cpu
+from stalwart.testing.digits_job import together
+from stalwart.testing.torchrun import TorchrunGroup
+from stalwart.testing.torchtitan_assets import TorchtitanAssets
+from stalwart.testing.waiting import wait_until
+from tests.integration.torchtitan_job import HOLD_VARIABLE, RUN_DIR_VARIABLE
+
+STEPS = 8
+GLOBAL_BATCH = 4
+KILL_AT = 3
+REJOIN_AT = 5
+TOLERANCE = 1e-4
+RUN_TIMEOUT = 420.0
+REPOSITORY = Path(__file__).resolve().parents[2]
+
+
+def stalwart_args(assets: TorchtitanAssets, dump: Path, replica: int, local_batch: int, *more: str) -> list[str]:
+    """The llama3 debug model under stalwart's (held) trainer: short sequences, a global batch of 4, a fixed seed."""
+    return [
+        "--module", "tests.integration.torchtitan_job", "--config", "llama3_held", *assets.flags(),
+        "--training.seq-len", "32", "--training.local-batch-size", str(local_batch),
+        "--training.global-batch-size", str(GLOBAL_BATCH), "--training.steps", str(STEPS), "--debug.seed", "7",
+        "--checkpoint.no-enable", "--validator.no-enable", "--metrics.disable-color-printing",
+        "--dump-folder", str(dump / f"dump-{replica}"),
+        "--fault-tolerance.replica-id", str(replica), "--fault-tolerance.audit-dir", str(dump / "audit"),
+        *more,
+    ]  # fmt: skip
+
+
+class Groups:
+    """Replica groups as torchrun jobs (one per launch) against one lighthouse, writing into one run directory."""
+
+    def __init__(self, run_dir: Path, lighthouse: Lighthouse, assets: TorchtitanAssets, processes: int) -> None:
+        self.run_dir = run_dir
+        self.assets = assets
+        self.processes = processes
+        self.environ = {
+            **torchtitan_cpu.environment(run_dir),
+            "STALWART_LIGHTHOUSE": lighthouse.url,
+            RUN_DIR_VARIABLE: str(run_dir),
+            HOLD_VARIABLE: str(run_dir / "hold"),
+        }
+        self.environ["PYTHONPATH"] = os.pathsep.join([self.environ["PYTHONPATH"], str(REPOSITORY)])
+        self.launched: list[TorchrunGroup] = []
+
+    def launch(self, replica: int, *more: str) -> TorchrunGroup:
+        args = stalwart_args(self.assets, self.run_dir, replica, 2 // self.processes, *more)
+        command = torchtitan_cpu.torchrun_command(self.processes, args)
+        group = TorchrunGroup(command, self.run_dir / f"replica-{replica}.log", self.environ)
+        self.launched.append(group)
+        return group
+
+    def steps(self, replica: int, rank: int = 0) -> list[tuple[int, int]]:
+        """``(step, pid)`` of every step the group's process ``rank`` started, in order."""
+        path = self.run_dir / f"step-replica-{replica}.{rank}"
+        if not path.exists():
+            return []
+        return [(int(step), int(pid)) for step, pid in (line.split() for line in path.read_text().splitlines())]
+
+    def at(self, replica: int, step: int) -> Callable[[], bool]:
+        """Whether every process of the group started ``step`` or a later one."""
+        return lambda: all(
+            (found := self.steps(replica, rank)) and found[-1][0] >= step for rank in range(self.processes)
+        )
+
+    def hold(self, step: int | None) -> None:
+        """Hold every group at the top of ``step`` and later (None: release them)."""
+        path = self.run_dir / "hold"
+        if step is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_text(str(step))
+
+    def log(self, replica: int) -> str:
+        return groups_log(self.run_dir, replica)[-6000:]
+
+    def end(self) -> None:
+        for group in self.launched:
+            group.kill()
+            group.wait(timeout=60)
+
+
+def finals(run_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
+    return {path.name: torch.load(path, weights_only=True) for path in sorted(run_dir.glob("final-*.pt"))}
+
+
+def groups_log(run_dir: Path, replica: int) -> str:
+    return (run_dir / f"replica-{replica}.log").read_text(errors="replace")
+
+
+def worst_difference(one: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> float:
+    assert one.keys() == other.keys()
+    return max(float((one[name] - other[name]).abs().max()) for name in one)
+
+
+@pytest.fixture(scope="module")
+def failure_free(
+    tmp_path_factory: pytest.TempPathFactory, torchtitan_assets: TorchtitanAssets
+) -> Callable[[int], dict[str, torch.Tensor]]:
+    """The parameters after ``STEPS`` steps of one group of ``processes`` (one run per size, kept for the module).
+
+    One group of the same size as the tested groups: FSDP2's initialisation of
+    a sharded parameter draws differently from a whole one's."""
+    runs: dict[int, dict[str, torch.Tensor]] = {}
+
+    def run(processes: int) -> dict[str, torch.Tensor]:
+        if processes not in runs:
+            run_dir = tmp_path_factory.mktemp(f"failure_free_{processes}")
+            options = {"min_replicas": 1, "start_replicas": 1, "heartbeat_timeout": 5.0, "join_timeout": 30.0}
+            with Lighthouse(None, **options) as lighthouse:
+                groups = Groups(run_dir, lighthouse, torchtitan_assets, processes)
+                try:
+                    assert groups.launch(0).wait(timeout=RUN_TIMEOUT) == 0, groups.log(0)
+                finally:
+                    groups.end()
+            found = finals(run_dir)
+            assert sorted(found) == [f"final-replica-0.{rank}.pt" for rank in range(processes)]
+            runs[processes] = found["final-replica-0.0.pt"]
+        return runs[processes]
+
+    return run
+
+
+def kill_restart_and_heal(
+    run_dir: Path, lighthouse: Lighthouse, assets: TorchtitanAssets, processes: int, more: Sequence[str] = ()
+) -> None:
+    """Groups 0 and 1 start; all of group 1 is SIGKILLed at ``KILL_AT``, launched again and healed; both finish."""
+    groups = Groups(run_dir, lighthouse, assets, processes)
+    groups.hold(KILL_AT)
+    try:
+        first = {replica: groups.launch(replica, *more) for replica in (0, 1)}
+        wait_until(lambda: groups.at(1, KILL_AT)() or first[1].poll() is not None, RUN_TIMEOUT, "group 1 held")
+        assert first[1].poll() is None, groups.log(1)
+        killed = {groups.steps(1, rank)[-1][1] for rank in range(processes)}
+        for pid in killed:
+            os.kill(pid, signal.SIGKILL)
+        assert first[1].wait(timeout=RUN_TIMEOUT) != 0
+        groups.hold(REJOIN_AT)
+        wait_until(lambda: groups.at(0, REJOIN_AT)() or first[0].poll() is not None, RUN_TIMEOUT, "group 0 held")
+        assert first[0].poll() is None, groups.log(0)
+        since = lighthouse.status()["quorums"][-1]["quorum_id"]
+        restarted = groups.launch(1, *more)
+        wait_until(
+            lambda: together(lighthouse, ["replica-0", "replica-1"], since) or restarted.poll() is not None,
+            RUN_TIMEOUT,
+            "the restarted group 1 in group 0's quorum",
+        )
+        groups.hold(None)
+        assert first[0].wait(timeout=RUN_TIMEOUT) == 0, groups.log(0)
+        assert restarted.wait(timeout=RUN_TIMEOUT) == 0, groups.log(1)
+    finally:
+        groups.end()
+    for rank in range(processes):  # the restarted group was healed to the quorum's step and trained to the end
+        restarted_steps = [step for step, pid in groups.steps(1, rank) if pid not in killed]
+        assert restarted_steps[0] >= REJOIN_AT and restarted_steps[-1] == STEPS - 1, restarted_steps
+    quorums = lighthouse.status()["quorums"]
+    assert ["replica-0"] in [sorted(q["members"]) for q in quorums]  # group 0 went on alone
+    assert sorted(quorums[-1]["members"]) == ["replica-0", "replica-1"]
+
+
+def assert_audited_exactly_once_at_a_constant_global_batch(
+    audit_dir: Path, steps: int = STEPS, samples: int = GLOBAL_BATCH
+) -> None:
+    """Every committed step (a DiLoCo round: ``steps`` rounds of ``samples``) recorded alike by every group that
+    recorded it, each of ``samples`` samples, and the epoch's samples trained exactly once."""
+    records = [
+        json.loads(line) for path in sorted(audit_dir.glob("steps-*.jsonl")) for line in path.read_text().splitlines()
+    ]
+    by_step: dict[int, set[tuple[int, ...]]] = {}
+    for record in records:
+        by_step.setdefault(record["step"], set()).add(tuple(record["indices"]))
+    assert sorted(by_step) == list(range(steps))
+    assert all(len(versions) == 1 and len(next(iter(versions))) == samples for versions in by_step.values()), by_step
+    report = audit_directory(audit_dir)
+    assert report.ok
+    assert all(epoch.coverage.exactly_once for epoch in report.epochs)
+
+
+CHECKPOINTS = ("--checkpoint.enable", "--checkpoint.interval", "2")
+"""torchtitan's own checkpoints, every 2 steps: the relaunched group loads its last one, then is healed."""
+PARITY = ("--fault-tolerance.redundancy", "parity:1,1")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("processes", "more"),
+    [(1, CHECKPOINTS), (2, ()), (1, PARITY)],
+    ids=["groups-of-one-with-torchtitan-checkpoints", "fsdp2-groups-of-two", "parity-across-groups"],
+)
+def test_a_killed_group_restarts_rejoins_and_is_healed(
+    tmp_path: Path,
+    make_lighthouse: Callable[..., Lighthouse],
+    torchtitan_assets: TorchtitanAssets,
+    failure_free: Callable[[int], dict[str, torch.Tensor]],
+    processes: int,
+    more: tuple[str, ...],
+) -> None:
+    reference = failure_free(processes)
+    lighthouse = make_lighthouse(None, workers=2, heartbeat_timeout=5.0, join_timeout=120.0)
+    kill_restart_and_heal(tmp_path, lighthouse, torchtitan_assets, processes, more)
+    assert_audited_exactly_once_at_a_constant_global_batch(tmp_path / "audit")
+    found = finals(tmp_path)
+    assert sorted(found) == [f"final-replica-{replica}.{rank}.pt" for replica in (0, 1) for rank in range(processes)]
+    for name, parameters in found.items():
+        assert worst_difference(parameters, reference) < TOLERANCE, name
+    if more == CHECKPOINTS:  # the relaunched group loaded its step-2 checkpoint before the heal replaced it
+        assert (tmp_path / "dump-0" / "checkpoint" / f"step-{STEPS}").is_dir()
+        assert "Loading the checkpoint from" in groups_log(tmp_path, 1)
+    if more == PARITY:  # the optimizer's state was sharded across the groups, and rebuilt for group 0 alone
+        assert "shrinks to" in groups_log(tmp_path, 0)
+
+
+@pytest.mark.slow
+def test_diloco_groups_end_on_the_same_parameters_and_train_each_sample_once(
+    tmp_path: Path, make_lighthouse: Callable[..., Lighthouse], torchtitan_assets: TorchtitanAssets
+) -> None:
+    """``--fault-tolerance.semi-sync-method diloco``: each group trains its inner steps alone, the outer step of
+    every round leaves both on the same global parameters; a round is one step of the ledger."""
+    sync_steps = 2
+    lighthouse = make_lighthouse(None, workers=2, heartbeat_timeout=5.0, join_timeout=120.0)
+    groups = Groups(tmp_path, lighthouse, torchtitan_assets, processes=1)
+    more = ["--fault-tolerance.semi-sync-method", "diloco", "--fault-tolerance.sync-steps", str(sync_steps)]
+    try:
+        launched = [groups.launch(replica, *more) for replica in (0, 1)]
+        codes = [group.wait(timeout=RUN_TIMEOUT) for group in launched]
+    finally:
+        groups.end()
+    assert codes == [0, 0], groups.log(0) + groups.log(1)
+    assert_audited_exactly_once_at_a_constant_global_batch(
+        tmp_path / "audit", STEPS // sync_steps, GLOBAL_BATCH * sync_steps
+    )
+    first, second = finals(tmp_path).values()
+    assert worst_difference(first, second) < TOLERANCE
+
+
+def test_a_heal_moves_the_parameters_in_place_without_the_models_state_dict_hooks() -> None:
+    from stalwart.integrations.torchtitan.trainer import HealedParameters
+
+    def collective_on_save(*args: object) -> None:
+        raise AssertionError("torchtitan's export hook ran (on FSDP2 groups: a collective on one side only)")
+
+    source, target = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    for model in (source, target):
+        model.register_state_dict_post_hook(collective_on_save)
+    state = HealedParameters(source).state_dict()
+    assert sorted(state) == ["bias", "weight"] and not any(value.requires_grad for value in state.values())
+    HealedParameters(target).load_state_dict(state)
+    assert torch.equal(target.weight, source.weight) and torch.equal(target.bias, source.bias)
+    with pytest.raises(KeyError, match=r"differ from the state's \['weight'\]"):
+        HealedParameters(target).load_state_dict({"weight": state["weight"]})

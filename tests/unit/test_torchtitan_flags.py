@@ -1,0 +1,126 @@
+"""The torchtitan trainer's flags and config checks (pure: no torchtitan needed), and its packed dataset."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from stalwart.integrations.torchtitan.config import (
+    FaultTolerance,
+    TrainingShape,
+    check_fault_tolerance,
+    check_training,
+)
+from stalwart.integrations.torchtitan.data import pack_samples
+from stalwart.runtime.diloco.config import DiLoCo
+
+SHAPE = TrainingShape(
+    global_batch_size=8,
+    local_batch_size=2,
+    steps=10,
+    degrees={"tensor_parallel_degree": 1, "pipeline_parallel_degree": 1},
+    optimizers=1,
+    cuda_graphs=False,
+)
+
+
+def test_the_defaults_run_every_step_as_member_replica_0() -> None:
+    flags = FaultTolerance()
+    check_fault_tolerance(flags, device_type="cpu")
+    check_training(SHAPE, flags)
+    assert flags.member() == "replica-0"
+    assert flags.sync() is None
+
+
+def test_diloco_flags_build_the_managers_sync() -> None:
+    flags = FaultTolerance(semi_sync_method="diloco", sync_steps=5, num_fragments=2)
+    check_fault_tolerance(flags, device_type="cpu")
+    check_training(SHAPE, flags)
+    assert flags.sync() == DiLoCo(inner_steps=5, fragments=2)
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (FaultTolerance(replica_id=-1), "fault_tolerance.replica_id=-1"),
+        (FaultTolerance(replica_id=2, group_size=2), "fault_tolerance.replica_id=2 must be below"),
+        (FaultTolerance(process_group="nccl"), "fault_tolerance.process_group='nccl': allowed is 'gloo' on cpu"),
+        (FaultTolerance(process_group_timeout_ms=0), "fault_tolerance.process_group_timeout_ms=0"),
+        (FaultTolerance(semi_sync_method="local_sgd"), "fault_tolerance.semi_sync_method='local_sgd'"),
+        (FaultTolerance(sync_steps=0), "fault_tolerance.sync_steps=0"),
+        (FaultTolerance(num_fragments=2), "fault_tolerance.num_fragments=2 needs"),
+        (FaultTolerance(redundancy="raid:5"), "fault_tolerance.redundancy: redundancy must be"),
+        (FaultTolerance(redundancy="parity:1,1", semi_sync_method="diloco"), "fault_tolerance.redundancy='parity"),
+        (FaultTolerance(audit_dir=""), "fault_tolerance.audit_dir"),
+    ],
+)
+def test_a_bad_flag_is_refused_by_name_value_and_what_is_allowed(flags: FaultTolerance, named: str) -> None:
+    with pytest.raises(ValueError) as error:
+        check_fault_tolerance(flags, device_type="cpu")
+    assert named in str(error.value)
+
+
+def test_nccl_is_the_backend_on_cuda() -> None:
+    check_fault_tolerance(FaultTolerance(process_group="nccl"), device_type="cuda")
+    with pytest.raises(ValueError, match=r"process_group='gloo': allowed is 'nccl' on cuda"):
+        check_fault_tolerance(FaultTolerance(process_group="gloo"), device_type="cuda")
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"global_batch_size": -1}, "training.global_batch_size=-1"),
+        ({"degrees": {"tensor_parallel_degree": 2}}, "parallelism.tensor_parallel_degree=2"),
+        ({"optimizers": 2}, "build 2 optimizers"),
+        ({"cuda_graphs": True}, "training.disable_cuda_graphs=False"),
+        ({"checkpointing": True}, "checkpoint.enable with fault_tolerance.redundancy='parity:1,1'"),
+    ],
+)
+def test_a_config_the_trainer_cannot_run_is_refused(change: dict[str, object], named: str) -> None:
+    with pytest.raises(ValueError) as error:
+        check_training(dataclasses.replace(SHAPE, **change), FaultTolerance(redundancy="parity:1,1"))  # type: ignore[arg-type]
+    assert named in str(error.value)
+
+
+def test_diloco_needs_whole_rounds() -> None:
+    with pytest.raises(ValueError, match=r"training\.steps=10 must be a multiple of fault_tolerance\.sync_steps=3"):
+        check_training(SHAPE, FaultTolerance(semi_sync_method="diloco", sync_steps=3))
+
+
+def samples(count: int, seq_len: int) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    return [
+        (
+            {"input": torch.arange(seq_len) + i, "positions": torch.arange(seq_len)},
+            torch.arange(seq_len) + i + 1,
+        )
+        for i in range(count)
+    ]
+
+
+@given(count=st.integers(1, 20), limit=st.integers(1, 30), seq_len=st.integers(1, 8))
+def test_packing_keeps_the_first_samples_as_torchtitan_yields_them(count: int, limit: int, seq_len: int) -> None:
+    given_samples = samples(count, seq_len)
+    packed = pack_samples(iter(given_samples), limit)
+    assert len(packed) == min(count, limit)
+    for index in range(len(packed)):
+        inputs, labels = packed[index]
+        expected_inputs, expected_labels = given_samples[index]
+        assert labels.dtype == torch.long and torch.equal(labels, expected_labels)
+        assert inputs.keys() == expected_inputs.keys()
+        assert all(torch.equal(inputs[name], expected_inputs[name]) for name in inputs)
+
+
+def test_the_fingerprint_tells_packed_datasets_apart() -> None:
+    assert pack_samples(samples(4, 3), 4).fingerprint == pack_samples(samples(4, 3), 4).fingerprint
+    assert pack_samples(samples(4, 3), 4).fingerprint != pack_samples(samples(4, 3), 3).fingerprint
+
+
+def test_a_corpus_too_short_for_one_sample_is_refused() -> None:
+    with pytest.raises(ValueError, match="packed no sample"):
+        pack_samples(iter([]), 4)
+    with pytest.raises(ValueError, match=r"limit must be in"):
+        pack_samples(samples(2, 2), 0)
