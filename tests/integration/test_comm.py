@@ -28,7 +28,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from stalwart.coord.protocol import StoreAddress
+from stalwart.coord.client import LighthouseClient
+from stalwart.coord.protocol import MAX_STORE_WAIT_S, StoreAddress
+from stalwart.coord.server import Lighthouse
+from stalwart.data.plan import EpochPlan
 from stalwart.launch.processes import preloaded_context
 from stalwart.runtime.comm import (
     NCCL_ENVIRONMENT,
@@ -226,6 +229,27 @@ def test_an_unreachable_quorum_store_fails_the_rendezvous() -> None:
         Communicator(store, 0, 2, timeout=1.0, device=torch.device("cpu"))
     with pytest.raises(CollectiveError, match="cannot use"):
         quorum_store(StoreAddress("tcp://nowhere", 1, "k"), 1.0, token=None)
+
+
+def test_a_bounded_store_wait_ends_with_the_key_and_says_false_when_it_never_came() -> None:
+    """``present_within`` (a process waiting for the leader's on_leader work): one wait held on the lighthouse,
+    True once another thread sets the key meanwhile (a mere look would say False), False at its end without it."""
+    with Lighthouse(EpochPlan(64, 8), min_replicas=1) as server:
+        client = LighthouseClient(server.url, "a", heartbeat_interval=0.05)
+        try:
+            client.start_heartbeat(lambda: 0)
+            answer = client.quorum(0, None, "join", TEST_BOUND)
+            store = quorum_store(answer.store, 5.0, token=None)
+            assert not store.present_within(["leader/1"], 0.01)
+            setter = threading.Timer(0.2, store.set, ("leader/1", "done"))
+            setter.start()
+            try:
+                assert store.present_within(["leader/1"], MAX_STORE_WAIT_S), "set while the wait was held"
+            finally:
+                setter.join()
+            assert not store.present_within(["leader/1", "leader/2"], 0.01), "every key must be there"
+        finally:
+            client.close()
 
 
 def test_default_device_is_the_cpu_without_cuda_whatever_local_rank_says() -> None:

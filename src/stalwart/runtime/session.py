@@ -60,16 +60,18 @@ from stalwart.runtime.group import GroupLink
 from stalwart.runtime.peers import REPLICATED, PeerProbes, check_data, check_layout, decoded
 from stalwart.runtime.probe import ProbeListener
 from stalwart.runtime.replica import Replica
+from stalwart.runtime.store import LighthouseStore
 from stalwart.runtime.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 _LEADER_POLL = 0.05
-"""Seconds between two looks at the store while the leader runs its own work (at most)."""
+"""Seconds a waiting process's wait on the store lasts while the leader runs its own work (at most), between two
+looks for a broken quorum and for the leader's asks."""
 _FIRST_LEADER_POLL = 0.002
-"""The first look's delay, doubled at each look up to ``_LEADER_POLL``: a short evaluation (a few batches, tens of
-milliseconds) is seen done within a few milliseconds instead of up to 50 ms later, in a handful of store requests."""
+"""The first wait's length, doubled at each wait up to ``_LEADER_POLL``: the leader's "done" ends a wait the
+moment it is set (the lighthouse answers the held request), its asks are seen within a wait."""
 MAX_GROUP_SIZE = 1 << 16
 """Largest replica group a peer may announce (``group_size/MEMBER``)."""
 PLAN_REFUSALS = ("plan_mismatch", "no_plan")
@@ -404,6 +406,7 @@ class QuorumSession:
         self._leader_asks = 0
         key = f"leader/{self._leader_calls}"
         store = self.comm.store
+        assert isinstance(store, LighthouseStore)  # the quorum's store (connect)
         if leads:
             result = run()
             if self.group.rank == 0:
@@ -418,7 +421,7 @@ class QuorumSession:
         delay = _FIRST_LEADER_POLL
         while time.monotonic() < deadline:
             try:
-                if store.check([key]):  # a check, not a wait with a timeout: that would desync the store's client
+                if store.present_within([key], delay):  # answered the moment the leader marks it done
                     return None, None
                 asked = serve is not None and store.check([f"{key}/ask/{served + 1}/{self.group.rank}"])
             except (RuntimeError, dist.DistError):
@@ -434,7 +437,6 @@ class QuorumSession:
                 continue
             if self.abandon():
                 return LeaderLoss(leader, self.quorum_id, self.broken_by()), None
-            time.sleep(delay)
             delay = min(2 * delay, _LEADER_POLL)
         raise JoinError(
             f"{self.member}: the quorum's leader {leader} did not finish its on_leader work within "

@@ -103,6 +103,11 @@ class LighthouseStore(dist.Store):
             if remaining <= 0:
                 raise dist.DistStoreError(self._timed_out(keys, seconds))
 
+    def present_within(self, keys: list[str], seconds: float) -> bool:
+        """Whether ``keys`` are all present within ``seconds`` (at most ``MAX_STORE_WAIT_S``): one bounded wait
+        on the lighthouse, answered the moment the last key is set; False at the end of the wait, no error."""
+        return bool(self._call(StoreRequest("wait", tuple(keys), wait=_wait(seconds)))["present"])
+
     def delete_key(self, key: str) -> bool:
         return bool(self._call(StoreRequest("delete", (key,)))["deleted"])
 
