@@ -16,6 +16,7 @@ are refused before training.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import time
@@ -71,7 +72,13 @@ def solo() -> Any:
     ids=["diloco", "streaming", "no-overlap", "dataloader"],
 )
 def test_one_group_with_an_outer_lr_of_1_trains_the_every_step_run(
-    solo: Lighthouse, fragments: int, overlap: int | None, steps: int, loader: str, tmp_path: Path
+    solo: Lighthouse,
+    fragments: int,
+    overlap: int | None,
+    steps: int,
+    loader: str,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """With one group every inner step is the reference's step, and lr 1 makes each outer step a copy.
 
@@ -81,6 +88,7 @@ def test_one_group_with_an_outer_lr_of_1_trains_the_every_step_run(
     driven by the Manager's sampler, the foreseen inner steps are what it loads.
     ``Checks(audit_dir=...)`` records each committed round whole.
     """
+    caplog.set_level(logging.INFO, logger="stalwart")  # a failure's report shows the quorums, joins and drops
     reference, losses = reference_run(PLAN, steps, optimizer_name="adamw", clip=1e9, task="gpt-tiny")
     task = TASKS["gpt-tiny"]
     model = task.model(0)
@@ -110,13 +118,16 @@ def test_one_group_with_an_outer_lr_of_1_trains_the_every_step_run(
             seen.append((step.number, report.samples, report.loss, report.quorum_id, report.recoveries))
     finally:
         manager.close()
-    # each inner step as (number, samples, loss, quorum, recoveries): a failure says which step left the reference
-    assert [number for number, *_ in seen] == list(range(steps)), seen
-    assert [samples for _, samples, *_ in seen] == [16] * steps, seen
-    assert [loss for _, _, loss, *_ in seen] == pytest.approx(losses, abs=1e-4), (seen, losses)
+    # what a failure shows: each inner step as (number, samples, loss, quorum, recoveries), the lighthouse's quorums
+    # and failures
+    status = solo.status()
+    evidence = {"steps": seen, "quorums": status["quorums"], "failures": status["failures"]}
+    assert [number for number, *_ in seen] == list(range(steps)), evidence
+    assert [samples for _, samples, *_ in seen] == [16] * steps, evidence
+    assert [loss for _, _, loss, *_ in seen] == pytest.approx(losses, abs=1e-4), (evidence, losses)
     state = model.state_dict()
     differences = sorted(((float((state[name] - value).abs().max()), name) for name, value in reference.items()))
-    assert differences[-1][0] < TOLERANCE, differences[-5:]
+    assert differences[-1][0] < TOLERANCE, (differences[-5:], evidence)
     assert manager.last_round is not None and manager.last_round.step == steps // INNER - 1, manager.last_round
     assert manager.last_round.samples == 16 * INNER, manager.last_round
     assert manager.applied_step == steps // INNER
