@@ -16,6 +16,7 @@ are refused before training.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import time
@@ -71,7 +72,13 @@ def solo() -> Any:
     ids=["diloco", "streaming", "no-overlap", "dataloader"],
 )
 def test_one_group_with_an_outer_lr_of_1_trains_the_every_step_run(
-    solo: Lighthouse, fragments: int, overlap: int | None, steps: int, loader: str, tmp_path: Path
+    solo: Lighthouse,
+    fragments: int,
+    overlap: int | None,
+    steps: int,
+    loader: str,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """With one group every inner step is the reference's step, and lr 1 makes each outer step a copy.
 
@@ -81,6 +88,7 @@ def test_one_group_with_an_outer_lr_of_1_trains_the_every_step_run(
     driven by the Manager's sampler, the foreseen inner steps are what it loads.
     ``Checks(audit_dir=...)`` records each committed round whole.
     """
+    caplog.set_level(logging.INFO, logger="stalwart")  # a failure's report shows the quorums, joins and drops
     reference, losses = reference_run(PLAN, steps, optimizer_name="adamw", clip=1e9, task="gpt-tiny")
     task = TASKS["gpt-tiny"]
     model = task.model(0)
@@ -106,23 +114,30 @@ def test_one_group_with_an_outer_lr_of_1_trains_the_every_step_run(
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            seen.append((step.number, step.report.samples, step.report.loss))
+            report = step.report
+            seen.append((step.number, report.samples, report.loss, report.quorum_id, report.recoveries))
     finally:
         manager.close()
-    assert [number for number, _, _ in seen] == list(range(steps))
-    assert [samples for _, samples, _ in seen] == [16] * steps
-    assert [loss for _, _, loss in seen] == pytest.approx(losses, abs=1e-4)
-    assert largest_difference(model.state_dict(), reference) < TOLERANCE
-    assert manager.last_round is not None and manager.last_round.step == steps // INNER - 1
-    assert manager.last_round.samples == 16 * INNER
+    # what a failure shows: each inner step as (number, samples, loss, quorum, recoveries), the lighthouse's quorums
+    # and failures
+    status = solo.status()
+    evidence = {"steps": seen, "quorums": status["quorums"], "failures": status["failures"]}
+    assert [number for number, *_ in seen] == list(range(steps)), evidence
+    assert [samples for _, samples, *_ in seen] == [16] * steps, evidence
+    assert [loss for _, _, loss, *_ in seen] == pytest.approx(losses, abs=1e-4), (evidence, losses)
+    state = model.state_dict()
+    differences = sorted(((float((state[name] - value).abs().max()), name) for name, value in reference.items()))
+    assert differences[-1][0] < TOLERANCE, (differences[-5:], evidence)
+    assert manager.last_round is not None and manager.last_round.step == steps // INNER - 1, manager.last_round
+    assert manager.last_round.samples == 16 * INNER, manager.last_round
     assert manager.applied_step == steps // INNER
     assert manager.dropped_microbatches == 0  # the DataLoader loaded what the inner steps took, nothing else
     rounds = [json.loads(line) for line in (tmp_path / "steps-solo.jsonl").read_text().splitlines()]
     assert [(record["step"], len(record["indices"])) for record in rounds] == [
         (number, 16 * INNER) for number in range(steps // INNER)
     ]
-    report = audit_directory(tmp_path)
-    assert report.ok and report.epochs[0].coverage.consumed == 16 * steps
+    audit = audit_directory(tmp_path)
+    assert audit.ok and audit.epochs[0].coverage.consumed == 16 * steps, audit
 
 
 def test_bad_configurations_are_refused_before_training(solo: Lighthouse) -> None:

@@ -263,6 +263,8 @@ class Manager:
         )
         self._started = False
         self._feed: SamplerFeed | None = None
+        self._dropped = 0
+        """Micro-batches dropped by the feeds of ``steps()`` calls that ended."""
         self._rounds = None if sync is None else RoundLoop(self._keeper, self._engine, sync, params)
         self._mode: SyncMode = self._rounds or EveryStep(self._keeper, self._engine, self._departure)
         if install_sigterm:
@@ -365,8 +367,11 @@ class Manager:
 
     @property
     def dropped_microbatches(self) -> int:
-        """Micro-batches the DataLoader of ``steps()`` prefetched for a superseded share and that were dropped."""
-        return 0 if self._feed is None else self._feed.dropped
+        """Micro-batches a DataLoader of ``steps()`` prefetched for a superseded share and that were dropped.
+
+        Over the Manager's life: the count stays readable after ``steps()`` ended.
+        """
+        return self._dropped + (0 if self._feed is None else self._feed.dropped)
 
     @property
     def last_round(self) -> StepReport | None:
@@ -469,6 +474,7 @@ class Manager:
         finally:
             if self._feed is not None:
                 self._feed.close()
+                self._dropped += self._feed.dropped
                 self._feed = None
 
     def _source(self, loader: ElasticLoader | DataLoader[Any], max_steps: int) -> Source:

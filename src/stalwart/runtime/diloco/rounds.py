@@ -127,6 +127,7 @@ class RoundLoop:
         self.links = GroupLinks(keeper, engine, config, self.outer)
         self._reduced: ReducedTail | None = None
         self._inner_positions: np.ndarray | None = None
+        """The group's positions of the inner step in progress (None between inner steps): not foreseen."""
         self._own_samples = 0
         self._tail: ReducedTail | None = None
         client = keeper.session.client
@@ -329,6 +330,7 @@ class RoundLoop:
             )
         engine.close_update(reduced, f"inner step {step.number}")
         keeper.planner.mark_done(positions)
+        self._inner_positions = None
         self.progress.steps += 1
         self.progress.samples += self._own_samples
         self.progress.loss += reduced.loss
@@ -497,13 +499,19 @@ class RoundLoop:
     # --- foresight --------------------------------------------------------------------------------------------
 
     def foreseen_parts(self, max_rounds: int) -> Iterator[tuple[int, list[int]]]:
-        """``(epoch, indices)`` of this process in each later inner step if the quorum holds (a DataLoader's plan)."""
+        """``(epoch, indices)`` of this process in each later inner step if the quorum holds (a DataLoader's plan).
+
+        Later: after the inner step in progress (the feed asks while loading
+        it), whose positions are not marked done yet.
+        """
         keeper = self.keeper
         preview = copy.deepcopy(keeper.ledger)
         members = list(keeper.planner.members)
         group = keeper.session.group
         member = keeper.member
         done, steps = keeper.planner.done.size, self.progress.steps
+        if self._inner_positions is not None:
+            done, steps = done + self._inner_positions.size, steps + 1
 
         def parts() -> Iterator[tuple[int, list[int]]]:
             nonlocal done, steps
