@@ -112,6 +112,7 @@ def load_state(plan: EpochPlan | None, settings: LighthouseSettings, database: S
         "join_timeout": settings.join_timeout,
         "max_members": settings.max_members,
         "require_digest": True,
+        "ahead_settle": settings.ahead_settle,
     }
     persisted = database.load() if database is not None else None
     if persisted is None:
