@@ -6,6 +6,9 @@ the current one asked or is dead (or ``join_timeout`` passed: the others are
 excluded), ``min_replicas`` and ``start_replicas`` hold back a quorum that
 carries no state on, cuts leave out the members that cannot reach the rest,
 and no quorum forms that would lose the state while a member holding it lives.
+A broken quorum's failure quorum may form ahead of its survivors' requests,
+from their last counted reports (``docs/protocol.md``, "Forming a failure
+quorum ahead"); a request that does not fit what it presumed withdraws it.
 
 :class:`Former` reads the lighthouse state's parts (:class:`FormingState`,
 what :class:`~stalwart.coord.quorum.LighthouseState` holds) and, when a

@@ -72,6 +72,10 @@ Quorums
     members is at the target step (it would have to resume from a checkpoint,
     or lose the state) never forms while a live member of the current quorum
     that holds the state has not asked: nobody excludes it, the others wait.
+    With ``ahead_settle`` a broken quorum's failure quorum forms from the
+    survivors' last counted reports once the deaths settled, before they ask;
+    a request that fits what it presumed is answered at once, one that does
+    not withdraws it and the requests decide (:mod:`~stalwart.coord.former`).
 
 Reachability
     Members name the peers they could not reach (``unreachable``); the

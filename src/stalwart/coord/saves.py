@@ -87,10 +87,10 @@ class Saves:
             self.saved = snapshot
             return True
 
-    async def require(self, what: str) -> None:
-        """503 (the client asks again) unless the state, ``what`` included (the change the caller made last), is
-        saved."""
-        if not await self.durable(after=self.taken):
+    async def require(self, what: str, after: int | None = None) -> None:
+        """503 (the client asks again) unless the state, ``what`` included, is saved: the change the caller made
+        last, or the one made when ``after`` snapshots were taken."""
+        if not await self.durable(after=self.taken if after is None else after):
             raise RequestError(
                 503, f"the lighthouse could not persist {what}; it is not handed out, ask again", retry=True
             )
