@@ -39,6 +39,9 @@ class Saves:
         """The number of the last snapshot saved: a request waiting for snapshot ``n`` or later is durable."""
         self._failing = False
         self._lock: asyncio.Lock | None = None
+        self._ended = asyncio.Event()
+        """Set when the save in progress ended (a new one per save)."""
+        self._ended.set()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="stalwart-lighthouse-save")
 
     def start(self) -> None:
@@ -59,6 +62,12 @@ class Saves:
         assert self._lock is not None
         if self.state.plan is None:
             return True  # nothing to keep before a member brought the plan (registering adopts it, then saves)
+        while after is not None and self.saved <= after and self._lock.locked():
+            # a save is in progress (the lock is held only while one runs): it may be enough, so wait for it, not
+            # in the lock's queue behind the saves after it (a quorum's answers trickle in while the state changes)
+            await self._ended.wait()
+        if after is not None and self.saved > after:
+            return True
         async with self._lock:
             if after is not None and self.saved > after:
                 return True
@@ -71,6 +80,7 @@ class Saves:
                 self.saved = snapshot
                 return True
             loop = asyncio.get_running_loop()
+            self._ended = asyncio.Event()
             try:
                 started = time.perf_counter()
                 await loop.run_in_executor(self._thread, self.database.save, changes, time.time())
@@ -81,6 +91,8 @@ class Saves:
                     logger.error("the lighthouse cannot save its state to %s: %s", self.database.path, error)
                 self._failing = True
                 return False
+            finally:
+                self._ended.set()
             if self._failing:
                 logger.warning("the lighthouse saves its state to %s again", self.database.path)
             self._failing = False
