@@ -102,7 +102,7 @@ def test_an_unconfirmed_survivor_asks_naming_the_quorum_it_was_in_and_is_not_tol
     assert refused.value.status == 409, "only the quorum the survivors were in is accepted besides the current one"
 
 
-@pytest.mark.parametrize("why", ["healing", "cut", "join", "rollback", "off"])
+@pytest.mark.parametrize("why", ["healing", "cut", "join", "rollback", "departure", "off"])
 def test_the_requests_decide_when_the_survivors_state_is_not_known(why: str) -> None:
     cluster = fleet(3, 2, ahead=why != "off")
     first, second, dead = cluster.members
@@ -118,7 +118,11 @@ def test_the_requests_decide_when_the_survivors_state_is_not_known(why: str) -> 
         cluster.finish(dead)
         cluster.heartbeat([dead])
         assert cluster.state.step == 3
-    cluster.kill(dead)
+    if why == "departure":
+        cluster.state.leave(dead, cluster.now)
+        del cluster.processes[dead]
+    else:
+        cluster.kill(dead)
     cluster.now += SETTLE
     formation = cluster.state.tick(cluster.now)
     assert formation is None or formation.ahead is None, "the requests decide (here the cut's rule formed one)"

@@ -110,8 +110,9 @@ class Former:
         It forms once the deaths settled (``ahead_settle`` after the last),
         when the state of every survivor is known and consistent: no cuts, no
         report being verified, no survivor being healed, none asking to join
-        or naming peers it could not reach, and the largest step among them
-        is the ledger's (else the rollback rule needs their requests). A
+        or naming peers it could not reach, no member that left cleanly (a
+        departure: its peers come to a boundary), and the largest step among
+        them is the ledger's (else the rollback rule needs their requests). A
         survivor that asked already is kept with its request. Tried once per
         broken quorum and count of members: constant time otherwise.
         """
@@ -127,9 +128,11 @@ class Former:
         requests: dict[str, QuorumRequest] = {}
         presumed: dict[str, int] = {}
         for member in quorum.members:
-            if not roster.counts(member):
-                continue
             ask, record = pending.get(member), records.get(member)
+            if not roster.counts(member):
+                if record is not None and record.left:
+                    return None  # a departure, not a failure: its peers come to a boundary (docs/protocol.md)
+                continue
             if member in healing or self.state.commits.pending(member) or record is None:
                 return None
             if ask is not None:

@@ -16,6 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from stalwart.coord.formation import Formation
 from stalwart.coord.metrics import LighthouseMetrics
 from stalwart.coord.persist import StateStore
 from stalwart.coord.quorum import LighthouseState, RequestError
@@ -39,6 +40,8 @@ class Saves:
         """The number of the last snapshot saved: a request waiting for snapshot ``n`` or later is durable."""
         self._failing = False
         self._lock: asyncio.Lock | None = None
+        self._formed = (0, 0)
+        """The last quorum formed, and how many snapshots had been taken then."""
         self._ended = asyncio.Event()
         """Set when the save in progress ended (a new one per save)."""
         self._ended.set()
@@ -106,6 +109,20 @@ class Saves:
             raise RequestError(
                 503, f"the lighthouse could not persist {what}; it is not handed out, ask again", retry=True
             )
+
+    def formed(self, quorum_id: int) -> None:
+        """Quorum ``quorum_id`` just formed: its answers need a snapshot taken from now on (:meth:`require_answer`)."""
+        self._formed = (quorum_id, self.taken)
+
+    async def require_answer(self, formation: Formation) -> None:
+        """503 (asked again) unless what ``formation``'s answer needs is saved: the state when it is asked (what the
+        request changed included), or, for a quorum formed ahead that some survivor has not confirmed yet, the
+        formation (it holds what it presumed: a confirmation answered before it is saved is confirmed again, the
+        same, after a restart; the last one must be saved first, as after it the quorum may run steps)."""
+        after = None
+        if formation.ahead is not None and self.state.former.unconfirmed() and self._formed[0] == formation.quorum_id:
+            after = self._formed[1]
+        await self.require(f"quorum {formation.quorum_id}", after)
 
     def close(self) -> None:
         """Wait for the save in progress, then close the database."""

@@ -182,8 +182,6 @@ class Lighthouse:
         self.guard: ConnectionGuard | None = None
         """The connection caps and header timeout (once started)."""
         self._ticker: asyncio.Task[None] | None = None
-        self._formed = (0, 0)
-        """The last quorum formed here, and how many snapshots had been taken for a save then."""
         self.stores = QuorumStores(settings.store_limits)
         """The current quorum's store."""
         self.heartbeats = HeartbeatSockets(
@@ -400,7 +398,7 @@ class Lighthouse:
         now = time.time()
         formation = self.state.tick(now) if tick else self.state.try_form(now)
         if formation is not None:
-            self._formed = (formation.quorum_id, self.saves.taken)
+            self.saves.formed(formation.quorum_id)
             self.metrics.on_formation(formation.reason, self.state.state_dict())
             self.waiters.answer(formation)
         self.heartbeats.push_broken_quorum()
@@ -452,13 +450,7 @@ class Lighthouse:
                     408, f"no quorum formed within join_timeout={self.join_timeout} s; ask again", member=member
                 )
             formation = result
-        # a quorum formed ahead is durable with what it presumed: a survivor's confirmation need not be saved
-        # before its answer leaves (confirming again after a restart gives the same answer), but the last one, after
-        # which the quorum may run steps, must be
-        after = None
-        if formation.ahead is not None and self.state.former.unconfirmed() and self._formed[0] == formation.quorum_id:
-            after = self._formed[1]
-        await self.saves.require(f"quorum {formation.quorum_id}", after)
+        await self.saves.require_answer(formation)
         if self.state.quorum is None or self.state.quorum.quorum_id != formation.quorum_id:
             raise RequestError(  # another quorum formed while this answer was saved: ask again
                 503, f"quorum {formation.quorum_id} was superseded meanwhile; ask again", member=member, retry=True
