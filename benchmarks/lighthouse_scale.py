@@ -235,7 +235,11 @@ class Fleet:
                 command, *args = await loop.run_in_executor(None, self.connection.recv)
                 if command == "stop":
                     break
-                result = await getattr(self, command)(*args)
+                try:
+                    result = await getattr(self, command)(*args)
+                except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError) as error:
+                    # the driver records it and goes on to the next member count (a loaded machine times out)
+                    result = {"failed": f"{command}: {type(error).__name__}: {error}"[:300]}
                 self.connection.send(result)
         finally:
             for sim in self.sims.values():
@@ -531,6 +535,9 @@ class Driver:
             if not self.pipes[index].poll(PHASE_LIMIT + 10):
                 raise TimeoutError(f"member process {index} did not answer {message[0]!r}")
             answers.append(self.pipes[index].recv())
+        failed = [answer["failed"] for answer in answers if "failed" in answer]
+        if failed:
+            raise RuntimeError(f"{len(failed)} member process(es) failed: {failed[0]}")
         return answers
 
     async def run(self) -> dict[str, Any]:
