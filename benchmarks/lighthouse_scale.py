@@ -39,7 +39,6 @@ import argparse
 import asyncio
 import contextlib
 import gc
-import itertools
 import json
 import logging
 import multiprocessing
@@ -61,7 +60,7 @@ from typing import Any
 import aiohttp
 
 from benchmarks._measure import Goal, make_console, print_goals, print_table
-from stalwart.coord.asks import MAX_ANSWER_BYTES
+from stalwart.coord.asks import MAX_ANSWER_BYTES, SocketAsks
 from stalwart.coord.protocol import (
     HEARTBEAT_PATH,
     QUORUM_PATH,
@@ -69,12 +68,12 @@ from stalwart.coord.protocol import (
     QuorumAnswer,
     QuorumRequest,
     StoreAddress,
-    ask_message,
     heartbeat_message,
     identity_headers,
     ledger_digest,
     register_body,
 )
+from stalwart.coord.settings import AHEAD_SETTLE_S
 from stalwart.data.ledger import DataLedger
 from stalwart.data.plan import EpochPlan
 from stalwart.testing.loopback import free_port
@@ -119,7 +118,13 @@ def _prepare_process() -> None:
 
 
 def _serve(
-    port: int, members: int, state_path: str, log_path: str, heartbeat_timeout: float, join_timeout: float
+    port: int,
+    members: int,
+    state_path: str,
+    log_path: str,
+    heartbeat_timeout: float,
+    join_timeout: float,
+    ahead_settle: float | None,
 ) -> None:
     """The lighthouse process: serve until SIGTERM, logging to ``log_path`` (its full collections among it)."""
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -139,6 +144,7 @@ def _serve(
         join_timeout=join_timeout,
         max_members=members + 64,
         max_waiters=members + 64,
+        ahead_settle=ahead_settle,
     )
     lighthouse.serve_forever()
 
@@ -184,8 +190,8 @@ class Sim:
     answered_at: float | None = None
     refused: int = 0
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
-    pending: dict[int, asyncio.Future[tuple[int, Any, int]]] = field(default_factory=dict)
-    """Its asks on the heartbeat socket waiting for their answers: the status, the body and the message's size."""
+    asks: SocketAsks = field(default_factory=SocketAsks)
+    """Its quorum requests on the heartbeat socket, as the client's."""
 
     def headers(self) -> dict[str, str]:
         """The identity headers."""
@@ -200,7 +206,6 @@ class Fleet:
     ):
         self.connection = connection
         self.asks = asks
-        self.ask_ids = itertools.count()
         self.url = url
         self.wire = wire
         self.fixed_interval = interval
@@ -230,7 +235,11 @@ class Fleet:
                 command, *args = await loop.run_in_executor(None, self.connection.recv)
                 if command == "stop":
                     break
-                result = await getattr(self, command)(*args)
+                try:
+                    result = await getattr(self, command)(*args)
+                except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError) as error:
+                    # the driver records it and goes on to the next member count (a loaded machine times out)
+                    result = {"failed": f"{command}: {type(error).__name__}: {error}"[:300]}
                 self.connection.send(result)
         finally:
             for sim in self.sims.values():
@@ -282,6 +291,7 @@ class Fleet:
                 heartbeat=None,
                 max_msg_size=MAX_ANSWER_BYTES,
             )
+            sim.asks.attach(sim.socket)
             sim.tasks += [asyncio.create_task(self._beat(sim)), asyncio.create_task(self._receive(sim))]
 
         await _bounded_gather(one(sim) for sim in self.sims.values())
@@ -307,9 +317,7 @@ class Fleet:
                 continue
             data = json.loads(message.data)
             if data.get("type") == "answer":
-                waiter = sim.pending.get(data["ask"])
-                if waiter is not None and not waiter.done():
-                    waiter.set_result((data["status"], data["body"], len(message.data)))
+                sim.asks.answered(data, len(message.data))
                 continue
             if data.get("type") != "reconfigure" or not data.get("broken") or data.get("quorum_id") != sim.quorum_id:
                 continue
@@ -368,14 +376,13 @@ class Fleet:
                     return response.status, json.loads(raw), len(raw)
                 except ValueError:
                     return response.status, raw[:200], len(raw)
-        ask_id = next(self.ask_ids)
-        waiter: asyncio.Future[tuple[int, Any, int]] = asyncio.get_running_loop().create_future()
-        sim.pending[ask_id] = waiter
-        try:
-            await sim.socket.send_str(ask_message(ask_id, body))
-            return await waiter
-        finally:
-            del sim.pending[ask_id]
+        ask = sim.asks.message(body)
+        if ask is None:
+            raise RuntimeError(f"{sim.name}: a quorum request that does not fit a socket message")
+        answer = await sim.asks.ask(*ask)
+        if answer is None:  # the socket closed first
+            raise aiohttp.ClientConnectionError("the heartbeat socket closed before the answer")
+        return answer
 
     def _learn(self, data: dict[str, Any], known: int | None) -> None:
         """Keep what this process needs of a quorum it first hears of: its members and ledger."""
@@ -496,7 +503,7 @@ class Driver:
         state = str(folder / f"state-{members}.db")
         self.server = context.Process(
             target=_serve,
-            args=(self.port, members, state, str(self.log), args.heartbeat_timeout, args.join_timeout),
+            args=(self.port, members, state, str(self.log), args.heartbeat_timeout, args.join_timeout, args.ahead),
             daemon=True,
         )
         names = [f"member-{n:05d}" for n in range(members)]
@@ -528,6 +535,9 @@ class Driver:
             if not self.pipes[index].poll(PHASE_LIMIT + 10):
                 raise TimeoutError(f"member process {index} did not answer {message[0]!r}")
             answers.append(self.pipes[index].recv())
+        failed = [answer["failed"] for answer in answers if "failed" in answer]
+        if failed:
+            raise RuntimeError(f"{len(failed)} member process(es) failed: {failed[0]}")
         return answers
 
     async def run(self) -> dict[str, Any]:
@@ -734,6 +744,7 @@ class Driver:
             "seen_after_ms": 1000 * (min(f["time"] for f in failures) - killed_at) if failures else None,
             "formed_ms": None if formed is None else 1000 * (formed - killed_at),
             "quorums": len(quorums),
+            "quorums_ahead": sum(bool(q.get("ahead")) for q in quorums),
             "push_observers_ms": _ms_after([t for a in observers for t in a["pushed"]], killed_at, 1.0),
             "push_p50_ms": _ms_after(pushed, killed_at, 0.5),
             "push_max_ms": _ms_after(pushed, killed_at, 1.0),
@@ -807,6 +818,7 @@ ROWS: tuple[tuple[str, str, int], ...] = (
     ("ledger steps committed / driven", "steady.committed", 0),
     ("lighthouse CPU (%)", "steady.cpu_percent", 0),
     ("/healthz p50 / p99 / max (ms)", "steady.healthz", 0),
+    ("1 failure: quorums formed / ahead", "failure.formed_count", 0),
     ("1 failure: quorum formed (ms)", "failure.formed_ms", 0),
     ("1 failure: push, observers / all (ms)", "failure.push", 0),
     ("1 failure: last survivor's request sent (ms)", "failure.asked_max_ms", 0),
@@ -814,7 +826,7 @@ ROWS: tuple[tuple[str, str, int], ...] = (
     ("1 failure: answer (KiB)", "failure.answer_kib", 2),
     ("1 failure: /healthz stall until answered (ms)", "failure.stall_ms", 0),
     ("1 failure: lighthouse CPU until all answered (ms)", "failure.cpu_ms", 0),
-    ("1/4 fail: quorums formed", "mass_failure.quorums", 0),
+    ("1/4 fail: quorums formed / ahead", "mass_failure.formed_count", 0),
     ("1/4 fail: quorum formed (ms)", "mass_failure.formed_ms", 0),
     ("1/4 fail: push, observers / all (ms)", "mass_failure.push", 0),
     ("1/4 fail: last survivor's request sent (ms)", "mass_failure.asked_max_ms", 0),
@@ -849,6 +861,8 @@ def cell(result: dict[str, Any], key: str, digits: int) -> str:
         return f"{p50} / {p99} / {most}"
     if tail in ("push", "answered"):
         return f"{_fmt(value.get(f'{tail}_observers_ms'))} / {_fmt(value.get(f'{tail}_max_ms'))}"
+    if tail == "formed_count":
+        return f"{_fmt(value.get('quorums'))} / {_fmt(value.get('quorums_ahead'))}"
     if tail == "committed":
         return f"{_fmt(value.get('ledger_step'))} / {_fmt(value.get('step'))}"
     return _fmt(value.get(tail), digits)
@@ -926,10 +940,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         default="socket",
         help="how members ask for quorums: on their heartbeat socket (as LighthouseClient does), or POST (before)",
     )
+    parser.add_argument(
+        "--ahead-settle",
+        default=str(AHEAD_SETTLE_S),
+        help="seconds after the last death before the survivors' quorum forms ahead of their requests, or 'off' "
+        "(the requests decide, as before)",
+    )
     parser.add_argument("--stop-after-failure", action="store_true", help="skip larger counts once one fails")
     parser.add_argument("--report", type=Path, help="write the results as JSON")
     parser.add_argument("--compare", type=Path, help="a --report of an earlier run: print before/after")
     args = parser.parse_args(argv)
+    args.ahead = None if args.ahead_settle == "off" else float(args.ahead_settle)
     _prepare_process()
     results = []
     with tempfile.TemporaryDirectory() as folder:

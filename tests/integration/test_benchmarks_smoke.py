@@ -244,7 +244,11 @@ def test_lighthouse_scale_runs_every_phase(tmp_path: Path, run_quick: Callable[.
     assert result["joined"] == 48 and len(result["steady"]) == 3
     for phase in ("failure", "mass_failure"):
         measured = result[phase]
-        assert measured["quorums"] == 1 and measured["answered"] == measured["survivors"], measured
+        # one quorum; or one formed ahead of the survivors' requests that a stale report withdrew (or a later death
+        # broke), then one from the requests (docs/protocol.md, "Forming a failure quorum ahead")
+        formed, ahead = measured["quorums"], measured["quorums_ahead"]
+        assert 1 <= formed <= 2 and formed - ahead <= 1, measured
+        assert measured["answered"] == measured["survivors"], measured
         assert measured["formed_ms"] is not None and measured["push_observers_ms"] is not None, measured
     for title in ("One lighthouse, simulated members on 127.0.0.1", "Before and after", "Goals"):
         assert title in output

@@ -125,7 +125,13 @@ def test_two_of_three_killed_at_once_with_min_replicas_2_restart_and_the_job_end
     check_job(tmp_path, long_reference, finishers=WORKERS, steps_run=LONG_STEPS)
     world_sizes = [record["world_size"] for record in committed_steps(tmp_path)]
     assert world_sizes[:3] == [WORKERS] * 3 and world_sizes[3] == 1 and world_sizes[-1] == WORKERS
-    assert [quorum["reason"] for quorum in status["quorums"]][:3] == ["start-up", "failure", "boundary"]
+    quorums = status["quorums"]
+    reasons = [quorum["reason"] for quorum in quorums]
+    boundary = reasons.index("boundary")
+    assert reasons[0] == "start-up" and boundary >= 2 and set(reasons[1:boundary]) == {"failure"}
+    # the deaths may be seen more than ahead_settle apart: a failure quorum formed ahead after the first one broke
+    # at the second (docs/protocol.md, "Forming a failure quorum ahead"); the survivor's requests formed the last
+    assert all(quorum.get("ahead") for quorum in quorums[1 : boundary - 1]), quorums
     assert {failure["member"] for failure in status["failures"]} == {"worker-1", "worker-2"}
 
 

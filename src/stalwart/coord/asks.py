@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 
@@ -25,12 +25,20 @@ MAX_ANSWER_BYTES = 64 << 20
 """The largest answer message the client reads on its heartbeat socket (a wire-1 answer carries the ledger)."""
 
 
+class SocketAnswer(NamedTuple):
+    """An ask's answer: what the POST would get, and the answer message's length (characters)."""
+
+    status: int
+    body: Any
+    size: int
+
+
 class SocketAsks:
     """The quorum requests this client sent on its heartbeat socket and not yet answered (its loop only)."""
 
     def __init__(self) -> None:
         self._socket: aiohttp.ClientWebSocketResponse | None = None
-        self._pending: dict[int, asyncio.Future[tuple[int, Any] | None]] = {}
+        self._pending: dict[int, asyncio.Future[SocketAnswer | None]] = {}
         self._ids = itertools.count()
 
     def attach(self, socket: aiohttp.ClientWebSocketResponse) -> None:
@@ -53,13 +61,13 @@ class SocketAsks:
         text = ask_message(ask_id, body)
         return (ask_id, text) if len(text.encode()) <= MAX_SOCKET_MESSAGE_BYTES else None
 
-    async def ask(self, ask_id: int, text: str) -> tuple[int, Any] | None:
-        """Send ask ``text`` and wait for its answer: the status and the JSON body, or None when the socket closed
-        first (the caller bounds the wait)."""
+    async def ask(self, ask_id: int, text: str) -> SocketAnswer | None:
+        """Send ask ``text`` and wait for its answer, or None when the socket closed first (the caller bounds the
+        wait)."""
         socket = self._socket
         if socket is None or socket.closed:
             return None
-        future: asyncio.Future[tuple[int, Any] | None] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[SocketAnswer | None] = asyncio.get_running_loop().create_future()
         self._pending[ask_id] = future
         try:
             await socket.send_str(text)
@@ -69,11 +77,11 @@ class SocketAsks:
         finally:
             self._pending.pop(ask_id, None)
 
-    def answered(self, message: Mapping[str, Any]) -> None:
-        """Hand an ``{"type": "answer"}`` message to its ask's waiter (an answer nobody waits for is dropped: its
-        ask was given up)."""
+    def answered(self, message: Mapping[str, Any], size: int) -> None:
+        """Hand an ``{"type": "answer"}`` message (``size`` characters long) to its ask's waiter (an answer nobody
+        waits for is dropped: its ask was given up)."""
         ask_id, status, body = message.get("ask"), message.get("status"), message.get("body")
         future = self._pending.get(ask_id) if isinstance(ask_id, int) else None
         if future is None or future.done() or not isinstance(status, int):
             return
-        future.set_result((status, body if isinstance(body, dict) else {"error": repr(body)[:200]}))
+        future.set_result(SocketAnswer(status, body if isinstance(body, dict) else {"error": repr(body)[:200]}, size))

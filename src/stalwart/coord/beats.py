@@ -177,7 +177,7 @@ class HeartbeatLoop:
             if data.get("type") == "reconfigure":
                 self.host.notices.receive(data)
             elif data.get("type") == "answer":
-                self.host.socket_asks.answered(data)
+                self.host.socket_asks.answered(data, len(message.data))
             elif data.get("type") == "error":
                 logger.warning("lighthouse refused a heartbeat of %s: %s", self.host.member, data.get("error"))
 

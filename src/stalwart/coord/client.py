@@ -572,7 +572,7 @@ class LighthouseClient:
                     answer = await self.socket_asks.ask(*on_socket)
                 if answer is None:  # the socket closed first
                     raise _PathLost
-                return answer
+                return answer.status, answer.body
             async with self._session.post(
                 self.url + QUORUM_PATH, json=body, headers=headers, timeout=self._timeouts(read)
             ) as response:

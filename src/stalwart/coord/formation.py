@@ -95,6 +95,35 @@ class MemberDelta:
 
 
 @dataclass(frozen=True)
+class Ahead:
+    """What a failure quorum formed ahead of its survivors' requests presumed (``docs/protocol.md``, "Forming a
+    failure quorum ahead"): the quorum its members' requests name, and the applied step of each member that had not
+    asked, from its last counted report."""
+
+    source: int
+    """The quorum the survivors were in: their requests name it."""
+    source_members: tuple[str, ...]
+    """Its members: they began any step committed past the target (the quorum formed ahead never ran one)."""
+    presumed: dict[str, int]
+    """The members that had not asked, each at its last counted report's step."""
+
+    def fits(self, member: str, applied_step: int, target: int) -> bool:
+        """Whether ``member`` at ``applied_step`` is what the quorum presumed: at the target when presumed there,
+        else from its presumed step up to below the target (a heal target: healed, as its request would have it)."""
+        presumed = self.presumed[member]
+        return applied_step == target if presumed == target else presumed <= applied_step < target
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form (persisted with the formation)."""
+        return {"source": self.source, "source_members": list(self.source_members), "presumed": self.presumed}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Ahead:
+        """Inverse of ``to_json``."""
+        return cls(int(data["source"]), tuple(data["source_members"]), dict(data["presumed"]))
+
+
+@dataclass(frozen=True)
 class Formation:
     """A quorum just formed: what every member is told and why it formed."""
 
@@ -114,6 +143,8 @@ class Formation:
     rolled_back: bool
     delta: MemberDelta | None = None
     """The members as a change from the quorum this one formed from (None for the first)."""
+    ahead: Ahead | None = None
+    """Set when it formed ahead of its survivors' requests (what it presumed of them)."""
 
     @cached_property
     def ledger(self) -> dict[str, Any]:
@@ -141,12 +172,13 @@ class Formation:
             "timed_out": self.timed_out,
             "rolled_back": self.rolled_back,
             "delta": None if self.delta is None else self.delta.to_json(),
+            "ahead": None if self.ahead is None else self.ahead.to_json(),
         }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Formation:
         """Inverse of ``to_json`` (a formation persisted with a TCPStore prefix, before the quorum store, drops it)."""
-        delta = data["delta"]
+        delta, ahead = data["delta"], data.get("ahead")
         fields = {key: value for key, value in data.items() if key != "store_prefix"}
         return cls(
             **{
@@ -155,6 +187,7 @@ class Formation:
                 "begun_by": tuple(data["begun_by"]),
                 "failed": tuple(tuple(event) for event in data["failed"]),
                 "delta": None if delta is None else MemberDelta.from_json(delta),
+                "ahead": None if ahead is None else Ahead.from_json(ahead),
             }
         )
 

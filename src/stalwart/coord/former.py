@@ -6,6 +6,9 @@ the current one asked or is dead (or ``join_timeout`` passed: the others are
 excluded), ``min_replicas`` and ``start_replicas`` hold back a quorum that
 carries no state on, cuts leave out the members that cannot reach the rest,
 and no quorum forms that would lose the state while a member holding it lives.
+A broken quorum's failure quorum may form ahead of its survivors' requests,
+from their last counted reports (``docs/protocol.md``, "Forming a failure
+quorum ahead"); a request that does not fit what it presumed withdraws it.
 
 :class:`Former` reads the lighthouse state's parts (:class:`FormingState`,
 what :class:`~stalwart.coord.quorum.LighthouseState` holds) and, when a
@@ -18,7 +21,7 @@ from typing import Any, Protocol
 
 from stalwart.coord.checkpoints import CheckpointRecord
 from stalwart.coord.commits import Commits
-from stalwart.coord.formation import Formation, MemberDelta
+from stalwart.coord.formation import Ahead, Formation, MemberDelta
 from stalwart.coord.history import History
 from stalwart.coord.hosted_ledger import HostedLedger
 from stalwart.coord.membership import Membership
@@ -51,18 +54,29 @@ class FormingState(Protocol):
 
 
 class Former:
-    """Forms the next quorum of ``state`` when the rules allow (:meth:`try_form`)."""
+    """Forms the next quorum of ``state`` when the rules allow (:meth:`try_form`).
 
-    def __init__(self, state: FormingState) -> None:
+    ``ahead_settle``: seconds after the last member of a broken quorum stopped
+    counting before its failure quorum forms ahead of the survivors' requests
+    (None: never ahead; ``docs/protocol.md``, "Forming a failure quorum ahead").
+    """
+
+    def __init__(self, state: FormingState, ahead_settle: float | None = None) -> None:
         self.state = state
+        self.ahead_settle = ahead_settle
         self._held: tuple[tuple[int, int], frozenset[str]] = ((-1, -1), frozenset())
+        self._presumed: tuple[int, int] = (-1, -1)
+        """The broken quorum (its id, how many members counted) a formation ahead was last tried for."""
+        self._confirming: tuple[Formation | None, set[str]] = (None, set())
+        """The members of the quorum formed ahead that have not confirmed what it presumed (cached per formation)."""
 
     def try_form(self, now: float) -> Formation | None:
         """Form the next quorum if the rules allow at ``now``; constant time unless it forms (or a failure waits, or
         cuts touch the candidates: then what they touch)."""
         pending, roster = self.state.asks, self.state.roster
-        if not len(pending):
-            return None
+        ahead = self._form_ahead(now)
+        if ahead is not None or not len(pending):
+            return ahead
         if not pending.ours:
             self.state.reach.expire(
                 now
@@ -86,6 +100,104 @@ class Former:
         if not pending.failures and not self._may_form(size, False, timed_out, carries_on, cut_off_silent):
             return None  # without a failure every asker joins the quorum: the counts decide, no walk needed
         return self._form_from_pending(now, timed_out, since, left_out)
+
+    # --- forming a failure quorum ahead of its survivors' requests (docs/protocol.md) ----------------------------
+
+    def _form_ahead(self, now: float) -> Formation | None:
+        """The failure quorum of a broken quorum's survivors, formed from their last counted reports without waiting
+        for their requests, or None (the requests decide, as without it).
+
+        It forms once the deaths settled (``ahead_settle`` after the last),
+        when the state of every survivor is known and consistent: no cuts, no
+        report being verified, no survivor being healed, none asking to join
+        or naming peers it could not reach, no member that left cleanly (a
+        departure: its peers come to a boundary), and the largest step among
+        them is the ledger's (else the rollback rule needs their requests). A
+        survivor that asked already is kept with its request. Tried once per
+        broken quorum and count of members: constant time otherwise.
+        """
+        roster, quorum = self.state.roster, self.state.roster.quorum
+        if self.ahead_settle is None or quorum is None or not roster.broken or roster.withdrawn:
+            return None
+        if now - roster.down_at < self.ahead_settle or self._presumed == (quorum.quorum_id, roster.counting):
+            return None
+        self._presumed = (quorum.quorum_id, roster.counting)
+        if self.unconfirmed() or self.state.reach.cuts or self.state.commits.catch_up.trial is not None:
+            return None  # a quorum formed ahead and not confirmed never ran: its members' requests decide
+        pending, records, healing = self.state.asks, self.state.membership, self.state.commits.healing
+        requests: dict[str, QuorumRequest] = {}
+        presumed: dict[str, int] = {}
+        for member in quorum.members:
+            ask, record = pending.get(member), records.get(member)
+            if not roster.counts(member):
+                if record is not None and record.left:
+                    return None  # a departure, not a failure: its peers come to a boundary (docs/protocol.md)
+                continue
+            if member in healing or self.state.commits.pending(member) or record is None:
+                return None
+            if ask is not None:
+                if ask.request.reason == "join" or ask.request.unreachable:
+                    return None
+                requests[member] = ask.request
+            elif record.applied_step is None:
+                return None
+            else:
+                presumed[member] = record.applied_step
+                requests[member] = QuorumRequest(member, record.applied_step, quorum.quorum_id, "failure")
+        if not requests or max(r.applied_step for r in requests.values()) != self.state.hosted.step:
+            return None
+        ahead = Ahead(quorum.quorum_id, quorum.members, presumed)
+        return self._form(now, requests, self.state.hosted.step, "keep", True, False, [], now, [], ahead)
+
+    def unconfirmed(self) -> set[str]:
+        """The members of the current quorum, formed ahead, that have not confirmed what it presumed of them (empty
+        for any other quorum). While any has not, the quorum never ran a step: each of its collectives needs them
+        all. Cached per formation."""
+        formation = self.state.formation
+        if formation is None or formation.ahead is None:
+            return set()
+        if self._confirming[0] is not formation:
+            answered = self.state.answered
+            self._confirming = (formation, {m for m in formation.ahead.presumed if m not in answered})
+        return self._confirming[1]
+
+    def from_source(self, request: QuorumRequest) -> bool:
+        """Whether ``request`` is an unconfirmed member's, naming the quorum the current one formed ahead from (a
+        survivor's request of the current quorum, then)."""
+        formation = self.state.formation
+        return (
+            formation is not None
+            and formation.ahead is not None
+            and request.quorum_id == formation.ahead.source
+            and request.member in self.unconfirmed()
+        )
+
+    def confirm(self, request: QuorumRequest) -> Formation | None:
+        """The current quorum, formed ahead, for a survivor's ``request`` that fits what it presumed of its member
+        (which confirms it); None otherwise (a request that does not fit withdraws the quorum: :meth:`withdraw`)."""
+        formation = self.state.formation
+        if request.reason == "join" or request.unreachable or self.state.roster.broken:
+            return None
+        if formation is None or formation.ahead is None or not self.from_source(request):
+            return None
+        if not formation.ahead.fits(request.member, request.applied_step, formation.applied_step):
+            return None
+        self.unconfirmed().discard(request.member)
+        self.state.answered[request.member] = request
+        return formation
+
+    def contradicts(self, member: str, applied_step: int) -> bool:
+        """Whether ``member``'s report of ``applied_step`` shows the current quorum, formed ahead, presumed it wrong
+        (it applied a step past the quorum's target that its last report before the failure did not show)."""
+        formation = self.state.formation
+        return formation is not None and applied_step > formation.applied_step and member in self.unconfirmed()
+
+    def withdraw(self) -> None:
+        """A survivor's request or report did not fit the quorum formed ahead: the quorum is broken (its members are
+        told at once) and the next one forms from the survivors' requests, an unconfirmed survivor asking as a member
+        of the quorum it was in."""
+        if not self.state.roster.withdrawn:
+            self.state.roster.withdraw()
 
     def _left_out(self, patient: bool) -> frozenset[str]:
         """The askers and silent members of the quorum that cuts leave out of the next quorum.
@@ -171,8 +283,10 @@ class Former:
         survivors = [m for m in asked if pending[m].request.reason != "join"]
         chosen = set(survivors)
         joiners = [m for m, _ in pending.items() if m not in chosen and m not in left_out]
-        # a restarted or hung member of the quorum may come back only as a joiner
-        trusted = [m for m in survivors if m not in self.state.commits.healing]
+        # a restarted or hung member of the quorum may come back only as a joiner; a heal target only presumed (the
+        # quorum formed ahead was not confirmed) holds what it asks with
+        unconfirmed = self.unconfirmed()
+        trusted = [m for m in survivors if m not in self.state.commits.healing or m in unconfirmed]
         target, mode = self._target_step(trusted)
         failure = any(
             pending[m].request.reason == "failure" and pending[m].request.applied_step == target for m in trusted
@@ -189,7 +303,8 @@ class Former:
             return None
         excluded = [m for m in unaccounted if m not in left_out]
         unreachable = cut_off + [m for m, _ in pending.items() if m in left_out]
-        return self._form(now, members, target, mode, failure, timed_out, excluded, since, unreachable)
+        requests = {m: pending[m].request for m in members}
+        return self._form(now, requests, target, mode, failure, timed_out, excluded, since, unreachable)
 
     def _target_step(self, trusted: list[str]) -> tuple[int, str]:
         """``A`` and how the ledger reaches it: ``catch-up``, ``rollback`` or ``keep`` (no survivor holds more)."""
@@ -205,7 +320,7 @@ class Former:
     def _form(
         self,
         now: float,
-        members: list[str],
+        requests: dict[str, QuorumRequest],
         target: int,
         mode: str,
         failure: bool,
@@ -213,31 +328,35 @@ class Former:
         excluded: list[str],
         since: float,
         unreachable: list[str],
+        ahead: Ahead | None = None,
     ) -> Formation:
-        """Form the quorum; members of the old one that did not ask by the timeout are excluded as of ``since``;
-        ``unreachable`` members are left out because cuts keep them from it (no failure: they may ask again)."""
+        """Form the quorum of ``requests``' members, in their order; members of the old one that did not ask by the
+        timeout are excluded as of ``since``; ``unreachable`` members are left out because cuts keep them from it
+        (no failure: they may ask again). ``ahead``: formed ahead, with the members' presumed requests."""
         previous = self.state.roster.quorum
+        members = list(requests)
+        # the step past a quorum formed ahead and never confirmed was begun by the quorum it formed from
+        begun = previous.members if previous is not None else ()
+        if self.unconfirmed() and self.state.formation is not None and self.state.formation.ahead is not None:
+            begun = self.state.formation.ahead.source_members
         if mode == "catch-up":
-            asked = [self.state.asks[m].request for m in members if m not in self.state.commits.healing]
+            asked = [requests[m] for m in members if m not in self.state.commits.healing]
             reports = [r.weights for r in asked if r.reason != "join" and r.applied_step == target]
             self.state.commits.catch_up_to(self.state.roster, target, reports[0] if reports else None)
         elif mode == "rollback":
             self.state.hosted.rollback()
             self.state.history.rollback()
-        checkpoint = self._resume_point(members, target, failure)
+        checkpoint = self._resume_point(requests, target, failure)
         if checkpoint is not None:
             self._resume(checkpoint, now, previous.quorum_id + 1 if previous else 1)
             target = checkpoint.step
         if failure:
             assert previous is not None
-            self.state.hosted.fail(list(previous.members), members)
+            self.state.hosted.fail(list(begun), members)
         else:
             self.state.hosted.begin(members)
-        requests = {}
         for m in members:
-            ask = self.state.asks.pop(m)
-            assert ask is not None
-            requests[m] = ask.request
+            self.state.asks.pop(m)
         applied = {m: requests[m].applied_step for m in members}
         targets = [m for m in members if applied[m] != target]
         if previous is None:
@@ -277,23 +396,27 @@ class Former:
             timed_out,
             mode == "rollback",
             delta,
+            ahead,
         )
         self.state.formation = formation
-        self.state.answered = TrackedDict(requests)
+        self.state.answered = TrackedDict(
+            {m: r for m, r in requests.items() if ahead is None or m not in ahead.presumed}
+        )  # what it presumed is answered once its member confirms it (:meth:`confirm`)
         self.state.history.quorum(
-            quorum_id, list(members), reason, now, target, timed_out=timed_out, unreachable=unreachable
-        )
+            quorum_id, list(members), reason, now, target, timed_out=timed_out, unreachable=unreachable,
+            ahead=ahead is not None,
+        )  # fmt: skip
         for member in unreachable:
             self.state.reach.renew(member, now)  # it stays out a time to live from now
         self.state.reach.prune(self.state.membership.__contains__, now)
         return formation
 
-    def _resume_point(self, members: list[str], target: int, failure: bool) -> CheckpointRecord | None:
+    def _resume_point(self, requests: dict[str, QuorumRequest], target: int, failure: bool) -> CheckpointRecord | None:
         """The checkpoint to resume from when no member of the new quorum holds the job's state at ``target``."""
         checkpoint = self.state.checkpoint
         if failure or checkpoint is None or checkpoint.step > self.state.hosted.step:
             return None
-        if any(self.state.asks[m].request.applied_step == target for m in members):
+        if any(request.applied_step == target for request in requests.values()):
             return None
         if checkpoint.step < self.state.hosted.step and self.finished_cleanly():
             return None  # the job ended: its members left with the state; nothing to roll back for

@@ -88,10 +88,12 @@ class History(Tracked):
         *,
         timed_out: bool,
         unreachable: list[str] | None = None,
+        ahead: bool = False,
     ) -> None:
         """Record a formed quorum; it is the recovery of every failure since the last one.
 
-        ``unreachable``: the live members it left out because they are cut off from it (no failure of theirs).
+        ``unreachable``: the live members it left out because they are cut off from it (no failure of theirs);
+        ``ahead``: it formed ahead of its survivors' requests.
         """
         for event in self.unrecovered:
             recovery = {"member": event["member"], "failed_at": event["time"], "recovered_at": now}
@@ -100,6 +102,8 @@ class History(Tracked):
         entry = {"quorum_id": quorum_id, "members": list(members), "reason": reason, "time": now}
         if unreachable:
             entry["unreachable"] = list(unreachable)
+        if ahead:
+            entry["ahead"] = True
         self._append("quorums", {**entry, "applied_step": applied_step, "timed_out": timed_out})
 
     def drain(self) -> list[tuple[str, dict[str, Any]]]:

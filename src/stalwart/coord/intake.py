@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from stalwart.coord.checkpoints import CheckpointRecord, parse_checkpoint_report, vouch
 from stalwart.coord.commits import Commits
 from stalwart.coord.formation import Formation
+from stalwart.coord.former import Former
 from stalwart.coord.history import History
 from stalwart.coord.hosted_ledger import HostedLedger
 from stalwart.coord.identity import parse_incarnation
@@ -48,6 +49,7 @@ class IntakeState(Protocol):
     commits: Commits
     reach: Reachability
     checkpoint: CheckpointRecord | None
+    former: Former
 
     @property
     def plan(self) -> EpochPlan | None: ...
@@ -115,6 +117,8 @@ class Intake:
         applied_step = parse_step(applied_step)
         digest = parse_digest(digest)
         weights = parse_weights(weights)
+        if self.state.former.contradicts(member, applied_step):
+            self.state.former.withdraw()
         counts = self.state.commits.verify(self.state.roster, member, applied_step, digest, weights)
         record = self.touch(member, now)
         if counts:  # else its replay goes on: the step is recorded once verified
@@ -166,10 +170,12 @@ class Intake:
         the survivor also loses its own older survivor ask, told to join
         (:meth:`_drop_stale_ask`).
         """
-        formation = self.state.formation_for(request)
+        formation = self.state.formation_for(request) or self.state.former.confirm(request)
         if formation is not None:
             self.touch(request.member, now)
             return formation
+        if self.state.former.from_source(request):
+            self.state.former.withdraw()  # it does not fit what the quorum formed ahead presumed of it
         try:
             self._check_request(request)
         except RequestError as error:
@@ -227,6 +233,7 @@ class Intake:
             self.state.join_timeout,
         ):
             self.state.roster.evict(member)
+            self.state.roster.down_at = now
             self.state.history.failure(member, now, "hung", in_quorum=True)
 
     def _drop_stale_ask(self, member: str) -> None:
@@ -274,7 +281,7 @@ class Intake:
                 quorum_id=quorum.quorum_id,
                 members=list(quorum.members),
             )
-        if request.quorum_id != quorum.quorum_id:
+        if request.quorum_id != quorum.quorum_id and not self.state.former.from_source(request):
             raise RequestError(
                 409,
                 f"quorum_id {request.quorum_id} is stale: the current quorum is {quorum.quorum_id}",
@@ -301,6 +308,7 @@ class Intake:
     def mark_dead(self, member: str, now: float, reason: str) -> None:
         self.state.membership.mark_dead(member)
         self.state.roster.died(member)
+        self.state.roster.down_at = now
         self.state.asks.pop(member)
         self.state.answered.pop(member, None)
         in_quorum = member in self.state.roster
@@ -343,6 +351,7 @@ class Intake:
             self.mark_dead(member, now, "restarted")
         if replaced is not None and member in self.state.roster:
             self.state.roster.evict(member)
+            self.state.roster.down_at = now
         elif replaced is None:
             self.touch(member, now)
         return secret

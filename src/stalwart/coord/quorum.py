@@ -72,6 +72,10 @@ Quorums
     members is at the target step (it would have to resume from a checkpoint,
     or lose the state) never forms while a live member of the current quorum
     that holds the state has not asked: nobody excludes it, the others wait.
+    With ``ahead_settle`` a broken quorum's failure quorum forms from the
+    survivors' last counted reports once the deaths settled, before they ask;
+    a request that fits what it presumed is answered at once, one that does
+    not withdraws it and the requests decide (:mod:`~stalwart.coord.former`).
 
 Reachability
     Members name the peers they could not reach (``unreachable``); the
@@ -204,6 +208,7 @@ class LighthouseState(Tracked):
         balance_every: int = 0,
         unreachable_wait: float = UNREACHABLE_WAIT_S,
         outage_timeout: float = DEFAULT_OUTAGE_TIMEOUT,
+        ahead_settle: float | None = None,
     ) -> None:
         if plan is not None and not isinstance(plan, EpochPlan):
             raise TypeError(f"plan must be an EpochPlan or None, got {type(plan).__name__}")
@@ -238,7 +243,7 @@ class LighthouseState(Tracked):
         self.answered: TrackedDict[str, QuorumRequest] = TrackedDict()
         """The requests the current quorum answered."""
         self.history = History()
-        self.former = Former(self)
+        self.former = Former(self, None if ahead_settle is None else check_seconds("ahead_settle", ahead_settle))
         """The formation policy (:mod:`~stalwart.coord.former`): when the next quorum forms, whom it keeps."""
         self.intake = Intake(self)
         """Members' events applied to the parts (:mod:`~stalwart.coord.intake`)."""
@@ -586,6 +591,7 @@ class LighthouseState(Tracked):
         max_members: int = MAX_MEMBERS,
         require_digest: bool = False,
         unreachable_wait: float = UNREACHABLE_WAIT_S,
+        ahead_settle: float | None = None,
     ) -> LighthouseState:
         """Resume from ``state_dict()``: the quorum's members count as alive (seen at ``now``) unless they left
         cleanly, others as dead; no
@@ -605,6 +611,7 @@ class LighthouseState(Tracked):
             max_members=max_members,
             require_digest=require_digest,
             unreachable_wait=unreachable_wait,
+            ahead_settle=ahead_settle,
         )
         restored.restore(saved, now)
         return restored

@@ -37,6 +37,11 @@ class Roster:
         self._dead = {member for member in dead if member in self.ranks}
         self._down = set(self._dead)
         self._named: list[str] | None = None
+        self.down_at = float("-inf")
+        """When a member last stopped counting (the state sets it): a quorum formed ahead waits for deaths to settle."""
+        self.withdrawn = False
+        """A quorum formed ahead whose presumption a member contradicted: broken, though every member still counts
+        (``docs/protocol.md``, "Forming a failure quorum ahead")."""
 
     def __contains__(self, member: object) -> bool:
         return member in self.ranks
@@ -47,8 +52,8 @@ class Roster:
 
     @property
     def broken(self) -> bool:
-        """True while a member no longer counts: the quorum's collectives cannot complete."""
-        return bool(self._down)
+        """True while a member no longer counts, or the quorum was withdrawn: its collectives cannot complete."""
+        return bool(self._down) or self.withdrawn
 
     @property
     def down(self) -> list[str]:
@@ -77,6 +82,10 @@ class Roster:
         if member not in self.evicted and member in self._down:
             self._down.discard(member)
             self._named = None
+
+    def withdraw(self) -> None:
+        """This quorum, formed ahead, will not run: its members ask again (see ``withdrawn``)."""
+        self.withdrawn = True
 
     def evict(self, member: str) -> None:
         """``member`` no longer counts for this quorum, alive or not."""

@@ -16,6 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from stalwart.coord.formation import Formation
 from stalwart.coord.metrics import LighthouseMetrics
 from stalwart.coord.persist import StateStore
 from stalwart.coord.quorum import LighthouseState, RequestError
@@ -39,6 +40,11 @@ class Saves:
         """The number of the last snapshot saved: a request waiting for snapshot ``n`` or later is durable."""
         self._failing = False
         self._lock: asyncio.Lock | None = None
+        self._formed = (0, 0)
+        """The last quorum formed, and how many snapshots had been taken then."""
+        self._ended = asyncio.Event()
+        """Set when the save in progress ended (a new one per save)."""
+        self._ended.set()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="stalwart-lighthouse-save")
 
     def start(self) -> None:
@@ -59,6 +65,12 @@ class Saves:
         assert self._lock is not None
         if self.state.plan is None:
             return True  # nothing to keep before a member brought the plan (registering adopts it, then saves)
+        while after is not None and self.saved <= after and self._lock.locked():
+            # a save is in progress (the lock is held only while one runs): it may be enough, so wait for it, not
+            # in the lock's queue behind the saves after it (a quorum's answers trickle in while the state changes)
+            await self._ended.wait()
+        if after is not None and self.saved > after:
+            return True
         async with self._lock:
             if after is not None and self.saved > after:
                 return True
@@ -71,6 +83,7 @@ class Saves:
                 self.saved = snapshot
                 return True
             loop = asyncio.get_running_loop()
+            self._ended = asyncio.Event()
             try:
                 started = time.perf_counter()
                 await loop.run_in_executor(self._thread, self.database.save, changes, time.time())
@@ -81,19 +94,35 @@ class Saves:
                     logger.error("the lighthouse cannot save its state to %s: %s", self.database.path, error)
                 self._failing = True
                 return False
+            finally:
+                self._ended.set()
             if self._failing:
                 logger.warning("the lighthouse saves its state to %s again", self.database.path)
             self._failing = False
             self.saved = snapshot
             return True
 
-    async def require(self, what: str) -> None:
-        """503 (the client asks again) unless the state, ``what`` included (the change the caller made last), is
-        saved."""
-        if not await self.durable(after=self.taken):
+    async def require(self, what: str, after: int | None = None) -> None:
+        """503 (the client asks again) unless the state, ``what`` included, is saved: the change the caller made
+        last, or the one made when ``after`` snapshots were taken."""
+        if not await self.durable(after=self.taken if after is None else after):
             raise RequestError(
                 503, f"the lighthouse could not persist {what}; it is not handed out, ask again", retry=True
             )
+
+    def formed(self, quorum_id: int) -> None:
+        """Quorum ``quorum_id`` just formed: its answers need a snapshot taken from now on (:meth:`require_answer`)."""
+        self._formed = (quorum_id, self.taken)
+
+    async def require_answer(self, formation: Formation) -> None:
+        """503 (asked again) unless what ``formation``'s answer needs is saved: the state when it is asked (what the
+        request changed included), or, for a quorum formed ahead that some survivor has not confirmed yet, the
+        formation (it holds what it presumed: a confirmation answered before it is saved is confirmed again, the
+        same, after a restart; the last one must be saved first, as after it the quorum may run steps)."""
+        after = None
+        if formation.ahead is not None and self.state.former.unconfirmed() and self._formed[0] == formation.quorum_id:
+            after = self._formed[1]
+        await self.require(f"quorum {formation.quorum_id}", after)
 
     def close(self) -> None:
         """Wait for the save in progress, then close the database."""
@@ -112,6 +141,7 @@ def load_state(plan: EpochPlan | None, settings: LighthouseSettings, database: S
         "join_timeout": settings.join_timeout,
         "max_members": settings.max_members,
         "require_digest": True,
+        "ahead_settle": settings.ahead_settle,
     }
     persisted = database.load() if database is not None else None
     if persisted is None:

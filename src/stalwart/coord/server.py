@@ -398,6 +398,7 @@ class Lighthouse:
         now = time.time()
         formation = self.state.tick(now) if tick else self.state.try_form(now)
         if formation is not None:
+            self.saves.formed(formation.quorum_id)
             self.metrics.on_formation(formation.reason, self.state.state_dict())
             self.waiters.answer(formation)
         self.heartbeats.push_broken_quorum()
@@ -449,7 +450,7 @@ class Lighthouse:
                     408, f"no quorum formed within join_timeout={self.join_timeout} s; ask again", member=member
                 )
             formation = result
-        await self.saves.require(f"quorum {formation.quorum_id}")
+        await self.saves.require_answer(formation)
         if self.state.quorum is None or self.state.quorum.quorum_id != formation.quorum_id:
             raise RequestError(  # another quorum formed while this answer was saved: ask again
                 503, f"quorum {formation.quorum_id} was superseded meanwhile; ask again", member=member, retry=True

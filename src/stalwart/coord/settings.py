@@ -25,6 +25,9 @@ from stalwart.errors import InsecureLighthouseError
 
 MAX_WAITERS = 4096
 """Default cap on pending quorum long polls (``max_waiters``)."""
+AHEAD_SETTLE_S = 0.05
+"""Default ``ahead_settle``: members dying together (a machine, a rack) are seen over some milliseconds; their
+survivors' failure quorum forms ahead of their requests once no more died for this long."""
 MAX_UNAUTHENTICATED = 1024
 """Default cap on stalled connections: not yet past the credential check, with no complete request head
 (``max_unauthenticated``, see :mod:`stalwart.coord.connections`)."""
@@ -63,6 +66,10 @@ class LighthouseSettings:
     max_unauthenticated: int = MAX_UNAUTHENTICATED
     header_timeout: float = HEADER_TIMEOUT
     store_limits: StoreLimits | None = None
+    ahead_settle: float | None = AHEAD_SETTLE_S
+    """Seconds after the last death in a quorum before its survivors' failure quorum forms ahead of their requests,
+    from their last reports (None: never ahead, their requests decide; ``docs/protocol.md``, "Forming a failure
+    quorum ahead")."""
 
     def __post_init__(self) -> None:
         check_int("min_replicas", self.min_replicas, minimum=1)
@@ -78,6 +85,8 @@ class LighthouseSettings:
         _check_token(self.token)
         for name in ("heartbeat_timeout", "join_timeout", "tick_interval", "header_timeout"):
             object.__setattr__(self, name, check_seconds(name, getattr(self, name)))
+        if self.ahead_settle is not None:
+            object.__setattr__(self, "ahead_settle", check_seconds("ahead_settle", self.ahead_settle))
         check_int("max_members", self.max_members, minimum=1)
         check_int("max_waiters", self.max_waiters, minimum=1)
         if self.balance_every is not None:
