@@ -250,9 +250,9 @@ def test_a_killed_group_restarts_rejoins_and_is_healed(
     processes: int,
     more: tuple[str, ...],
 ) -> None:
-    reference = failure_free(processes)
     lighthouse = make_lighthouse(None, workers=2, heartbeat_timeout=5.0, join_timeout=120.0)
     kill_restart_and_heal(tmp_path, lighthouse, torchtitan_assets, processes, more)
+    reference = failure_free(processes)  # awaited only now: it trained beside this test's groups
     assert_audited_exactly_once_at_a_constant_global_batch(tmp_path / "audit")
     found = finals(tmp_path)
     assert sorted(found) == [f"final-replica-{replica}.{rank}.pt" for replica in (0, 1) for rank in range(processes)]
