@@ -6,6 +6,7 @@ Run from the repository root, with the virtual environment active (the ``torchti
     python -m benchmarks.torchtitan              # 2 rounds of 16 steps, then the failure runs: ~10 min on 2 cores
     python -m benchmarks.torchtitan --quick      # 1 round of 10 steps, then the failure runs: ~5 min
     python -m benchmarks.torchtitan --legs torchft --skip-step-time --run-dir /tmp/tt   # one leg's failure run
+    python -m benchmarks.torchtitan --legs torchtitan torchtitan-fsdp stalwart --failure-runs 0   # step time only
 
 Every leg trains torchtitan 0.3.0's llama3 debug model on CPU through the
 tests' launcher (:mod:`stalwart.testing.torchtitan_cpu`: Gloo, eager
@@ -14,7 +15,13 @@ attention), on the generated corpus and tokenizer
 per process per step, seed 7, two processes in all:
 
 - ``torchtitan``: plain torchtitan, one ``torchrun`` job of 2 processes
-  (FSDP2 over both), no fault tolerance: the baseline of every ratio;
+  replicating the whole model (``--parallelism.data-parallel-replicate-degree
+  2 --parallelism.data-parallel-shard-degree 1``: torchtitan's HSDP with
+  shards of one, an all-reduce of the gradients), no fault tolerance: the
+  baseline of every ratio, the layout the fault-tolerant legs train in (each
+  replica group one process holding the whole model);
+- ``torchtitan-fsdp``: plain torchtitan sharding the model over the 2
+  processes (FSDP2, torchtitan's default): a different layout, for reference;
 - ``torchft``: torchtitan's ``torchft`` experiment (``FaultTolerantTrainer``,
   ``--module torchft.llama3``), two replica groups of one process each (one
   ``torchrun`` per group) against torchft's lighthouse on 127.0.0.1, Gloo
@@ -189,17 +196,28 @@ def group_environment(setup: Setup, label: str, extra: dict[str, str] | None = N
     return {**env, **(extra or {})}
 
 
-@contextlib.contextmanager
-def plain_session(setup: Setup) -> Iterator[GroupLauncher]:
-    """Plain torchtitan: one torchrun job of two processes."""
+REPLICATED = ("--parallelism.data-parallel-replicate-degree", "2", "--parallelism.data-parallel-shard-degree", "1")
+"""Plain torchtitan's layout of the fault-tolerant legs: the whole model on each of the 2 processes."""
+SHARDED = ("--parallelism.data-parallel-replicate-degree", "1", "--parallelism.data-parallel-shard-degree", "2")
+"""Plain torchtitan's default layout on 2 processes: FSDP2 shards the model over both."""
 
-    def launch(label: str, run_dir: Path) -> TorchrunGroup:
-        args = ["--module", "llama3", "--config", "llama3_debugmodel", *setup.torchtitan_flags(run_dir / label)]
-        return TorchrunGroup(
-            torchtitan_cpu.torchrun_command(2, args), run_dir / f"{label}.log", group_environment(setup, label)
-        )
 
-    yield launch
+def plain_session(layout: Sequence[str]) -> Callable[[Setup], contextlib.AbstractContextManager[GroupLauncher]]:
+    """Plain torchtitan: one torchrun job of two processes in data-parallel ``layout`` (torchtitan's flags)."""
+
+    @contextlib.contextmanager
+    def session(setup: Setup) -> Iterator[GroupLauncher]:
+        def launch(label: str, run_dir: Path) -> TorchrunGroup:
+            args = ["--module", "llama3", "--config", "llama3_debugmodel", *setup.torchtitan_flags(run_dir / label)]
+            return TorchrunGroup(
+                torchtitan_cpu.torchrun_command(2, [*args, *layout]),
+                run_dir / f"{label}.log",
+                group_environment(setup, label),
+            )
+
+        yield launch
+
+    return session
 
 
 @contextlib.contextmanager
@@ -256,7 +274,8 @@ def stalwart_session(setup: Setup) -> Iterator[GroupLauncher]:
 
 
 LEGS: dict[str, Leg] = {
-    "torchtitan": Leg("torchtitan", ("job",), plain_session, step_line_times),
+    "torchtitan": Leg("torchtitan", ("job",), plain_session(REPLICATED), step_line_times),
+    "torchtitan-fsdp": Leg("torchtitan-fsdp", ("job",), plain_session(SHARDED), step_line_times),
     "torchft": Leg("torchft", ("A", "B"), torchft_session, torchft_commit_times, torchft_missing),
     "stalwart": Leg("stalwart", ("A", "B"), stalwart_session, step_line_times),
 }
@@ -482,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--legs", nargs="+", choices=list(LEGS), default=list(LEGS), help="legs to run")
     parser.add_argument("--seed", type=int, default=0, help="draws the step at which group B is SIGKILLed")
     parser.add_argument(
-        "--failure-runs", type=int, choices=range(1, 11), metavar="N", default=1, help="SIGKILL runs per leg (1-10)"
+        "--failure-runs", type=int, choices=range(11), metavar="N", default=1, help="SIGKILL runs per leg (0-10)"
     )
     parser.add_argument("--skip-step-time", action="store_true", help="one failure-free run per leg, no rounds")
     parser.add_argument("--run-dir", type=Path, default=None, help="keep logs, audits and checkpoints here")
@@ -513,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
             return result
 
         runs = interleaved_rounds([leg.name for leg in legs], rounds, measure)
-        failures: dict[str, list[RunResult]] = {leg.name: [] for leg in fault_tolerant}
+        failures: dict[str, list[RunResult]] = {leg.name: [] for leg in fault_tolerant if args.failure_runs}
         for number in range(args.failure_runs):
             for leg in fault_tolerant:
                 progress.update(task, description=f"{leg.name}, SIGKILL of group {leg.groups[1]} and restart")
@@ -541,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
     goals = []
     baseline = [run.step_time() for run in runs[legs[0].name]]
-    for leg in legs[1:]:
+    for leg in fault_tolerant:  # the goal compares layouts alike: by default legs[0] is plain torchtitan replicated
         ratios = round_ratios([run.step_time() for run in runs[leg.name]], baseline)
         worst = statistics.median(ratios) if ratios else None
         goals.append(

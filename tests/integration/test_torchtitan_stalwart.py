@@ -8,18 +8,22 @@ finish. The run must train every step on the same global batch, each sample
 exactly once (the audit of ``--fault_tolerance.audit_dir``), and end, on
 every process of both groups, with the parameters of a failure-free run
 (one group of the same size alone: the step's gradient is the mean over its
-samples whoever trains them) within 1e-4. Three shapes: groups of one
+samples whoever trains them) within 1e-4. Two shapes: groups of one
 process saving torchtitan's checkpoints (the relaunched group loads its own
-last one first); groups of two with FSDP2 inside (healed shard by shard);
-groups of one whose optimizer state is sharded across them with ``Parity``.
+last one first); groups of two with FSDP2 inside (healed shard by shard)
+whose optimizer state is sharded across the groups with ``Parity``. The
+failure-free runs (:class:`FailureFree`) train alongside the first test's
+groups: every run here spends most of its seconds starting torch and
+torchtitan, so runs side by side take the machine's spare share.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -45,12 +49,15 @@ RUN_TIMEOUT = 420.0
 REPOSITORY = Path(__file__).resolve().parents[2]
 
 
-def stalwart_args(assets: TorchtitanAssets, dump: Path, replica: int, local_batch: int, *more: str) -> list[str]:
-    """The llama3 debug model under stalwart's (held) trainer: short sequences, a global batch of 4, a fixed seed."""
+def stalwart_args(
+    assets: TorchtitanAssets, dump: Path, replica: int, local_batch: int, *more: str, steps: int = STEPS
+) -> list[str]:
+    """The llama3 debug model under stalwart's (held) trainer: short sequences, a global batch of 4, a fixed seed,
+    ``steps`` steps."""
     return [
         "--module", "tests.integration.torchtitan_job", "--config", "llama3_held", *assets.flags(),
         "--training.seq-len", "32", "--training.local-batch-size", str(local_batch),
-        "--training.global-batch-size", str(GLOBAL_BATCH), "--training.steps", str(STEPS), "--debug.seed", "7",
+        "--training.global-batch-size", str(GLOBAL_BATCH), "--training.steps", str(steps), "--debug.seed", "7",
         "--checkpoint.no-enable", "--validator.no-enable", "--metrics.disable-color-printing",
         "--dump-folder", str(dump / f"dump-{replica}"),
         "--fault-tolerance.replica-id", str(replica), "--fault-tolerance.audit-dir", str(dump / "audit"),
@@ -61,8 +68,11 @@ def stalwart_args(assets: TorchtitanAssets, dump: Path, replica: int, local_batc
 class Groups:
     """Replica groups as torchrun jobs (one per launch) against one lighthouse, writing into one run directory."""
 
-    def __init__(self, run_dir: Path, lighthouse: Lighthouse, assets: TorchtitanAssets, processes: int) -> None:
+    def __init__(
+        self, run_dir: Path, lighthouse: Lighthouse, assets: TorchtitanAssets, processes: int, steps: int = STEPS
+    ) -> None:
         self.run_dir = run_dir
+        self.steps_to_train = steps
         self.assets = assets
         self.processes = processes
         self.environ = {
@@ -75,7 +85,7 @@ class Groups:
         self.launched: list[TorchrunGroup] = []
 
     def launch(self, replica: int, *more: str) -> TorchrunGroup:
-        args = stalwart_args(self.assets, self.run_dir, replica, 2 // self.processes, *more)
+        args = stalwart_args(self.assets, self.run_dir, replica, 2 // self.processes, *more, steps=self.steps_to_train)
         command = torchtitan_cpu.torchrun_command(self.processes, args)
         group = TorchrunGroup(command, self.run_dir / f"replica-{replica}.log", self.environ)
         self.launched.append(group)
@@ -124,32 +134,46 @@ def worst_difference(one: dict[str, torch.Tensor], other: dict[str, torch.Tensor
     return max(float((one[name] - other[name]).abs().max()) for name in one)
 
 
+class FailureFree:
+    """The failure-free runs the failure tests compare with: one group of each size alone, all launched at once
+    when the module's first test asks (they train while that test's groups do), each awaited when needed.
+
+    One group of the same size as the tested groups: FSDP2's initialisation of
+    a sharded parameter draws differently from a whole one's. Parity leaves the
+    parameters as they are: its run compares with the run of its size without it."""
+
+    def __init__(self, directory: Path, assets: TorchtitanAssets, sizes: Sequence[int]) -> None:
+        self.directory = directory
+        self.stack = contextlib.ExitStack()
+        self.runs: dict[int, TorchrunGroup] = {}
+        self.parameters: dict[int, dict[str, torch.Tensor]] = {}
+        options = {"min_replicas": 1, "start_replicas": 1, "heartbeat_timeout": 5.0, "join_timeout": 30.0}
+        for processes in sizes:
+            lighthouse = self.stack.enter_context(Lighthouse(None, **options))
+            groups = Groups(directory / f"size-{processes}", lighthouse, assets, processes)
+            groups.run_dir.mkdir()
+            self.stack.callback(groups.end)
+            self.runs[processes] = groups.launch(0)
+
+    def __call__(self, processes: int) -> dict[str, torch.Tensor]:
+        """The final parameters of the run of ``processes`` processes (waiting for it to end)."""
+        if processes not in self.parameters:
+            run_dir = self.directory / f"size-{processes}"
+            assert self.runs[processes].wait(timeout=RUN_TIMEOUT) == 0, groups_log(run_dir, 0)[-6000:]
+            found = finals(run_dir)
+            assert sorted(found) == [f"final-replica-0.{rank}.pt" for rank in range(processes)]
+            self.parameters[processes] = found["final-replica-0.0.pt"]
+        return self.parameters[processes]
+
+
 @pytest.fixture(scope="module")
 def failure_free(
     tmp_path_factory: pytest.TempPathFactory, torchtitan_assets: TorchtitanAssets
-) -> Callable[[int], dict[str, torch.Tensor]]:
-    """The parameters after ``STEPS`` steps of one group of ``processes`` (one run per size, kept for the module).
-
-    One group of the same size as the tested groups: FSDP2's initialisation of
-    a sharded parameter draws differently from a whole one's."""
-    runs: dict[int, dict[str, torch.Tensor]] = {}
-
-    def run(processes: int) -> dict[str, torch.Tensor]:
-        if processes not in runs:
-            run_dir = tmp_path_factory.mktemp(f"failure_free_{processes}")
-            options = {"min_replicas": 1, "start_replicas": 1, "heartbeat_timeout": 5.0, "join_timeout": 30.0}
-            with Lighthouse(None, **options) as lighthouse:
-                groups = Groups(run_dir, lighthouse, torchtitan_assets, processes)
-                try:
-                    assert groups.launch(0).wait(timeout=RUN_TIMEOUT) == 0, groups.log(0)
-                finally:
-                    groups.end()
-            found = finals(run_dir)
-            assert sorted(found) == [f"final-replica-0.{rank}.pt" for rank in range(processes)]
-            runs[processes] = found["final-replica-0.0.pt"]
-        return runs[processes]
-
-    return run
+) -> Iterator[FailureFree]:
+    """:class:`FailureFree` for groups of one and of two processes, kept for the module."""
+    runs = FailureFree(tmp_path_factory.mktemp("failure_free"), torchtitan_assets, (1, 2))
+    with runs.stack:
+        yield runs
 
 
 def kill_restart_and_heal(
@@ -215,29 +239,29 @@ PARITY = ("--fault-tolerance.redundancy", "parity:1,1")
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("processes", "more"),
-    [(1, CHECKPOINTS), (2, ()), (1, PARITY)],
-    ids=["groups-of-one-with-torchtitan-checkpoints", "fsdp2-groups-of-two", "parity-across-groups"],
+    [(1, CHECKPOINTS), (2, PARITY)],
+    ids=["groups-of-one-with-torchtitan-checkpoints", "fsdp2-groups-of-two-with-parity"],
 )
 def test_a_killed_group_restarts_rejoins_and_is_healed(
     tmp_path: Path,
     make_lighthouse: Callable[..., Lighthouse],
     torchtitan_assets: TorchtitanAssets,
-    failure_free: Callable[[int], dict[str, torch.Tensor]],
+    failure_free: FailureFree,
     processes: int,
     more: tuple[str, ...],
 ) -> None:
-    reference = failure_free(processes)
     lighthouse = make_lighthouse(None, workers=2, heartbeat_timeout=5.0, join_timeout=120.0)
     kill_restart_and_heal(tmp_path, lighthouse, torchtitan_assets, processes, more)
+    reference = failure_free(processes)  # awaited only now: it trained beside this test's groups
     assert_audited_exactly_once_at_a_constant_global_batch(tmp_path / "audit")
     found = finals(tmp_path)
     assert sorted(found) == [f"final-replica-{replica}.{rank}.pt" for replica in (0, 1) for rank in range(processes)]
     for name, parameters in found.items():
         assert worst_difference(parameters, reference) < TOLERANCE, name
-    if more == CHECKPOINTS:  # the relaunched group loaded its step-2 checkpoint before the heal replaced it
+    if CHECKPOINTS[0] in more:  # the relaunched group loaded its step-2 checkpoint before the heal replaced it
         assert (tmp_path / "dump-0" / "checkpoint" / f"step-{STEPS}").is_dir()
         assert "Loading the checkpoint from" in groups_log(tmp_path, 1)
-    if more == PARITY:  # the optimizer's state was sharded across the groups, and rebuilt for group 0 alone
+    if PARITY[0] in more:  # the optimizer's state was sharded across the groups, and rebuilt for group 0 alone
         assert "shrinks to" in groups_log(tmp_path, 0)
 
 
@@ -247,9 +271,9 @@ def test_diloco_groups_end_on_the_same_parameters_and_train_each_sample_once(
 ) -> None:
     """``--fault-tolerance.semi-sync-method diloco``: each group trains its inner steps alone, the outer step of
     every round leaves both on the same global parameters; a round is one step of the ledger."""
-    sync_steps = 2
+    sync_steps, rounds = 2, 2
     lighthouse = make_lighthouse(None, workers=2, heartbeat_timeout=5.0, join_timeout=120.0)
-    groups = Groups(tmp_path, lighthouse, torchtitan_assets, processes=1)
+    groups = Groups(tmp_path, lighthouse, torchtitan_assets, processes=1, steps=rounds * sync_steps)
     more = ["--fault-tolerance.semi-sync-method", "diloco", "--fault-tolerance.sync-steps", str(sync_steps)]
     try:
         launched = [groups.launch(replica, *more) for replica in (0, 1)]
@@ -257,9 +281,7 @@ def test_diloco_groups_end_on_the_same_parameters_and_train_each_sample_once(
     finally:
         groups.end()
     assert codes == [0, 0], groups.log(0) + groups.log(1)
-    assert_audited_exactly_once_at_a_constant_global_batch(
-        tmp_path / "audit", STEPS // sync_steps, GLOBAL_BATCH * sync_steps
-    )
+    assert_audited_exactly_once_at_a_constant_global_batch(tmp_path / "audit", rounds, GLOBAL_BATCH * sync_steps)
     first, second = finals(tmp_path).values()
     assert worst_difference(first, second) < TOLERANCE
 
