@@ -17,11 +17,25 @@ import torch.distributed as dist
 
 from stalwart.coord.server import Lighthouse
 from stalwart.data.plan import EpochPlan
+from stalwart.runtime.threads import apply_thread_default
 from stalwart.testing import digits_job
 from stalwart.testing.loopback import HOST
 
 STORE_TIMEOUT = 30.0
 TORCHTITAN_DOCUMENTS = 400  # ~40k tokens: some 80 steps of the CPU runs' 512 tokens before the corpus loops
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Give each pytest process one intra-op thread, as the workers get (unless ``OMP_NUM_THREADS`` is set).
+
+    The tests' own torch work (reference runs, in-process benchmarks, models
+    under hypothesis) is small; a pool of a thread per core spends it in
+    OpenMP's barriers when the cores are shared: the digits reference run of
+    10 steps took 4.4-5.0 s with 2 threads and 0.27-0.35 s with 1, beside
+    CPU-bound processes on 2 cores. Numbers differ from 2 threads' by float
+    re-association only, as the workers' (1 thread) already did.
+    """
+    apply_thread_default()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -7,7 +7,9 @@ One copy per worker, with ``STALWART_LIGHTHOUSE`` and ``STALWART_MEMBER`` set.
 holds it before any step >= the number the file holds, except when the
 lighthouse asks for a boundary (a joiner), as the stalwart worker's holds do;
 ``--restart-waits-for PATH`` makes a torchrun restart wait (bounded) until PATH
-exists before it builds its Manager, so that a test decides when it joins.
+exists before it builds its Manager, so that a test decides when it joins;
+``--waits-for PATH`` makes any incarnation wait so (a replacement a test starts
+early, its interpreter and imports done while the job runs on).
 At the end it saves its parameters to ``OUT/final-MEMBER-PID.pt`` and returns:
 no ``os._exit``, so that whatever torch.distributed left alive meets
 interpreter teardown, as in a user's script.
@@ -38,11 +40,13 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--hold-file", type=Path, default=None)
     parser.add_argument("--restart-waits-for", type=Path, default=None)
+    parser.add_argument("--waits-for", type=Path, default=None)
     args = parser.parse_args()
     first_incarnation = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    if args.restart_waits_for is not None and not first_incarnation:
+    go = args.waits_for or (None if first_incarnation else args.restart_waits_for)
+    if go is not None:
         deadline = time.monotonic() + HOLD_LIMIT
-        while not args.restart_waits_for.exists() and time.monotonic() < deadline:
+        while not go.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
     generator = torch.Generator().manual_seed(0)
     dataset = TensorDataset(torch.randn(SAMPLES, 8, generator=generator), torch.randint(0, 2, (SAMPLES,)))

@@ -9,8 +9,9 @@ active exception``, exit 134), every time.
 The whole story: a user's script (``late_join_job.py``) that ends through
 the interpreter's own teardown. Worker 1 SIGKILLs itself at step 1; worker 0
 trains on alone and is held before the last step until the lighthouse asks
-it for a boundary. Once it is held there, worker 1 is started again (by the
-test, or let go after its torchrun agent restarted it) and asks to join.
+it for a boundary. Once it is held there, worker 1 is let go again and asks
+to join: its torchrun agent's restart, or a plain one the test started at the
+beginning (waiting, so that its interpreter start overlaps the job's steps).
 Worker 0 then commits the job's last step, forms a quorum with the joiner at
 the job's end and heals it, and both close. Every process must exit 0 and
 hold the same parameters. Without the fix it aborted under torchrun (2 runs
@@ -102,13 +103,14 @@ def test_every_process_exits_0_when_a_restarted_worker_rejoins_at_the_last_step(
     processes = {"w0": launch("w0", tmp_path, lighthouse, [], torchrun)}
     killed = ["--kill-at", "1", "--restart-waits-for", str(go)]
     processes["w1"] = launch("w1", tmp_path, lighthouse, killed, torchrun, restarts=1)
+    if not torchrun:  # worker 1's replacement, started now but waiting for `go` (as a torchrun restart does)
+        processes["w1 again"] = launch("w1", tmp_path, lighthouse, ["--waits-for", str(go)], torchrun)
     try:
         wait_until(lambda: held_at_the_last_step(lighthouse), TIMEOUT, "worker 0 held before the last step")
-        if torchrun:  # its agent restarted worker 1, which waits for this
-            go.touch()
-        else:
+        if not torchrun:
             assert processes["w1"].wait(TIMEOUT) == -signal.SIGKILL
-            processes["w1"] = launch("w1", tmp_path, lighthouse, [], torchrun)
+            processes["w1"] = processes.pop("w1 again")
+        go.touch()  # worker 1 (its agent's restart, or the replacement) joins now
         wait_until(lambda: all(p.poll() is not None for p in processes.values()), TIMEOUT, "the workers to exit")
     finally:
         for process in processes.values():

@@ -81,10 +81,21 @@ def drive(ledger: DataLedger, decisions: st.DataObject | list[int], run: Run, ma
 
 @settings(max_examples=150, deadline=None)
 @given(plans(), st.data())
-def test_every_epoch_commits_each_position_exactly_once(plan: EpochPlan, data: st.DataObject) -> None:
+def test_driven_epochs_keep_exactly_once_the_global_batch_and_balanced_multiples(
+    plan: EpochPlan, data: st.DataObject
+) -> None:
+    """The ledger's three invariants, each checked on every random run (one drive serves all three: a run of a
+    small batch is hundreds of steps, the costly part; the invariants only read its record)."""
     ledger = DataLedger(plan)
     run = Run()
     drive(ledger, data, run, max_steps=10 * plan.steps_per_epoch + 10)
+    assert_each_position_committed_once(ledger, run)
+    assert_reassigned_steps_keep_the_global_batch(plan, run)
+    assert_shares_are_multiples_and_balanced(plan, run)
+
+
+def assert_each_position_committed_once(ledger: DataLedger, run: Run) -> None:
+    plan = ledger.plan
     assert ledger.epoch_complete
     committed = np.concatenate(run.committed[0])
     assert np.array_equal(np.sort(committed), np.arange(plan.epoch_length))
@@ -92,12 +103,7 @@ def test_every_epoch_commits_each_position_exactly_once(plan: EpochPlan, data: s
     assert len(set(samples.tolist())) == plan.epoch_length
 
 
-@settings(max_examples=150, deadline=None)
-@given(plans(), st.data())
-def test_reassigned_steps_keep_the_global_batch(plan: EpochPlan, data: st.DataObject) -> None:
-    ledger = DataLedger(plan)
-    run = Run()
-    drive(ledger, data, run, max_steps=10 * plan.steps_per_epoch + 10)
+def assert_reassigned_steps_keep_the_global_batch(plan: EpochPlan, run: Run) -> None:
     requeued = False
     for step, (total, committed, reassigned) in enumerate(run.step_counts):
         if reassigned:
@@ -109,12 +115,7 @@ def test_reassigned_steps_keep_the_global_batch(plan: EpochPlan, data: st.DataOb
         requeued = requeued or committed < total
 
 
-@settings(max_examples=150, deadline=None)
-@given(plans(), st.data())
-def test_shares_are_multiples_and_balanced(plan: EpochPlan, data: st.DataObject) -> None:
-    ledger = DataLedger(plan)
-    run = Run()
-    drive(ledger, data, run, max_steps=10 * plan.steps_per_epoch + 10)
+def assert_shares_are_multiples_and_balanced(plan: EpochPlan, run: Run) -> None:
     multiple = plan.local_batch_multiple
     for step, shares in enumerate(run.shares):
         sizes = [len(share) for share in shares.values()]
