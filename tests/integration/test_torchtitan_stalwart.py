@@ -23,7 +23,7 @@ import contextlib
 import json
 import os
 import signal
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -69,9 +69,16 @@ class Groups:
     """Replica groups as torchrun jobs (one per launch) against one lighthouse, writing into one run directory."""
 
     def __init__(
-        self, run_dir: Path, lighthouse: Lighthouse, assets: TorchtitanAssets, processes: int, steps: int = STEPS
+        self,
+        run_dir: Path,
+        lighthouse: Lighthouse,
+        assets: TorchtitanAssets,
+        processes: int,
+        steps: int = STEPS,
+        per_replica: Mapping[int, Mapping[str, str]] | None = None,
     ) -> None:
         self.run_dir = run_dir
+        self.per_replica = per_replica or {}
         self.steps_to_train = steps
         self.assets = assets
         self.processes = processes
@@ -87,7 +94,8 @@ class Groups:
     def launch(self, replica: int, *more: str) -> TorchrunGroup:
         args = stalwart_args(self.assets, self.run_dir, replica, 2 // self.processes, *more, steps=self.steps_to_train)
         command = torchtitan_cpu.torchrun_command(self.processes, args)
-        group = TorchrunGroup(command, self.run_dir / f"replica-{replica}.log", self.environ)
+        environ = {**self.environ, **self.per_replica.get(replica, {})}
+        group = TorchrunGroup(command, self.run_dir / f"replica-{replica}.log", environ)
         self.launched.append(group)
         return group
 
@@ -177,10 +185,16 @@ def failure_free(
 
 
 def kill_restart_and_heal(
-    run_dir: Path, lighthouse: Lighthouse, assets: TorchtitanAssets, processes: int, more: Sequence[str] = ()
+    run_dir: Path,
+    lighthouse: Lighthouse,
+    assets: TorchtitanAssets,
+    processes: int,
+    more: Sequence[str] = (),
+    per_replica: Mapping[int, Mapping[str, str]] | None = None,
 ) -> None:
-    """Groups 0 and 1 start; all of group 1 is SIGKILLed at ``KILL_AT``, launched again and healed; both finish."""
-    groups = Groups(run_dir, lighthouse, assets, processes)
+    """Groups 0 and 1 start; all of group 1 is SIGKILLed at ``KILL_AT``, launched again and healed; both finish.
+    ``per_replica``: each group's own environment variables (its GPU)."""
+    groups = Groups(run_dir, lighthouse, assets, processes, per_replica=per_replica)
     groups.hold(KILL_AT)
     try:
         first = {replica: groups.launch(replica, *more) for replica in (0, 1)}

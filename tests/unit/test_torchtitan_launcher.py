@@ -28,6 +28,15 @@ def test_cpu_flags_come_before_the_callers() -> None:
     assert args[-1] == "full_dtensor"  # the caller's choice is parsed last and wins
 
 
+def test_the_launch_device_is_cpu_unless_the_environment_names_cuda() -> None:
+    assert torchtitan_cpu.launch_device({}) == "cpu"
+    assert torchtitan_cpu.launch_device({torchtitan_cpu.DEVICE_VARIABLE: "cuda"}) == "cuda"
+    with pytest.raises(ValueError, match=rf"{torchtitan_cpu.DEVICE_VARIABLE}.*'gpu'"):
+        torchtitan_cpu.launch_device({torchtitan_cpu.DEVICE_VARIABLE: "gpu"})
+    with pytest.raises(ValueError, match=r"device.*'mps'"):
+        torchtitan_cpu.apply_shims("mps")
+
+
 @pytest.mark.parametrize("nproc", [0, -1, True, 1.5])
 def test_torchrun_command_refuses_a_bad_process_count(nproc: object) -> None:
     with pytest.raises(ValueError, match="nproc"):

@@ -53,6 +53,11 @@ name that works):
    ``--parallelism.spmd-backend partial_dtensor`` is put before the caller's
    flags, so a caller's own choice still wins.
 
+Shims 4 and 5 are gaps between torchtitan 0.3.0 and torch 2.13, not CPU's:
+with ``STALWART_TORCHTITAN_DEVICE=cuda`` (``scripts/gpu-check``'s torchtitan
+recipe) only they are applied and torchtitan runs on its own device, CUDA
+with NCCL (:data:`DEVICE_VARIABLE`).
+
 Not a shim: with ``STALWART_TORCHTITAN_AUDIT`` (and ``STALWART_TORCHTITAN_HOLD``)
 set, the batches each process takes are recorded (and held at a step) for the
 benchmarks (:mod:`stalwart.testing.torchtitan_audit`).
@@ -72,6 +77,9 @@ import torch
 from stalwart.testing import torchtitan_audit
 
 SPMD_BACKEND_FLAGS = ("--parallelism.spmd-backend", "partial_dtensor")
+DEVICE_VARIABLE = "STALWART_TORCHTITAN_DEVICE"
+"""``cpu`` (the default: every shim) or ``cuda`` (the version shims 4 and 5 only; torchtitan picks the GPU)."""
+DEVICES = ("cpu", "cuda")
 
 
 class CpuDeviceModule:
@@ -201,11 +209,23 @@ def alias_set_timeout() -> None:
         dist.set_timeout = distributed_c10d._set_pg_timeout  # type: ignore[attr-defined]
 
 
-def apply_shims() -> None:
-    """All the shims of this module's docstring (idempotent)."""
-    use_cpu_device()
-    use_eager_attention()
-    force_sum_reduction()
+def launch_device(environ: Mapping[str, str] | None = None) -> str:
+    """The device :data:`DEVICE_VARIABLE` names in ``environ`` (this process's environment by default)."""
+    device = (os.environ if environ is None else environ).get(DEVICE_VARIABLE, "cpu")
+    if device not in DEVICES:
+        raise ValueError(f"{DEVICE_VARIABLE} must be one of {', '.join(DEVICES)}, got {device!r}")
+    return device
+
+
+def apply_shims(device: str = "cpu") -> None:
+    """The shims of this module's docstring for ``device`` (idempotent): all of them on ``cpu``, the version
+    shims (4; 5 is a flag, :func:`torchtitan_args`) on ``cuda``."""
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if device == "cpu":
+        use_cpu_device()
+        use_eager_attention()
+        force_sum_reduction()
     alias_set_timeout()
 
 
@@ -254,7 +274,7 @@ def environment(scratch: Path, base: Mapping[str, str] | None = None) -> dict[st
 def main(argv: Sequence[str] | None = None) -> None:
     """Apply the shims and run ``torchtitan.train.main`` on ``argv`` (the process's arguments by default); with
     ``STALWART_TORCHTITAN_AUDIT`` set, record the batches (:mod:`stalwart.testing.torchtitan_audit`)."""
-    apply_shims()
+    apply_shims(launch_device())
     from torchtitan import train
 
     audit_dir = os.environ.get(torchtitan_audit.AUDIT_DIR_ENV)
