@@ -98,7 +98,7 @@ class LighthouseStore(dist.Store):
         deadline = time.monotonic() + seconds
         while True:
             remaining = deadline - time.monotonic()
-            if self._call(StoreRequest("wait", tuple(keys), wait=_wait(remaining)))["present"]:
+            if self.present_within(keys, remaining):
                 return
             if remaining <= 0:
                 raise dist.DistStoreError(self._timed_out(keys, seconds))
