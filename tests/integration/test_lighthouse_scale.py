@@ -274,38 +274,66 @@ class Node:
     partner: Node | None = None
 
 
+def _frozen_garbage() -> weakref.ref[Node]:
+    """A reference cycle, dead and frozen (as if frozen by an earlier collection): only a full collection that
+    unfreezes reclaims it."""
+    node = Node()
+    node.partner = node
+    dead = weakref.ref(node)
+    del node
+    gc.freeze()
+    return dead
+
+
 def test_quiet_collector_pauses_collection_while_busy_and_collects_when_quiet() -> None:
     collector = QuietCollector(delay=1.0, max_busy=10.0)
     try:
         collector.start()
         collector.update(0.0, busy=True, formed=False, gone=0, live=4)
         assert not gc.isenabled(), "no collection while requests wait"
-        node = Node()
-        node.partner = node
-        dead = weakref.ref(node)
-        del node
-        gc.freeze()  # as if frozen by an earlier collection: only a full collection that unfreezes reclaims it
+        dead = _frozen_garbage()
         collector.update(0.5, busy=True, formed=True, gone=0, live=4)
+        collector.update(1.0, busy=False, formed=False, gone=0, live=4)
+        assert gc.isenabled() and dead() is not None, "quiet, but the full collection is not due yet"
         collector.update(1.6, busy=False, formed=False, gone=0, live=4)
-        assert gc.isenabled() and dead() is not None, "no member died: nothing frozen to reclaim"
-        collector.update(2.0, busy=True, formed=True, gone=1, live=4)
-        collector.update(2.5, busy=False, formed=False, gone=1, live=4)
-        assert dead() is not None, "quiet, but the full collection is not due yet"
-        collector.update(3.1, busy=False, formed=False, gone=1, live=4)
-        assert dead() is None and gc.get_freeze_count() > 0, "collected while quiet, then frozen again"
-        collector.update(4.0, busy=True, formed=False, gone=1, live=4)
-        collector.update(14.5, busy=True, formed=False, gone=1, live=4)
+        assert dead() is None and gc.get_freeze_count() > 0, "the fleet started: collected while quiet, then frozen"
+        dead = _frozen_garbage()
+        collector.update(2.0, busy=False, formed=True, gone=0, live=4)
+        collector.update(3.1, busy=False, formed=False, gone=0, live=4)
+        assert dead() is not None, "the fleet did not change: nothing frozen to reclaim"
+        collector.update(3.5, busy=True, formed=True, gone=1, live=3)
+        collector.update(4.6, busy=True, formed=False, gone=1, live=3)
+        assert dead() is not None, "a member died, but requests wait"
+        collector.update(4.7, busy=False, formed=False, gone=1, live=3)
+        assert dead() is None, "collected once quiet"
+        collector.update(5.0, busy=True, formed=False, gone=1, live=3)
+        collector.update(15.5, busy=True, formed=False, gone=1, live=3)
         assert gc.isenabled(), "busy for longer than max_busy: collection resumes"
-        node = Node()
-        node.partner = node
-        dead = weakref.ref(node)
-        del node
-        gc.freeze()
-        collector.update(15.0, busy=False, formed=True, gone=2, live=400)
-        collector.update(16.5, busy=False, formed=False, gone=2, live=400)
-        assert dead() is not None, "one of 400 members lost: not worth a full collection yet"
-        collector.update(17.0, busy=False, formed=False, gone=101, live=300)
-        assert dead() is None
+    finally:
+        gc.unfreeze()
+        gc.enable()
+
+
+def test_quiet_collector_collects_once_a_quarter_of_the_fleet_changed() -> None:
+    collector = QuietCollector(delay=1.0, max_busy=10.0)
+    try:
+        collector.start()
+        collector.update(0.0, busy=False, formed=True, gone=0, live=400)
+        collector.update(1.5, busy=False, formed=False, gone=0, live=400)
+        dead = _frozen_garbage()
+        collector.update(2.0, busy=False, formed=True, gone=2, live=398)
+        collector.update(3.5, busy=False, formed=False, gone=2, live=398)
+        assert dead() is not None, "two of 400 members lost: not worth a full collection yet"
+        collector.update(4.0, busy=False, formed=True, gone=2, live=497)
+        collector.update(5.5, busy=False, formed=False, gone=2, live=497)
+        assert dead() is not None, "97 joined: under a quarter of 400"
+        collector.update(6.0, busy=False, formed=True, gone=2, live=500)
+        collector.update(7.5, busy=False, formed=False, gone=2, live=500)
+        assert dead() is None, "100 joined: their state frozen"
+        dead = _frozen_garbage()
+        collector.update(8.0, busy=False, formed=True, gone=126, live=376)
+        collector.update(9.5, busy=False, formed=False, gone=126, live=376)
+        assert dead() is None, "124 lost, over a quarter of the 376 alive"
     finally:
         gc.unfreeze()
         gc.enable()
