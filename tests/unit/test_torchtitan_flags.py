@@ -6,13 +6,14 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from stalwart.integrations.torchtitan.config import (
     FaultTolerance,
     TrainingShape,
     check_fault_tolerance,
+    check_min_replica_size,
     check_training,
 )
 from stalwart.integrations.torchtitan.data import pack_samples
@@ -56,6 +57,8 @@ def test_diloco_flags_build_the_managers_sync() -> None:
         (FaultTolerance(redundancy="raid:5"), "fault_tolerance.redundancy: redundancy must be"),
         (FaultTolerance(redundancy="parity:1,1", semi_sync_method="diloco"), "fault_tolerance.redundancy='parity"),
         (FaultTolerance(audit_dir=""), "fault_tolerance.audit_dir"),
+        (FaultTolerance(min_replica_size=-1), "fault_tolerance.min_replica_size=-1: allowed is an integer >= 0"),
+        (FaultTolerance(min_replica_size=3, group_size=2), "fault_tolerance.min_replica_size=3 exceeds"),
     ],
 )
 def test_a_bad_flag_is_refused_by_name_value_and_what_is_allowed(flags: FaultTolerance, named: str) -> None:
@@ -89,6 +92,38 @@ def test_a_config_the_trainer_cannot_run_is_refused(change: dict[str, object], n
 def test_diloco_needs_whole_rounds() -> None:
     with pytest.raises(ValueError, match=r"training\.steps=10 must be a multiple of fault_tolerance\.sync_steps=3"):
         check_training(SHAPE, FaultTolerance(semi_sync_method="diloco", sync_steps=3))
+
+
+@given(lighthouse=st.integers(1, 64))
+def test_min_replica_size_passes_when_unset_or_equal_to_the_lighthouses(lighthouse: int) -> None:
+    status = {"min_replicas": lighthouse, "members": []}
+    check_min_replica_size(FaultTolerance(), status)
+    check_min_replica_size(FaultTolerance(min_replica_size=lighthouse), status)
+    check_fault_tolerance(FaultTolerance(min_replica_size=lighthouse, group_size=lighthouse), device_type="cpu")
+
+
+@given(wanted=st.integers(1, 64), lighthouse=st.integers(1, 64))
+def test_a_min_replica_size_other_than_the_lighthouses_is_refused_naming_both(wanted: int, lighthouse: int) -> None:
+    assume(wanted != lighthouse)
+    with pytest.raises(ValueError) as error:
+        check_min_replica_size(FaultTolerance(min_replica_size=wanted), {"min_replicas": lighthouse})
+    message = str(error.value)
+    assert f"fault_tolerance.min_replica_size={wanted}," in message
+    assert f"the lighthouse runs with --min-replicas {lighthouse} " in message
+    assert f"start the lighthouse with --min-replicas {wanted}, or drop --fault_tolerance.min_replica_size" in message
+
+
+@pytest.mark.parametrize("value", [-1, True, 2.0])
+def test_the_min_replica_size_check_refuses_a_flag_that_is_no_count(value: object) -> None:
+    with pytest.raises(ValueError, match=r"fault_tolerance\.min_replica_size=.*allowed is an integer >= 0"):
+        check_min_replica_size(FaultTolerance(min_replica_size=value), {"min_replicas": 1})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("status", [{}, {"min_replicas": None}, {"min_replicas": "2"}, {"min_replicas": True}])
+def test_a_status_without_min_replicas_is_refused_when_the_flag_is_set(status: dict[str, object]) -> None:
+    check_min_replica_size(FaultTolerance(), status)
+    with pytest.raises(ValueError, match=r"min_replica_size=2: the lighthouse's status has no integer min_replicas"):
+        check_min_replica_size(FaultTolerance(min_replica_size=2), status)
 
 
 def samples(count: int, seq_len: int) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:

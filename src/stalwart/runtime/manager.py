@@ -342,6 +342,15 @@ class Manager:
         """True while the lighthouse asks this member's quorum to come to a step boundary (a join, a failure)."""
         return self._session.boundary_wanted
 
+    def lighthouse_status(self) -> dict[str, Any] | None:
+        """The lighthouse's ``/v1/status`` JSON (its settings, members, quorum, ledger), asked now.
+
+        None in a replica group's other processes: only the group's leader
+        talks to the lighthouse.
+        """
+        client = self._session.client
+        return None if client is None else client.status()
+
     @property
     def departing(self) -> bool:
         """True once a departure was requested (SIGTERM, :meth:`request_departure`), before and after it happens."""

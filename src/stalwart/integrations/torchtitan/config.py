@@ -1,14 +1,17 @@
 """The ``--fault_tolerance.*`` flags of stalwart's torchtitan trainer, and the checks of a torchtitan config.
 
 The names follow torchtitan's own torchft integration where they mean the
-same thing (``replica_id``, ``group_size``, ``process_group``,
-``process_group_timeout_ms``, ``semi_sync_method``, ``sync_steps``,
-``num_fragments``); ``redundancy`` and ``audit_dir`` are stalwart's. The
-global batch is torchtitan's ``--training.global_batch_size``: with stalwart
-it spans every replica group and stays constant whatever groups are alive.
-The lighthouse's URL and token come from ``STALWART_LIGHTHOUSE`` and
-``STALWART_LIGHTHOUSE_TOKEN``, as everywhere in stalwart; the quorum's
-minimum size is the lighthouse's ``--min-replicas``.
+same thing (``replica_id``, ``group_size``, ``min_replica_size``,
+``process_group``, ``process_group_timeout_ms``, ``semi_sync_method``,
+``sync_steps``, ``num_fragments``); ``redundancy`` and ``audit_dir`` are
+stalwart's. The global batch is torchtitan's ``--training.global_batch_size``:
+with stalwart it spans every replica group and stays constant whatever groups
+are alive, so no flag here sets it. The lighthouse's URL and token come from
+``STALWART_LIGHTHOUSE`` and ``STALWART_LIGHTHOUSE_TOKEN``, as everywhere in
+stalwart. The quorum's minimum size is the lighthouse's ``--min-replicas``
+(one setting for every group): ``min_replica_size``, when set, is checked
+against it at start-up (:func:`check_min_replica_size`), so a torchft config
+never runs under a lighthouse with another minimum.
 
 Pure: nothing here imports torchtitan, so the checks run (and are tested)
 without it. Each check raises ``ValueError`` naming the flag, the value and
@@ -17,7 +20,9 @@ what is allowed.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from stalwart.redundancy.config import parse_redundancy
 from stalwart.runtime.diloco.config import DiLoCo
@@ -36,6 +41,10 @@ class FaultTolerance:
 
     group_size: int = 0
     """How many replica groups the job has at most (``replica_id`` must be below it); 0: not checked."""
+
+    min_replica_size: int = 0
+    """The fewest replica groups a quorum may have, as torchft's flag; in stalwart the lighthouse's
+    ``--min-replicas`` sets it, and a nonzero value here must equal that (checked at start-up); 0: not checked."""
 
     process_group: str | None = None
     """The backend across groups: ``gloo`` on CPU, ``nccl`` on CUDA (default: the device's)."""
@@ -80,6 +89,12 @@ def check_fault_tolerance(flags: FaultTolerance, *, device_type: str) -> None:
             f"fault_tolerance.replica_id={flags.replica_id} must be below fault_tolerance.group_size="
             f"{flags.group_size} (or set group_size to 0)"
         )
+    _check_count("fault_tolerance.min_replica_size", flags.min_replica_size, minimum=0)
+    if flags.group_size and flags.min_replica_size > flags.group_size:
+        raise ValueError(
+            f"fault_tolerance.min_replica_size={flags.min_replica_size} exceeds fault_tolerance.group_size="
+            f"{flags.group_size}: no quorum could form; allowed is 0 (not checked) up to group_size"
+        )
     expected = PROCESS_GROUPS.get(device_type)
     if flags.process_group is not None and flags.process_group != expected:
         allowed = f"{expected!r} on {device_type}" if expected else f"one of {sorted(set(PROCESS_GROUPS.values()))}"
@@ -108,6 +123,32 @@ def check_fault_tolerance(flags: FaultTolerance, *, device_type: str) -> None:
         )
     if flags.audit_dir is not None and not flags.audit_dir:
         raise ValueError("fault_tolerance.audit_dir must be a directory path or unset, got ''")
+
+
+def check_min_replica_size(flags: FaultTolerance, lighthouse_status: Mapping[str, Any]) -> None:
+    """Refuse a nonzero ``min_replica_size`` other than the lighthouse's ``--min-replicas``.
+
+    ``lighthouse_status`` is the lighthouse's ``/v1/status`` JSON. torchft's
+    Manager takes the quorum's minimum from this flag; stalwart's lighthouse
+    holds one minimum for every group, so a torchft config that names one
+    runs only where the lighthouse enforces the same (never a silent change).
+    """
+    wanted = flags.min_replica_size
+    _check_count("fault_tolerance.min_replica_size", wanted, minimum=0)
+    if not wanted:
+        return
+    actual = lighthouse_status.get("min_replicas")
+    if isinstance(actual, bool) or not isinstance(actual, int):
+        raise ValueError(
+            f"fault_tolerance.min_replica_size={wanted}: the lighthouse's status has no integer min_replicas to "
+            f"check it against (got {actual!r}); drop the flag (0: not checked)"
+        )
+    if wanted != actual:
+        raise ValueError(
+            f"fault_tolerance.min_replica_size={wanted}, but the lighthouse runs with --min-replicas {actual} (in "
+            f"stalwart the quorum's minimum is the lighthouse's): start the lighthouse with --min-replicas {wanted}, "
+            "or drop --fault_tolerance.min_replica_size (0: not checked)"
+        )
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ none of its methods:
   its optimizer, the LR schedulers and the trainer's counters healed with
   them, and stalwart's loader over torchtitan's dataset (packed once,
   :mod:`stalwart.integrations.torchtitan.data`), in place of the
-  data-parallel split of torchtitan's dataloader;
+  data-parallel split of torchtitan's dataloader; a ``min_replica_size``
+  set is checked against the lighthouse's ``--min-replicas`` there;
 - ``should_continue_training``: the loop's condition takes the next step
   from ``manager.steps()``; that call commits the step before, and joins,
   heals or re-forms the quorum at a step boundary;
@@ -56,6 +57,7 @@ from stalwart.integrations.torchtitan.config import (
     FaultTolerance,
     TrainingShape,
     check_fault_tolerance,
+    check_min_replica_size,
     check_training,
 )
 from stalwart.integrations.torchtitan.data import packed_text
@@ -198,6 +200,8 @@ class StalwartTrainer(Trainer):
             device=self.device,
             sync=flags.sync(),
         )
+        if flags.min_replica_size:
+            self.check_lighthouse(flags)
         self.manager.register_state("lr_schedulers", self.lr_schedulers)
         self.manager.register_state("train_state", self)
         self.step_loss = StepLoss(self.loss_fn)
@@ -206,6 +210,21 @@ class StalwartTrainer(Trainer):
             self.stalwart_loader, max_steps=config.training.steps
         )
         self.stalwart_step: TrainStep | None = None
+
+    def check_lighthouse(self, flags: FaultTolerance) -> None:
+        """Refuse a ``min_replica_size`` other than the lighthouse's ``--min-replicas``, closing the Manager first.
+
+        The group's leader asks the lighthouse (the others never talk to it);
+        when it raises, torchrun ends the group's other processes.
+        """
+        status = self.manager.lighthouse_status()
+        if status is None:
+            return
+        try:
+            check_min_replica_size(flags, status)
+        except ValueError:
+            self.manager.close()
+            raise
 
     def should_continue_training(self) -> bool:
         """Take the next step from stalwart (committing the one before; joining or healing at a boundary)."""
