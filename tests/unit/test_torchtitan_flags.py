@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from stalwart.integrations.torchtitan.config import (
     check_training,
 )
 from stalwart.integrations.torchtitan.data import pack_samples
+from stalwart.runtime.config import Checkpointing
 from stalwart.runtime.diloco.config import DiLoCo
 
 SHAPE = TrainingShape(
@@ -35,6 +37,13 @@ def test_the_defaults_run_every_step_as_member_replica_0() -> None:
     check_training(SHAPE, flags)
     assert flags.member() == "replica-0"
     assert flags.sync() is None
+
+
+def test_checkpoint_flags_build_the_managers_durable_checkpoints(tmp_path: Path) -> None:
+    assert FaultTolerance().checkpointing() is None
+    flags = FaultTolerance(checkpoint_folder=str(tmp_path), checkpoint_interval=4)
+    check_fault_tolerance(flags, device_type="cpu")
+    assert flags.checkpointing() == Checkpointing(str(tmp_path), every_steps=4)
 
 
 def test_diloco_flags_build_the_managers_sync() -> None:
@@ -59,6 +68,10 @@ def test_diloco_flags_build_the_managers_sync() -> None:
         (FaultTolerance(audit_dir=""), "fault_tolerance.audit_dir"),
         (FaultTolerance(min_replica_size=-1), "fault_tolerance.min_replica_size=-1: allowed is an integer >= 0"),
         (FaultTolerance(min_replica_size=3, group_size=2), "fault_tolerance.min_replica_size=3 exceeds"),
+        (FaultTolerance(checkpoint_folder="ckpt"), "fault_tolerance.checkpoint_folder='ckpt' needs"),
+        (FaultTolerance(checkpoint_folder=""), "fault_tolerance.checkpoint_folder must be"),
+        (FaultTolerance(checkpoint_interval=5), "fault_tolerance.checkpoint_interval=5 needs"),
+        (FaultTolerance(checkpoint_folder="c", checkpoint_interval=-1), "fault_tolerance.checkpoint_interval=-1"),
     ],
 )
 def test_a_bad_flag_is_refused_by_name_value_and_what_is_allowed(flags: FaultTolerance, named: str) -> None:

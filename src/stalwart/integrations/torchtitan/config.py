@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stalwart.redundancy.config import parse_redundancy
+from stalwart.runtime.config import Checkpointing
 from stalwart.runtime.diloco.config import DiLoCo
 
 SEMI_SYNC_METHODS = ("diloco",)
@@ -69,6 +70,15 @@ class FaultTolerance:
     audit_dir: str | None = None
     """A directory where each group's leader records every committed step's samples, for ``stalwart audit``."""
 
+    checkpoint_folder: str | None = None
+    """stalwart's durable checkpoints (the model, the optimizer, the LR schedulers and the trainer's counters, with
+    the ledger's step): written here by one group every ``checkpoint_interval`` steps, and what a restart of the
+    whole fleet resumes from, each sample trained once. A folder every group can read (shared storage). Unlike
+    torchtitan's own ``--checkpoint.*`` (a group's own state, which a restarted group loads while others live)."""
+
+    checkpoint_interval: int = 0
+    """Steps between stalwart's durable checkpoints (rounds under DiLoCo); needed with ``checkpoint_folder``."""
+
     def member(self) -> str:
         """This group's lighthouse member name."""
         return f"replica-{self.replica_id}"
@@ -78,6 +88,12 @@ class FaultTolerance:
         if self.semi_sync_method is None:
             return None
         return DiLoCo(inner_steps=self.sync_steps, fragments=self.num_fragments)
+
+    def checkpointing(self) -> Checkpointing | None:
+        """The Manager's ``checkpoint``: stalwart's durable checkpoints, or None without ``checkpoint_folder``."""
+        if self.checkpoint_folder is None:
+            return None
+        return Checkpointing(self.checkpoint_folder, every_steps=self.checkpoint_interval)
 
 
 def check_fault_tolerance(flags: FaultTolerance, *, device_type: str) -> None:
@@ -123,6 +139,20 @@ def check_fault_tolerance(flags: FaultTolerance, *, device_type: str) -> None:
         )
     if flags.audit_dir is not None and not flags.audit_dir:
         raise ValueError("fault_tolerance.audit_dir must be a directory path or unset, got ''")
+    _check_count("fault_tolerance.checkpoint_interval", flags.checkpoint_interval, minimum=0)
+    if flags.checkpoint_folder is not None:
+        if not flags.checkpoint_folder:
+            raise ValueError("fault_tolerance.checkpoint_folder must be a directory path or unset, got ''")
+        if not flags.checkpoint_interval:
+            raise ValueError(
+                f"fault_tolerance.checkpoint_folder={flags.checkpoint_folder!r} needs "
+                "fault_tolerance.checkpoint_interval, the steps between checkpoints (an integer >= 1)"
+            )
+    elif flags.checkpoint_interval:
+        raise ValueError(
+            f"fault_tolerance.checkpoint_interval={flags.checkpoint_interval} needs fault_tolerance.checkpoint_folder, "
+            "where the checkpoints go"
+        )
 
 
 def check_min_replica_size(flags: FaultTolerance, lighthouse_status: Mapping[str, Any]) -> None:

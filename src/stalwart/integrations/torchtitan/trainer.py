@@ -199,6 +199,7 @@ class StalwartTrainer(Trainer):
             group=ReplicaGroup(WorldInfo.from_env()),
             device=self.device,
             sync=flags.sync(),
+            checkpoint=flags.checkpointing(),
         )
         if flags.min_replica_size:
             self.check_lighthouse(flags)
