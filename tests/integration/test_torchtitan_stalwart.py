@@ -310,8 +310,66 @@ def test_a_heal_moves_the_parameters_in_place_without_the_models_state_dict_hook
     for model in (source, target):
         model.register_state_dict_post_hook(collective_on_save)
     state = HealedParameters(source).state_dict()
-    assert sorted(state) == ["bias", "weight"] and not any(value.requires_grad for value in state.values())
+    assert sorted(state) == ["model.bias", "model.weight"] and not any(value.requires_grad for value in state.values())
     HealedParameters(target).load_state_dict(state)
     assert torch.equal(target.weight, source.weight) and torch.equal(target.bias, source.bias)
-    with pytest.raises(KeyError, match=r"differ from the state's \['weight'\]"):
-        HealedParameters(target).load_state_dict({"weight": state["weight"]})
+    with pytest.raises(KeyError, match=r"differ from the state's \['model.weight'\]"):
+        HealedParameters(target).load_state_dict({"model.weight": state["model.weight"]})
+
+
+FLEET_HOLD = 5
+"""The step both groups are held at (and SIGKILLed) once the lighthouse vouched for a durable checkpoint."""
+
+
+@pytest.mark.slow
+def test_the_whole_fleet_killed_resumes_from_stalwarts_checkpoint(
+    tmp_path: Path,
+    make_lighthouse: Callable[..., Lighthouse],
+    torchtitan_assets: TorchtitanAssets,
+    failure_free: FailureFree,
+) -> None:
+    """``--fault-tolerance.checkpoint-folder``: both groups SIGKILLed together, then launched again, resume from the
+    newest checkpoint the lighthouse vouched for, train the steps after it again and end on the failure-free
+    parameters, each sample once. (torchtitan's own checkpoints are off: a group's own state cannot rewind the
+    lighthouse's ledger.)"""
+    lighthouse = make_lighthouse(None, workers=2, heartbeat_timeout=5.0, join_timeout=120.0)
+    folder = str(tmp_path / "checkpoints")
+    more = ("--fault-tolerance.checkpoint-folder", folder, "--fault-tolerance.checkpoint-interval", "2")
+    groups = Groups(tmp_path, lighthouse, torchtitan_assets, processes=1)
+    groups.hold(FLEET_HOLD)
+    try:
+        first = [groups.launch(replica, *more) for replica in (0, 1)]
+        wait_until(
+            lambda: (
+                (
+                    all(groups.at(replica, FLEET_HOLD)() for replica in (0, 1))
+                    and (lighthouse.status()["checkpoint"] or {}).get("step", 0) >= 2
+                )
+                or any(group.poll() is not None for group in first)
+            ),
+            RUN_TIMEOUT,
+            "both groups held and a checkpoint vouched for",
+        )
+        assert all(group.poll() is None for group in first), groups.log(0) + groups.log(1)
+        killed = {groups.steps(replica)[-1][1] for replica in (0, 1)}
+        for pid in killed:
+            os.kill(pid, signal.SIGKILL)
+        assert [group.wait(timeout=RUN_TIMEOUT) for group in first] != [0, 0]
+        groups.hold(None)
+        resumed = [groups.launch(replica, *more) for replica in (0, 1)]
+        codes = [group.wait(timeout=RUN_TIMEOUT) for group in resumed]
+    finally:
+        groups.end()
+    assert codes == [0, 0], groups.log(0) + groups.log(1)
+    resumes = lighthouse.status()["resumed_from_checkpoint"]
+    assert len(resumes) == 1, resumes  # the ledger went back once, to a checkpoint (step 5's commit may be lost)
+    checkpoint = resumes[0]["to_step"]
+    assert 2 <= checkpoint <= resumes[0]["from_step"] <= FLEET_HOLD, resumes
+    resumed = {replica: [step for step, pid in groups.steps(replica) if pid not in killed] for replica in (0, 1)}
+    # the first group back trained from the checkpoint on; the other joined it then or at a later step, healed
+    assert min(steps[0] for steps in resumed.values()) == checkpoint, (resumed, resumes)
+    assert all(steps[-1] == STEPS - 1 for steps in resumed.values()), resumed
+    assert_audited_exactly_once_at_a_constant_global_batch(tmp_path / "audit")
+    reference = failure_free(1)
+    for name, parameters in finals(tmp_path).items():
+        assert worst_difference(parameters, reference) < TOLERANCE, name

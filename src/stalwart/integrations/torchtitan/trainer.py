@@ -105,6 +105,11 @@ class StepLoss:
         return mean.detach().requires_grad_(), metrics
 
 
+WRAPPER_PARTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})
+"""The name parts of activation checkpointing's and ``torch.compile``'s wrappers, which forward attributes to the
+module they wrap (torch's distributed state dict drops them from parameter names)."""
+
+
 class HealedParameters(torch.nn.Module):
     """The model as stalwart heals it: its parameters by name, this process's shards, read and written in place.
 
@@ -113,17 +118,30 @@ class HealedParameters(torch.nn.Module):
     FSDP group: a collective), while a heal reads a process's own state on
     some processes only (the source's, the leader's report). The buffers
     (RoPE caches) are not state: every group computes them.
+
+    Keyed by this module's own parameter names (``model.``-prefixed, without
+    the wrappers' parts): torch's ``get_state_dict``/``set_state_dict``, which
+    stalwart's durable checkpoints use, find each key's module by attribute
+    from here.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
         self.model = model
 
+    def parameters_by_name(self) -> dict[str, torch.nn.Parameter]:
+        """This module's parameters by the names torch's distributed state dict gives them: a wrapper's part
+        (activation checkpointing's, ``torch.compile``'s) left out, as its ``_get_fqns`` does (private there)."""
+        return {
+            ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS): param
+            for name, param in self.named_parameters()
+        }
+
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
-        return {name: param.detach() for name, param in self.model.named_parameters()}
+        return {name: param.detach() for name, param in self.parameters_by_name().items()}
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        params = dict(self.model.named_parameters())
+        params = self.parameters_by_name()
         if not isinstance(state_dict, dict) or state_dict.keys() != params.keys():
             given = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
             raise KeyError(f"the model's parameters {sorted(params)} differ from the state's {given}")
