@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -168,6 +169,7 @@ def test_plain_torchrun_ddp_stopped_mid_epoch_resumes_exactly_once(tmp_path: Pat
 
     job = Path(__file__).resolve().parent / "ddp_dropin_job.py"
     launches = {}
+    environ = {**os.environ, "OMP_NUM_THREADS": "1"}
     for name, run in (("stop", ["--stop-after", "3"]), ("resume", ["--resume"])):  # together: see the job's doc
         command = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
@@ -175,15 +177,15 @@ def test_plain_torchrun_ddp_stopped_mid_epoch_resumes_exactly_once(tmp_path: Pat
         ]  # fmt: skip
         with open(tmp_path / f"{name}.log", "wb") as log:
             launches[name] = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+                command, stdout=log, stderr=subprocess.STDOUT, env=environ, start_new_session=True
             )
     try:
         for name, launch in launches.items():
             assert launch.wait(timeout=240) == 0, (tmp_path / f"{name}.log").read_text(errors="replace")[-4000:]
     finally:
         for launch in launches.values():
-            if launch.poll() is None:
-                launch.kill()
+            if launch.poll() is None:  # its agent and ranks (a resuming launch waits for a failed one's marks)
+                os.killpg(launch.pid, signal.SIGKILL)
                 launch.wait()
     report = audit_directory(tmp_path / "audit")
     assert report.ok and [epoch.epoch for epoch in report.epochs] == [0, 1]
