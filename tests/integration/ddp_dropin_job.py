@@ -1,8 +1,11 @@
 """A plain torchrun DDP job with ManagedDistributedSampler as its DistributedSampler (run by test_sampler_dropin).
 
 ``--stop-after K`` saves the model, optimizer and sampler state after the
-job's K-th step (mid-epoch) and stops; ``--resume`` loads them and trains to
-the end of epoch ``EPOCHS - 1``, then rank 0 saves the final parameters. The
+job's K-th step (mid-epoch) and stops, each rank leaving ``OUT/stopped-RANK``
+once it has returned; ``--resume`` waits (bounded) for every rank's mark,
+loads the state and trains to the end of epoch ``EPOCHS - 1``, then rank 0
+saves the final parameters. A test starts both launches together: the
+resumed one's interpreters and imports while the first one trains. The
 samples each rank trained on are in ``OUT/audit`` for ``stalwart audit``.
 """
 
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 from pathlib import Path
 
 import torch
@@ -19,9 +23,12 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from stalwart.data.plan import EpochPlan
 from stalwart.data.sampler import ManagedDistributedSampler
+from stalwart.testing.waiting import wait_until
 
 SIZE, BATCH, RANKS, EPOCHS, SEED, LR = 26, 3, 2, 2, 7, 0.05
 """26 samples, 3 per rank on 2 ranks: 4 steps of 6 and a last one of 2 (one per rank)."""
+STOP_TIMEOUT = 240.0
+"""Seconds ``--resume`` waits for the stopped launch's ranks to have returned."""
 
 
 def dataset() -> TensorDataset:
@@ -58,6 +65,15 @@ def main() -> None:
     parser.add_argument("--stop-after", type=int, default=None)
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()
+    if args.resume:
+        marks = [args.out / f"stopped-{rank}" for rank in range(RANKS)]
+        wait_until(lambda: all(mark.exists() for mark in marks), STOP_TIMEOUT, "the stopped launch's ranks")
+    train(args)
+    if args.stop_after is not None:  # train's frame, its loader's iterator and audit files closed with it
+        (args.out / f"stopped-{os.environ['RANK']}").touch()
+
+
+def train(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world_size = dist.get_rank(), dist.get_world_size()

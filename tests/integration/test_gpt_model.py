@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -283,6 +284,30 @@ def test_evaluate_is_the_mean_over_the_first_windows_without_gradients_and_resto
         evaluate(model, val, 1, 0, torch.device("cpu"))
 
 
+SCRIPT_SETTINGS = {
+    "GPT_STEPS": "12", "GPT_GLOBAL_BATCH": "8", "GPT_MICRO_BATCH": "2", "GPT_EVAL_EVERY": "6", "GPT_EVAL_BATCHES": "1",
+}  # fmt: skip
+"""The example scripts' runs: 12 steps of 8 windows (2 micro-batches of 2 per process); the validation losses they
+print at steps 6 and 12 over one batch (only that they are printed, and by whom, is checked)."""
+
+
+def validation_loss(model: GPT) -> float:
+    """``model``'s loss over the first 20 validation batches of 8 windows of the default corpus."""
+    _, val = _validation_set(model.config.block_size)
+    return evaluate(model, val, 20, 8, torch.device("cpu"))
+
+
+@functools.cache
+def _validation_set(block_size: int) -> tuple[TextWindows, TextWindows]:
+    return text_datasets(block_size)
+
+
+@functools.cache
+def untrained_validation_loss(config: GPTConfig) -> float:
+    """The seeded, untrained model's :func:`validation_loss`: what both scripts' trained models must beat."""
+    return validation_loss(seeded_model(config))
+
+
 @pytest.mark.slow
 def test_the_ddp_script_trains_under_torchrun_and_rank_0_alone_logs_and_saves(tmp_path: Path) -> None:
     """2 Gloo processes, 12 steps of 8 windows (2 micro-batches of 2 per rank): the saved model's validation
@@ -293,19 +318,15 @@ def test_the_ddp_script_trains_under_torchrun_and_rank_0_alone_logs_and_saves(tm
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", str(script),
     ]  # fmt: skip
-    settings = {"GPT_STEPS": "12", "GPT_GLOBAL_BATCH": "8", "GPT_MICRO_BATCH": "2", "GPT_EVAL_EVERY": "6"}
-    environment = {**os.environ, **settings, "GPT_OUTPUT": str(output), "OMP_NUM_THREADS": "1"}
+    environment = {**os.environ, **SCRIPT_SETTINGS, "GPT_OUTPUT": str(output), "OMP_NUM_THREADS": "1"}
     environment["GLOO_SOCKET_IFNAME"] = "lo"
     result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=environment)
     assert result.returncode == 0, result.stderr[-4000:]
     assert re.findall(r"^step (\d+): val loss", result.stdout, re.MULTILINE) == ["6", "12"], result.stdout
     saved = torch.load(output, weights_only=True)
-    config = GPTConfig(**saved["config"])
-    trained = GPT(config)
+    trained = GPT(GPTConfig(**saved["config"]))
     trained.load_state_dict(saved["model"])
-    _, val = text_datasets(config.block_size)
-    device = torch.device("cpu")
-    initial, final = evaluate(seeded_model(config), val, 20, 8, device), evaluate(trained, val, 20, 8, device)
+    initial, final = untrained_validation_loss(trained.config), validation_loss(trained)
     assert final < initial - 0.5, (initial, final)
 
 
@@ -317,9 +338,9 @@ def test_the_stalwart_script_trains_two_workers_and_ends_where_the_ddp_script_do
 
     script = Path(__file__).resolve().parents[2] / "examples" / "gpt.py"
     output = tmp_path / "gpt.pt"
-    settings = {"GPT_STEPS": "12", "GPT_GLOBAL_BATCH": "8", "GPT_MICRO_BATCH": "2", "GPT_EVAL_EVERY": "6"}
     with Lighthouse(None, min_replicas=2, start_replicas=2, join_timeout=60.0) as lighthouse:
-        environment = {**os.environ, **settings, "GPT_OUTPUT": str(output), "STALWART_LIGHTHOUSE": lighthouse.url}
+        environment = {**os.environ, **SCRIPT_SETTINGS, "GPT_OUTPUT": str(output)}
+        environment["STALWART_LIGHTHOUSE"] = lighthouse.url
         workers = [
             subprocess.Popen(
                 [sys.executable, str(script)],
@@ -340,7 +361,5 @@ def test_the_stalwart_script_trains_two_workers_and_ends_where_the_ddp_script_do
     saved = torch.load(output, weights_only=True)
     trained = GPT(GPTConfig(**saved["config"]))
     trained.load_state_dict(saved["model"])
-    _, val = text_datasets(trained.config.block_size)
-    device = torch.device("cpu")
-    initial = evaluate(seeded_model(trained.config), val, 20, 8, device)
-    assert evaluate(trained, val, 20, 8, device) < initial - 0.5
+    initial, final = untrained_validation_loss(trained.config), validation_loss(trained)
+    assert final < initial - 0.5, (initial, final)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -161,20 +162,31 @@ def test_state_dict_counts_what_the_loop_took_not_what_workers_prefetched(tmp_pa
 
 @pytest.mark.slow
 def test_plain_torchrun_ddp_stopped_mid_epoch_resumes_exactly_once(tmp_path: Path) -> None:
-    """2 ranks x 2 DataLoader workers: 3 steps, stop, resume, to the end of epoch 1; the ranks' audit files
-    cover both epochs exactly once and the parameters are the single-process mean-gradient run's."""
+    """2 ranks x 2 DataLoader workers: 3 steps, stop, resume (a second launch, started with the first and
+    waiting for its ranks to return), to the end of epoch 1; the ranks' audit files cover both epochs exactly
+    once and the parameters are the single-process mean-gradient run's."""
     from tests.integration.ddp_dropin_job import RANKS, reference_parameters
 
     job = Path(__file__).resolve().parent / "ddp_dropin_job.py"
-    for run in (["--stop-after", "3"], ["--resume"]):
+    launches = {}
+    environ = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name, run in (("stop", ["--stop-after", "3"]), ("resume", ["--resume"])):  # together: see the job's doc
         command = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
             str(job), "--out", str(tmp_path), *run,
         ]  # fmt: skip
-        result = subprocess.run(
-            command, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"}
-        )
-        assert result.returncode == 0, result.stderr[-4000:]
+        with open(tmp_path / f"{name}.log", "wb") as log:
+            launches[name] = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=environ, start_new_session=True
+            )
+    try:
+        for name, launch in launches.items():
+            assert launch.wait(timeout=240) == 0, (tmp_path / f"{name}.log").read_text(errors="replace")[-4000:]
+    finally:
+        for launch in launches.values():
+            if launch.poll() is None:  # its agent and ranks (a resuming launch waits for a failed one's marks)
+                os.killpg(launch.pid, signal.SIGKILL)
+                launch.wait()
     report = audit_directory(tmp_path / "audit")
     assert report.ok and [epoch.epoch for epoch in report.epochs] == [0, 1]
     assert all(epoch.complete and epoch.coverage.exactly_once for epoch in report.epochs)

@@ -47,8 +47,9 @@ from stalwart.testing.waiting import wait_until
 from stalwart.torchx import STATE_MOUNT, TOKEN_VARIABLE, job
 from tests.kubernetes_objects import typed
 
-STEPS = 20
+STEPS = 12
 HOLD_AT = 10
+"""Group-0 alone from the SIGKILL (at step 3 or later) to the hold; both again for the last 2 steps, healed."""
 PLAN = EpochPlan(1797, 48, seed=0)
 PARAM_TOLERANCE = 1e-4
 TIMEOUT = 240.0
