@@ -2,19 +2,21 @@
 
 Group 1's processes are SIGKILLed while both groups are held at the top of
 step ``KILL_AT`` (:mod:`tests.integration.torchtitan_job`); group 0 trains
-that step and the next alone with the whole global batch, group 1 is
-launched again, joins group 0's quorum and is healed to its step; both
-finish. The run must train every step on the same global batch, each sample
-exactly once (the audit of ``--fault_tolerance.audit_dir``), and end, on
-every process of both groups, with the parameters of a failure-free run
-(one group of the same size alone: the step's gradient is the mean over its
-samples whoever trains them) within 1e-4. Two shapes: groups of one
-process saving torchtitan's checkpoints (the relaunched group loads its own
-last one first); groups of two with FSDP2 inside (healed shard by shard)
-whose optimizer state is sharded across the groups with ``Parity``. The
-failure-free runs (:class:`FailureFree`) train alongside the first test's
-groups: every run here spends most of its seconds starting torch and
-torchtitan, so runs side by side take the machine's spare share.
+on alone with the whole global batch, group 1's replacement (launched
+with the job and waiting until told to go, so that its torch and torchtitan
+imports overlap the run instead of following the kill) joins group 0's
+quorum and is healed to its step; both finish. The run must train every
+step on the same global batch, each sample exactly once (the audit of
+``--fault_tolerance.audit_dir``), and end, on every process of both groups,
+with the parameters of a failure-free run (one group of the same size alone:
+the step's gradient is the mean over its samples whoever trains them) within
+1e-4. Two shapes: groups of one process saving torchtitan's checkpoints (the
+relaunched group loads its own last one first); groups of two with FSDP2
+inside (healed shard by shard) whose optimizer state is sharded across the
+groups with ``Parity``. The failure-free runs (:class:`FailureFree`) train
+alongside the first test's groups: every run here spends most of its seconds
+starting torch and torchtitan, so runs side by side take the machine's spare
+share.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from stalwart.testing.digits_job import together
 from stalwart.testing.torchrun import TorchrunGroup
 from stalwart.testing.torchtitan_assets import TorchtitanAssets
 from stalwart.testing.waiting import wait_until
-from tests.integration.torchtitan_job import HOLD_VARIABLE, RUN_DIR_VARIABLE
+from tests.integration.torchtitan_job import GO_VARIABLE, HOLD_VARIABLE, RUN_DIR_VARIABLE
 
 STEPS = 8
 GLOBAL_BATCH = 4
@@ -91,10 +93,14 @@ class Groups:
         self.environ["PYTHONPATH"] = os.pathsep.join([self.environ["PYTHONPATH"], str(REPOSITORY)])
         self.launched: list[TorchrunGroup] = []
 
-    def launch(self, replica: int, *more: str) -> TorchrunGroup:
+    def launch(self, replica: int, *more: str, waits_for: Path | None = None) -> TorchrunGroup:
+        """Group ``replica`` as a torchrun job; with ``waits_for``, its processes import torch and torchtitan, then
+        wait until that file exists before they build the trainer (a replacement started early)."""
         args = stalwart_args(self.assets, self.run_dir, replica, 2 // self.processes, *more, steps=self.steps_to_train)
         command = torchtitan_cpu.torchrun_command(self.processes, args)
         environ = {**self.environ, **self.per_replica.get(replica, {})}
+        if waits_for is not None:
+            environ[GO_VARIABLE] = str(waits_for)
         group = TorchrunGroup(command, self.run_dir / f"replica-{replica}.log", environ)
         self.launched.append(group)
         return group
@@ -192,12 +198,14 @@ def kill_restart_and_heal(
     more: Sequence[str] = (),
     per_replica: Mapping[int, Mapping[str, str]] | None = None,
 ) -> None:
-    """Groups 0 and 1 start; all of group 1 is SIGKILLed at ``KILL_AT``, launched again and healed; both finish.
-    ``per_replica``: each group's own environment variables (its GPU)."""
+    """Groups 0 and 1 start; all of group 1 is SIGKILLed at ``KILL_AT``, its replacement (started with them,
+    waiting) goes and is healed; both finish. ``per_replica``: each group's own environment variables (its GPU)."""
     groups = Groups(run_dir, lighthouse, assets, processes, per_replica=per_replica)
     groups.hold(KILL_AT)
+    go = run_dir / "go"
     try:
         first = {replica: groups.launch(replica, *more) for replica in (0, 1)}
+        restarted = groups.launch(1, *more, waits_for=go)
         wait_until(lambda: groups.at(1, KILL_AT)() or first[1].poll() is not None, RUN_TIMEOUT, "group 1 held")
         assert first[1].poll() is None, groups.log(1)
         killed = {groups.steps(1, rank)[-1][1] for rank in range(processes)}
@@ -207,8 +215,9 @@ def kill_restart_and_heal(
         groups.hold(REJOIN_AT)
         wait_until(lambda: groups.at(0, REJOIN_AT)() or first[0].poll() is not None, RUN_TIMEOUT, "group 0 held")
         assert first[0].poll() is None, groups.log(0)
+        assert restarted.poll() is None, groups.log(1)
         since = lighthouse.status()["quorums"][-1]["quorum_id"]
-        restarted = groups.launch(1, *more)
+        go.touch()
         wait_until(
             lambda: together(lighthouse, ["replica-0", "replica-1"], since) or restarted.poll() is not None,
             RUN_TIMEOUT,
