@@ -42,10 +42,10 @@ from stalwart.testing.torchtitan_assets import TorchtitanAssets
 from stalwart.testing.waiting import wait_until
 from tests.integration.torchtitan_job import GO_VARIABLE, HOLD_VARIABLE, RUN_DIR_VARIABLE
 
-STEPS = 8
+STEPS = 6
 GLOBAL_BATCH = 4
-KILL_AT = 3
-REJOIN_AT = 5
+KILL_AT = 2
+REJOIN_AT = 3
 TOLERANCE = 1e-4
 RUN_TIMEOUT = 420.0
 REPOSITORY = Path(__file__).resolve().parents[2]
