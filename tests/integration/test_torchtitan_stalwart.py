@@ -68,7 +68,11 @@ def stalwart_args(
 
 
 class Groups:
-    """Replica groups as torchrun jobs (one per launch) against one lighthouse, writing into one run directory."""
+    """Replica groups as torchrun jobs (one per launch) against one lighthouse, writing into one run directory.
+
+    With ``exit_at_once`` a process whose run ended well skips the
+    interpreter's teardown (:data:`torchtitan_cpu.EXIT_VARIABLE`); the
+    failure-free runs keep it, so that a crash there still fails a test."""
 
     def __init__(
         self,
@@ -78,6 +82,7 @@ class Groups:
         processes: int,
         steps: int = STEPS,
         per_replica: Mapping[int, Mapping[str, str]] | None = None,
+        exit_at_once: bool = True,
     ) -> None:
         self.run_dir = run_dir
         self.per_replica = per_replica or {}
@@ -89,6 +94,7 @@ class Groups:
             "STALWART_LIGHTHOUSE": lighthouse.url,
             RUN_DIR_VARIABLE: str(run_dir),
             HOLD_VARIABLE: str(run_dir / "hold"),
+            torchtitan_cpu.EXIT_VARIABLE: "1" if exit_at_once else "0",
         }
         self.environ["PYTHONPATH"] = os.pathsep.join([self.environ["PYTHONPATH"], str(REPOSITORY)])
         self.launched: list[TorchrunGroup] = []
@@ -154,7 +160,9 @@ class FailureFree:
 
     One group of the same size as the tested groups: FSDP2's initialisation of
     a sharded parameter draws differently from a whole one's. Parity leaves the
-    parameters as they are: its run compares with the run of its size without it."""
+    parameters as they are: its run compares with the run of its size without it.
+    Their processes end through the interpreter's teardown (off the failure
+    tests' path: they end first), each group's exit status 0 asserted."""
 
     def __init__(self, directory: Path, assets: TorchtitanAssets, sizes: Sequence[int]) -> None:
         self.directory = directory
@@ -164,7 +172,7 @@ class FailureFree:
         options = {"min_replicas": 1, "start_replicas": 1, "heartbeat_timeout": 5.0, "join_timeout": 30.0}
         for processes in sizes:
             lighthouse = self.stack.enter_context(Lighthouse(None, **options))
-            groups = Groups(directory / f"size-{processes}", lighthouse, assets, processes)
+            groups = Groups(directory / f"size-{processes}", lighthouse, assets, processes, exit_at_once=False)
             groups.run_dir.mkdir()
             self.stack.callback(groups.end)
             self.runs[processes] = groups.launch(0)
