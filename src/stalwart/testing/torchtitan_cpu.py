@@ -61,10 +61,13 @@ with NCCL (:data:`DEVICE_VARIABLE`).
 Not a shim: with ``STALWART_TORCHTITAN_AUDIT`` (and ``STALWART_TORCHTITAN_HOLD``)
 set, the batches each process takes are recorded (and held at a step) for the
 benchmarks (:mod:`stalwart.testing.torchtitan_audit`). With
-``STALWART_TORCHTITAN_EXIT_AT_ONCE=1`` (:data:`EXIT_VARIABLE`) a process whose
-run ended well exits at once, its output flushed, instead of through the
-interpreter's teardown of torch's and torchtitan's modules (some 2 s of CPU
-per process): for tests that run many groups and check their exit elsewhere.
+``STALWART_TORCHTITAN_EXIT_AT_ONCE=1`` (:data:`EXIT_VARIABLE`) a run ends at
+once: rank 0 skips the 2-second sleep at the end of torchtitan's ``train()``
+("for other ranks to complete": the other ranks never wait for it), and a
+process whose run ended well exits, its output flushed, instead of going
+through the interpreter's teardown of torch's and torchtitan's modules (some
+2 s of CPU per process): for tests that run many groups and check their exit
+elsewhere.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ import functools
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -86,8 +90,21 @@ DEVICE_VARIABLE = "STALWART_TORCHTITAN_DEVICE"
 """``cpu`` (the default: every shim) or ``cuda`` (the version shims 4 and 5 only; torchtitan picks the GPU)."""
 DEVICES = ("cpu", "cuda")
 EXIT_VARIABLE = "STALWART_TORCHTITAN_EXIT_AT_ONCE"
-"""``1``: after a run that ended well, ``os._exit(0)`` (logs flushed) instead of the interpreter's teardown; ``0``
-or unset: the teardown (a crash there still shows in the exit status)."""
+"""``1``: no sleep at the end of ``train()``, and after a run that ended well ``os._exit(0)`` (logs flushed) instead
+of the interpreter's teardown; ``0`` or unset: torchtitan's sleep and the teardown (a crash there shows in the exit
+status)."""
+
+
+class NoSleep:
+    """The ``time`` module as ``torchtitan.trainer`` sees it, less ``sleep`` (its one use: rank 0's 2 s at the end of
+    ``train()``)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+    @staticmethod
+    def sleep(seconds: float) -> None:
+        return None
 
 
 class CpuDeviceModule:
@@ -233,6 +250,13 @@ def exits_at_once(environ: Mapping[str, str] | None = None) -> bool:
     return value == "1"
 
 
+def skip_the_end_sleep() -> None:
+    """Rank 0 ends ``train()`` without torchtitan's 2-second sleep (:class:`NoSleep` as ``torchtitan.trainer.time``)."""
+    import torchtitan.trainer
+
+    torchtitan.trainer.time = NoSleep()
+
+
 def exit_at_once() -> None:
     """End this process with status 0 now: the logging handlers (torchtitan's JSONL log among them) and the standard
     streams flushed, the interpreter's teardown skipped."""
@@ -302,6 +326,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     :data:`EXIT_VARIABLE` set, exit at once when it returns."""
     apply_shims(launch_device())
     at_once = exits_at_once()
+    if at_once:
+        skip_the_end_sleep()
     from torchtitan import train
 
     audit_dir = os.environ.get(torchtitan_audit.AUDIT_DIR_ENV)
