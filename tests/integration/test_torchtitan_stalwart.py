@@ -198,6 +198,12 @@ def failure_free(
         yield runs
 
 
+def alone_since(lighthouse: Lighthouse) -> int | None:
+    """The id of the first quorum of group 0 alone, None before it formed."""
+    quorums = lighthouse.status()["quorums"]
+    return next((q["quorum_id"] for q in quorums if q["members"] == ["replica-0"]), None)
+
+
 def kill_restart_and_heal(
     run_dir: Path,
     lighthouse: Lighthouse,
@@ -220,14 +226,17 @@ def kill_restart_and_heal(
         for pid in killed:
             os.kill(pid, signal.SIGKILL)
         assert first[1].wait(timeout=RUN_TIMEOUT) != 0
-        groups.hold(REJOIN_AT)
-        wait_until(lambda: groups.at(0, REJOIN_AT)() or first[0].poll() is not None, RUN_TIMEOUT, "group 0 held")
-        assert first[0].poll() is None, groups.log(0)
-        assert restarted.poll() is None, groups.log(1)
-        since = lighthouse.status()["quorums"][-1]["quorum_id"]
-        go.touch()
+        groups.hold(REJOIN_AT)  # group 0 trains on alone, then waits there for the replacement's join
         wait_until(
-            lambda: together(lighthouse, ["replica-0", "replica-1"], since) or restarted.poll() is not None,
+            lambda: alone_since(lighthouse) is not None or first[0].poll() is not None,
+            RUN_TIMEOUT,
+            "group 0 in a quorum alone",
+        )
+        alone = alone_since(lighthouse)
+        assert alone is not None and first[0].poll() is None and restarted.poll() is None, groups.log(0)
+        go.touch()  # the replacement builds its trainer while group 0 trains on; it joins at a later boundary
+        wait_until(
+            lambda: together(lighthouse, ["replica-0", "replica-1"], alone) or restarted.poll() is not None,
             RUN_TIMEOUT,
             "the restarted group 1 in group 0's quorum",
         )
@@ -240,7 +249,6 @@ def kill_restart_and_heal(
         restarted_steps = [step for step, pid in groups.steps(1, rank) if pid not in killed]
         assert restarted_steps[0] >= REJOIN_AT and restarted_steps[-1] == STEPS - 1, restarted_steps
     quorums = lighthouse.status()["quorums"]
-    assert ["replica-0"] in [sorted(q["members"]) for q in quorums]  # group 0 went on alone
     assert sorted(quorums[-1]["members"]) == ["replica-0", "replica-1"]
 
 
