@@ -48,7 +48,7 @@ def test_plain_torchtitan_trains_on_two_cpu_processes(torchtitan_assets: Torchti
     command = torchtitan_cpu.torchrun_command(2, debug_args(torchtitan_assets, tmp_path / "dump"))
     result = subprocess.run(
         command,
-        env=torchtitan_cpu.environment(tmp_path),
+        env={**torchtitan_cpu.environment(tmp_path), torchtitan_cpu.EXIT_VARIABLE: "1"},  # no interpreter teardown
         cwd=tmp_path,
         capture_output=True,
         text=True,

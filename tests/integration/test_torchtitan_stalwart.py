@@ -2,19 +2,21 @@
 
 Group 1's processes are SIGKILLed while both groups are held at the top of
 step ``KILL_AT`` (:mod:`tests.integration.torchtitan_job`); group 0 trains
-that step and the next alone with the whole global batch, group 1 is
-launched again, joins group 0's quorum and is healed to its step; both
-finish. The run must train every step on the same global batch, each sample
-exactly once (the audit of ``--fault_tolerance.audit_dir``), and end, on
-every process of both groups, with the parameters of a failure-free run
-(one group of the same size alone: the step's gradient is the mean over its
-samples whoever trains them) within 1e-4. Two shapes: groups of one
-process saving torchtitan's checkpoints (the relaunched group loads its own
-last one first); groups of two with FSDP2 inside (healed shard by shard)
-whose optimizer state is sharded across the groups with ``Parity``. The
-failure-free runs (:class:`FailureFree`) train alongside the first test's
-groups: every run here spends most of its seconds starting torch and
-torchtitan, so runs side by side take the machine's spare share.
+on alone with the whole global batch, group 1's replacement (launched
+with the job and waiting until told to go, so that its torch and torchtitan
+imports overlap the run instead of following the kill) joins group 0's
+quorum and is healed to its step; both finish. The run must train every
+step on the same global batch, each sample exactly once (the audit of
+``--fault_tolerance.audit_dir``), and end, on every process of both groups,
+with the parameters of a failure-free run (one group of the same size alone:
+the step's gradient is the mean over its samples whoever trains them) within
+1e-4. Two shapes: groups of one process saving torchtitan's checkpoints (the
+relaunched group loads its own last one first); groups of two with FSDP2
+inside (healed shard by shard) whose optimizer state is sharded across the
+groups with ``Parity``. The failure-free runs (:class:`FailureFree`) train
+alongside the first test's groups: every run here spends most of its seconds
+starting torch and torchtitan, so runs side by side take the machine's spare
+share.
 """
 
 from __future__ import annotations
@@ -38,12 +40,12 @@ from stalwart.testing.digits_job import together
 from stalwart.testing.torchrun import TorchrunGroup
 from stalwart.testing.torchtitan_assets import TorchtitanAssets
 from stalwart.testing.waiting import wait_until
-from tests.integration.torchtitan_job import HOLD_VARIABLE, RUN_DIR_VARIABLE
+from tests.integration.torchtitan_job import GO_VARIABLE, HOLD_VARIABLE, RUN_DIR_VARIABLE
 
-STEPS = 8
+STEPS = 6
 GLOBAL_BATCH = 4
-KILL_AT = 3
-REJOIN_AT = 5
+KILL_AT = 2
+REJOIN_AT = 3
 TOLERANCE = 1e-4
 RUN_TIMEOUT = 420.0
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -66,7 +68,11 @@ def stalwart_args(
 
 
 class Groups:
-    """Replica groups as torchrun jobs (one per launch) against one lighthouse, writing into one run directory."""
+    """Replica groups as torchrun jobs (one per launch) against one lighthouse, writing into one run directory.
+
+    With ``exit_at_once`` a process whose run ended well skips the
+    interpreter's teardown (:data:`torchtitan_cpu.EXIT_VARIABLE`); the
+    failure-free runs keep it, so that a crash there still fails a test."""
 
     def __init__(
         self,
@@ -76,6 +82,7 @@ class Groups:
         processes: int,
         steps: int = STEPS,
         per_replica: Mapping[int, Mapping[str, str]] | None = None,
+        exit_at_once: bool = True,
     ) -> None:
         self.run_dir = run_dir
         self.per_replica = per_replica or {}
@@ -87,14 +94,19 @@ class Groups:
             "STALWART_LIGHTHOUSE": lighthouse.url,
             RUN_DIR_VARIABLE: str(run_dir),
             HOLD_VARIABLE: str(run_dir / "hold"),
+            torchtitan_cpu.EXIT_VARIABLE: "1" if exit_at_once else "0",
         }
         self.environ["PYTHONPATH"] = os.pathsep.join([self.environ["PYTHONPATH"], str(REPOSITORY)])
         self.launched: list[TorchrunGroup] = []
 
-    def launch(self, replica: int, *more: str) -> TorchrunGroup:
+    def launch(self, replica: int, *more: str, waits_for: Path | None = None) -> TorchrunGroup:
+        """Group ``replica`` as a torchrun job; with ``waits_for``, its processes import torch and torchtitan, then
+        wait until that file exists before they build the trainer (a replacement started early)."""
         args = stalwart_args(self.assets, self.run_dir, replica, 2 // self.processes, *more, steps=self.steps_to_train)
         command = torchtitan_cpu.torchrun_command(self.processes, args)
         environ = {**self.environ, **self.per_replica.get(replica, {})}
+        if waits_for is not None:
+            environ[GO_VARIABLE] = str(waits_for)
         group = TorchrunGroup(command, self.run_dir / f"replica-{replica}.log", environ)
         self.launched.append(group)
         return group
@@ -148,7 +160,9 @@ class FailureFree:
 
     One group of the same size as the tested groups: FSDP2's initialisation of
     a sharded parameter draws differently from a whole one's. Parity leaves the
-    parameters as they are: its run compares with the run of its size without it."""
+    parameters as they are: its run compares with the run of its size without it.
+    Their processes end through the interpreter's teardown (off the failure
+    tests' path: they end first), each group's exit status 0 asserted."""
 
     def __init__(self, directory: Path, assets: TorchtitanAssets, sizes: Sequence[int]) -> None:
         self.directory = directory
@@ -158,7 +172,7 @@ class FailureFree:
         options = {"min_replicas": 1, "start_replicas": 1, "heartbeat_timeout": 5.0, "join_timeout": 30.0}
         for processes in sizes:
             lighthouse = self.stack.enter_context(Lighthouse(None, **options))
-            groups = Groups(directory / f"size-{processes}", lighthouse, assets, processes)
+            groups = Groups(directory / f"size-{processes}", lighthouse, assets, processes, exit_at_once=False)
             groups.run_dir.mkdir()
             self.stack.callback(groups.end)
             self.runs[processes] = groups.launch(0)
@@ -184,6 +198,12 @@ def failure_free(
         yield runs
 
 
+def alone_since(lighthouse: Lighthouse) -> int | None:
+    """The id of the first quorum of group 0 alone, None before it formed."""
+    quorums = lighthouse.status()["quorums"]
+    return next((q["quorum_id"] for q in quorums if q["members"] == ["replica-0"]), None)
+
+
 def kill_restart_and_heal(
     run_dir: Path,
     lighthouse: Lighthouse,
@@ -192,25 +212,31 @@ def kill_restart_and_heal(
     more: Sequence[str] = (),
     per_replica: Mapping[int, Mapping[str, str]] | None = None,
 ) -> None:
-    """Groups 0 and 1 start; all of group 1 is SIGKILLed at ``KILL_AT``, launched again and healed; both finish.
-    ``per_replica``: each group's own environment variables (its GPU)."""
+    """Groups 0 and 1 start; all of group 1 is SIGKILLed at ``KILL_AT``, its replacement (started with them,
+    waiting) goes and is healed; both finish. ``per_replica``: each group's own environment variables (its GPU)."""
     groups = Groups(run_dir, lighthouse, assets, processes, per_replica=per_replica)
     groups.hold(KILL_AT)
+    go = run_dir / "go"
     try:
         first = {replica: groups.launch(replica, *more) for replica in (0, 1)}
+        restarted = groups.launch(1, *more, waits_for=go)
         wait_until(lambda: groups.at(1, KILL_AT)() or first[1].poll() is not None, RUN_TIMEOUT, "group 1 held")
         assert first[1].poll() is None, groups.log(1)
         killed = {groups.steps(1, rank)[-1][1] for rank in range(processes)}
         for pid in killed:
             os.kill(pid, signal.SIGKILL)
         assert first[1].wait(timeout=RUN_TIMEOUT) != 0
-        groups.hold(REJOIN_AT)
-        wait_until(lambda: groups.at(0, REJOIN_AT)() or first[0].poll() is not None, RUN_TIMEOUT, "group 0 held")
-        assert first[0].poll() is None, groups.log(0)
-        since = lighthouse.status()["quorums"][-1]["quorum_id"]
-        restarted = groups.launch(1, *more)
+        groups.hold(REJOIN_AT)  # group 0 trains on alone, then waits there for the replacement's join
         wait_until(
-            lambda: together(lighthouse, ["replica-0", "replica-1"], since) or restarted.poll() is not None,
+            lambda: alone_since(lighthouse) is not None or first[0].poll() is not None,
+            RUN_TIMEOUT,
+            "group 0 in a quorum alone",
+        )
+        alone = alone_since(lighthouse)
+        assert alone is not None and first[0].poll() is None and restarted.poll() is None, groups.log(0)
+        go.touch()  # the replacement builds its trainer while group 0 trains on; it joins at a later boundary
+        wait_until(
+            lambda: together(lighthouse, ["replica-0", "replica-1"], alone) or restarted.poll() is not None,
             RUN_TIMEOUT,
             "the restarted group 1 in group 0's quorum",
         )
@@ -223,7 +249,6 @@ def kill_restart_and_heal(
         restarted_steps = [step for step, pid in groups.steps(1, rank) if pid not in killed]
         assert restarted_steps[0] >= REJOIN_AT and restarted_steps[-1] == STEPS - 1, restarted_steps
     quorums = lighthouse.status()["quorums"]
-    assert ["replica-0"] in [sorted(q["members"]) for q in quorums]  # group 0 went on alone
     assert sorted(quorums[-1]["members"]) == ["replica-0", "replica-1"]
 
 

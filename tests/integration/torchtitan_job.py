@@ -9,6 +9,10 @@ number at most the step's (:func:`stalwart.launch.loop.held_until`: a
 membership change ends the wait), and after the last step it saves the
 model's full parameters to ``RUN_DIR/final-MEMBER.RANK.pt``. ``RUN_DIR`` and
 the hold file come from :data:`RUN_DIR_VARIABLE` and :data:`HOLD_VARIABLE`.
+With :data:`GO_VARIABLE` set, it waits (bounded) until that file exists
+before building anything (torchtitan's trainer, the process group, the
+Manager): a replacement group a test starts early, its interpreters'
+torch and torchtitan imports done while the job trains, joins when told.
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
 from stalwart.integrations.torchtitan.config_registry import with_stalwart
 from stalwart.integrations.torchtitan.trainer import StalwartTrainer
-from stalwart.launch.loop import held_until
+from stalwart.launch.loop import HOLD_LIMIT, held_until
 from stalwart.runtime.sharding import is_dtensor
+from stalwart.testing.waiting import wait_until
 
 RUN_DIR_VARIABLE = "STALWART_TEST_RUN_DIR"
 HOLD_VARIABLE = "STALWART_TEST_HOLD_FILE"
+GO_VARIABLE = "STALWART_TEST_GO_FILE"
 
 
 class HeldTrainer(StalwartTrainer):
@@ -35,6 +41,12 @@ class HeldTrainer(StalwartTrainer):
     @dataclass(kw_only=True, slots=True)
     class Config(StalwartTrainer.Config):
         pass
+
+    def __init__(self, config: Config) -> None:
+        go = os.environ.get(GO_VARIABLE)
+        if go is not None:
+            wait_until(Path(go).exists, HOLD_LIMIT, f"the go file {go}")
+        super().__init__(config)
 
     def should_continue_training(self) -> bool:
         going = super().should_continue_training()

@@ -28,6 +28,14 @@ def test_cpu_flags_come_before_the_callers() -> None:
     assert args[-1] == "full_dtensor"  # the caller's choice is parsed last and wins
 
 
+def test_a_process_exits_at_once_only_when_the_environment_says_1() -> None:
+    assert not torchtitan_cpu.exits_at_once({})
+    assert not torchtitan_cpu.exits_at_once({torchtitan_cpu.EXIT_VARIABLE: "0"})
+    assert torchtitan_cpu.exits_at_once({torchtitan_cpu.EXIT_VARIABLE: "1"})
+    with pytest.raises(ValueError, match="STALWART_TORCHTITAN_EXIT_AT_ONCE must be 0 or 1, got 'yes'"):
+        torchtitan_cpu.exits_at_once({torchtitan_cpu.EXIT_VARIABLE: "yes"})
+
+
 def test_the_launch_device_is_cpu_unless_the_environment_names_cuda() -> None:
     assert torchtitan_cpu.launch_device({}) == "cpu"
     assert torchtitan_cpu.launch_device({torchtitan_cpu.DEVICE_VARIABLE: "cuda"}) == "cuda"

@@ -60,14 +60,23 @@ with NCCL (:data:`DEVICE_VARIABLE`).
 
 Not a shim: with ``STALWART_TORCHTITAN_AUDIT`` (and ``STALWART_TORCHTITAN_HOLD``)
 set, the batches each process takes are recorded (and held at a step) for the
-benchmarks (:mod:`stalwart.testing.torchtitan_audit`).
+benchmarks (:mod:`stalwart.testing.torchtitan_audit`). With
+``STALWART_TORCHTITAN_EXIT_AT_ONCE=1`` (:data:`EXIT_VARIABLE`) a run ends at
+once: rank 0 skips the 2-second sleep at the end of torchtitan's ``train()``
+("for other ranks to complete": the other ranks never wait for it), and a
+process whose run ended well exits, its output flushed, instead of going
+through the interpreter's teardown of torch's and torchtitan's modules (some
+2 s of CPU per process): for tests that run many groups and check their exit
+elsewhere.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -80,6 +89,22 @@ SPMD_BACKEND_FLAGS = ("--parallelism.spmd-backend", "partial_dtensor")
 DEVICE_VARIABLE = "STALWART_TORCHTITAN_DEVICE"
 """``cpu`` (the default: every shim) or ``cuda`` (the version shims 4 and 5 only; torchtitan picks the GPU)."""
 DEVICES = ("cpu", "cuda")
+EXIT_VARIABLE = "STALWART_TORCHTITAN_EXIT_AT_ONCE"
+"""``1``: no sleep at the end of ``train()``, and after a run that ended well ``os._exit(0)`` (logs flushed) instead
+of the interpreter's teardown; ``0`` or unset: torchtitan's sleep and the teardown (a crash there shows in the exit
+status)."""
+
+
+class NoSleep:
+    """The ``time`` module as ``torchtitan.trainer`` sees it, less ``sleep`` (its one use: rank 0's 2 s at the end of
+    ``train()``)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+    @staticmethod
+    def sleep(seconds: float) -> None:
+        return None
 
 
 class CpuDeviceModule:
@@ -217,6 +242,30 @@ def launch_device(environ: Mapping[str, str] | None = None) -> str:
     return device
 
 
+def exits_at_once(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether :data:`EXIT_VARIABLE` in ``environ`` (this process's environment by default) asks to exit at once."""
+    value = (os.environ if environ is None else environ).get(EXIT_VARIABLE, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{EXIT_VARIABLE} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def skip_the_end_sleep() -> None:
+    """Rank 0 ends ``train()`` without torchtitan's 2-second sleep (:class:`NoSleep` as ``torchtitan.trainer.time``)."""
+    import torchtitan.trainer
+
+    torchtitan.trainer.time = NoSleep()
+
+
+def exit_at_once() -> None:
+    """End this process with status 0 now: the logging handlers (torchtitan's JSONL log among them) and the standard
+    streams flushed, the interpreter's teardown skipped."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def apply_shims(device: str = "cpu") -> None:
     """The shims of this module's docstring for ``device`` (idempotent): all of them on ``cpu``, the version
     shims (4; 5 is a flag, :func:`torchtitan_args`) on ``cuda``."""
@@ -273,8 +322,12 @@ def environment(scratch: Path, base: Mapping[str, str] | None = None) -> dict[st
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Apply the shims and run ``torchtitan.train.main`` on ``argv`` (the process's arguments by default); with
-    ``STALWART_TORCHTITAN_AUDIT`` set, record the batches (:mod:`stalwart.testing.torchtitan_audit`)."""
+    ``STALWART_TORCHTITAN_AUDIT`` set, record the batches (:mod:`stalwart.testing.torchtitan_audit`); with
+    :data:`EXIT_VARIABLE` set, exit at once when it returns."""
     apply_shims(launch_device())
+    at_once = exits_at_once()
+    if at_once:
+        skip_the_end_sleep()
     from torchtitan import train
 
     audit_dir = os.environ.get(torchtitan_audit.AUDIT_DIR_ENV)
@@ -285,6 +338,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     train.main()
     if audit_dir:
         torchtitan_audit.finish(Path(audit_dir))
+    if at_once:
+        exit_at_once()
 
 
 if __name__ == "__main__":
