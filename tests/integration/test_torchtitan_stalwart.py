@@ -342,7 +342,7 @@ def test_a_heal_moves_the_parameters_in_place_without_the_models_state_dict_hook
         HealedParameters(target).load_state_dict({"model.weight": state["model.weight"]})
 
 
-FLEET_HOLD = 5
+FLEET_HOLD = 4
 """The step both groups are held at (and SIGKILLed) once the lighthouse vouched for a durable checkpoint."""
 
 
@@ -362,8 +362,10 @@ def test_the_whole_fleet_killed_resumes_from_stalwarts_checkpoint(
     more = ("--fault-tolerance.checkpoint-folder", folder, "--fault-tolerance.checkpoint-interval", "2")
     groups = Groups(tmp_path, lighthouse, torchtitan_assets, processes=1)
     groups.hold(FLEET_HOLD)
+    go = tmp_path / "go"
     try:
         first = [groups.launch(replica, *more) for replica in (0, 1)]
+        resumed = [groups.launch(replica, *more, waits_for=go) for replica in (0, 1)]  # importing meanwhile
         wait_until(
             lambda: (
                 (
@@ -381,19 +383,19 @@ def test_the_whole_fleet_killed_resumes_from_stalwarts_checkpoint(
             os.kill(pid, signal.SIGKILL)
         assert [group.wait(timeout=RUN_TIMEOUT) for group in first] != [0, 0]
         groups.hold(None)
-        resumed = [groups.launch(replica, *more) for replica in (0, 1)]
+        go.touch()
         codes = [group.wait(timeout=RUN_TIMEOUT) for group in resumed]
     finally:
         groups.end()
     assert codes == [0, 0], groups.log(0) + groups.log(1)
     resumes = lighthouse.status()["resumed_from_checkpoint"]
-    assert len(resumes) == 1, resumes  # the ledger went back once, to a checkpoint (step 5's commit may be lost)
+    assert len(resumes) == 1, resumes  # the ledger went back once, to a checkpoint (the held step's commit may be lost)
     checkpoint = resumes[0]["to_step"]
     assert 2 <= checkpoint <= resumes[0]["from_step"] <= FLEET_HOLD, resumes
-    resumed = {replica: [step for step, pid in groups.steps(replica) if pid not in killed] for replica in (0, 1)}
+    trained = {replica: [step for step, pid in groups.steps(replica) if pid not in killed] for replica in (0, 1)}
     # the first group back trained from the checkpoint on; the other joined it then or at a later step, healed
-    assert min(steps[0] for steps in resumed.values()) == checkpoint, (resumed, resumes)
-    assert all(steps[-1] == STEPS - 1 for steps in resumed.values()), resumed
+    assert min(steps[0] for steps in trained.values()) == checkpoint, (trained, resumes)
+    assert all(steps[-1] == STEPS - 1 for steps in trained.values()), trained
     assert_audited_exactly_once_at_a_constant_global_batch(tmp_path / "audit")
     reference = failure_free(1)
     for name, parameters in finals(tmp_path).items():
