@@ -343,11 +343,7 @@ class Manager:
         return self._session.boundary_wanted
 
     def lighthouse_status(self) -> dict[str, Any] | None:
-        """The lighthouse's ``/v1/status`` JSON (its settings, members, quorum, ledger), asked now.
-
-        None in a replica group's other processes: only the group's leader
-        talks to the lighthouse.
-        """
+        """The lighthouse's ``/v1/status`` JSON, asked now; None in a group's other processes (not its leader)."""
         client = self._session.client
         return None if client is None else client.status()
 
@@ -376,10 +372,8 @@ class Manager:
 
     @property
     def dropped_microbatches(self) -> int:
-        """Micro-batches a DataLoader of ``steps()`` prefetched for a superseded share and that were dropped.
-
-        Over the Manager's life: the count stays readable after ``steps()`` ended.
-        """
+        """Micro-batches a DataLoader of ``steps()`` prefetched for a superseded share and dropped (over the
+        Manager's life: readable after ``steps()`` ended)."""
         return self._dropped + (0 if self._feed is None else self._feed.dropped)
 
     @property
@@ -513,9 +507,8 @@ class Manager:
     def state_dict(self) -> dict[str, Any]:
         """This member's whole state: applied step, ledger and every state (model, optimizer, registered, RNGs).
 
-        For a user's own saving; the Manager's durable checkpoints
-        (``checkpoint``) write the same content through
-        ``torch.distributed.checkpoint``.
+        For a user's own saving; the Manager's durable checkpoints (``checkpoint``)
+        write the same content through ``torch.distributed.checkpoint``.
         """
         return self._keeper.state_dict()
 
