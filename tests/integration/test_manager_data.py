@@ -22,6 +22,7 @@ from stalwart.data.ledger import DataLedger
 from stalwart.data.plan import EpochPlan
 from stalwart.data.sampler import ManagedDistributedSampler
 from stalwart.data.world import WorldInfo
+from stalwart.launch.processes import preloaded_context
 from stalwart.runtime.loader import ElasticLoader
 from stalwart.runtime.manager import Manager
 from stalwart.runtime.planner import step_began
@@ -112,7 +113,12 @@ def test_a_dataloader_over_the_managed_sampler_trains_what_the_elastic_loader_do
 
     def dataloader(manager: Manager) -> DataLoader[Any]:
         sampler = ManagedDistributedSampler(manager, dataset)
-        return DataLoader(dataset, batch_sampler=sampler, num_workers=workers, pin_memory=False)
+        # workers from the preloaded forkserver, not forked from this pytest process: it ran other tests before
+        # (Arrow's thread pools, other libraries' threads), and a worker forked from it once died of SIGSEGV
+        context = preloaded_context() if workers else None
+        return DataLoader(
+            dataset, batch_sampler=sampler, num_workers=workers, pin_memory=False, multiprocessing_context=context
+        )
 
     parameters, ends = train_solo(dataloader)
     assert ends == expected_ends == [False, False, True, False, False, True, False]
