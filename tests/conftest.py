@@ -8,6 +8,7 @@ integration"`` runs the unit tests alone.
 from __future__ import annotations
 
 import datetime
+import signal
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -52,6 +53,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if "unit" not in item.path.relative_to(item.config.rootpath).parts:
             item.add_marker(pytest.mark.integration)
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.fixture(autouse=True)
+def restore_signal_handlers() -> Iterator[None]:
+    """Put back this process's SIGTERM and SIGINT handlers after each test.
+
+    A test that runs a library in this process may leave its handlers behind:
+    torchx's local scheduler installs one that raises on SIGTERM, which the
+    Manager's own handler then chains to in a later test of the same process.
+    """
+    handlers = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for number, handler in handlers.items():
+        if handler is not None:
+            signal.signal(number, handler)
 
 
 @pytest.fixture
