@@ -1,4 +1,5 @@
-"""stalwart's torchtitan trainer on CPU: two replica groups (torchrun jobs) of torchtitan's llama3 debug model.
+"""stalwart's torchtitan trainer on CPU: two replica groups of torchtitan's llama3 debug model (torchrun jobs;
+groups of one process forked with torchrun's environment, :meth:`Groups.launch`).
 
 Group 1's processes are SIGKILLed while both groups are held at the top of
 step ``KILL_AT`` (:mod:`tests.integration.torchtitan_job`); group 0 trains
@@ -37,7 +38,7 @@ from stalwart.coord.server import Lighthouse
 from stalwart.data.audit import audit_directory
 from stalwart.testing import torchtitan_cpu
 from stalwart.testing.digits_job import together
-from stalwart.testing.torchrun import TorchrunGroup
+from stalwart.testing.torchrun import ForkedGroup, TorchrunGroup
 from stalwart.testing.torchtitan_assets import TorchtitanAssets
 from stalwart.testing.waiting import wait_until
 from tests.integration.torchtitan_job import GO_VARIABLE, HOLD_VARIABLE, RUN_DIR_VARIABLE
@@ -97,17 +98,23 @@ class Groups:
             torchtitan_cpu.EXIT_VARIABLE: "1" if exit_at_once else "0",
         }
         self.environ["PYTHONPATH"] = os.pathsep.join([self.environ["PYTHONPATH"], str(REPOSITORY)])
-        self.launched: list[TorchrunGroup] = []
+        self.launched: list[TorchrunGroup | ForkedGroup] = []
 
-    def launch(self, replica: int, *more: str, waits_for: Path | None = None) -> TorchrunGroup:
-        """Group ``replica`` as a torchrun job; with ``waits_for``, its processes import torch and torchtitan, then
-        wait until that file exists before they build the trainer (a replacement started early)."""
+    def launch(self, replica: int, *more: str, waits_for: Path | None = None) -> TorchrunGroup | ForkedGroup:
+        """Group ``replica``: a torchrun job (groups of two, as users launch them), or, for groups of one, its
+        process forked from the preloaded forkserver with torchrun's environment (:class:`ForkedGroup`: no agent,
+        torch imported already; these tests launch ten such groups). With ``waits_for``, its processes import
+        torchtitan, then wait until that file exists before they build the trainer (a replacement started early)."""
         args = stalwart_args(self.assets, self.run_dir, replica, 2 // self.processes, *more, steps=self.steps_to_train)
-        command = torchtitan_cpu.torchrun_command(self.processes, args)
         environ = {**self.environ, **self.per_replica.get(replica, {})}
         if waits_for is not None:
             environ[GO_VARIABLE] = str(waits_for)
-        group = TorchrunGroup(command, self.run_dir / f"replica-{replica}.log", environ)
+        log = self.run_dir / f"replica-{replica}.log"
+        group: TorchrunGroup | ForkedGroup
+        if self.processes == 1:
+            group = ForkedGroup("stalwart.testing.torchtitan_cpu:forked_main", 1, args, log, environ)
+        else:
+            group = TorchrunGroup(torchtitan_cpu.torchrun_command(self.processes, args), log, environ)
         self.launched.append(group)
         return group
 
@@ -167,7 +174,7 @@ class FailureFree:
     def __init__(self, directory: Path, assets: TorchtitanAssets, sizes: Sequence[int]) -> None:
         self.directory = directory
         self.stack = contextlib.ExitStack()
-        self.runs: dict[int, TorchrunGroup] = {}
+        self.runs: dict[int, TorchrunGroup | ForkedGroup] = {}
         self.parameters: dict[int, dict[str, torch.Tensor]] = {}
         options = {"min_replicas": 1, "start_replicas": 1, "heartbeat_timeout": 5.0, "join_timeout": 30.0}
         for processes in sizes:

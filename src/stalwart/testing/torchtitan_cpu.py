@@ -342,5 +342,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         exit_at_once()
 
 
+def forked_main() -> None:
+    """:func:`main` in a process forked from the preloaded forkserver
+    (:class:`~stalwart.testing.torchrun.ForkedGroup`): torch was imported there, so the ``OMP_NUM_THREADS`` that
+    torchrun sets is applied here."""
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    main()
+
+
 if __name__ == "__main__":
     main()
