@@ -1,5 +1,5 @@
-"""stalwart's torchtitan trainer on CPU: two replica groups of torchtitan's llama3 debug model (torchrun jobs;
-groups of one process forked with torchrun's environment, :meth:`Groups.launch`).
+"""stalwart's torchtitan trainer on CPU: two replica groups of torchtitan's llama3 debug model (their processes
+forked with torchrun's environment, :meth:`Groups.launch`; one failure-free run a torchrun job).
 
 Group 1's processes are SIGKILLed while both groups are held at the top of
 step ``KILL_AT`` (:mod:`tests.integration.torchtitan_job`); group 0 trains
@@ -69,7 +69,7 @@ def stalwart_args(
 
 
 class Groups:
-    """Replica groups as torchrun jobs (one per launch) against one lighthouse, writing into one run directory.
+    """Replica groups (one per launch) against one lighthouse, writing into one run directory.
 
     With ``exit_at_once`` a process whose run ended well skips the
     interpreter's teardown (:data:`torchtitan_cpu.EXIT_VARIABLE`); the
@@ -84,6 +84,7 @@ class Groups:
         steps: int = STEPS,
         per_replica: Mapping[int, Mapping[str, str]] | None = None,
         exit_at_once: bool = True,
+        torchrun: bool = False,
     ) -> None:
         self.run_dir = run_dir
         self.per_replica = per_replica or {}
@@ -98,23 +99,24 @@ class Groups:
             torchtitan_cpu.EXIT_VARIABLE: "1" if exit_at_once else "0",
         }
         self.environ["PYTHONPATH"] = os.pathsep.join([self.environ["PYTHONPATH"], str(REPOSITORY)])
+        self.torchrun = torchrun
         self.launched: list[TorchrunGroup | ForkedGroup] = []
 
     def launch(self, replica: int, *more: str, waits_for: Path | None = None) -> TorchrunGroup | ForkedGroup:
-        """Group ``replica``: a torchrun job (groups of two, as users launch them), or, for groups of one, its
-        process forked from the preloaded forkserver with torchrun's environment (:class:`ForkedGroup`: no agent,
-        torch imported already; these tests launch ten such groups). With ``waits_for``, its processes import
-        torchtitan, then wait until that file exists before they build the trainer (a replacement started early)."""
+        """Group ``replica``: its processes forked from the preloaded forkserver with torchrun's environment
+        (:class:`ForkedGroup`: no agent, torch imported already; these tests launch some fifteen groups), or, with
+        ``torchrun``, a torchrun job as users launch one. With ``waits_for``, its processes import torchtitan, then
+        wait until that file exists before they build the trainer (a replacement started early)."""
         args = stalwart_args(self.assets, self.run_dir, replica, 2 // self.processes, *more, steps=self.steps_to_train)
         environ = {**self.environ, **self.per_replica.get(replica, {})}
         if waits_for is not None:
             environ[GO_VARIABLE] = str(waits_for)
         log = self.run_dir / f"replica-{replica}.log"
         group: TorchrunGroup | ForkedGroup
-        if self.processes == 1:
-            group = ForkedGroup("stalwart.testing.torchtitan_cpu:forked_main", 1, args, log, environ)
-        else:
+        if self.torchrun:
             group = TorchrunGroup(torchtitan_cpu.torchrun_command(self.processes, args), log, environ)
+        else:
+            group = ForkedGroup("stalwart.testing.torchtitan_cpu:forked_main", self.processes, args, log, environ)
         self.launched.append(group)
         return group
 
@@ -169,7 +171,8 @@ class FailureFree:
     a sharded parameter draws differently from a whole one's. Parity leaves the
     parameters as they are: its run compares with the run of its size without it.
     Their processes end through the interpreter's teardown (off the failure
-    tests' path: they end first), each group's exit status 0 asserted."""
+    tests' path: they end first), each group's exit status 0 asserted. The run of two processes is a torchrun job:
+    stalwart's trainer under torchrun as users launch it, where the tested groups are forked."""
 
     def __init__(self, directory: Path, assets: TorchtitanAssets, sizes: Sequence[int]) -> None:
         self.directory = directory
@@ -179,7 +182,14 @@ class FailureFree:
         options = {"min_replicas": 1, "start_replicas": 1, "heartbeat_timeout": 5.0, "join_timeout": 30.0}
         for processes in sizes:
             lighthouse = self.stack.enter_context(Lighthouse(None, **options))
-            groups = Groups(directory / f"size-{processes}", lighthouse, assets, processes, exit_at_once=False)
+            groups = Groups(
+                directory / f"size-{processes}",
+                lighthouse,
+                assets,
+                processes,
+                exit_at_once=False,
+                torchrun=processes > 1,
+            )
             groups.run_dir.mkdir()
             self.stack.callback(groups.end)
             self.runs[processes] = groups.launch(0)
