@@ -1,4 +1,4 @@
-"""A process of a :class:`~stalwart.testing.torchrun.ForkedGroup` in ``test_processes``: it records torchrun's
+"""A process of a :class:`~stalwart.testing.groups.ForkedGroup` in ``test_processes``: it records torchrun's
 variables as it got them, then the rank named by its options exits with the status they name while the others
 end well, or, with ``--others-wait``, wait (bounded) to be killed."""
 
@@ -11,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from stalwart.testing.torchrun import torchrun_environment
-
+VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""The variables of torchrun's that the process records."""
 WAIT_LIMIT = 300.0
 """How long a waiting rank waits before it ends on its own (the test kills it long before)."""
 
@@ -25,8 +25,7 @@ def main() -> None:
     parser.add_argument("--others-wait", action="store_true")
     options = parser.parse_args()
     rank = int(os.environ["RANK"])
-    names = torchrun_environment(0, 1, 0, "").keys()
-    (options.out / f"rank-{rank}.json").write_text(json.dumps({name: os.environ.get(name) for name in names}))
+    (options.out / f"rank-{rank}.json").write_text(json.dumps({name: os.environ.get(name) for name in VARIABLES}))
     if rank == options.failing_rank:
         sys.exit(options.status)
     if options.others_wait:

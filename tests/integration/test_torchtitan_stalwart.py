@@ -38,7 +38,8 @@ from stalwart.coord.server import Lighthouse
 from stalwart.data.audit import audit_directory
 from stalwart.testing import torchtitan_cpu
 from stalwart.testing.digits_job import together
-from stalwart.testing.torchrun import ForkedGroup, TorchrunGroup
+from stalwart.testing.groups import ForkedGroup
+from stalwart.testing.torchrun import TorchrunGroup
 from stalwart.testing.torchtitan_assets import TorchtitanAssets
 from stalwart.testing.waiting import wait_until
 from tests.integration.torchtitan_job import GO_VARIABLE, HOLD_VARIABLE, RUN_DIR_VARIABLE
@@ -116,7 +117,7 @@ class Groups:
         if self.torchrun:
             group = TorchrunGroup(torchtitan_cpu.torchrun_command(self.processes, args), log, environ)
         else:
-            group = ForkedGroup("stalwart.testing.torchtitan_cpu:forked_main", self.processes, args, log, environ)
+            group = ForkedGroup(args, environ, log, self.processes, entry="stalwart.testing.torchtitan_cpu:forked_main")
         self.launched.append(group)
         return group
 

@@ -35,10 +35,21 @@ class ForkedGroup:
     a watcher thread does the agent's job: when one process fails it SIGKILLs
     the others, and the group's ``returncode`` is 0 only if every process
     ended with 0 (1 otherwise, as torchrun's). torchrun itself is tested where
-    it is the subject (``test_torchx``, ``test_sampler_dropin``).
+    it is the subject (``test_torchx``, ``test_sampler_dropin``). ``entry``:
+    what each process runs (``MODULE:FUNCTION``, the stalwart worker unless
+    given; the torchtitan tests' launcher too).
     """
 
-    def __init__(self, argv: Sequence[str], environ: Mapping[str, str], log_path: Path, processes: int = 2) -> None:
+    def __init__(
+        self,
+        argv: Sequence[str],
+        environ: Mapping[str, str],
+        log_path: Path,
+        processes: int = 2,
+        entry: str = "stalwart.launch.worker:run",
+    ) -> None:
+        if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+            raise ValueError(f"processes must be a positive int, got {processes!r}")
         self._store = dist.TCPStore(
             "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=GROUP_TIMEOUT)
         )
@@ -53,7 +64,7 @@ class ForkedGroup:
             "TORCHELASTIC_USE_AGENT_STORE": "True",  # rank 0 joins this store instead of hosting its own
         }
         self._workers = [
-            ForkedWorker(argv, {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}, log_path)
+            ForkedWorker(argv, {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}, log_path, entry)
             for rank in range(processes)
         ]
         self.returncode: int | None = None

@@ -1,6 +1,4 @@
-"""A replica group the tests and benchmarks can SIGKILL and relaunch: one ``torchrun`` launch
-(:class:`TorchrunGroup`), or its processes forked from the preloaded forkserver with the environment torchrun
-gives them (:class:`ForkedGroup`: torch is imported already, and no agent interpreter starts)."""
+"""One ``torchrun`` launch as a replica group the tests and benchmarks can SIGKILL and relaunch."""
 
 from __future__ import annotations
 
@@ -8,17 +6,10 @@ import contextlib
 import os
 import signal
 import subprocess
-import time
-import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from stalwart.launch.processes import ForkedWorker
-from stalwart.testing.loopback import HOST, free_port
 from stalwart.testing.procfs import stat_fields
-
-POLL_INTERVAL = 0.05
-"""How often :meth:`ForkedGroup.wait` looks at its processes."""
 
 
 def child_pids(parent: int) -> list[int]:
@@ -67,70 +58,3 @@ class TorchrunGroup:
         if self.agent.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.agent.pid, signal.SIGKILL)
-
-
-def torchrun_environment(rank: int, world_size: int, master_port: int, run_id: str) -> dict[str, str]:
-    """The variables ``torchrun --standalone`` gives process ``rank`` of ``world_size`` on one node."""
-    return {
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "GROUP_RANK": "0",
-        "ROLE_RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size),
-        "ROLE_WORLD_SIZE": str(world_size),
-        "MASTER_ADDR": HOST,
-        "MASTER_PORT": str(master_port),
-        "TORCHELASTIC_RUN_ID": run_id,
-        "TORCHELASTIC_RESTART_COUNT": "0",
-        "TORCHELASTIC_MAX_RESTARTS": "0",
-        "OMP_NUM_THREADS": "1",
-    }
-
-
-class ForkedGroup:
-    """``processes`` processes running ``entry`` (``MODULE:FUNCTION``, reading ``argv`` from ``sys.argv``), forked
-    from the preloaded forkserver with the environment torchrun would give them, their output appended to
-    ``log_path``; used as :class:`TorchrunGroup` is.
-
-    Why: a torchrun launch costs an agent interpreter and, in each worker, torch's import (some 3.5 s of CPU
-    together for a group of one), which the tests that launch many short groups pay again and again. Like
-    torchrun, once a process ends with an error the others are killed and the group's status is that error.
-    What torch reads at import (``OMP_NUM_THREADS``) has the forkserver's values: ``entry`` applies it.
-    """
-
-    def __init__(self, entry: str, processes: int, argv: Sequence[str], log_path: Path, env: Mapping[str, str]) -> None:
-        if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
-            raise ValueError(f"processes must be a positive int, got {processes!r}")
-        port, run_id = free_port(), uuid.uuid4().hex
-        self.workers = [
-            ForkedWorker(argv, {**env, **torchrun_environment(rank, processes, port, run_id)}, log_path, entry)
-            for rank in range(processes)
-        ]
-
-    def worker_pids(self) -> dict[int, int]:
-        return {rank: worker.pid for rank, worker in enumerate(self.workers)}
-
-    def poll(self) -> int | None:
-        """0 once every process ended well; the first error (after killing the rest) once one did not; else None."""
-        codes = [worker.poll() for worker in self.workers]
-        failed = next((code for code in codes if code not in (None, 0)), None)
-        if failed is not None:
-            self.kill()
-            return failed
-        return 0 if all(code == 0 for code in codes) else None
-
-    def wait(self, timeout: float) -> int:
-        """:meth:`poll`'s status once there is one; ``subprocess.TimeoutExpired`` after ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        while (code := self.poll()) is None:
-            if time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(self.workers[0].args, timeout)
-            time.sleep(POLL_INTERVAL)
-        for worker in self.workers:  # reaped: every process has ended (the rest were killed)
-            worker.wait(timeout=max(deadline - time.monotonic(), 1.0))
-        return code
-
-    def kill(self) -> None:
-        for worker in self.workers:
-            worker.kill()

@@ -344,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def forked_main() -> None:
     """:func:`main` in a process forked from the preloaded forkserver
-    (:class:`~stalwart.testing.torchrun.ForkedGroup`): torch was imported there, so the ``OMP_NUM_THREADS`` that
+    (:class:`~stalwart.testing.groups.ForkedGroup`): torch was imported there, so the ``OMP_NUM_THREADS`` that
     torchrun sets is applied here."""
     import torch
 
