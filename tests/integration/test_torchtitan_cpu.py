@@ -5,7 +5,6 @@ tested in ``tests/unit/test_torchtitan_launcher.py``)."""
 from __future__ import annotations
 
 import math
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip insta
 pytest.importorskip("triton", reason="triton is not installed (torchtitan imports it at load; the torchtitan extra)")
 
 from stalwart.testing import torchtitan_cpu
+from stalwart.testing.groups import ForkedGroup, end_group
 from stalwart.testing.torchtitan_assets import TorchtitanAssets
 from stalwart.testing.torchtitan_log import step_records
 
@@ -44,19 +44,25 @@ def debug_args(assets: TorchtitanAssets, dump: Path, steps: int = STEPS) -> list
 
 
 @pytest.mark.slow
-def test_plain_torchtitan_trains_on_two_cpu_processes(torchtitan_assets: TorchtitanAssets, tmp_path: Path) -> None:
-    command = torchtitan_cpu.torchrun_command(2, debug_args(torchtitan_assets, tmp_path / "dump"))
-    result = subprocess.run(
-        command,
-        env={**torchtitan_cpu.environment(tmp_path), torchtitan_cpu.EXIT_VARIABLE: "1"},  # no interpreter teardown
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT,
-        check=False,
+def test_plain_torchtitan_trains_on_two_cpu_processes(
+    torchtitan_assets: TorchtitanAssets, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The two processes are forked with torchrun's environment (stalwart's trainer runs under torchrun itself in
+    ``test_torchtitan_stalwart``); each exits at once, without the interpreter's teardown."""
+    monkeypatch.chdir(tmp_path)
+    log = tmp_path / "run.log"
+    group = ForkedGroup(
+        debug_args(torchtitan_assets, tmp_path / "dump"),
+        {**torchtitan_cpu.environment(tmp_path), torchtitan_cpu.EXIT_VARIABLE: "1"},
+        log,
+        2,
+        entry="stalwart.testing.torchtitan_cpu:forked_main",
     )
-    assert result.returncode == 0, result.stderr[-4000:]
-    records = step_records(result.stdout + result.stderr)
+    try:
+        assert group.wait(timeout=RUN_TIMEOUT) == 0, log.read_text()[-4000:]
+    finally:
+        end_group(group)
+    records = step_records(log.read_text())
     # Each of the two ranks logs every step with the same (globally reduced) loss and gradient norm.
     assert sorted(record.step for record in records) == sorted([*range(1, STEPS + 1)] * 2)
     by_step: dict[int, set[tuple[float, float]]] = {}
