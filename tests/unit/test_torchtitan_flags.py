@@ -17,7 +17,7 @@ from stalwart.integrations.torchtitan.config import (
     check_min_replica_size,
     check_training,
 )
-from stalwart.integrations.torchtitan.data import pack_samples
+from stalwart.integrations.torchtitan.data import check_packing_fits, pack_samples
 from stalwart.runtime.config import Checkpointing
 from stalwart.runtime.diloco.config import DiLoCo
 
@@ -172,3 +172,26 @@ def test_a_corpus_too_short_for_one_sample_is_refused() -> None:
         pack_samples(iter([]), 4)
     with pytest.raises(ValueError, match=r"limit must be in"):
         pack_samples(samples(2, 2), 0)
+
+
+@given(
+    limit=st.integers(1, 10**7),
+    seq_len=st.integers(1, 1 << 16),
+    processes=st.integers(1, 16),
+    memory=st.integers(1 << 20, 1 << 41),
+)
+def test_a_run_is_refused_exactly_when_its_packed_copies_exceed_half_the_nodes_memory(
+    limit: int, seq_len: int, processes: int, memory: int
+) -> None:
+    copies = limit * seq_len * 3 * 4 * processes  # int32 inputs, positions and labels; one copy per process
+    if copies <= memory // 2 - processes:  # (the allowance is rounded down per process)
+        check_packing_fits(limit, seq_len, processes, memory)
+    elif copies > memory // 2:
+        with pytest.raises(ValueError, match=f"{limit} samples of training.seq_len = {seq_len} tokens"):
+            check_packing_fits(limit, seq_len, processes, memory)
+
+
+def test_a_real_run_of_c4_is_refused_naming_what_to_change() -> None:
+    with pytest.raises(ValueError, match=r"not supported yet\): lower training.steps or training.seq_len"):
+        check_packing_fits(100_000 * 256, 2048, 8, 2 << 40)  # 100k steps of 256 x 2,048 tokens: 586 GiB a process
+    check_packing_fits(6 * 4, 32, 2, 1 << 30)  # the CPU recipe's runs: kilobytes

@@ -8,12 +8,15 @@ group's positions again), so it needs random access: :func:`packed_text`
 runs torchtitan's dataset once over the whole corpus (one rank of one) and
 keeps the packed samples, the same samples torchtitan would train on, in
 memory as int32. ``limit`` bounds them (the trainer passes the samples the
-whole run needs), so a streamed corpus is read only as far as the run goes.
+whole run needs), so a streamed corpus is read only as far as the run goes;
+a run whose samples would not fit in memory is refused before any is packed
+(:func:`check_packing_fits`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -65,6 +68,38 @@ def pack_samples(samples: Iterable[Sample], limit: int) -> PackedText:
     return PackedText({name: torch.stack(tensors) for name, tensors in inputs.items()}, torch.stack(labels))
 
 
+PACKED_TENSORS = 3
+"""Tensors a packed sample holds at most (torchtitan's inputs and positions, the labels), each of int32."""
+MEMORY_SHARE = 2
+"""The packed samples of all of a node's processes may take up to 1/``MEMORY_SHARE`` of its memory."""
+
+
+def check_packing_fits(limit: int, seq_len: int, processes_per_node: int, memory_bytes: int) -> None:
+    """Refuse, before tokenizing anything, a run whose packed samples would not fit in memory.
+
+    Every process packs the samples of the whole run (``limit``) for itself,
+    so a node holds ``processes_per_node`` copies: together they may take up
+    to half of ``memory_bytes``. A run past that would be found out of memory
+    only after the tokenizer ran over its corpus; corpora larger than memory
+    (streamed) are not supported by this trainer yet.
+    """
+    needed = limit * seq_len * PACKED_TENSORS * 4
+    allowed = memory_bytes // (MEMORY_SHARE * processes_per_node)
+    if needed > allowed:
+        raise ValueError(
+            f"training.steps x training.global_batch_size = {limit} samples of training.seq_len = {seq_len} tokens "
+            f"packed in memory take {needed / 2**30:.1f} GiB per process, and this node's {processes_per_node} "
+            f"process(es) may take {allowed / 2**30:.1f} GiB each (half of its {memory_bytes / 2**30:.1f} GiB): "
+            "stalwart's torchtitan trainer holds the run's packed samples in memory (a streamed corpus larger than "
+            "memory is not supported yet): lower training.steps or training.seq_len"
+        )
+
+
+def node_memory_bytes() -> int:
+    """This machine's physical memory."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def packed_text(dataloader_config: Any, tokenizer: Any, seq_len: int, limit: int) -> PackedText:
     """torchtitan's text dataset of ``dataloader_config`` (a ``HuggingFaceTextDataLoader.Config``), packed."""
     from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader, HuggingFaceTextDataset
@@ -74,6 +109,7 @@ def packed_text(dataloader_config: Any, tokenizer: Any, seq_len: int, limit: int
             f"dataloader={type(dataloader_config).__name__}: stalwart's torchtitan trainer reads text datasets "
             "through HuggingFaceTextDataLoader.Config (--dataloader.dataset, --dataloader.dataset_path)"
         )
+    check_packing_fits(limit, seq_len, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), node_memory_bytes())
     dataset = HuggingFaceTextDataset(
         dataset_name=dataloader_config.dataset,
         dataset_path=dataloader_config.dataset_path,
