@@ -59,7 +59,7 @@ class HeldTrainer(StalwartTrainer):
         return going
 
     def close(self) -> None:
-        if self.step == self.config.training.steps:
+        if self.step >= self.config.training.steps:  # DiLoCo: the inner steps trained for a dead group count too
             finals = {
                 name: (value.full_tensor() if is_dtensor(value) else value).detach().clone()
                 for name, value in self.model_parts[0].state_dict().items()
