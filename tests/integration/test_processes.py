@@ -66,7 +66,7 @@ def test_another_module_runs_as_python_dash_m_would_and_a_malformed_entry_is_ref
 
 def test_a_forked_group_runs_any_entry_with_torchruns_variables_and_ends_as_torchrun_does(tmp_path: Path) -> None:
     entry, log = "tests.integration.forked_rank:main", tmp_path / "group.log"
-    with pytest.raises(ValueError, match="processes must be a positive int, got 0"):
+    with pytest.raises(ValueError, match=r"processes must be in \[1, inf\], got 0"):
         ForkedGroup([str(tmp_path)], os.environ, log, 0, entry)
     group = ForkedGroup([str(tmp_path)], os.environ, log, 2, entry)
     assert group.wait(timeout=TIMEOUT) == 0, log.read_text()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from stalwart._validate import check_int
 from stalwart.data.plan import EpochPlan
 from stalwart.launch.processes import ForkedWorker
 
@@ -48,8 +49,7 @@ class ForkedGroup:
         processes: int = 2,
         entry: str = "stalwart.launch.worker:run",
     ) -> None:
-        if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
-            raise ValueError(f"processes must be a positive int, got {processes!r}")
+        check_int("processes", processes, minimum=1)
         self._store = dist.TCPStore(
             "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=GROUP_TIMEOUT)
         )

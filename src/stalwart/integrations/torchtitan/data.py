@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import Dataset
 
 from stalwart._validate import check_int
+from stalwart.data.world import WorldInfo
 
 Sample = tuple[dict[str, torch.Tensor], torch.Tensor]
 
@@ -109,7 +110,7 @@ def packed_text(dataloader_config: Any, tokenizer: Any, seq_len: int, limit: int
             f"dataloader={type(dataloader_config).__name__}: stalwart's torchtitan trainer reads text datasets "
             "through HuggingFaceTextDataLoader.Config (--dataloader.dataset, --dataloader.dataset_path)"
         )
-    check_packing_fits(limit, seq_len, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), node_memory_bytes())
+    check_packing_fits(limit, seq_len, WorldInfo.from_env().local_world_size, node_memory_bytes())
     dataset = HuggingFaceTextDataset(
         dataset_name=dataloader_config.dataset,
         dataset_path=dataloader_config.dataset_path,
