@@ -171,11 +171,19 @@ class NetworkJob:
         return {node: process.wait(timeout=0) for node, process in self.workers.items()}
 
     def logs(self, limit: int = 3000) -> str:
-        """The tail of every log of the run, for an assertion's message."""
+        """The tail of every log of the run and the lighthouse's quorums (id, reason, members), for an assertion's
+        message: which quorum left whom out is what a failed scenario is read from."""
         parts = [
             f"--- {path.name}\n{path.read_text(errors='replace')[-limit:]}"
             for path in sorted(self.run_dir.glob("*.log"))
         ]
+        try:
+            quorums = [
+                (quorum["quorum_id"], quorum["reason"], quorum["members"]) for quorum in self.status()["quorums"]
+            ]
+            parts.append(f"--- the lighthouse's quorums (id, reason, members)\n{quorums}")
+        except OSError as error:
+            parts.append(f"--- the lighthouse's quorums: not read ({error})")
         return "\n".join(parts)
 
 
