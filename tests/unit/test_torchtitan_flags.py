@@ -1,9 +1,12 @@
-"""The torchtitan trainer's flags and config checks (pure: no torchtitan needed), and its packed dataset."""
+"""The torchtitan trainer's flags and config checks (pure: no torchtitan needed), and its streamed dataset."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +20,7 @@ from stalwart.integrations.torchtitan.config import (
     check_min_replica_size,
     check_training,
 )
-from stalwart.integrations.torchtitan.data import check_packing_fits, pack_samples
+from stalwart.integrations.torchtitan.data import StreamedText
 from stalwart.runtime.config import Checkpointing
 from stalwart.runtime.diloco.config import DiLoCo
 
@@ -139,59 +142,136 @@ def test_a_status_without_min_replicas_is_refused_when_the_flag_is_set(status: d
         check_min_replica_size(FaultTolerance(min_replica_size=2), status)
 
 
-def samples(count: int, seq_len: int) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
-    return [
-        (
-            {"input": torch.arange(seq_len) + i, "positions": torch.arange(seq_len)},
-            torch.arange(seq_len) + i + 1,
+class CountingSource:
+    """A resumable stream of ``count`` distinct samples (sample ``i`` holds ``i``), as torchtitan's text dataset is."""
+
+    def __init__(self, stream: CountingStream) -> None:
+        self.stream = stream
+        self.next = 0
+
+    def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        while self.next < self.stream.count:
+            self.next += 1
+            self.stream.reads += 1
+            yield self.stream.sample(self.next - 1)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"next": self.next}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.next = state_dict["next"]
+
+
+class CountingStream:
+    """Opens :class:`CountingSource` streams, counting how often one started and how many samples were read."""
+
+    def __init__(self, count: int, seq_len: int) -> None:
+        self.count = count
+        self.seq_len = seq_len
+        self.starts = 0
+        self.reads = 0
+
+    def sample(self, index: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        return (
+            {"input": torch.arange(self.seq_len) + index, "positions": torch.arange(self.seq_len)},
+            torch.arange(self.seq_len) + index + 1,
         )
-        for i in range(count)
-    ]
+
+    def __call__(self) -> CountingSource:
+        self.starts += 1
+        return CountingSource(self)
 
 
-@given(count=st.integers(1, 20), limit=st.integers(1, 30), seq_len=st.integers(1, 8))
-def test_packing_keeps_the_first_samples_as_torchtitan_yields_them(count: int, limit: int, seq_len: int) -> None:
-    given_samples = samples(count, seq_len)
-    packed = pack_samples(iter(given_samples), limit)
-    assert len(packed) == min(count, limit)
-    for index in range(len(packed)):
-        inputs, labels = packed[index]
-        expected_inputs, expected_labels = given_samples[index]
-        assert labels.dtype == torch.long and torch.equal(labels, expected_labels)
-        assert inputs.keys() == expected_inputs.keys()
-        assert all(torch.equal(inputs[name], expected_inputs[name]) for name in inputs)
-
-
-def test_the_fingerprint_tells_packed_datasets_apart() -> None:
-    assert pack_samples(samples(4, 3), 4).fingerprint == pack_samples(samples(4, 3), 4).fingerprint
-    assert pack_samples(samples(4, 3), 4).fingerprint != pack_samples(samples(4, 3), 3).fingerprint
-
-
-def test_a_corpus_too_short_for_one_sample_is_refused() -> None:
-    with pytest.raises(ValueError, match="packed no sample"):
-        pack_samples(iter([]), 4)
-    with pytest.raises(ValueError, match=r"limit must be in"):
-        pack_samples(samples(2, 2), 0)
+def assert_is_sample(sample: tuple[dict[str, torch.Tensor], torch.Tensor], stream: CountingStream, index: int) -> None:
+    inputs, labels = sample
+    expected_inputs, expected_labels = stream.sample(index)
+    assert labels.dtype == torch.long and torch.equal(labels, expected_labels)
+    assert inputs.keys() == expected_inputs.keys()
+    assert all(torch.equal(inputs[name], expected_inputs[name]) for name in inputs)
 
 
 @given(
-    limit=st.integers(1, 10**7),
-    seq_len=st.integers(1, 1 << 16),
-    processes=st.integers(1, 16),
-    memory=st.integers(1 << 20, 1 << 41),
+    step=st.integers(1, 6),
+    steps=st.integers(1, 8),
+    retained_steps=st.integers(1, 3),
+    retries=st.lists(st.integers(0, 8), max_size=8),
+    data=st.data(),
 )
-def test_a_run_is_refused_exactly_when_its_packed_copies_exceed_half_the_nodes_memory(
-    limit: int, seq_len: int, processes: int, memory: int
+def test_each_position_is_the_streams_sample_there_and_memory_holds_only_the_retained_ones(
+    step: int, steps: int, retained_steps: int, retries: list[int], data: st.DataObject
 ) -> None:
-    copies = limit * seq_len * 3 * 4 * processes  # int32 inputs, positions and labels; one copy per process
-    if copies <= memory // 2 - processes:  # (the allowance is rounded down per process)
-        check_packing_fits(limit, seq_len, processes, memory)
-    elif copies > memory // 2:
-        with pytest.raises(ValueError, match=f"{limit} samples of training.seq_len = {seq_len} tokens"):
-            check_packing_fits(limit, seq_len, processes, memory)
+    """Steps asked in order (a share in any order), some retried: every answer is the stream's sample at that
+    position; the stream starts again only for a position older than the kept ones, which never hold more than
+    ``retain`` samples."""
+    stream = CountingStream(step * steps, seq_len=3)
+    retain = retained_steps * step
+    dataset = StreamedText(stream, step * steps, retain, step, identity="test")
+    assert len(dataset) == step * steps
+    for number in range(steps):
+        asked = [number]
+        if number in retries:
+            asked.insert(0, max(0, number - data.draw(st.integers(0, 3))))  # a retried (older) step first
+        for earlier_or_this in asked:
+            packed_before = dataset.packed
+            positions = data.draw(st.permutations(range(earlier_or_this * step, (earlier_or_this + 1) * step)))
+            restarts_before = dataset.restarts
+            for position in positions:
+                assert_is_sample(dataset[position], stream, position)
+            too_old = min(positions) < packed_before - retain
+            assert (dataset.restarts > restarts_before) == too_old, (positions, packed_before, retain)
+            assert len(dataset.kept) <= retain
+    assert stream.starts == 1 + dataset.restarts
 
 
-def test_a_real_run_of_c4_is_refused_naming_what_to_change() -> None:
-    with pytest.raises(ValueError, match=r"not supported yet\): lower training.steps or training.seq_len"):
-        check_packing_fits(100_000 * 256, 2048, 8, 2 << 40)  # 100k steps of 256 x 2,048 tokens: 586 GiB a process
-    check_packing_fits(6 * 4, 32, 2, 1 << 30)  # the CPU recipe's runs: kilobytes
+def test_the_fingerprint_tells_streams_apart_by_what_they_read_and_their_first_sample() -> None:
+    def fingerprint(stream: CountingStream, identity: str = "a") -> str:
+        return StreamedText(stream, 4, 2, 1, identity).fingerprint
+
+    assert fingerprint(CountingStream(4, 3)) == fingerprint(CountingStream(9, 3))
+    assert fingerprint(CountingStream(4, 3)) != fingerprint(CountingStream(4, 2))
+    assert fingerprint(CountingStream(4, 3)) != fingerprint(CountingStream(4, 3), identity="b")
+
+
+def test_a_stream_shorter_than_the_run_is_refused_when_it_runs_out() -> None:
+    with pytest.raises(ValueError, match="packed only 0 samples and the run needs 4"):
+        StreamedText(CountingStream(0, 3), 4, 2, 1, "a")
+    dataset = StreamedText(CountingStream(3, 3), 4, 2, 1, "a")
+    with pytest.raises(ValueError, match="packed only 3 samples and the run needs 4"):
+        dataset[3]
+    with pytest.raises(ValueError, match=r"index must be in \[0, 3\], got 4"):
+        dataset[4]
+    with pytest.raises(ValueError, match=r"retain must be in \[2, inf\], got 1"):
+        StreamedText(CountingStream(3, 3), 4, 1, 2, "a")
+
+
+@given(step=st.integers(1, 5), live_steps=st.integers(0, 12), retained_steps=st.integers(1, 3))
+def test_a_stream_loaded_with_a_live_ones_state_packs_from_near_its_step_not_from_the_start(
+    step: int, live_steps: int, retained_steps: int
+) -> None:
+    """A joiner healed at the live group's step: each position from there is the stream's sample, and the joiner
+    reads at most the kept steps' samples before it, however long the live group trained."""
+    length = step * 20
+    live = StreamedText(CountingStream(length, 3), length, retained_steps * step, step, "a")
+    for position in range(live_steps * step):
+        live[position]
+    state = live.state_dict()
+    assert live_steps * step - retained_steps * step <= state["position"] <= live_steps * step
+    joiner_stream = CountingStream(length, 3)
+    joiner = StreamedText(joiner_stream, length, retained_steps * step, step, "a")
+    joiner.load_state_dict(json.loads(json.dumps(state)))  # as a heal sends it
+    reads_before = joiner_stream.reads
+    for position in range(live_steps * step, length):
+        assert_is_sample(joiner[position], joiner_stream, position)
+    assert joiner.restarts == 0
+    assert joiner_stream.reads - reads_before == length - state["position"]
+
+
+def test_a_malformed_state_is_refused_by_name() -> None:
+    dataset = StreamedText(CountingStream(4, 3), 4, 2, 1, "a")
+    with pytest.raises(ValueError, match="state_dict must be"):
+        dataset.load_state_dict({"position": 0})
+    with pytest.raises(ValueError, match=r"state_dict\['position'\] must be in \[0, 4\], got 5"):
+        dataset.load_state_dict({"position": 5, "stream": {}})
+    with pytest.raises(ValueError, match=r"state_dict\['stream'\] must be a dict, got list"):
+        dataset.load_state_dict({"position": 1, "stream": []})
+    assert_is_sample(dataset[3], CountingStream(4, 3), 3)  # nothing changed

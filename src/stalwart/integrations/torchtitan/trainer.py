@@ -11,8 +11,8 @@ none of its methods:
 
 - ``__init__``: after torchtitan's own, the Manager over the model part and
   its optimizer, the LR schedulers and the trainer's counters healed with
-  them, and stalwart's loader over torchtitan's dataset (packed once,
-  :mod:`stalwart.integrations.torchtitan.data`), in place of the
+  them, and stalwart's loader over torchtitan's dataset (streamed in
+  order, :mod:`stalwart.integrations.torchtitan.data`), in place of the
   data-parallel split of torchtitan's dataloader; a ``min_replica_size``
   set is checked against the lighthouse's ``--min-replicas`` there;
 - ``should_continue_training``: the loop's condition takes the next step
@@ -60,12 +60,15 @@ from stalwart.integrations.torchtitan.config import (
     check_min_replica_size,
     check_training,
 )
-from stalwart.integrations.torchtitan.data import packed_text
+from stalwart.integrations.torchtitan.data import streamed_text
 from stalwart.runtime.config import Checks, ReplicaGroup
 from stalwart.runtime.loader import ElasticLoader
 from stalwart.runtime.manager import Manager
 from stalwart.runtime.step import TrainStep
 from stalwart.runtime.timeouts import Timeouts
+
+RETAINED_STEPS = 2
+"""Steps (DiLoCo rounds) of samples the streamed dataset keeps: the step retried after a failure, and the next."""
 
 OTHER_DEGREES = (
     "data_parallel_replicate_degree",
@@ -200,8 +203,14 @@ class StalwartTrainer(Trainer):
         if config.checkpoint.enable:
             fresh_state(self.optimizers.optimizers[0])
         global_batch = config.training.global_batch_size
-        dataset = packed_text(
-            config.dataloader, self.tokenizer, config.training.seq_len, limit=config.training.steps * global_batch
+        samples_per_step = global_batch * (flags.sync_steps if flags.semi_sync_method else 1)
+        dataset = streamed_text(
+            config.dataloader,
+            self.tokenizer,
+            config.training.seq_len,
+            length=config.training.steps * global_batch,
+            retain=RETAINED_STEPS * samples_per_step,
+            anchor_every=samples_per_step,
         )
         self.stalwart_loader = ElasticLoader(dataset)
         timeout_ms = flags.process_group_timeout_ms
@@ -210,7 +219,7 @@ class StalwartTrainer(Trainer):
             self.optimizers.optimizers[0],
             max_microbatch=config.training.local_batch_size,
             member=flags.member(),
-            plan=EpochPlan(len(dataset), global_batch, seed=config.debug.seed or 0),
+            plan=EpochPlan(len(dataset), global_batch, shuffle=False),
             redundancy=flags.redundancy,
             checks=Checks(audit_dir=flags.audit_dir),
             timeouts=Timeouts.resolve(collective_timeout=None if timeout_ms is None else timeout_ms / 1000),
@@ -223,6 +232,7 @@ class StalwartTrainer(Trainer):
             self.check_lighthouse(flags)
         self.manager.register_state("lr_schedulers", self.lr_schedulers)
         self.manager.register_state("train_state", self)
+        self.manager.register_state("data_stream", dataset)  # a joiner packs from the live groups' step
         self.step_loss = StepLoss(self.loss_fn)
         self.loss_fn = cast(BaseLoss, self.step_loss)
         self.stalwart_steps: Iterator[TrainStep] = self.manager.steps(
