@@ -68,9 +68,11 @@ def test_a_survivor_a_step_past_its_reports_withdraws_the_quorum_and_the_request
     assert early is not None and early.applied_step == 2 and early.ahead is not None
     assert cluster.state.request(survivor_request(cluster, kept, 1), cluster.now) is None, "kept is at 3, not 2"
     assert cluster.state.quorum_broken, "a request that does not fit withdraws the quorum formed ahead"
+    assert cluster.state.roster.withdrawn, "it will never run: the lighthouse ends its store"
     assert cluster.state.request(survivor_request(cluster, ahead, 1), cluster.now) is None
     formation = cluster.state.tick(cluster.now)
     assert formation is not None and formation.quorum_id == 3 and formation.ahead is None
+    assert not cluster.state.roster.withdrawn
     assert formation.applied_step == 3 and formation.members == (kept, ahead) and formation.heal is None
     assert formation.begun_by == (kept, ahead, dead), "step 3 was begun by the quorum the survivors were in"
     assert sorted(cluster.log) == [0, 1, 2], "step 2 committed once, from the survivors' digests"

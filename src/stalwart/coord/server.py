@@ -388,7 +388,8 @@ class Lighthouse:
                 logger.exception("lighthouse tick failed")
 
     def _advance(self, *, tick: bool = False) -> None:
-        """Form a quorum if due and wake its waiting members (each awaits the save); push a broken quorum.
+        """Form a quorum if due and wake its waiting members (each awaits the save); push a broken quorum, and end
+        a withdrawn one's store.
 
         After an event this costs constant time unless a quorum forms; the
         periodic ``tick`` also expires heartbeats and finds hung members.
@@ -402,6 +403,11 @@ class Lighthouse:
             self.metrics.on_formation(formation.reason, self.state.state_dict())
             self.waiters.answer(formation)
         self.heartbeats.push_broken_quorum()
+        quorum = self.state.quorum
+        if quorum is not None and self.state.roster.withdrawn:
+            # it will never run: a member that confirmed it and waits in its store for a peer's keys (which the
+            # withdrawing peer never writes) asks again now, not at its rendezvous timeout, past the join timeout
+            self.stores.end(quorum.quorum_id)
         if self._collector is not None:
             busy = bool(self.waiters.waiting or self.state.asking or self.state.quorum_broken)
             gone = self.state.counts["failures"] + self.state.counts["departures"]

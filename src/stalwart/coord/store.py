@@ -4,9 +4,10 @@ It replaces an open ``torch.distributed.TCPStore``: every request comes over
 the lighthouse's own HTTP(S) port with the bearer token, and names the store
 key that only the quorum's answers carry (``docs/protocol.md``, "The quorum
 store"). Only the current quorum has a store: forming the next one deletes
-the older one's keys and ends its waits (410), so keys never pile up. Each
-store is capped in value size, total bytes, keys and pending waits, and a
-wait lasts at most :data:`~stalwart.coord.protocol.MAX_STORE_WAIT_S` per
+the older one's keys and ends its waits (410), so keys never pile up; a
+quorum formed ahead and withdrawn has its store ended so at once (it never
+runs). Each store is capped in value size, total bytes, keys and pending
+waits, and a wait lasts at most :data:`~stalwart.coord.protocol.MAX_STORE_WAIT_S` per
 request (the client asks again until its own timeout). A request names each
 key once (400 naming a repeated one), and one answer carries at most
 ``answer_bytes`` of values (413 naming the limit and the size): a
@@ -49,12 +50,14 @@ class StoreLimits:
 
 
 class StoreGone(RequestError):
-    """The quorum's store no longer exists (a newer quorum formed, or the lighthouse restarted): 410."""
+    """The quorum's store no longer exists (a newer quorum formed, the quorum was withdrawn, or the lighthouse
+    restarted): 410."""
 
     def __init__(self, quorum_id: int) -> None:
         super().__init__(
             410,
-            f"quorum {quorum_id}'s store is gone: a newer quorum formed or the lighthouse restarted; ask for a quorum",
+            f"quorum {quorum_id}'s store is gone: a newer quorum formed, the quorum was withdrawn or the lighthouse "
+            "restarted; ask for a quorum",
             code="store_gone",
             quorum_id=quorum_id,
         )
@@ -254,6 +257,15 @@ class QuorumStores:
             current.close()
         self._current = QuorumStore(quorum_id, self.limits)
         return self._current
+
+    def end(self, quorum_id: int) -> None:
+        """Delete quorum ``quorum_id``'s keys and end its waits (410): the quorum will never run (formed ahead, then
+        withdrawn), and a member waiting there for a peer's keys must ask again now. Its store stays the current
+        one, closed (opened so if it was not yet), so that every later request to it is answered 410 as well (an
+        answer naming the quorum may still be on its way) until the next quorum forms."""
+        store = self.open(quorum_id)
+        if not store.closed:
+            store.close()
 
     def get(self, quorum_id: int) -> QuorumStore:
         """Quorum ``quorum_id``'s store; :class:`StoreGone` (410) when it is not the current one."""
