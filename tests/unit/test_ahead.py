@@ -78,6 +78,27 @@ def test_a_survivor_a_step_past_its_reports_withdraws_the_quorum_and_the_request
     assert sorted(cluster.log) == [0, 1, 2], "step 2 committed once, from the survivors' digests"
 
 
+@pytest.mark.parametrize("names", ["the dead member", "a survivor"])
+def test_a_survivor_naming_unreachable_peers_confirms_unless_it_names_one_the_quorum_kept(names: str) -> None:
+    """A survivor whose own collective timed out probes its peers and names the dead one: that is no cut inside the
+    quorum formed ahead, so it confirms; naming a survivor is one, and reachability decides."""
+    cluster = fleet(3, 2)
+    first, second, dead = cluster.members
+    cluster.kill(dead)
+    cluster.now += SETTLE
+    early = cluster.state.tick(cluster.now)
+    assert early is not None and early.members == (first, second)
+    unreachable = (dead,) if names == "the dead member" else (first,)
+    request = QuorumRequest(second, 2, 1, "failure", cluster.processes[second].digest, unreachable=unreachable)
+    answer = cluster.state.request(request, cluster.now)
+    if names == "the dead member":
+        assert answer is not None and answer["quorum_id"] == 2 and not cluster.state.roster.withdrawn
+        assert cluster.state.request(survivor_request(cluster, first, 1), cluster.now) is not None
+        assert cluster.state.pending == {} and not cluster.state.quorum_broken
+    else:
+        assert answer is None and cluster.state.roster.withdrawn and cluster.state.quorum_broken
+
+
 def test_a_report_past_the_presumed_step_withdraws_the_quorum() -> None:
     cluster = fleet(3, 1)
     _, second, dead = cluster.members

@@ -174,12 +174,19 @@ class Former:
 
     def confirm(self, request: QuorumRequest) -> Formation | None:
         """The current quorum, formed ahead, for a survivor's ``request`` that fits what it presumed of its member
-        (which confirms it); None otherwise (a request that does not fit withdraws the quorum: :meth:`withdraw`)."""
+        (which confirms it); None otherwise (a request that does not fit withdraws the quorum: :meth:`withdraw`).
+
+        Peers the request names unreachable fit when the quorum left them all
+        out (dead or evicted): a survivor whose collective timed out before the
+        broken-quorum push reached it probes the dead member and names it.
+        """
         formation = self.state.formation
-        if request.reason == "join" or request.unreachable or self.state.roster.broken:
+        if request.reason == "join" or self.state.roster.broken:
             return None
         if formation is None or formation.ahead is None or not self.from_source(request):
             return None
+        if not set(request.unreachable).isdisjoint(formation.members):
+            return None  # a cut inside the quorum formed ahead: reachability decides; one to a member it left out is moot
         if not formation.ahead.fits(request.member, request.applied_step, formation.applied_step):
             return None
         self.unconfirmed().discard(request.member)
