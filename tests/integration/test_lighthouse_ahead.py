@@ -19,39 +19,60 @@ BOUND = 60.0
 """Seconds any wait of the test may take (events come in milliseconds; a busy machine is slow)."""
 
 
-def test_a_withdrawn_quorum_ends_its_store_and_the_survivor_that_confirmed_it_is_kept() -> None:
-    # worker-1 cut off (its heartbeat socket gone): the lighthouse forms worker-0's and worker-2's quorum ahead;
-    # worker-0 confirms it and waits in its store for worker-2's keys; worker-2's collective timed out on its own
-    # first, so it names the cut-off worker-1 unreachable, which withdraws the quorum (the network fault test's
-    # failure: worker-0 waited there for its rendezvous timeout, past the join timeout, and was excluded)
+def survivors_quorum_formed_ahead(server: Lighthouse, clients: list[LighthouseClient]) -> object:
+    """Three members join; worker-1's socket closes (dead at once); the lighthouse forms worker-0's and worker-2's
+    quorum ahead and worker-0 confirms it: the store of quorum 2, where worker-0 has written its group size."""
+    for client in clients:
+        client.start_heartbeat(lambda: 0)
+    with ThreadPoolExecutor(3) as pool:
+        joined = list(pool.map(lambda c: c.quorum(0, None, "join", BOUND), clients))
+    assert {answer.quorum_id for answer in joined} == {1} and len(joined[0].members) == 3
+    clients[1].close()
+    wait_until(lambda: len(server.status()["quorums"]) == 2, BOUND, "the survivors' quorum formed ahead")
+    assert server.status()["quorums"][-1]["ahead"] is True
+    confirmed = clients[0].quorum(0, 1, "failure", BOUND)  # it fits what was presumed: answered at once
+    assert (confirmed.quorum_id, confirmed.members) == (2, ("worker-0", "worker-2"))
+    store = quorum_store(confirmed.store, BOUND, token=None)
+    store.set("group_size/worker-0", "1")
+    return store
+
+
+def test_a_survivor_naming_the_dead_member_unreachable_confirms_the_quorum_formed_ahead() -> None:
+    # worker-2's collective timed out before the push reached it: it probed its peers and names the dead worker-1,
+    # which is no cut inside the quorum formed ahead (the network fault test's race: it used to withdraw it)
     with Lighthouse(PLAN, min_replicas=2, start_replicas=3, heartbeat_timeout=30.0, join_timeout=BOUND) as server:
         clients = [LighthouseClient(server.url, f"worker-{n}", heartbeat_interval=0.05) for n in range(3)]
-        first, cut_off, last = clients
         try:
-            for client in clients:
-                client.start_heartbeat(lambda: 0)
-            with ThreadPoolExecutor(3) as pool:
-                joined = list(pool.map(lambda c: c.quorum(0, None, "join", BOUND), clients))
-            assert {answer.quorum_id for answer in joined} == {1} and len(joined[0].members) == 3
-            cut_off.close()  # its socket closes: dead at once
-            wait_until(lambda: len(server.status()["quorums"]) == 2, BOUND, "the survivors' quorum formed ahead")
-            assert server.status()["quorums"][-1]["ahead"] is True
-            confirmed = first.quorum(0, 1, "failure", BOUND)  # it fits what was presumed: answered at once
-            assert (confirmed.quorum_id, confirmed.members) == (2, ("worker-0", "worker-2"))
-            store = quorum_store(confirmed.store, BOUND, token=None)
-            store.set("group_size/worker-0", "1")
-            with ThreadPoolExecutor(2) as pool:
-                # what Session.connect does first: read every member's group size (worker-2 never writes its own)
+            store = survivors_quorum_formed_ahead(server, clients)
+            with ThreadPoolExecutor(1) as pool:
+                # what Session.connect does first: read every member's group size
                 waiting = pool.submit(store.multi_get, ["group_size/worker-0", "group_size/worker-2"])
-                withdrawing = pool.submit(last.quorum, 0, 1, "failure", BOUND, unreachable=["worker-1"])
-                with pytest.raises(RuntimeError, match="410: quorum 2's store is gone"):
-                    waiting.result(BOUND)  # at once, not at the store's timeout
-                assert server.status()["reconfigure_pending"], "withdrawn: its members are told to ask again"
-                again = first.quorum(0, 2, "failure", BOUND)
-                answer = withdrawing.result(BOUND)
-            assert again.quorum_id == answer.quorum_id == 3
-            assert again.members == answer.members == ("worker-0", "worker-2"), "both survivors kept"
+                answer = clients[2].quorum(0, 1, "failure", BOUND, unreachable=["worker-1"])
+                assert (answer.quorum_id, answer.members) == (2, ("worker-0", "worker-2")), "confirmed, not withdrawn"
+                quorum_store(answer.store, BOUND, token=None).set("group_size/worker-2", "1")
+                assert waiting.result(BOUND) == [b"1", b"1"]
+            assert not server.status()["reconfigure_pending"]
             assert not [f for f in server.status()["failures"] if f["member"] != "worker-1"], "nobody excluded"
         finally:
             for client in clients:
                 client.close()
+
+
+def test_a_withdrawn_quorum_ends_its_store_so_the_survivor_waiting_there_asks_again_at_once() -> None:
+    # worker-2 names worker-0 unreachable: a cut inside the quorum formed ahead withdraws it; worker-0, waiting in
+    # its store for worker-2's keys, must hear at once (it waited for its rendezvous timeout, past the join timeout,
+    # and was excluded: the network fault test's failure)
+    with Lighthouse(PLAN, min_replicas=2, start_replicas=3, heartbeat_timeout=30.0, join_timeout=BOUND) as server:
+        clients = [LighthouseClient(server.url, f"worker-{n}", heartbeat_interval=0.05) for n in range(3)]
+        pool = ThreadPoolExecutor(2)
+        try:
+            store = survivors_quorum_formed_ahead(server, clients)
+            waiting = pool.submit(store.multi_get, ["group_size/worker-0", "group_size/worker-2"])
+            pool.submit(clients[2].quorum, 0, 1, "failure", BOUND, unreachable=["worker-0"])  # a long poll
+            with pytest.raises(RuntimeError, match="410: quorum 2's store is gone"):
+                waiting.result(BOUND)  # at once, not at the store's timeout
+            assert server.status()["reconfigure_pending"], "withdrawn: its members are told to ask again"
+        finally:
+            for client in clients:
+                client.close()  # ends worker-2's long poll
+            pool.shutdown(wait=True)

@@ -186,7 +186,7 @@ class Former:
         if formation is None or formation.ahead is None or not self.from_source(request):
             return None
         if not set(request.unreachable).isdisjoint(formation.members):
-            return None  # a cut inside the quorum formed ahead: reachability decides; one to a member it left out is moot
+            return None  # a cut inside the quorum formed ahead is reachability's; one to a member left out is moot
         if not formation.ahead.fits(request.member, request.applied_step, formation.applied_step):
             return None
         self.unconfirmed().discard(request.member)
