@@ -21,6 +21,7 @@ from stalwart.coord.metrics import LighthouseMetrics
 from stalwart.coord.persist import StateStore
 from stalwart.coord.quorum import LighthouseState, RequestError
 from stalwart.coord.settings import LighthouseSettings
+from stalwart.coord.turnstile import release
 from stalwart.data.plan import EpochPlan
 
 logger = logging.getLogger(__name__)
@@ -42,9 +43,8 @@ class Saves:
         self._lock: asyncio.Lock | None = None
         self._formed = (0, 0)
         """The last quorum formed, and how many snapshots had been taken then."""
-        self._ended = asyncio.Event()
-        """Set when the save in progress ended (a new one per save)."""
-        self._ended.set()
+        self._ending: list[asyncio.Future[None]] = []
+        """Who waits for the save in progress to end (released a batch per loop iteration: thousands may wait)."""
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="stalwart-lighthouse-save")
 
     def start(self) -> None:
@@ -68,7 +68,9 @@ class Saves:
         while after is not None and self.saved <= after and self._lock.locked():
             # a save is in progress (the lock is held only while one runs): it may be enough, so wait for it, not
             # in the lock's queue behind the saves after it (a quorum's answers trickle in while the state changes)
-            await self._ended.wait()
+            ended = asyncio.get_running_loop().create_future()
+            self._ending.append(ended)
+            await ended
         if after is not None and self.saved > after:
             return True
         async with self._lock:
@@ -83,7 +85,6 @@ class Saves:
                 self.saved = snapshot
                 return True
             loop = asyncio.get_running_loop()
-            self._ended = asyncio.Event()
             try:
                 started = time.perf_counter()
                 await loop.run_in_executor(self._thread, self.database.save, changes, time.time())
@@ -95,7 +96,8 @@ class Saves:
                 self._failing = True
                 return False
             finally:
-                self._ended.set()
+                ending, self._ending = self._ending, []
+                release(ending, None)
             if self._failing:
                 logger.warning("the lighthouse saves its state to %s again", self.database.path)
             self._failing = False

@@ -80,10 +80,12 @@ from stalwart.coord.quorum import (
 )
 from stalwart.coord.rounds import RoundsBoard
 from stalwart.coord.saves import Saves, load_state
+from stalwart.coord.selector import LoopSelector
 from stalwart.coord.settings import LighthouseSettings
 from stalwart.coord.sockets import HeartbeatSockets
 from stalwart.coord.store import QuorumStores
 from stalwart.coord.tls import is_loopback, server_context
+from stalwart.coord.turnstile import Turnstile
 from stalwart.coord.waiters import QuorumWaiters
 from stalwart.coord.wire import parse_plan
 from stalwart.data.plan import EpochPlan
@@ -177,6 +179,7 @@ class Lighthouse:
         self._port: int | None = None
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._selector = LoopSelector()
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.Server | None = None
         self.guard: ConnectionGuard | None = None
@@ -193,10 +196,12 @@ class Lighthouse:
             answer_quorum=self._answer_quorum,
             stopping=lambda: self._stopping,
             balanced_bytes=MAX_BODY_BYTES,
+            demote=self._selector.demote,
         )
         """The members' heartbeat sockets (:mod:`~stalwart.coord.sockets`)."""
         self.waiters = QuorumWaiters(self.max_waiters)
         """The quorum long polls held (:mod:`~stalwart.coord.waiters`)."""
+        self.answers = Turnstile()  # the quorum answers, paced over the loop's iterations
         self.gate = RequestGate(token, is_loopback(host), lambda: self.port, lambda: self.guard)
         """The token and browser checks every request passes (:mod:`~stalwart.coord.gate`)."""
         self._collector: QuietCollector | None = None
@@ -230,7 +235,7 @@ class Lighthouse:
         failure: list[BaseException] = []
 
         def run() -> None:
-            loop = asyncio.new_event_loop()
+            loop = self._selector.new_loop()
             self._loop = loop
             try:
                 loop.run_until_complete(self._start())
@@ -388,8 +393,7 @@ class Lighthouse:
                 logger.exception("lighthouse tick failed")
 
     def _advance(self, *, tick: bool = False) -> None:
-        """Form a quorum if due and wake its waiting members (each awaits the save); push a broken quorum, and end
-        a withdrawn one's store.
+        """Form a quorum if due, wake its waiters (each awaits the save); push a broken quorum; end a withdrawn one.
 
         After an event this costs constant time unless a quorum forms; the
         periodic ``tick`` also expires heartbeats and finds hung members.
@@ -403,11 +407,8 @@ class Lighthouse:
             self.metrics.on_formation(formation.reason, self.state.state_dict())
             self.waiters.answer(formation)
         self.heartbeats.push_broken_quorum()
-        quorum = self.state.quorum
-        if quorum is not None and self.state.roster.withdrawn:
-            # it will never run: a member that confirmed it and waits in its store for a peer's keys (which the
-            # withdrawing peer never writes) asks again now, not at its rendezvous timeout, past the join timeout
-            self.stores.end(quorum.quorum_id)
+        if (quorum := self.state.quorum) is not None and self.state.roster.withdrawn:
+            self.stores.end(quorum.quorum_id)  # it never runs: a member waiting in its store asks again at once
         if self._collector is not None:
             busy = bool(self.waiters.waiting or self.state.asking or self.state.quorum_broken)
             gone = self.state.counts["failures"] + self.state.counts["departures"]
@@ -457,6 +458,7 @@ class Lighthouse:
                 )
             formation = result
         await self.saves.require_answer(formation)
+        await self.answers.passage()  # a quorum's thousands of answers, a batch per loop iteration
         if self.state.quorum is None or self.state.quorum.quorum_id != formation.quorum_id:
             raise RequestError(  # another quorum formed while this answer was saved: ask again
                 503, f"quorum {formation.quorum_id} was superseded meanwhile; ask again", member=member, retry=True

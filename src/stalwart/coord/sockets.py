@@ -47,6 +47,9 @@ RENOTICE_S = 1.0
 SOCKET_ERRORS = (ConnectionError, RuntimeError)
 """What writing to a websocket that is closing raises (aiohttp: ``ClientConnectionResetError``, a ``RuntimeError``
 after close); the member is gone, or going, and nothing else happens."""
+PUSH_PER_ITERATION = 256
+"""Sockets a push sends to before it yields to the loop (10-50 ms of sends at 4,096 members, loaded or not): larger
+batches reach the last member sooner and stall the other requests longer (docs/design.md, issue 40, sixth session)."""
 
 
 class HeartbeatSockets:
@@ -55,7 +58,8 @@ class HeartbeatSockets:
     What it needs of the server comes as callables: ``authenticate(request,
     member)`` (403/410 unless the request speaks for the member), ``advance()`` (form a quorum if due), and
     ``answer_quorum(request)`` (the answer to a quorum request, however it
-    came); ``stopping()`` tells whether the server shuts down.
+    came); ``stopping()`` tells whether the server shuts down; ``demote(socket)`` has the loop report an
+    upgraded socket with the members' bulk (:mod:`~stalwart.coord.selector`).
     """
 
     def __init__(
@@ -69,6 +73,7 @@ class HeartbeatSockets:
         answer_quorum: Callable[[QuorumRequest], Awaitable[bytes]],
         stopping: Callable[[], bool],
         balanced_bytes: int,
+        demote: Callable[[Any], None],
     ) -> None:
         self.state = state
         self.metrics = metrics
@@ -79,6 +84,8 @@ class HeartbeatSockets:
         self.stopping = stopping
         self.balanced_bytes = balanced_bytes
         """Largest heartbeat message of a balanced ledger (its weights)."""
+        self.demote = demote
+        """Has the event loop report an upgraded socket with the members' bulk, a batch per iteration."""
         self.sockets: dict[str, web.WebSocketResponse] = {}
         """Each member's open heartbeat socket."""
         self._broken_pushed: set[int] = set()
@@ -112,6 +119,8 @@ class HeartbeatSockets:
         limit = self.balanced_bytes if self.state.balance_every else MAX_HEARTBEAT_BYTES
         ws = web.WebSocketResponse(max_msg_size=limit, timeout=1.0)
         await ws.prepare(request)
+        if request.transport is not None and (raw := request.transport.get_extra_info("socket")) is not None:
+            self.demote(raw)
         previous = self.sockets.get(member)
         self.sockets[member] = ws
         if previous is not None:
@@ -277,9 +286,12 @@ class HeartbeatSockets:
 async def push(sockets: list[web.WebSocketResponse], message: str) -> None:
     """Send ``message`` on each socket, in one task: a send whose transport takes it without waiting completes at
     once, so only a socket whose peer stopped reading (its transport's buffer over ``PUSH_BUFFERED`` bytes) gets a
-    task of its own, never holding up the others. A task per socket cost 4,096 tasks per failure at 4,096 members."""
+    task of its own, never holding up the others. A task per socket cost 4,096 tasks per failure at 4,096 members.
+    The task yields to the loop every ``PUSH_PER_ITERATION`` sockets."""
     loop = asyncio.get_running_loop()
-    for member_socket in sockets:
+    for number, member_socket in enumerate(sockets, start=1):
+        if number % PUSH_PER_ITERATION == 0:
+            await asyncio.sleep(0)  # let requests in between (a /healthz, a store read): 4,096 sends took 200 ms
         if member_socket.closed:
             continue
         transport = member_socket.get_extra_info("transport")

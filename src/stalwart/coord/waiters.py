@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 
 from stalwart.coord.formation import Formation
+from stalwart.coord.turnstile import release
 from stalwart.coord.wire import RequestError
 
 Outcome = Formation | RequestError
@@ -55,11 +56,9 @@ class QuorumWaiters:
         return waiter.result() if waiter.done() else None
 
     def answer(self, formation: Formation) -> None:
-        """Wake the polls of the members of the quorum just formed."""
-        for member in formation.members:
-            for waiter in self._by_member.get(member, ()):
-                if not waiter.done():
-                    waiter.set_result(formation)
+        """Wake the polls of the members of the quorum just formed, a batch per loop iteration (thousands wait at
+        once after a failure: :func:`~stalwart.coord.turnstile.release`)."""
+        release([waiter for member in formation.members for waiter in self._by_member.get(member, ())], formation)
 
     def refuse(self, member: str, error: RequestError) -> None:
         """Answer ``member``'s waiting polls with ``error``."""

@@ -1,0 +1,106 @@
+"""A turnstile for the lighthouse's event loop: at most so many tasks go on per iteration of the loop.
+
+After a failure at thousands of members the survivors' answers all wait on
+the same event (the quorum formed, its save done), and asyncio resumes every
+task woken in one iteration together: some 50 µs each to render and send,
+so 4,000 answers made one iteration of 200 ms, and a ``/healthz`` request
+waited behind it. Tasks that pass the turnstile go on at most
+``per_iteration`` a loop iteration, in the order they came, the others
+waiting their turn; the answers still go out as fast as the loop sends
+them, in iterations short enough for a request to pass between them. The
+members' sockets are paced the same way on the reading side
+(:mod:`~stalwart.coord.selector`), and the wake-ups of many waiters on one
+event by :func:`release`.
+
+Written here because asyncio has no such primitive (a semaphore bounds how
+many run at once, not how many resume per iteration).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Iterable
+from typing import TypeVar
+
+from stalwart._validate import check_int
+
+PER_ITERATION = 256
+"""Tasks let through per loop iteration: 10-20 ms of answers at 4,096 members."""
+
+Result = TypeVar("Result")
+
+
+def release(waiters: Iterable[asyncio.Future[Result]], result: Result, per_iteration: int = PER_ITERATION) -> None:
+    """Set ``result`` on ``waiters`` in order, ``per_iteration`` of them per loop iteration (done ones skipped).
+
+    For the events thousands of tasks wait on at once (a quorum formed, a
+    save ended): setting every result together resumes every task in the
+    next iteration.
+    """
+    check_int("per_iteration", per_iteration, minimum=1)
+    pending = deque(waiters)
+
+    def next_batch() -> None:
+        released = 0
+        while pending and released < per_iteration:
+            waiter = pending.popleft()
+            if not waiter.done():
+                waiter.set_result(result)
+                released += 1
+        if pending:
+            asyncio.get_running_loop().call_soon(next_batch)
+
+    next_batch()
+
+
+class Turnstile:
+    """``await turnstile.passage()``: returns in a later iteration once fewer than ``per_iteration`` passed in it."""
+
+    def __init__(self, per_iteration: int = PER_ITERATION) -> None:
+        self.per_iteration = check_int("per_iteration", per_iteration, minimum=1)
+        self._queue: deque[asyncio.Future[None]] = deque()
+        self._passed = 0
+        self._released = 0
+        """Tasks let through whose turn comes in the next iteration: a newcomer waits behind them."""
+        self._counting = False
+
+    @property
+    def waiting(self) -> int:
+        """Tasks queued for a later iteration."""
+        return len(self._queue)
+
+    async def passage(self) -> None:
+        """Go on now when fewer than ``per_iteration`` went on in this iteration and nobody queued; else queue."""
+        loop = asyncio.get_running_loop()
+        if not self._queue and not self._released and self._passed < self.per_iteration:
+            self._passed += 1
+            self._count_iteration(loop)
+            return
+        turn: asyncio.Future[None] = loop.create_future()
+        self._queue.append(turn)
+        self._count_iteration(loop)
+        try:
+            await turn
+        finally:
+            if turn.done() and not turn.cancelled():
+                self._released -= 1
+
+    def _count_iteration(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the next iteration's count (and its releases) once, at the end of this one."""
+        if not self._counting:
+            self._counting = True
+            loop.call_soon(self._next_iteration, loop)
+
+    def _next_iteration(self, loop: asyncio.AbstractEventLoop) -> None:
+        """A new iteration: let the next ``per_iteration`` queued go on (they resume in the next one)."""
+        self._counting = False
+        self._passed = 0
+        while self._queue and self._passed < self.per_iteration:
+            turn = self._queue.popleft()
+            if not turn.done():  # a task cancelled while it waited leaves its turn to the next one
+                turn.set_result(None)
+                self._passed += 1
+                self._released += 1
+        if self._queue or self._passed:
+            self._count_iteration(loop)
