@@ -32,8 +32,9 @@ from typing import Any
 
 from stalwart._validate import check_int
 
-BULK_PER_SELECT = 256
-"""Members' sockets reported per iteration at most (128 was tried too: no shorter stall in the benchmark)."""
+BULK_PER_SELECT = 128
+"""Members' sockets reported per iteration at most: with the turnstile and the push at the same 128, three
+interleaved pairs at 4,096 members stalled less than at 256 each time (docs/design.md, issue 40, sixth session)."""
 
 
 class _EpollSet:

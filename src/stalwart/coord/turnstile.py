@@ -25,8 +25,8 @@ from typing import TypeVar
 
 from stalwart._validate import check_int
 
-PER_ITERATION = 256
-"""Tasks let through per loop iteration: 10-20 ms of answers at 4,096 members."""
+PER_ITERATION = 128
+"""Tasks let through per loop iteration: 5-10 ms of answers at 4,096 members."""
 
 Result = TypeVar("Result")
 
@@ -55,52 +55,44 @@ def release(waiters: Iterable[asyncio.Future[Result]], result: Result, per_itera
 
 
 class Turnstile:
-    """``await turnstile.passage()``: returns in a later iteration once fewer than ``per_iteration`` passed in it."""
+    """``await turnstile.passage()``: returns in a later loop iteration, at most ``per_iteration`` callers per
+    iteration, in the order they came.
+
+    Every caller queues, even when nobody else waits (one iteration of
+    latency): one callback a loop iteration lets the next ``per_iteration``
+    go, and they resume in the iteration after it, so no iteration resumes
+    more than that, whoever arrives when.
+    """
 
     def __init__(self, per_iteration: int = PER_ITERATION) -> None:
         self.per_iteration = check_int("per_iteration", per_iteration, minimum=1)
         self._queue: deque[asyncio.Future[None]] = deque()
-        self._passed = 0
-        self._released = 0
-        """Tasks let through whose turn comes in the next iteration: a newcomer waits behind them."""
-        self._counting = False
+        self._letting = False
 
     @property
     def waiting(self) -> int:
-        """Tasks queued for a later iteration."""
+        """Callers queued."""
         return len(self._queue)
 
     async def passage(self) -> None:
-        """Go on now when fewer than ``per_iteration`` went on in this iteration and nobody queued; else queue."""
+        """Queue, and return once let through."""
         loop = asyncio.get_running_loop()
-        if not self._queue and not self._released and self._passed < self.per_iteration:
-            self._passed += 1
-            self._count_iteration(loop)
-            return
         turn: asyncio.Future[None] = loop.create_future()
         self._queue.append(turn)
-        self._count_iteration(loop)
-        try:
-            await turn
-        finally:
-            if turn.done() and not turn.cancelled():
-                self._released -= 1
+        if not self._letting:
+            self._letting = True
+            loop.call_soon(self._let_through, loop)
+        await turn
 
-    def _count_iteration(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Start the next iteration's count (and its releases) once, at the end of this one."""
-        if not self._counting:
-            self._counting = True
-            loop.call_soon(self._next_iteration, loop)
-
-    def _next_iteration(self, loop: asyncio.AbstractEventLoop) -> None:
-        """A new iteration: let the next ``per_iteration`` queued go on (they resume in the next one)."""
-        self._counting = False
-        self._passed = 0
-        while self._queue and self._passed < self.per_iteration:
+    def _let_through(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Once a loop iteration while anyone queues: let the next ``per_iteration`` go (they resume in the next)."""
+        released = 0
+        while self._queue and released < self.per_iteration:
             turn = self._queue.popleft()
             if not turn.done():  # a task cancelled while it waited leaves its turn to the next one
                 turn.set_result(None)
-                self._passed += 1
-                self._released += 1
-        if self._queue or self._passed:
-            self._count_iteration(loop)
+                released += 1
+        if self._queue:
+            loop.call_soon(self._let_through, loop)
+        else:
+            self._letting = False
