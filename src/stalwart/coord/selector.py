@@ -75,8 +75,7 @@ class BulkCappedSelector(selectors.BaseSelector):
 
     def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
         fd = _fd_of(fileobj)
-        if not events or events & ~(selectors.EVENT_READ | selectors.EVENT_WRITE):
-            raise ValueError(f"events must be EVENT_READ and/or EVENT_WRITE, got {events!r}")
+        _check_events(events)
         if fd in self._priority.keys or fd in self._bulk.keys:
             raise KeyError(f"{fileobj!r} (fd {fd}) is already registered")
         key = selectors.SelectorKey(fileobj, fd, events, data)
@@ -92,8 +91,7 @@ class BulkCappedSelector(selectors.BaseSelector):
         found = self._set_of(fd)
         key = found.keys[fd]
         if events != key.events:
-            if not events or events & ~(selectors.EVENT_READ | selectors.EVENT_WRITE):
-                raise ValueError(f"events must be EVENT_READ and/or EVENT_WRITE, got {events!r}")
+            _check_events(events)
             key = key._replace(events=events, data=data)
             found.modify(key)
         elif data != key.data:
@@ -192,6 +190,11 @@ def _fd_of(fileobj: Any) -> int:
     if not isinstance(fd, int) or fd < 0:
         raise ValueError(f"invalid file descriptor {fd!r} of {fileobj!r}")
     return fd
+
+
+def _check_events(events: int) -> None:
+    if not events or events & ~(selectors.EVENT_READ | selectors.EVENT_WRITE):
+        raise ValueError(f"events must be EVENT_READ and/or EVENT_WRITE, got {events!r}")
 
 
 def _epoll_mask(events: int) -> int:

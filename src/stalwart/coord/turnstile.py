@@ -42,16 +42,22 @@ def release(waiters: Iterable[asyncio.Future[Result]], result: Result, per_itera
     pending = deque(waiters)
 
     def next_batch() -> None:
-        released = 0
-        while pending and released < per_iteration:
-            waiter = pending.popleft()
-            if not waiter.done():
-                waiter.set_result(result)
-                released += 1
+        _release_some(pending, result, per_iteration)
         if pending:
             asyncio.get_running_loop().call_soon(next_batch)
 
     next_batch()
+
+
+def _release_some(pending: deque[asyncio.Future[Result]], result: Result, most: int) -> None:
+    """Set ``result`` on the first ``most`` of ``pending`` not done yet (a waiter cancelled meanwhile leaves its turn
+    to the next one), taking them, and the done ones before them, off the queue."""
+    released = 0
+    while pending and released < most:
+        waiter = pending.popleft()
+        if not waiter.done():
+            waiter.set_result(result)
+            released += 1
 
 
 class Turnstile:
@@ -86,12 +92,7 @@ class Turnstile:
 
     def _let_through(self, loop: asyncio.AbstractEventLoop) -> None:
         """Once a loop iteration while anyone queues: let the next ``per_iteration`` go (they resume in the next)."""
-        released = 0
-        while self._queue and released < self.per_iteration:
-            turn = self._queue.popleft()
-            if not turn.done():  # a task cancelled while it waited leaves its turn to the next one
-                turn.set_result(None)
-                released += 1
+        _release_some(self._queue, None, self.per_iteration)
         if self._queue:
             loop.call_soon(self._let_through, loop)
         else:

@@ -102,11 +102,11 @@ class StreamedText(Dataset[Sample]):
     def __getitem__(self, index: int) -> Sample:
         position = check_int("index", index, minimum=0, maximum=self.length - 1)
         with self._lock:
-            if position < self._packed - len(self._kept):
+            if position < self.kept.start:
                 self._start_again(position)
             while self._packed <= position:
                 self._pack_next()
-            inputs, labels = self._kept[position - (self._packed - len(self._kept))]
+            inputs, labels = self._kept[position - self.kept.start]
         return {name: tensor.long() for name, tensor in inputs.items()}, labels.long()
 
     def state_dict(self) -> dict[str, Any]:
@@ -148,7 +148,7 @@ class StreamedText(Dataset[Sample]):
         self._packed += 1
         if self._packed % self.anchor_every == 0:
             self._anchors[self._packed] = copy.deepcopy(self._source.state_dict())
-        oldest_kept = self._packed - len(self._kept)
+        oldest_kept = self.kept.start
         for position in [position for position in self._anchors if position < oldest_kept]:
             del self._anchors[position]
 
