@@ -68,11 +68,14 @@ def test_a_withdrawn_quorum_ends_its_store_so_the_survivor_waiting_there_asks_ag
         try:
             store = survivors_quorum_formed_ahead(server, clients)
             waiting = pool.submit(store.multi_get, ["group_size/worker-0", "group_size/worker-2"])
-            pool.submit(clients[2].quorum, 0, 1, "failure", BOUND, unreachable=["worker-0"])  # a long poll
+            long_poll = pool.submit(clients[2].quorum, 0, 1, "failure", BOUND, unreachable=["worker-0"])
             with pytest.raises(RuntimeError, match="410: quorum 2's store is gone"):
                 waiting.result(BOUND)  # at once, not at the store's timeout
             assert server.status()["reconfigure_pending"], "withdrawn: its members are told to ask again"
+            clients[2].close()
+            with pytest.raises(RuntimeError, match="worker-2 was closed while this call waited"):
+                long_poll.result(BOUND / 2)  # closing the client ends its long poll, not the poll's own timeout
         finally:
             for client in clients:
-                client.close()  # ends worker-2's long poll
+                client.close()
             pool.shutdown(wait=True)

@@ -369,7 +369,8 @@ class LighthouseClient:
         return self._run(self.registration.headers())
 
     def close(self) -> None:
-        """Stop the heartbeat (its socket closes) and the client's thread; safe to call twice."""
+        """Stop the heartbeat (its socket closes) and the client's thread; safe to call twice. A call another thread
+        has in flight (a quorum long poll) raises ``RuntimeError`` at once instead of waiting out its timeout."""
         if self._closed:
             return
         self._run(self._shutdown())
@@ -398,6 +399,8 @@ class LighthouseClient:
             raise LighthouseUnreachable(
                 f"cannot reach the lighthouse at {self.url} ({describe_error(error)})"
             ) from None
+        except concurrent.futures.CancelledError:
+            raise RuntimeError(f"the lighthouse client of {self.member} was closed while this call waited") from None
         except concurrent.futures.TimeoutError:
             if future.done():  # the coroutine's own TimeoutError, already worded
                 raise
@@ -428,9 +431,11 @@ class LighthouseClient:
         self._path_lost = asyncio.get_running_loop().create_future()
 
     async def _shutdown(self) -> None:
-        if self._heartbeat_task is not None:
-            self._heartbeat_task.cancel()
-            await asyncio.gather(self._heartbeat_task, return_exceptions=True)
+        """End the heartbeat and every call in flight (their callers raise ``RuntimeError``), then the session."""
+        in_flight = asyncio.all_tasks() - {asyncio.current_task()}
+        for task in in_flight:
+            task.cancel()
+        await asyncio.gather(*in_flight, return_exceptions=True)
         await self._session.close()
 
     async def _request(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
