@@ -169,8 +169,7 @@ class LighthouseClient:
         self.heartbeat_interval = check_seconds("heartbeat_interval", heartbeat_interval)
         self.request_timeout = check_seconds("request_timeout", request_timeout)
         self.register_timeout = check_seconds("register_timeout", register_timeout)
-        """How long a registration is asked again while the member's old process lives or registrations are
-        rate limited."""
+        """How long a registration is retried while the member's old process lives or registrations are limited."""
         self.token = token
         self.ssl_context = client_context(self.url, ca_file)
         """What verifies the lighthouse's certificate (None over plain HTTP); the quorum's store uses it too."""
@@ -369,8 +368,7 @@ class LighthouseClient:
         return self._run(self.registration.headers())
 
     def close(self) -> None:
-        """Stop the heartbeat (its socket closes) and the client's thread; safe to call twice. A call another thread
-        has in flight (a quorum long poll) raises ``RuntimeError`` at once instead of waiting out its timeout."""
+        """Stop the heartbeat (its socket closes), any call in flight (it raises ``RuntimeError``) and the thread."""
         if self._closed:
             return
         self._run(self._shutdown())
@@ -399,7 +397,7 @@ class LighthouseClient:
             raise LighthouseUnreachable(
                 f"cannot reach the lighthouse at {self.url} ({describe_error(error)})"
             ) from None
-        except concurrent.futures.CancelledError:
+        except concurrent.futures.CancelledError:  # close() ended it
             raise RuntimeError(f"the lighthouse client of {self.member} was closed while this call waited") from None
         except concurrent.futures.TimeoutError:
             if future.done():  # the coroutine's own TimeoutError, already worded
@@ -431,7 +429,6 @@ class LighthouseClient:
         self._path_lost = asyncio.get_running_loop().create_future()
 
     async def _shutdown(self) -> None:
-        """End the heartbeat and every call in flight (their callers raise ``RuntimeError``), then the session."""
         in_flight = asyncio.all_tasks() - {asyncio.current_task()}
         for task in in_flight:
             task.cancel()
