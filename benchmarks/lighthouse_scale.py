@@ -125,8 +125,12 @@ def _serve(
     heartbeat_timeout: float,
     join_timeout: float,
     ahead_settle: float | None,
+    lighthouse_core: int | None,
 ) -> None:
-    """The lighthouse process: serve until SIGTERM, logging to ``log_path`` (its full collections among it)."""
+    """The lighthouse process: serve until SIGTERM, logging to ``log_path`` (its full collections among it); on
+    ``lighthouse_core`` alone when given (the driver and the members keep the other cores)."""
+    if lighthouse_core is not None:
+        os.sched_setaffinity(0, {lighthouse_core})
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     logging.basicConfig(
@@ -503,7 +507,16 @@ class Driver:
         state = str(folder / f"state-{members}.db")
         self.server = context.Process(
             target=_serve,
-            args=(self.port, members, state, str(self.log), args.heartbeat_timeout, args.join_timeout, args.ahead),
+            args=(
+                self.port,
+                members,
+                state,
+                str(self.log),
+                args.heartbeat_timeout,
+                args.join_timeout,
+                args.ahead,
+                args.lighthouse_core,
+            ),
             daemon=True,
         )
         names = [f"member-{n:05d}" for n in range(members)]
@@ -946,11 +959,22 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="seconds after the last death before the survivors' quorum forms ahead of their requests, or 'off' "
         "(the requests decide, as before)",
     )
+    parser.add_argument(
+        "--lighthouse-core",
+        type=int,
+        help="run the lighthouse on this CPU core alone and the members and the driver on the others, as a "
+        "lighthouse on a host of its own would (default: all processes share every core)",
+    )
     parser.add_argument("--stop-after-failure", action="store_true", help="skip larger counts once one fails")
     parser.add_argument("--report", type=Path, help="write the results as JSON")
     parser.add_argument("--compare", type=Path, help="a --report of an earlier run: print before/after")
     args = parser.parse_args(argv)
     args.ahead = None if args.ahead_settle == "off" else float(args.ahead_settle)
+    if args.lighthouse_core is not None:
+        cores = os.sched_getaffinity(0)
+        if args.lighthouse_core not in cores or len(cores) < 2:
+            parser.error(f"--lighthouse-core {args.lighthouse_core}: needs one of {sorted(cores)} and another core")
+        os.sched_setaffinity(0, cores - {args.lighthouse_core})  # the members, spawned from here, inherit it
     _prepare_process()
     results = []
     with tempfile.TemporaryDirectory() as folder:
