@@ -83,7 +83,7 @@ class Settings:
 
 
 FULL = Settings(shards=8, rows_per_shard=5000, worlds=((2, 2), (3, 2)), rounds=5)
-QUICK = Settings(shards=8, rows_per_shard=400, worlds=((2, 2), (3, 2)), rounds=1, isolated=False)
+QUICK = Settings(shards=8, rows_per_shard=120, worlds=((2, 2), (3, 2)), rounds=1, isolated=False)
 
 
 def write_shards(directory: Path, settings: Settings) -> list[str]:

@@ -280,7 +280,7 @@ def test_goodput_quick_run_replays_the_trace_against_every_system(run_quick: Cal
 @pytest.mark.slow
 def test_streams_quick_run_measures_every_case_and_goal(run_quick: Callable[..., str]) -> None:
     output = run_quick("benchmarks.data_streams", "--quick")
-    assert "Hugging Face stream, 8 JSON-lines shards of 400 rows" in output and "Goals" in output
+    assert "Hugging Face stream, 8 JSON-lines shards of 120 rows" in output and "Goals" in output
     for case in ("split_dataset_by_node", "+ shuffle", "ShardedStream", "interleave=4", "content keys"):
         assert output.count(case) >= 2, case  # at 2 x 2 and at 3 x 2
     assert "NO" not in output.split("Goals")[0], "every case covered the epoch exactly once"
