@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from stalwart.coord.figures import lost_per_failure, member_counts, samples_committed
+from stalwart.coord.figures import member_counts, samples_committed
 from stalwart.coord.heal_report import HealTotals, heal_growth, parse_heal_totals
 from stalwart.coord.metrics import LighthouseMetrics
 from stalwart.coord.wire import RequestError
@@ -82,7 +82,7 @@ def test_reassigned_samples_are_the_dead_members_shares_counted_once(size: int, 
         assert formation.reason == "failure"
         lost.append(len(before[dead]))
         for _ in range(2):  # a hook called again for the same formation counts nothing more
-            metrics.on_formation(formation.reason, cluster.state.state_dict())
+            metrics.on_formation(formation.reason, *cluster.state.hosted.lost_per_failure())
     values = samples(metrics, cluster.state.to_status(cluster.now))
     assert values["stalwart_samples_reassigned_total"] == sum(lost)
     assert values["stalwart_failures_total{kind=socket_closed}"] == 2
@@ -91,7 +91,7 @@ def test_reassigned_samples_are_the_dead_members_shares_counted_once(size: int, 
     assert values["stalwart_steps_committed"] == steps
     assert values["stalwart_members{state=dead}"] == 2
     assert values["stalwart_quorum_size"] == size - 2
-    assert lost_per_failure(cluster.state.state_dict()) == (steps, lost)
+    assert cluster.state.hosted.lost_per_failure() == (steps, lost)
 
 
 @settings(max_examples=80, deadline=None)

@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from stalwart.data.ledger import DataLedger
-
 MEMBER_STATES = ("alive", "joining", "dead", "left")
 """What ``LighthouseState.member_state`` says of a member."""
 
@@ -45,25 +43,3 @@ def summary(status: Mapping[str, Any]) -> dict[str, Any]:
         "recoveries": int(counts["recoveries"]),
         "quorums": int(counts["quorums"]),
     }
-
-
-def lost_per_failure(state: Mapping[str, Any]) -> tuple[int, list[int]]:
-    """``(step, lost)``: the step in progress and the positions each of its failures handed to survivors.
-
-    ``state`` is a ``LighthouseState.state_dict()``: its committed ``ledger``
-    and the ``record`` of the step in progress (members, then failures and
-    reassigns), replayed on a copy exactly as the members replay it.
-    """
-    ledger = DataLedger.from_state_dict(state["ledger"])
-    record = state["record"]
-    if record is None:
-        return ledger.step, []
-    ledger.begin_step(record["members"])
-    lost = []
-    for failed, survivors in record["failures"]:
-        in_flight = ledger.in_flight
-        lost.append(sum(int(in_flight[member].size) for member in failed if member in in_flight))
-        for member in failed:
-            ledger.member_failed(member)
-        ledger.reassign(survivors)
-    return ledger.step, lost

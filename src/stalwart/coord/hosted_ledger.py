@@ -65,10 +65,15 @@ class StepRecord:
         failed = {member for event_failed, _ in self.failures for member in event_failed}
         return [member for member in self.members if member not in failed]
 
-    def replay(self, ledger: DataLedger) -> int:
-        """Begin the step on ``ledger`` and apply the failures and reassigns; returns the step's epoch."""
+    def replay(self, ledger: DataLedger, lost: list[int] | None = None) -> int:
+        """Begin the step on ``ledger`` and apply the failures and reassigns; returns the step's epoch.
+
+        ``lost``, when given, gets the positions each failure handed to the survivors, in order."""
         ledger.begin_step(self.members)
         for failed, survivors in self.failures:
+            if lost is not None:
+                in_flight = ledger.in_flight
+                lost.append(sum(int(in_flight[member].size) for member in failed if member in in_flight))
             for member in failed:
                 ledger.member_failed(member)
             ledger.reassign(survivors)
@@ -92,13 +97,15 @@ class HostedLedger(Tracked):
     stamps the part.
     """
 
-    UNTRACKED = frozenset({"_in_step", "digests"})
+    UNTRACKED = frozenset({"_in_step", "_in_step_lost", "digests"})
 
     def __init__(self, plan: EpochPlan, balance_every: int = 0) -> None:
         self.ledger = DataLedger(plan, balance_every=balance_every)
         self._record: StepRecord | None = None
         self._in_step: DataLedger | None = None
         """The ledger with the record replayed (cached until the record or the ledger changes)."""
+        self._in_step_lost: list[int] = []
+        """The positions each of the record's failures handed to survivors, found by that replay."""
         self.snapshot: dict[str, Any] | None = None
         self.digests: dict[int, str] = {0: ledger_digest(self.ledger.state_dict())}
         """Digest of the ledger after each recent commit, by step (bounded; rebuilt from the members' reports)."""
@@ -140,10 +147,19 @@ class HostedLedger(Tracked):
         """The ledger in the step in progress when a record says how it began, else the committed one (cached)."""
         if self._in_step is None:
             ledger = self.ledger.copy()
+            self._in_step_lost = []
             if self._record is not None:
-                self._record.replay(ledger)
+                self._record.replay(ledger, self._in_step_lost)
             self._in_step = ledger
         return self._in_step
+
+    def lost_per_failure(self) -> tuple[int, list[int]]:
+        """``(step, lost)``: the step in progress and the positions each of its failures handed to survivors.
+
+        Read from the cached replay of the step (a failure quorum's formation made it): a second replay of the
+        ledger at formation took some 20 ms of the lighthouse's loop at 4,096 members."""
+        self.in_step()
+        return self.ledger.step, list(self._in_step_lost)
 
     @property
     def step(self) -> int:

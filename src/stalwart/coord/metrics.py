@@ -18,7 +18,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from stalwart.coord.figures import MEMBER_STATES, lost_per_failure, summary
+from stalwart.coord.figures import MEMBER_STATES, summary
 from stalwart.coord.heal_report import HEAL_FIELD, HealTotals, heal_growth, parse_heal_totals
 from stalwart.coord.wire import take_field
 
@@ -108,14 +108,14 @@ class LighthouseMetrics:
         elif kind == "checkpoint_resumes":
             self.checkpoint_resumes.inc()
 
-    def on_formation(self, reason: str, state: Mapping[str, Any]) -> None:
+    def on_formation(self, reason: str, step: int, lost: list[int]) -> None:
         """A quorum formed; a failure quorum's reassigned samples are counted once per failure of a step.
 
-        ``state`` is the ``LighthouseState.state_dict()`` right after it formed.
+        ``step`` and ``lost`` are the step in progress and the positions each of its failures handed to survivors
+        (:meth:`~stalwart.coord.hosted_ledger.HostedLedger.lost_per_failure`), right after it formed.
         """
         if reason != "failure":
             return
-        step, lost = lost_per_failure(state)
         for number, count in enumerate(lost):
             if (step, number) not in self._reassigns_counted:
                 self._reassigns_counted.add((step, number))
