@@ -82,7 +82,7 @@ def test_reassigned_samples_are_the_dead_members_shares_counted_once(size: int, 
         assert formation.reason == "failure"
         lost.append(len(before[dead]))
         for _ in range(2):  # a hook called again for the same formation counts nothing more
-            metrics.on_formation(formation.reason, *cluster.state.hosted.lost_per_failure())
+            metrics.on_formation(formation.reason, cluster.state.hosted)
     values = samples(metrics, cluster.state.to_status(cluster.now))
     assert values["stalwart_samples_reassigned_total"] == sum(lost)
     assert values["stalwart_failures_total{kind=socket_closed}"] == 2

@@ -65,19 +65,18 @@ class StepRecord:
         failed = {member for event_failed, _ in self.failures for member in event_failed}
         return [member for member in self.members if member not in failed]
 
-    def replay(self, ledger: DataLedger, lost: list[int] | None = None) -> int:
-        """Begin the step on ``ledger`` and apply the failures and reassigns; returns the step's epoch.
-
-        ``lost``, when given, gets the positions each failure handed to the survivors, in order."""
+    def replay(self, ledger: DataLedger) -> list[int]:
+        """Begin the step on ``ledger`` and apply the failures and reassigns; returns the positions each failure
+        handed to the survivors, in order."""
         ledger.begin_step(self.members)
+        lost = []
         for failed, survivors in self.failures:
-            if lost is not None:
-                in_flight = ledger.in_flight
-                lost.append(sum(int(in_flight[member].size) for member in failed if member in in_flight))
+            in_flight = ledger.in_flight
+            lost.append(sum(int(in_flight[member].size) for member in failed if member in in_flight))
             for member in failed:
                 ledger.member_failed(member)
             ledger.reassign(survivors)
-        return ledger.epoch
+        return lost
 
     def to_json(self) -> dict[str, Any]:
         """JSON form."""
@@ -147,9 +146,7 @@ class HostedLedger(Tracked):
         """The ledger in the step in progress when a record says how it began, else the committed one (cached)."""
         if self._in_step is None:
             ledger = self.ledger.copy()
-            self._in_step_lost = []
-            if self._record is not None:
-                self._record.replay(ledger, self._in_step_lost)
+            self._in_step_lost = [] if self._record is None else self._record.replay(ledger)
             self._in_step = ledger
         return self._in_step
 
@@ -175,10 +172,9 @@ class HostedLedger(Tracked):
         snapshot = {"ledger": self.ledger.state_dict(), "record": record.to_json()}
         if self._record is not None:
             self.ledger = self.in_step()
-            epoch = self.ledger.epoch
         else:
-            epoch = record.replay(self.ledger)
-        step = self.ledger.step
+            record.replay(self.ledger)
+        epoch, step = self.ledger.epoch, self.ledger.step
         positions = self.ledger.commit()
         self.snapshot = snapshot
         self.record = None

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from stalwart.coord.figures import MEMBER_STATES, summary
 from stalwart.coord.heal_report import HEAL_FIELD, HealTotals, heal_growth, parse_heal_totals
+from stalwart.coord.hosted_ledger import HostedLedger
 from stalwart.coord.wire import take_field
 
 logger = logging.getLogger(__name__)
@@ -108,14 +109,15 @@ class LighthouseMetrics:
         elif kind == "checkpoint_resumes":
             self.checkpoint_resumes.inc()
 
-    def on_formation(self, reason: str, step: int, lost: list[int]) -> None:
+    def on_formation(self, reason: str, hosted: HostedLedger) -> None:
         """A quorum formed; a failure quorum's reassigned samples are counted once per failure of a step.
 
-        ``step`` and ``lost`` are the step in progress and the positions each of its failures handed to survivors
-        (:meth:`~stalwart.coord.hosted_ledger.HostedLedger.lost_per_failure`), right after it formed.
+        ``hosted`` is the ledger of record right after it formed; a failure quorum's counts are read from it
+        (:meth:`~stalwart.coord.hosted_ledger.HostedLedger.lost_per_failure`), no other quorum's.
         """
         if reason != "failure":
             return
+        step, lost = hosted.lost_per_failure()
         for number, count in enumerate(lost):
             if (step, number) not in self._reassigns_counted:
                 self._reassigns_counted.add((step, number))

@@ -404,7 +404,7 @@ class Lighthouse:
         formation = self.state.tick(now) if tick else self.state.try_form(now)
         if formation is not None:
             self.saves.formed(formation.quorum_id)
-            self.metrics.on_formation(formation.reason, *self.state.hosted.lost_per_failure())
+            self.metrics.on_formation(formation.reason, self.state.hosted)
             self.waiters.answer(formation)
         self.heartbeats.push_broken_quorum()
         if (quorum := self.state.quorum) is not None and self.state.roster.withdrawn:
