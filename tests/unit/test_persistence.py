@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from stalwart.coord.history import HISTORY_LIMIT
 from stalwart.coord.persist import StateStore
 from stalwart.coord.protocol import ledger_digest
-from stalwart.coord.quorum import LighthouseState, RequestError
+from stalwart.coord.quorum import LighthouseState, QuorumRequest, RequestError
 from stalwart.coord.tracked import Tracked, TrackedDict
 from stalwart.data.plan import EpochPlan
 from stalwart.testing.fleet import SimulatedFleet, SimulatedMember
@@ -57,9 +57,12 @@ def persisted(state: LighthouseState) -> dict[str, Any]:
 class Run:
     """A simulated fleet whose lighthouse saves after every operation, as the server does, and may restart."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, ahead_settle: float | None = None) -> None:
         self.path = folder / "state.db"
-        self.fleet = SimulatedFleet(PLAN, heartbeat_timeout=HEARTBEAT_TIMEOUT, join_timeout=JOIN_TIMEOUT)
+        self.ahead_settle = ahead_settle
+        self.fleet = SimulatedFleet(
+            PLAN, heartbeat_timeout=HEARTBEAT_TIMEOUT, join_timeout=JOIN_TIMEOUT, ahead_settle=ahead_settle
+        )
         self.store = StateStore(self.path, synchronous="NORMAL")
         self.secrets: dict[str, tuple[str, str]] = {}
         self.checkpoints = 0
@@ -145,6 +148,7 @@ class Run:
             heartbeat_timeout=HEARTBEAT_TIMEOUT,
             join_timeout=JOIN_TIMEOUT,
             on_commit=self.state.on_commit,
+            ahead_settle=self.ahead_settle,
         )
 
 
@@ -152,7 +156,8 @@ class Run:
 @given(data=st.data())
 def test_the_saved_state_equals_the_live_state_after_every_operation(data: st.DataObject) -> None:
     with tempfile.TemporaryDirectory() as folder:
-        run = Run(Path(folder))
+        ahead = data.draw(st.sampled_from([None, 0.01]), label="ahead_settle")  # confirmations: a row each
+        run = Run(Path(folder), ahead)
         try:
             for member in [run.fleet.spawn() for _ in range(data.draw(st.integers(1, 3), label="fleet"))]:
                 run.register(member)
@@ -251,14 +256,47 @@ def test_changes_that_could_not_be_saved_come_back_with_the_next_ones() -> None:
     fleet.start(2)
     state = fleet.state
     state.changes()
-    fleet.kill("w1")  # the answered requests and the history change
+    fleet.kill("w1")  # its answered request is withdrawn and the history changes
     joiner = fleet.spawn()
     failed = state.changes()
-    assert failed.formation is not None and set(failed.members) == {joiner} and failed.events
+    assert failed.answered == {"w1": None} and set(failed.members) == {joiner} and failed.events
     state.requeue(failed)
     assert state.unsaved
+    again = state.changes()
+    assert again.answered == {"w1": None} and set(again.members) == {joiner}
+    state.requeue(again)
     fleet.run_steps(1)
     retried = state.changes()
-    assert retried.formation == failed.formation and set(retried.members) == {joiner}
+    assert retried.answered == {"w1": None} and set(retried.members) == {joiner}
     assert retried.events[: len(failed.events)] == failed.events
     assert not state.unsaved and state.changes().formation is None
+
+
+def test_each_save_of_a_quorum_formed_ahead_writes_only_the_answers_confirmed_since(tmp_path: Path) -> None:
+    fleet = SimulatedFleet(PLAN, heartbeat_timeout=HEARTBEAT_TIMEOUT, join_timeout=JOIN_TIMEOUT, ahead_settle=0.01)
+    fleet.start(6)
+    fleet.run_steps(2)
+    state = fleet.state
+    store = StateStore(tmp_path / "state.db", synchronous="NORMAL")
+    try:
+        store.save(state.changes(), fleet.now)
+        dead, *survivors = fleet.members
+        fleet.kill(dead)
+        fleet.now += 0.02
+        formation = state.tick(fleet.now)
+        assert formation is not None and formation.ahead is not None and dict(state.answered) == {}
+        formed = state.changes()
+        assert formed.formation is not None and formed.every_answer and formed.answered == {}
+        store.save(formed, fleet.now)
+        for member in survivors:
+            process = fleet.processes[member]
+            request = QuorumRequest(member, process.applied, 1, "failure", process.digest, process.weights)
+            assert state.request(request, fleet.now) is not None
+            confirmed = state.changes()
+            assert confirmed.formation is None and not confirmed.every_answer
+            assert confirmed.answered == {member: request.to_json()}, "one row per confirmation, not every answer"
+            store.save(confirmed, fleet.now)
+        loaded = store.load()
+    finally:
+        store.close()
+    assert loaded == persisted(state) and set(loaded["answered"]) == set(survivors)

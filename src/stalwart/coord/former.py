@@ -407,7 +407,7 @@ class Former:
         )
         self.state.formation = formation
         self.state.answered = TrackedDict(
-            {m: r for m, r in requests.items() if ahead is None or m not in ahead.presumed}
+            {m: r for m, r in requests.items() if ahead is None or m not in ahead.presumed}, keys=True
         )  # what it presumed is answered once its member confirms it (:meth:`confirm`)
         self.state.history.quorum(
             quorum_id, list(members), reason, now, target, timed_out=timed_out, unreachable=unreachable,

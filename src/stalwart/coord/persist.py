@@ -1,11 +1,13 @@
 """The lighthouse's state in SQLite, so that a killed and restarted lighthouse resumes.
 
-Four tables (JSON, never pickle), each written only when its part changed
+Five tables (JSON, never pickle), each written only when its part changed
 (:class:`~stalwart.coord.snapshot.Changes`), so a save costs what changed, not
 the number of members: ``lighthouse_state`` holds one small *core* row (the
 ledger, healing, the history's counts, the checkpoint), rewritten on every
-change; ``parts`` holds the ``formation`` row (the quorum, its formation and
-the requests it answered), rewritten when a quorum forms; ``members`` holds
+change; ``parts`` holds the ``formation`` row (the quorum and its formation),
+rewritten when a quorum forms; ``answered`` holds one row per request the
+quorum answered, written once as it is answered (a file written before this
+table kept them in the formation row, and loads as before); ``members`` holds
 one row per member (its registered incarnation and the hashes of its secrets),
 written when it appears, registers or is forgotten; ``history`` holds one
 append-only row per failure, departure, quorum and recovery, trimmed to
@@ -67,6 +69,7 @@ _SCHEMA = (
     "CREATE INDEX IF NOT EXISTS history_kind ON history (kind, seq)",
     "CREATE TABLE IF NOT EXISTS parts (name TEXT PRIMARY KEY, state TEXT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS members (name TEXT PRIMARY KEY, state TEXT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS answered (member TEXT PRIMARY KEY, request TEXT NOT NULL)",
 )
 
 
@@ -118,6 +121,9 @@ class StateStore:
             raise ValueError(f"the lighthouse state in {self.path} must be a JSON object with a history")
         for (text,) in self._connection.execute("SELECT state FROM parts WHERE name = 'formation'"):
             state.update(json.loads(text))
+        answered = self._connection.execute("SELECT member, request FROM answered ORDER BY rowid").fetchall()
+        if answered:
+            state["answered"] = {member: json.loads(text) for member, text in answered}
         members = self._connection.execute("SELECT name, state FROM members ORDER BY rowid").fetchall()
         if members or "members" not in state:
             state["members"] = {}
@@ -143,12 +149,14 @@ class StateStore:
         return state
 
     def save(self, changes: Changes, saved_at: float) -> None:
-        """Write what changed: the core row, the formation row and member rows that changed (every row, the others
-        deleted, for ``every_member``), new events; one transaction."""
+        """Write what changed: the core row, the formation row, member and answer rows that changed (every row, the
+        others deleted, for ``every_member`` and ``every_answer``), new events; one transaction."""
         core_text = _dumps(changes.core)
         formation_text = None if changes.formation is None else _dumps(changes.formation)
         upserts = [(name, _dumps(row)) for name, row in changes.members.items() if row is not None]
         deletes = [(name,) for name, row in changes.members.items() if row is None]
+        answers = [(member, _dumps(request)) for member, request in changes.answered.items() if request is not None]
+        withdrawn = [(member,) for member, request in changes.answered.items() if request is None]
         rows = [(kind, _dumps(event)) for kind, event in changes.events]
         connection = self._connection
         connection.execute("BEGIN")
@@ -171,6 +179,16 @@ class StateStore:
                 )
             if deletes:
                 connection.executemany("DELETE FROM members WHERE name = ?", deletes)
+            if changes.every_answer:
+                connection.execute("DELETE FROM answered")
+            if answers:
+                connection.executemany(
+                    "INSERT INTO answered (member, request) VALUES (?, ?) "
+                    "ON CONFLICT (member) DO UPDATE SET request = excluded.request",
+                    answers,
+                )
+            if withdrawn:
+                connection.executemany("DELETE FROM answered WHERE member = ?", withdrawn)
             if rows:
                 connection.executemany("INSERT INTO history (kind, event) VALUES (?, ?)", rows)
                 for kind in {kind for kind, _ in rows}:

@@ -240,8 +240,8 @@ class LighthouseState(Tracked):
         self.membership = Membership(self.heartbeat_timeout, check_seconds("outage_timeout", outage_timeout))
         self.asks = Pending()
         self.formation: Formation | None = None
-        self.answered: TrackedDict[str, QuorumRequest] = TrackedDict()
-        """The requests the current quorum answered."""
+        self.answered: TrackedDict[str, QuorumRequest] = TrackedDict(keys=True)
+        """The requests the current quorum answered (saved a row each, as they change)."""
         self.history = History()
         self.former = Former(self, None if ahead_settle is None else check_seconds("ahead_settle", ahead_settle))
         """The formation policy (:mod:`~stalwart.coord.former`): when the next quorum forms, whom it keeps."""
@@ -628,7 +628,7 @@ class LighthouseState(Tracked):
             self.registry.identities = saved.identities
         self.expect_quorum(now)
         self.formation = saved.formation
-        self.answered = TrackedDict(saved.answered)
+        self.answered = TrackedDict(saved.answered, keys=True)
         self.commits.heal(saved.healing, saved.heal_step)
         self.history = saved.history
         self.checkpoint = saved.checkpoint

@@ -11,14 +11,15 @@ Nothing marks itself as changed: every persisted part is
 :class:`~stalwart.coord.tracked.Tracked` (or immutable), so its stamp moves
 with every change, and the saver compares each part's stamps (and, for the
 immutable ones, their identity) with those it took last, in constant time.
-The members' rows are the keys their maps record as changed.
+The members' rows, and the answered requests' rows, are the keys their maps
+record as changed.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from stalwart._validate import check_int
@@ -63,13 +64,17 @@ class Changes:
     core: dict[str, Any]
     """The small part rewritten on every change: the ledger, healing, history counts, the checkpoint."""
     formation: dict[str, Any] | None
-    """The quorum, its formation and the requests it answered; None when unchanged."""
+    """The quorum and its formation; None when unchanged."""
     members: dict[str, dict[str, Any] | None]
     """One row per member whose identity changed or that appeared (None: forgotten)."""
     events: list[tuple[str, dict[str, Any]]]
     """New history events."""
     every_member: bool = False
     """``members`` holds every member's row: the rows of any other member go (the first save of a state)."""
+    answered: dict[str, dict[str, Any] | None] = field(default_factory=dict)
+    """One row per request the quorum answered since the last save (None: withdrawn)."""
+    every_answer: bool = False
+    """``answered`` holds every row of a new quorum's answers: any other row goes."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,7 @@ def state_dict(parts: Parts) -> dict[str, Any]:
     return {
         **core_state(parts),
         **formation_state(parts),
+        "answered": {member: request.to_json() for member, request in parts.answered.items()},
         "history": parts.history.to_json(),
         "members": {name: record.applied_step for name, record in parts.members.items()},
         "identities": parts.identities.to_json(),
@@ -132,12 +138,11 @@ def core_state(parts: Parts) -> dict[str, Any]:
 
 
 def formation_state(parts: Parts) -> dict[str, Any]:
-    """The quorum, its formation and the requests it answered."""
+    """The quorum and its formation (the requests it answered are rows of their own: :class:`Changes`)."""
     quorum = parts.quorum
     return {
         "quorum": None if quorum is None else {"quorum_id": quorum.quorum_id, "members": list(quorum.members)},
         "formation": None if parts.formation is None else parts.formation.to_json(),
-        "answered": {member: request.to_json() for member, request in parts.answered.items()},
     }
 
 
@@ -149,9 +154,12 @@ class Saver:
     """What changed since the last save, found by comparing each part's stamps with those taken last.
 
     Costs what changed: the core is small, the formation part is built once
-    per quorum, and a member's row only when it appears, registers or is
-    forgotten (its applied step is not persisted: members report it again).
-    The first save of a state writes every part.
+    per quorum, a member's row only when it appears, registers or is
+    forgotten (its applied step is not persisted: members report it again),
+    and an answered request's row once (a quorum formed ahead is confirmed
+    by thousands of survivors over many saves: rewriting every answer with
+    each was most of a failure's save work at 4,096 members). The first save
+    of a state writes every part.
     """
 
     def __init__(self) -> None:
@@ -159,29 +167,35 @@ class Saver:
         self._formation: Fingerprint | None = None
         self._rows: Fingerprint | None = None
         """The maps whose changed keys the last save took (another map: every member's row is written)."""
+        self._answers: Fingerprint | None = None
+        """The answered map whose changed keys the last save took (another map: every row is written)."""
         self._requeued: set[str] = set()
+        self._requeued_answers: set[str] = set()
         self._taken: Parts | None = None
         """The parts the fingerprints name, kept alive so that their ids are not reused."""
 
     @staticmethod
-    def _fingerprints(parts: Parts) -> tuple[Fingerprint, Fingerprint, Fingerprint]:
+    def _fingerprints(parts: Parts) -> tuple[Fingerprint, Fingerprint, Fingerprint, Fingerprint]:
         commits, hosted, history, identities = parts.commits, parts.commits.hosted, parts.history, parts.identities
         hosted_stamp = 0 if hosted is None else hosted.stamp
         objects = (commits, hosted, history, parts.checkpoint)
         core = (parts.stamp, commits.stamp, hosted_stamp, history.stamp, *map(id, objects))
-        formation = (id(parts.quorum), id(parts.formation), id(parts.answered), parts.answered.stamp)
+        formation = (id(parts.quorum), id(parts.formation))
         rows = (id(parts.members), id(identities.current), id(identities.retired))
-        return core, formation, rows
+        return core, formation, rows, (id(parts.answered),)
 
     def unsaved(self, parts: Parts) -> bool:
         """Whether anything changed since the last :meth:`take` (constant time)."""
-        core, formation, rows = self._fingerprints(parts)
+        core, formation, rows, answers = self._fingerprints(parts)
         identities = parts.identities
         return bool(
             core != self._core
             or formation != self._formation
             or rows != self._rows
+            or answers != self._answers
             or self._requeued
+            or self._requeued_answers
+            or parts.answered.keys_changed
             or parts.members.keys_changed
             or identities.current.keys_changed
             or identities.retired.keys_changed
@@ -190,7 +204,7 @@ class Saver:
 
     def take(self, parts: Parts) -> Changes:
         """What changed since the last call; hand it back to :meth:`requeue` if it was not saved."""
-        core, formation, rows = self._fingerprints(parts)
+        core, formation, rows, answers = self._fingerprints(parts)
         every_member = rows != self._rows
         names = parts.members.take_keys() | parts.identities.take_changed() | self._requeued
         if every_member:
@@ -198,6 +212,12 @@ class Saver:
         self._requeued = set()
         members = parts.members
         changed_rows = {name: parts.identities.member_json(name) if name in members else None for name in names}
+        every_answer = answers != self._answers
+        answered = parts.answered
+        keys = set(answered) if every_answer else parts.answered.take_keys() | self._requeued_answers
+        if every_answer:
+            answered.take_keys()
+        self._requeued_answers = set()
         taken = Changes(
             revision(parts),
             core_state(parts),
@@ -205,8 +225,11 @@ class Saver:
             changed_rows,
             parts.history.drain(),
             every_member,
+            {key: answered[key].to_json() if key in answered else None for key in keys},
+            every_answer,
         )
-        self._core, self._formation, self._rows, self._taken = core, formation, rows, parts
+        self._core, self._formation, self._rows, self._answers = core, formation, rows, answers
+        self._taken = parts
         return taken
 
     def requeue(self, parts: Parts, taken: Changes) -> None:
@@ -216,7 +239,10 @@ class Saver:
             self._formation = None
         if taken.every_member:
             self._rows = None
+        if taken.every_answer:
+            self._answers = None
         self._requeued.update(taken.members)
+        self._requeued_answers.update(taken.answered)
         parts.history.journal[:0] = taken.events
 
 
