@@ -9,7 +9,8 @@ allocated at once) is what triggers one. :class:`QuietCollector`:
 - freezes what lives (:func:`gc.freeze`) at start-up and after each full
   collection, so the automatic collections only visit what was allocated since;
 - switches automatic collection off while the lighthouse is *busy* (requests
-  wait, or the quorum is broken), for at most ``max_busy`` seconds;
+  wait, the quorum is broken, or a new quorum's answers are going out), for
+  at most ``max_busy`` seconds;
 - runs the full collection (unfreeze, collect, freeze) when it is quiet again,
   ``delay`` seconds after a quorum formed, once the fleet changed by a
   quarter since the last one (at least one member):

@@ -137,9 +137,8 @@ class Lighthouse:
         self.settings = settings
         """The validated configuration (:class:`~stalwart.coord.settings.LighthouseSettings`)."""
         host, token = settings.host, settings.token
-        self._ssl = None
-        if settings.tls_cert is not None and settings.tls_key is not None:
-            self._ssl = server_context(settings.tls_cert, settings.tls_key)
+        cert, key = settings.tls_cert, settings.tls_key
+        self._ssl = server_context(cert, key) if cert is not None and key is not None else None
         if token is not None and self._ssl is None and not is_loopback(host):
             logger.warning(
                 "the lighthouse on %s takes its token over plain HTTP: anyone on the network can read it; give "
@@ -154,8 +153,7 @@ class Lighthouse:
         self.join_timeout = settings.join_timeout
         self.tick_interval = settings.tick_interval
         self.max_waiters = settings.max_waiters
-        state_path = settings.state_path
-        database = StateStore(state_path) if state_path is not None else None
+        database = StateStore(settings.state_path) if settings.state_path is not None else None
         try:
             self.state = load_state(plan, settings, database)
         except BaseException:
@@ -410,7 +408,9 @@ class Lighthouse:
         if (quorum := self.state.quorum) is not None and self.state.roster.withdrawn:
             self.stores.end(quorum.quorum_id)  # it never runs: a member waiting in its store asks again at once
         if self._collector is not None:
-            busy = bool(self.waiters.waiting or self.state.asking or self.state.quorum_broken)
+            # busy until a new quorum's answers are out (a quorum formed ahead is confirmed by thousands of asks)
+            busy = bool(self.waiters.waiting or self.state.asking or self.state.quorum_broken or self.answers.waiting)
+            busy = busy or bool(self.state.former.unconfirmed())
             gone = self.state.counts["failures"] + self.state.counts["departures"]
             live = self.state.live_members
             self._collector.update(now, busy=busy, formed=formation is not None, gone=gone, live=live)
