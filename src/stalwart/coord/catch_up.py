@@ -143,9 +143,9 @@ class CatchUp:
         self.next: Claim | None = None
         self._refused: Claim | None = None
 
-    def pending(self, member: str) -> bool:
-        """Whether a claim of ``member`` waits to be verified."""
-        return any(claim is not None and claim.member == member for claim in (self._current, self.next))
+    def claimants(self) -> frozenset[str]:
+        """The members whose claims wait to be verified (at most two: the one in trial and the next)."""
+        return frozenset(claim.member for claim in (self._current, self.next) if claim is not None)
 
     @property
     def _current(self) -> Claim | None:

@@ -78,9 +78,9 @@ class Commits(Tracked):
         assert self.hosted is not None
         return applied_step > self.hosted.step and self.counts(roster, member, applied_step)
 
-    def pending(self, member: str) -> bool:
-        """Whether a report of ``member`` waits to be verified."""
-        return self.catch_up.pending(member)
+    def verifying(self) -> frozenset[str]:
+        """The members whose reports wait to be verified (at most two)."""
+        return self.catch_up.claimants()
 
     # --- reports ---------------------------------------------------------------------------------
 

@@ -125,6 +125,7 @@ class Former:
         if self.unconfirmed() or self.state.reach.cuts or self.state.commits.catch_up.trial is not None:
             return None  # a quorum formed ahead and not confirmed never ran: its members' requests decide
         pending, records, healing = self.state.asks, self.state.membership, self.state.commits.healing
+        verifying = self.state.commits.verifying()
         requests: dict[str, QuorumRequest] = {}
         presumed: dict[str, int] = {}
         for member in quorum.members:
@@ -133,7 +134,7 @@ class Former:
                 if record is not None and record.left:
                     return None  # a departure, not a failure: its peers come to a boundary (docs/protocol.md)
                 continue
-            if member in healing or self.state.commits.pending(member) or record is None:
+            if member in healing or member in verifying or record is None:
                 return None
             if ask is not None:
                 if ask.request.reason == "join" or ask.request.unreachable:

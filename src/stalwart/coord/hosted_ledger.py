@@ -71,10 +71,9 @@ class StepRecord:
         ledger.begin_step(self.members)
         lost = []
         for failed, survivors in self.failures:
-            in_flight = ledger.in_flight
-            lost.append(sum(int(in_flight[member].size) for member in failed if member in in_flight))
             for member in failed:
                 ledger.member_failed(member)
+            lost.append(ledger.step_missing_size)  # each failure's reassign hands out every missing position
             ledger.reassign(survivors)
         return lost
 

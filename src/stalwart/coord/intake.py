@@ -225,10 +225,11 @@ class Intake:
         quorum = self.state.roster.quorum
         if quorum is None:
             return
+        verifying = self.state.commits.verifying()
         for member in self.state.membership.hung(
             quorum.members,
             lambda m: self.state.roster.counts(m) and m not in self.state.commits.healing,
-            lambda m: m in self.state.asks or self.state.commits.pending(m),
+            lambda m: m in self.state.asks or m in verifying,
             now,
             self.state.join_timeout,
         ):

@@ -103,6 +103,11 @@ class DataLedger:
         return self._step_missing.copy()
 
     @property
+    def step_missing_size(self) -> int:
+        """How many positions were lost in the current step and not yet reassigned (no copy)."""
+        return int(self._step_missing.size)
+
+    @property
     def balanced(self) -> bool:
         """Whether shares follow the recorded weights (``balance_every > 0``)."""
         return self.balance_every > 0
@@ -215,7 +220,8 @@ class DataLedger:
         survivor that would then hold the fewest positions per unit of weight
         (ties: rank order; unbalanced, every weight is 1, and loads stay within
         one multiple of each other where possible). Returns each survivor's extra
-        positions (possibly empty).
+        positions (possibly empty), as read-only views of one array (no copies:
+        the lighthouse replays this for thousands of survivors at a failure).
 
         With equal weights (an unbalanced ledger, or a balanced one whose
         survivors weigh the same) the result is computed without handing the
@@ -235,15 +241,17 @@ class DataLedger:
             sizes = greedy_sizes(np.array(loads, dtype=np.int64), missing, multiple).tolist()
         else:
             sizes = weighted_greedy_sizes(loads, weights, missing, multiple)
+        handed = self._step_missing  # replaced below, never changed in place: the views stay as handed out
+        handed.flags.writeable = False
         extra: dict[str, Positions] = {}
         start = 0
         for member, size in zip(survivors, sizes, strict=True):
-            extra[member] = self._step_missing[start : start + size]
+            extra[member] = handed[start : start + size]
             start += size
             if size:
                 self._in_flight[member] = np.concatenate([self._in_flight[member], extra[member]])
         self._step_missing = _EMPTY
-        return {member: positions.copy() for member, positions in extra.items()}
+        return extra
 
     def commit(self) -> Positions:
         """Commit the step: return the positions live members trained on; re-queue unreassigned ones."""
@@ -275,6 +283,15 @@ class DataLedger:
 
         A balanced ledger's state also has ``balance``: ``{"every", "step", "weights"}``.
         """
+        return {
+            **self._scalars(),
+            "missing_indices": self._missing.tolist(),
+            "in_flight": {member: positions.tolist() for member, positions in self._in_flight.items()},
+            "step_missing": self._step_missing.tolist(),
+        }
+
+    def _scalars(self) -> dict[str, Any]:
+        """The state but its position arrays."""
         state: dict[str, Any] = {
             "version": STATE_VERSION,
             "plan": self.plan.to_dict(),
@@ -282,10 +299,7 @@ class DataLedger:
             "step": self.step,
             "epoch_step": self.epoch_step,
             "base_index": self.base_index,
-            "missing_indices": self._missing.tolist(),
             "members": self._members,
-            "in_flight": {member: positions.tolist() for member, positions in self._in_flight.items()},
-            "step_missing": self._step_missing.tolist(),
         }
         if self.balanced:
             state["balance"] = {"every": self.balance_every, "step": self._weights_step, "weights": dict(self._weights)}
