@@ -245,10 +245,11 @@ def test_a_save_writes_only_what_changed_and_loads_back(tmp_path: Path) -> None:
     assert restored.formation_for(retried) == state.formation_for(retried) is not None
 
 
-def test_a_version_1_state_file_resumes_without_its_last_formation(tmp_path: Path) -> None:
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_state_file_of_an_older_version_resumes_without_its_last_formation(tmp_path: Path, version: int) -> None:
     state, names, _ = fleet(8, register=True)
     legacy = json.loads(json.dumps(state.state_dict()))
-    legacy["version"] = 1
+    legacy["version"] = version  # 1: the ledger in full; 2: compact, with the JSON digest of the ledger in its step
     legacy["formation"] = {"ledger": {"no": "longer read"}}
     history = legacy.pop("history")
     legacy["history"] = {key: value for key, value in history.items() if key in ("unrecovered", "counts")}

@@ -327,3 +327,41 @@ def test_balanced_reassign_hands_out_chunk_by_chunk_by_weight(
     assert [extra[m].size for m in survivors] == expected
     positions = np.concatenate([ledger.in_flight[m] for m in survivors])
     assert np.unique(positions).size == positions.size == plan.step_total(1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(plan=plans(), data=st.data())
+def test_the_binary_digest_tells_states_apart_exactly_as_their_canonical_json_does(
+    plan: EpochPlan, data: st.DataObject
+) -> None:
+    ledger = DataLedger(plan)
+    seen: dict[str, str] = {}
+    """Each state's canonical JSON, by its binary digest."""
+
+    def record() -> None:
+        state = ledger.state_dict()
+        text = json.dumps(state, sort_keys=True)
+        digest = ledger.binary_digest()
+        assert seen.setdefault(digest, text) == text, "two states, one digest"
+        assert DataLedger.from_state_dict(state).binary_digest() == digest, "the state's own digest, rebuilt"
+        shuffled = {**state, "in_flight": dict(reversed(list(state["in_flight"].items())))}
+        assert DataLedger.from_state_dict(shuffled).binary_digest() == digest, "the order of the members' shares"
+
+    members = [f"m{i}" for i in range(data.draw(st.integers(1, 5), label="members"))]
+    record()
+    for _ in range(data.draw(st.integers(1, 6), label="steps")):
+        if ledger.epoch_complete:
+            break
+        ledger.begin_step(members)
+        record()
+        alive = list(members)
+        for _ in range(data.draw(st.integers(0, len(alive) - 1), label="failures")):
+            ledger.member_failed(alive.pop(data.draw(st.integers(0, len(alive) - 1))))
+            record()
+            ledger.reassign(alive)
+            record()
+        ledger.commit()
+        record()
+        members = alive
+    texts = list(seen.values())
+    assert len(set(texts)) == len(texts), "one state, two digests"

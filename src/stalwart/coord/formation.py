@@ -3,7 +3,7 @@
 The ledger a quorum starts from is the committed ledger at its step plus how
 the step began (``begun_by``) and who failed in it since (``failed``); every
 member rebuilds the ledger in the step from these (:func:`step_ledger`) and
-checks it against ``digest``, the :func:`~stalwart.coord.hosted_ledger.ledger_digest`
+checks it against ``digest``, the :meth:`~stalwart.data.ledger.DataLedger.binary_digest`
 of the lighthouse's own replay. The answer comes in two wires
 (``docs/protocol.md``):
 
@@ -136,7 +136,7 @@ class Formation:
     begun_by: tuple[str, ...]
     failed: tuple[tuple[str, ...], ...]
     digest: str
-    """``ledger_digest`` of the ledger in the step (``ledger``)."""
+    """``DataLedger.binary_digest`` of the ledger in the step (``ledger``)."""
     reason: str
     time: float
     timed_out: bool

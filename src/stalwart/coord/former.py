@@ -26,7 +26,7 @@ from stalwart.coord.history import History
 from stalwart.coord.hosted_ledger import HostedLedger
 from stalwart.coord.membership import Membership
 from stalwart.coord.pending import Pending
-from stalwart.coord.protocol import QuorumRequest, ledger_digest
+from stalwart.coord.protocol import QuorumRequest
 from stalwart.coord.reachability import Reachability, choose
 from stalwart.coord.roster import Quorum, Roster
 from stalwart.coord.tracked import TrackedDict
@@ -398,7 +398,7 @@ class Former:
             self.state.hosted.ledger.state_dict(),
             tuple(record.members),
             tuple(tuple(failed) for failed, _ in record.failures),
-            ledger_digest(self.state.hosted.ledger_state()),
+            self.state.hosted.in_step().binary_digest(),
             reason,
             now,
             timed_out,

@@ -448,11 +448,11 @@ class QuorumAnswer:
             if previous is None:
                 raise StaleAnswer("the answer's step began with the members of a quorum this member does not hold")
             begun_by = previous.members
-        state = step_ledger(ledger["base"], begun_by, ledger["failed"]).state_dict()
-        if ledger_digest(state) != ledger["digest"]:
+        rebuilt = step_ledger(ledger["base"], begun_by, ledger["failed"])
+        if rebuilt.binary_digest() != ledger["digest"]:
             error = StaleAnswer if "delta" in data else ValueError
             raise error(f"the ledger rebuilt from the answer does not match its digest {ledger['digest']}")
-        return state
+        return rebuilt.state_dict()
 
     @property
     def member(self) -> str:

@@ -597,7 +597,7 @@ class LighthouseState(Tracked):
         cleanly, others as dead; no
         member is cut from another (cuts are not persisted: a cut-off member is reported again at its next failure).
 
-        A version 1 state resumes without its last formation: a member whose answer was lost asks again and is
+        A state of version 1 or 2 resumes without its last formation: a member whose answer was lost asks again and is
         told to join.
         """
         saved = snapshot.parse(state)

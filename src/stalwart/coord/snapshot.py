@@ -36,8 +36,10 @@ from stalwart.coord.roster import Quorum
 from stalwart.coord.tracked import TrackedDict
 from stalwart.coord.wire import parse_member, parse_step
 
-STATE_VERSION = 2
-"""Version 2 persists each formation's ledger in its compact form; a version 1 state resumes without its formation."""
+STATE_VERSION = 3
+"""Version 2 persists each formation's ledger in its compact form, version 3 with its binary digest
+(``DataLedger.binary_digest``); an older state resumes without its formation (a member whose answer was lost asks
+again and is told to join)."""
 
 
 @dataclass(slots=True)
@@ -248,7 +250,7 @@ class Saver:
 
 def parse(saved: Mapping[str, Any]) -> Restored:
     """Read the parts of ``saved`` (a ``state_dict``); ``ValueError`` for one of another version."""
-    if not isinstance(saved, Mapping) or saved.get("version") not in (1, STATE_VERSION):
+    if not isinstance(saved, Mapping) or saved.get("version") not in (1, 2, STATE_VERSION):
         raise ValueError(f"state must be a lighthouse state_dict of version {STATE_VERSION}")
     members = {}
     for name, applied_step in saved["members"].items():
