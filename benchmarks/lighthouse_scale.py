@@ -760,6 +760,7 @@ class Driver:
             "victims": len(victims),
             "survivors": len(pushed),
             "seen_after_ms": 1000 * (min(f["time"] for f in failures) - killed_at) if failures else None,
+            "last_seen_ms": 1000 * (max(f["time"] for f in failures) - killed_at) if failures else None,
             "formed_ms": None if formed is None else 1000 * (formed - killed_at),
             "quorums": len(quorums),
             "quorums_ahead": sum(bool(q.get("ahead")) for q in quorums),
@@ -845,6 +846,7 @@ ROWS: tuple[tuple[str, str, int], ...] = (
     ("1 failure: /healthz stall until answered (ms)", "failure.stall_ms", 0),
     ("1 failure: lighthouse CPU until all answered (ms)", "failure.cpu_ms", 0),
     ("1/4 fail: quorums formed / ahead", "mass_failure.formed_count", 0),
+    ("1/4 fail: deaths seen, first / last (ms)", "mass_failure.seen", 0),
     ("1/4 fail: quorum formed (ms)", "mass_failure.formed_ms", 0),
     ("1/4 fail: push, observers / all (ms)", "mass_failure.push", 0),
     ("1/4 fail: last survivor's request sent (ms)", "mass_failure.asked_max_ms", 0),
@@ -879,6 +881,8 @@ def cell(result: dict[str, Any], key: str, digits: int) -> str:
         return f"{p50} / {p99} / {most}"
     if tail in ("push", "answered"):
         return f"{_fmt(value.get(f'{tail}_observers_ms'))} / {_fmt(value.get(f'{tail}_max_ms'))}"
+    if tail == "seen":
+        return f"{_fmt(value.get('seen_after_ms'))} / {_fmt(value.get('last_seen_ms'))}"
     if tail == "formed_count":
         return f"{_fmt(value.get('quorums'))} / {_fmt(value.get('quorums_ahead'))}"
     if tail == "committed":
@@ -911,6 +915,11 @@ def goals(results: Sequence[dict[str, Any]]) -> list[Goal]:
             met(failure.get("push_observers_ms"), PUSH_GOAL_MS),
             f"{_fmt(failure.get('push_observers_ms'))} ms at the observers; {_fmt(failure.get('push_max_ms'))} ms at "
             "the last simulated member, its process's own queueing included",
+        ),
+        Goal(
+            f"one failure: no stall over {STALL_GOAL_MS:.0f} ms ({size} members)",
+            met(failure.get("stall_ms"), STALL_GOAL_MS),
+            f"longest /healthz answer {_fmt(failure.get('stall_ms'))} ms until every survivor was answered",
         ),
         Goal(
             f"a quarter failing at once: no stall over {STALL_GOAL_MS:.0f} ms ({size} members)",

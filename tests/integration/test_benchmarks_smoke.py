@@ -250,6 +250,7 @@ def test_lighthouse_scale_runs_every_phase(tmp_path: Path, run_quick: Callable[.
         assert 1 <= formed <= 2 and formed - ahead <= 1, measured
         assert measured["answered"] == measured["survivors"], measured
         assert measured["formed_ms"] is not None and measured["push_observers_ms"] is not None, measured
+        assert measured["seen_after_ms"] <= measured["last_seen_ms"] <= measured["formed_ms"], measured
     for title in ("One lighthouse, simulated members on 127.0.0.1", "Before and after", "Goals"):
         assert title in output
 
