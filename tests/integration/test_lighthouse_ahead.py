@@ -71,15 +71,20 @@ def test_a_withdrawn_quorum_ends_its_store_so_the_survivor_waiting_there_asks_ag
         clients = [LighthouseClient(server.url, f"worker-{n}", heartbeat_interval=0.05) for n in range(3)]
         pool = ThreadPoolExecutor(2)
         try:
-            store, _ = survivors_quorum_formed_ahead(server, clients)
+            store, survivors = survivors_quorum_formed_ahead(server, clients)
             waiting = pool.submit(store.multi_get, ["group_size/worker-0", "group_size/worker-2"])
             long_poll = pool.submit(clients[2].quorum, 0, 1, "failure", BOUND, unreachable=["worker-0"])
             with pytest.raises(RuntimeError, match="410: quorum 2's store is gone"):
                 waiting.result(BOUND)  # at once, not at the store's timeout
-            assert server.status()["reconfigure_pending"], "withdrawn: its members are told to ask again"
-            clients[2].close()
-            with pytest.raises(RuntimeError, match="worker-2 was closed while this call waited"):
-                long_poll.result(BOUND / 2)  # closing the client ends its long poll, not the poll's own timeout
+            status = server.status()
+            if survivors[0] == "worker-0":  # the cut keeps the first-ranked: worker-2 waits, the quorum withdrawn
+                assert status["reconfigure_pending"], "withdrawn: its members are told to ask again"
+                clients[2].close()
+                with pytest.raises(RuntimeError, match="worker-2 was closed while this call waited"):
+                    long_poll.result(BOUND / 2)  # closing the client ends its long poll, not the poll's own timeout
+            else:  # worker-2 ranks first: the cut leaves the silent worker-0 out, and worker-2 goes on alone
+                assert [(q["quorum_id"], q["members"]) for q in status["quorums"][2:]] == [(3, ["worker-2"])]
+                assert long_poll.result(BOUND).quorum_id == 3
         finally:
             for client in clients:
                 client.close()
