@@ -32,9 +32,10 @@ from typing import Any
 
 from stalwart._validate import check_int
 
-BULK_PER_SELECT = 128
-"""Members' sockets reported per iteration at most: with the turnstile and the push at the same 128, three
-interleaved pairs at 4,096 members stalled less than at 256 each time (docs/design.md, issue 40, sixth session)."""
+BULK_PER_SELECT = 64
+"""Members' sockets reported per iteration at most, the turnstile and the push at the same number: 128 stalled less
+than 256 in three interleaved pairs at 4,096 members (issue 40, sixth session), and 64 less than 128 after one
+failure in six pairs once the failure's saves and collections were cut (eighth session; docs/design.md)."""
 
 
 class _EpollSet:

@@ -47,9 +47,9 @@ RENOTICE_S = 1.0
 SOCKET_ERRORS = (ConnectionError, RuntimeError)
 """What writing to a websocket that is closing raises (aiohttp: ``ClientConnectionResetError``, a ``RuntimeError``
 after close); the member is gone, or going, and nothing else happens."""
-PUSH_PER_ITERATION = 128
-"""Sockets a push sends to before it yields to the loop (5-45 ms of sends at 4,096 members): larger batches reach
-the last member sooner and stall the other requests longer (docs/design.md, issue 40, sixth session)."""
+PUSH_PER_ITERATION = 64
+"""Sockets a push sends to before it yields to the loop (3-20 ms of sends at 4,096 members): larger batches reach
+the last member sooner and stall the other requests longer (docs/design.md, issue 40, sixth and eighth sessions)."""
 
 
 class HeartbeatSockets:
