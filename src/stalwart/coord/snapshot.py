@@ -216,9 +216,9 @@ class Saver:
         changed_rows = {name: parts.identities.member_json(name) if name in members else None for name in names}
         every_answer = answers != self._answers
         answered = parts.answered
-        keys = set(answered) if every_answer else parts.answered.take_keys() | self._requeued_answers
+        keys = answered.take_keys() | self._requeued_answers
         if every_answer:
-            answered.take_keys()
+            keys = set(answered)
         self._requeued_answers = set()
         taken = Changes(
             revision(parts),
