@@ -62,7 +62,7 @@ _LOCATIONS: dict[str, str] = {
     "CopyMismatchError": "stalwart.runtime.zero",
     "HealError": "stalwart.runtime.heal",
     "ShardsLostError": "stalwart.redundancy.layout",
-    "ShardError": "stalwart.data.shards",
+    "ShardError": "stalwart.data.shard_identity",
     "LighthouseError": "stalwart.errors",
     "LighthouseUnreachable": "stalwart.errors",
 }

@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stalwart.data.rowkeys import key_hashes, python_hashes, row_keys, table_hashes
+from stalwart.data.rowkeys import key_hashes, python_hashes, row_keys
+from stalwart.data.table_hashes import table_hashes
 
 values = st.one_of(st.none(), st.integers(-(2**62), 2**62), st.text(max_size=12), st.booleans())
 

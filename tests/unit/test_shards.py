@@ -16,9 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stalwart.data.plan import EpochPlan
-from stalwart.data.rowkeys import python_hashes, table_hashes
+from stalwart.data.rowkeys import python_hashes
 from stalwart.data.schedule import split_sizes
-from stalwart.data.shards import InMemoryShard, ShardedDataset, ShardError, shard_difference
+from stalwart.data.shard_identity import ShardError, shard_difference
+from stalwart.data.shards import InMemoryShard, ShardedDataset
+from stalwart.data.table_hashes import table_hashes
 from stalwart.testing.sources import hf_json_stream, write_jsonl, write_parquet
 
 

@@ -23,7 +23,7 @@ _LOCATIONS: dict[str, str] = {
     "LocalLedgerSource": "stalwart.data.info",
     "ManagedDistributedSampler": "stalwart.data.sampler",
     "ParquetShard": "stalwart.data.shards",
-    "ShardError": "stalwart.data.shards",
+    "ShardError": "stalwart.data.shard_identity",
     "ShardedDataset": "stalwart.data.shards",
     "ShardedStream": "stalwart.data.streaming",
     "StreamBatch": "stalwart.data.streaming",

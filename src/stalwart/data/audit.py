@@ -13,7 +13,7 @@ cannot see a rank that reads other rows than its indices say (a per-rank
 shuffle of the source, a wrong shard): with keys the audit names rows
 delivered twice, counts the rows of a complete epoch that never came, and
 names every index that was delivered with two different keys. ``audit.json``
-may record the dataset's shards (:class:`~stalwart.data.shards.ShardIdentity`):
+may record the dataset's shards (:class:`~stalwart.data.shard_identity.ShardIdentity`):
 a writer whose shards differ is refused at once, naming the first one.
 
 A Manager given ``Checks(audit_dir=DIR)`` writes *step records* instead
@@ -41,7 +41,7 @@ import numpy.typing as npt
 
 from stalwart._validate import check_int
 from stalwart.data.plan import EpochPlan
-from stalwart.data.shards import ShardIdentity, shard_difference
+from stalwart.data.shard_identity import ShardIdentity, shard_difference
 from stalwart.errors import StalwartError
 
 

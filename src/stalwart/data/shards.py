@@ -28,7 +28,7 @@ Identity
     bytes; Hugging Face: the first piece's rows; rows in memory: sampled rows).
     The names do not enter :attr:`ShardedDataset.fingerprint`, so the same data
     under another path is the same dataset, while a reordered, rewritten or
-    other shard set is not: :func:`shard_difference` names the first shard
+    other shard set is not: :func:`~stalwart.data.shard_identity.shard_difference` names the first shard
     that differs.
 
 Training through failures takes the order from the lighthouse's plan: with
@@ -44,7 +44,6 @@ wrapper: it is a map-style dataset with ``__getitems__`` already.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import threading
 from collections import OrderedDict
@@ -61,8 +60,9 @@ import pyarrow.parquet as pq
 from torch.utils.data import Dataset
 
 from stalwart._validate import check_int
-from stalwart.data.rowkeys import UInt64s, python_hashes, row_keys, table_hashes
-from stalwart.errors import StalwartError
+from stalwart.data.rowkeys import UInt64s, python_hashes, row_keys
+from stalwart.data.shard_identity import ShardError, ShardIdentity, fingerprint_of
+from stalwart.data.table_hashes import table_hashes
 
 DEFAULT_CACHED_PIECES = 32
 DEFAULT_OPEN_SHARDS = 16
@@ -75,10 +75,6 @@ SAMPLED_ROWS = 16
 SAMPLED_WINDOWS = 4
 SAMPLED_WINDOW_BYTES = 4096
 """A Parquet file's digest covers its size, its footer and this many windows of this many bytes."""
-
-
-class ShardError(StalwartError, RuntimeError):
-    """A shard could not be read, or it no longer holds the rows it held when it was opened."""
 
 
 @runtime_checkable
@@ -100,58 +96,6 @@ class Shard(Protocol):
     num_rows: int
 
     def read(self, start: int, stop: int) -> list[Any]: ...
-
-
-@dataclass(frozen=True)
-class ShardIdentity:
-    """What a shard holds, as every member and every resume compares it: rows and content, not where it lies."""
-
-    name: str
-    rows: int
-    digest: str
-
-    def same_data(self, other: ShardIdentity) -> bool:
-        """True when ``other`` holds the same rows (its name may differ)."""
-        return (self.rows, self.digest) == (other.rows, other.digest)
-
-    def describe(self) -> str:
-        """``'part-003.parquet' (5000 rows, content 1a2b3c4d5e6f7a8b)``."""
-        return f"{self.name!r} ({self.rows} rows, content {self.digest})"
-
-    def to_list(self) -> list[Any]:
-        """``[name, rows, digest]``: the JSON form in states and audit specs."""
-        return [self.name, self.rows, self.digest]
-
-    @classmethod
-    def from_list(cls, value: Any) -> ShardIdentity:
-        """The identity from :meth:`to_list`'s form; ``ValueError`` for anything else."""
-        if (
-            not isinstance(value, list | tuple)
-            or len(value) != 3
-            or not isinstance(value[0], str)
-            or isinstance(value[1], bool)
-            or not isinstance(value[1], int)
-            or not isinstance(value[2], str)
-        ):
-            raise ValueError(f"a shard identity must be [name, rows, digest], got {value!r}")
-        return cls(value[0], value[1], value[2])
-
-
-def shard_difference(expected: Sequence[ShardIdentity], actual: Sequence[ShardIdentity], where: str) -> str | None:
-    """None when ``actual`` holds the same data as ``expected``, shard by shard; else one phrase naming the first
-    shard that differs, e.g. ``shard 3 is 'b.parquet' (...) here but 'a.parquet' (...) in the state``."""
-    for number, (mine, theirs) in enumerate(zip(actual, expected, strict=False)):
-        if not mine.same_data(theirs):
-            return f"shard {number} is {mine.describe()} here but {theirs.describe()} in {where}"
-    if len(actual) != len(expected):
-        return f"there are {len(actual)} shards here but {len(expected)} in {where}"
-    return None
-
-
-def fingerprint_of(identities: Sequence[ShardIdentity]) -> str:
-    """A digest of the shards' row counts and contents, in order (names left out)."""
-    layout = json.dumps([[identity.rows, identity.digest] for identity in identities])
-    return hashlib.blake2b(layout.encode(), digest_size=8).hexdigest()
 
 
 class InMemoryShard:

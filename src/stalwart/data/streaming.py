@@ -64,14 +64,8 @@ from stalwart.data.lanes import (
 )
 from stalwart.data.plan import EpochPlan
 from stalwart.data.schedule import split_sizes, step_boundaries
-from stalwart.data.shards import (
-    DEFAULT_CACHED_PIECES,
-    Shard,
-    ShardedDataset,
-    ShardIdentity,
-    fingerprint_of,
-    shard_difference,
-)
+from stalwart.data.shard_identity import ShardIdentity, fingerprint_of, shard_difference
+from stalwart.data.shards import DEFAULT_CACHED_PIECES, Shard, ShardedDataset
 
 DEFAULT_BLOCK_SIZE = 256
 STATE_VERSION = 3

@@ -104,7 +104,7 @@ from torch.utils.data import DataLoader, default_collate
 
 from stalwart.coord.client import LighthouseError, LighthouseUnreachable
 from stalwart.data.sampler import ManagedDistributedSampler
-from stalwart.data.shards import ShardError
+from stalwart.data.shard_identity import ShardError
 from stalwart.data.world import WorldInfo
 from stalwart.errors import JobFinishedError, PlanMismatchError, ShardingMismatchError, StateLostError
 from stalwart.launch.digits import OPTIMIZERS, digits_source

@@ -21,7 +21,7 @@ from typing import TypeVar
 import torch.distributed as dist
 
 from stalwart.coord.client import LighthouseClient, LighthouseError, LighthouseUnreachable, QuorumAnswer
-from stalwart.data.shards import ShardIdentity, shard_difference
+from stalwart.data.shard_identity import ShardIdentity, shard_difference
 from stalwart.errors import PlanMismatchError, ShardingMismatchError
 from stalwart.runtime.comm import CollectiveError, Failure, arrivals
 from stalwart.runtime.diagnosis import Diagnosis, Verdict, diagnose

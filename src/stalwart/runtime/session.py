@@ -51,7 +51,7 @@ from stalwart.coord.client import (
 from stalwart.coord.protocol import MAX_STORE_KEYS_PER_REQUEST
 from stalwart.coord.tls import client_context
 from stalwart.data.plan import EpochPlan
-from stalwart.data.shards import ShardIdentity
+from stalwart.data.shard_identity import ShardIdentity
 from stalwart.errors import JoinError, PlanMismatchError, StateLostError, StepContractError
 from stalwart.runtime.comm import CollectiveError, Communicator, quorum_store
 from stalwart.runtime.config import ReplicaGroup, Transport
