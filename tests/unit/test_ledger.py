@@ -365,3 +365,38 @@ def test_the_binary_digest_tells_states_apart_exactly_as_their_canonical_json_do
         members = alive
     texts = list(seen.values())
     assert len(set(texts)) == len(texts), "one state, two digests"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    members=st.integers(2, 12),
+    failures=st.lists(st.lists(st.integers(0, 11), min_size=1, max_size=4), min_size=1, max_size=4),
+    copy_after=st.integers(0, 3),
+)
+def test_failures_in_one_step_lose_their_shares_in_order_and_a_copy_keeps_its_own(
+    members: int, failures: list[list[int]], copy_after: int
+) -> None:
+    """Members failing one after another (a quarter of a fleet at once) lose their shares in the order they fail,
+    ``step_missing`` joins them, its size counts them without joining, and a copy taken between failures goes on
+    apart from the original (each failure's share is joined lazily, once)."""
+    ledger = DataLedger(EpochPlan(10_000, 96, seed=3, local_batch_multiple=2))
+    names = [f"m{number}" for number in range(members)]
+    shares = ledger.begin_step(names)
+    expected: list[int] = []
+    twin, twin_expected = None, None
+    for event, failed in enumerate(failures):
+        if event == copy_after:
+            twin, twin_expected = ledger.copy(), list(expected)
+        for number in failed:
+            name = names[number % members]
+            if name in ledger.members and len(ledger.members) > 1 and ledger.member_failed(name):
+                expected += shares[name].tolist()
+        assert ledger.step_missing_size == len(expected)
+    assert ledger.step_missing.tolist() == expected
+    if twin is not None:
+        assert twin is not None and twin_expected is not None
+        assert twin.step_missing.tolist() == twin_expected
+    survivors = ledger.members
+    extra = ledger.reassign(survivors)
+    assert sorted(np.concatenate([extra[m] for m in survivors]).tolist()) == sorted(expected)
+    assert ledger.step_missing_size == 0
