@@ -84,6 +84,34 @@ def test_eager_flex_attention_matches_masked_attention_and_has_gradients() -> No
     assert q.grad is not None and bool(q.grad.abs().sum() > 0)
 
 
+def test_a_block_masks_dense_mask_is_evaluated_once_and_a_new_block_masks_again() -> None:
+    """Every layer (and every recompute) of a step attends over the same block mask: its ``mask_mod`` is evaluated
+    densely once; the next step's block mask (another batch's documents) is evaluated anew."""
+    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
+
+    evaluated = []
+    documents = torch.tensor([[0] * 5 + [1] * 11])
+
+    def same_document(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        evaluated.append(1)  # once per dense evaluation (vmap calls the function once)
+        return documents[b, q_idx] == documents[b, kv_idx]
+
+    q = torch.randn(1, 2, 16, 4, generator=torch.Generator().manual_seed(1))
+    outputs = []
+    for _ in range(2):
+        block_mask = create_block_mask(same_document, 1, None, 16, 16, device="cpu", BLOCK_SIZE=16)
+        before = len(evaluated)
+        for _layer in range(3):
+            out, _ = torchtitan_cpu.eager_flex_attention(
+                q, q, q, score_mod=None, block_mask=block_mask, scale=None, enable_gqa=False,
+                return_aux=AuxRequest(), kernel_options={},
+            )  # fmt: skip
+            outputs.append(out)
+        assert len(evaluated) == before + 1
+    for out in outputs[1:]:
+        torch.testing.assert_close(out, outputs[0])
+
+
 def test_eager_flex_attention_refuses_what_it_does_not_compute() -> None:
     from torch.nn.attention.flex_attention import AuxRequest
 

@@ -33,7 +33,8 @@ name that works):
    point, ``FlexAttention.compiled_flex_attn``, is replaced by eager
    ``scaled_dot_product_attention`` with the block mask's ``mask_mod``
    evaluated as a dense boolean mask (same result, slower; the debug model's
-   sequences are short). Score mods and the log-sum-exp output are not
+   sequences are short), once per block mask: every layer, and each
+   recompute under activation checkpointing, asks for the same one. Score mods and the log-sum-exp output are not
    supported and raise. ``create_attention_mask`` (``create_block_mask``
    under ``torch.compile``: a C++ inductor build of half a minute per process
    on a busy CPU) becomes the eager ``create_block_mask``.
@@ -77,6 +78,7 @@ import logging
 import os
 import sys
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -164,6 +166,22 @@ def use_cpu_device() -> None:
     rebind("device_type", titan_utils.device_type, "cpu")
 
 
+_DENSE_MASKS: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], torch.Tensor]] = weakref.WeakKeyDictionary()
+"""Each live block mask's dense masks, by shape and device (:func:`dense_mask`)."""
+
+
+def dense_mask(block_mask: Any, batch: int, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """``block_mask``'s ``mask_mod`` as a dense boolean mask (batch, 1, q_len, kv_len), evaluated once per block
+    mask: evaluated by every layer and every recompute, it was a quarter of a CPU process's training time."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    masks = _DENSE_MASKS.setdefault(block_mask, {})
+    key = (batch, q_len, kv_len, str(device))
+    if key not in masks:
+        masks[key] = create_mask(block_mask.mask_mod, batch, None, q_len, kv_len, device=device)
+    return masks[key]
+
+
 def eager_flex_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -178,7 +196,7 @@ def eager_flex_attention(
 ) -> tuple[torch.Tensor, Any]:
     """Shim 2: ``FlexAttention.compiled_flex_attn``'s contract ((B, N, L, H) in and out) by eager SDPA over the
     block mask's dense boolean mask."""
-    from torch.nn.attention.flex_attention import AuxOutput, create_mask
+    from torch.nn.attention.flex_attention import AuxOutput
 
     if score_mod is not None:
         raise NotImplementedError("the CPU shim's flex attention supports no score_mod")
@@ -186,8 +204,7 @@ def eager_flex_attention(
         raise NotImplementedError(f"the CPU shim's flex attention returns no auxiliary outputs, asked {return_aux!r}")
     mask = None
     if block_mask is not None:
-        batch, _, q_len, kv_len = block_mask.shape[0], None, q.shape[-2], k.shape[-2]
-        mask = create_mask(block_mask.mask_mod, batch, None, q_len, kv_len, device=q.device)
+        mask = dense_mask(block_mask, block_mask.shape[0], q.shape[-2], k.shape[-2], q.device)
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
     return out, AuxOutput()
 
