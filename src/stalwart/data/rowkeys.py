@@ -9,8 +9,9 @@ when every position was delivered once.
 Content hashes
     Arrow data (Parquet row groups, Hugging Face pieces) is hashed a column
     at a time (:mod:`stalwart.data.table_hashes`, apart so that a process
-    that never reads Arrow data does not import pyarrow). Rows already in Python (in-memory shards, a dataset's samples)
-    are hashed from a canonical byte encoding with BLAKE2b. The hash is
+    that never reads Arrow data does not import pyarrow). Rows already in
+    Python (in-memory shards, a dataset's samples) are hashed from a
+    canonical byte encoding with BLAKE2b. The hash is
     splitmix64-mixed, the same in every process and on every platform; it
     is a checksum, not a cryptographic digest.
 """

@@ -34,10 +34,11 @@ name that works):
    ``scaled_dot_product_attention`` with the block mask's ``mask_mod``
    evaluated as a dense boolean mask (same result, slower; the debug model's
    sequences are short), once per block mask: every layer, and each
-   recompute under activation checkpointing, asks for the same one. Score mods and the log-sum-exp output are not
-   supported and raise. ``create_attention_mask`` (``create_block_mask``
-   under ``torch.compile``: a C++ inductor build of half a minute per process
-   on a busy CPU) becomes the eager ``create_block_mask``.
+   recompute under activation checkpointing, asks for the same one. Score
+   mods and the log-sum-exp output are not supported and raise.
+   ``create_attention_mask`` (``create_block_mask`` under ``torch.compile``:
+   a C++ inductor build of half a minute per process on a busy CPU) becomes
+   the eager ``create_block_mask``.
 3. **Sum reduction for FSDP's gradients.** torchtitan divides gradients
    itself and sets FSDP2's divide factor to 1, which makes FSDP reduce-scatter
    with ``ReduceOp.PREMUL_SUM``; Gloo has no ``PREMUL_SUM``. Setting a divide
