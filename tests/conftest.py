@@ -40,9 +40,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
     With torchtitan installed, the forkserver the tests fork their workers
     from imports it as well: some twenty torchtitan processes are forked per
-    run, each of which spent 1.9 s of CPU importing it.
+    run, each of which spent 1.9 s of CPU importing it. It imports hypothesis
+    too: the tests whose peers run a function of their own module fork them
+    with it, and every such import collected the whole torch heap once
+    (hypothesis registers trio's random generator, which runs ``gc.collect``):
+    some 5 s of CPU per run.
     """
     apply_thread_default()
+    preload_also("hypothesis")
     if importlib.util.find_spec("torchtitan") is not None:
         preload_also("torchtitan.train", "stalwart.integrations.torchtitan.trainer", "stalwart.testing.torchtitan_cpu")
 
