@@ -42,7 +42,7 @@ from stalwart.testing.groups import ForkedGroup
 from stalwart.testing.torchrun import TorchrunGroup
 from stalwart.testing.torchtitan_assets import TorchtitanAssets
 from stalwart.testing.waiting import wait_until
-from tests.integration.torchtitan_job import GO_VARIABLE, HOLD_VARIABLE, RUN_DIR_VARIABLE
+from tests.integration.torchtitan_seams import GO_VARIABLE, HOLD_VARIABLE, RUN_DIR_VARIABLE
 
 STEPS = 6
 GLOBAL_BATCH = 4

@@ -29,10 +29,7 @@ from stalwart.integrations.torchtitan.trainer import StalwartTrainer
 from stalwart.launch.loop import HOLD_LIMIT, held_until
 from stalwart.runtime.sharding import is_dtensor
 from stalwart.testing.waiting import wait_until
-
-RUN_DIR_VARIABLE = "STALWART_TEST_RUN_DIR"
-HOLD_VARIABLE = "STALWART_TEST_HOLD_FILE"
-GO_VARIABLE = "STALWART_TEST_GO_FILE"
+from tests.integration.torchtitan_seams import GO_VARIABLE, HOLD_VARIABLE, RUN_DIR_VARIABLE
 
 
 class HeldTrainer(StalwartTrainer):
