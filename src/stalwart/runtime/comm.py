@@ -106,11 +106,11 @@ from stalwart.runtime.store import LighthouseStore
 _FIRST_POLL = 20e-6
 _LAST_POLL = 1e-3
 """Polling a collective starts every 20 us (a small model's all-reduce is done in ~100 us) and backs off to 1 ms."""
-_ABANDON_CHECK = 0.005
+_ABANDON_CHECK = 0.025
 _LAST_ABANDON_CHECK = 0.05
-"""Seconds between two looks at ``abandon()`` while a Gloo collective's future is awaited: 5 ms, doubling to 50 ms
-(a wait for a peer still in its backward, tens of milliseconds on a busy machine, wakes a few times instead of one
-time per 5 ms; a quorum the lighthouse reported broken is still given up within 50 ms)."""
+"""Seconds between two looks at ``abandon()`` while a Gloo collective's future is awaited: 25 ms, then 50 ms. A
+wait for a peer still in its backward (tens of milliseconds) mostly ends before the first look, each look being a
+wake-up the step pays for; a quorum the lighthouse reported broken is still given up within 50 ms."""
 _GRACE = 1.0
 """Seconds past a collective's timeout before the Communicator gives up itself (the backend should have first)."""
 ARRIVED = "arrived/"
@@ -419,16 +419,18 @@ class Communicator:
 
         Gloo: the work's future wakes this thread the moment it completes (a
         poll's sleep would add a scheduler wake-up per check on a busy
-        machine); ``abandon()`` is checked meanwhile, after
-        ``_ABANDON_CHECK`` seconds at first, backing off to
-        ``_LAST_ABANDON_CHECK``. NCCL: polled, since its future completes
-        through the stream rather than on the host.
+        machine), by releasing a lock this thread waits on (a bare lock: an
+        ``Event`` runs a condition's Python on both sides, every step);
+        ``abandon()`` is checked meanwhile, after ``_ABANDON_CHECK`` seconds at
+        first, backing off to ``_LAST_ABANDON_CHECK``. NCCL: polled, since its
+        future completes through the stream rather than on the host.
         """
-        done = threading.Event()
+        done = threading.Lock()
+        done.acquire()
         if self.device.type != "cuda":
-            work.get_future().add_done_callback(lambda _: done.set())
+            work.get_future().add_done_callback(lambda _: done.release())
         delay = _FIRST_POLL if self.device.type == "cuda" else _ABANDON_CHECK
-        while not (done.is_set() or work.is_completed()):
+        while not (work.is_completed() or done.acquire(blocking=False)):
             if self._abandon():
                 raise CollectiveError(
                     f"{name} abandoned on rank {self.rank}: a member of this quorum is dead", failure=Failure.ABANDONED
@@ -442,8 +444,9 @@ class Communicator:
             if self.device.type == "cuda":
                 time.sleep(delay)
                 delay = min(2 * delay, _LAST_POLL)
+            elif done.acquire(timeout=delay):
+                break
             else:
-                done.wait(delay)
                 delay = min(2 * delay, _LAST_ABANDON_CHECK)
         try:
             work.wait()

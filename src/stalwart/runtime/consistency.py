@@ -49,7 +49,6 @@ import numpy as np
 import torch
 
 from stalwart._validate import check_int
-from stalwart.data.plan import EpochPlan
 from stalwart.data.rowkeys import mix64
 from stalwart.errors import StalwartError
 
@@ -175,18 +174,18 @@ def index_checksum(epochs: np.ndarray | int, indices: np.ndarray | Sequence[int]
     return int(hashed.sum(dtype=np.uint64))
 
 
-def check_loaded(
-    loaded_checksum: int, plan: EpochPlan, epoch: int, positions: np.ndarray, where: str, loader: str, share: str
-) -> None:
-    """Raise ``AuditError`` unless ``loaded_checksum`` is the checksum of the samples at ``positions`` of ``epoch``.
+def check_loaded(loaded_checksum: int, epoch: int, indices: np.ndarray, where: str, loader: str, share: str) -> None:
+    """Raise ``AuditError`` unless ``loaded_checksum`` is the checksum of the samples ``indices`` of ``epoch``.
 
-    ``where`` names the step, ``loader`` who loaded (``the quorum``), ``share`` whose positions (``the ledger's``).
+    ``indices`` are the sample indices of the step's positions (the plan's
+    permutation of them); ``where`` names the step, ``loader`` who loaded
+    (``the quorum``), ``share`` whose positions (``the ledger's``).
     """
-    expected = index_checksum(epoch, plan.indices_at(epoch, positions))
+    expected = index_checksum(epoch, indices)
     if loaded_checksum != expected:
         raise AuditError(
             f"{where}: the samples {loader} loaded (checksum {loaded_checksum:#018x}) are not those of {share} "
-            f"{positions.size} positions (checksum {expected:#018x}): a member's loader produced other samples than "
+            f"{indices.size} positions (checksum {expected:#018x}): a member's loader produced other samples than "
             "its share"
         )
 
@@ -268,7 +267,7 @@ def audit_pieces(checksum: int) -> torch.Tensor:
     return torch.tensor([(checksum >> (_PIECE_BITS * j)) & mask for j in range(AUDIT_PIECES)], dtype=torch.float32)
 
 
-def audit_value(reduced_pieces: torch.Tensor) -> int:
-    """The summed checksum (mod 2**64) from the reduced pieces."""
-    pieces = [round(piece) for piece in reduced_pieces.to(torch.float64).tolist()]
-    return sum(piece << (_PIECE_BITS * j) for j, piece in enumerate(pieces)) & _MASK
+def audit_value(reduced_pieces: torch.Tensor | Sequence[float]) -> int:
+    """The summed checksum (mod 2**64) from the reduced pieces (a tensor, or its values)."""
+    values = reduced_pieces.tolist() if isinstance(reduced_pieces, torch.Tensor) else reduced_pieces
+    return sum(round(piece) << (_PIECE_BITS * j) for j, piece in enumerate(values)) & _MASK

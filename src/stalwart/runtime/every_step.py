@@ -162,13 +162,13 @@ class EveryStep:
     def _reduced_step(self, reduced: ReducedTail) -> StepReport:
         """Check the reduced step (sample count, audit), put the mean gradients in place, open the update window."""
         ledger = self.keeper.ledger
-        positions = self.keeper.planner.step_positions()
+        positions, indices = self.keeper.planner.step_indices()
         if reduced.samples != positions.size:
             raise RuntimeError(
                 f"step {ledger.step}: the quorum reduced {reduced.samples} samples, the ledger holds {positions.size}"
             )
         where = f"step {ledger.step}"
-        check_loaded(reduced.loaded_checksum, ledger.plan, ledger.epoch, positions, where, "the quorum", "the ledger's")
+        check_loaded(reduced.loaded_checksum, ledger.epoch, indices, where, "the quorum", "the ledger's")
         self._reduced = reduced
         return self.engine.open_update(reduced, ledger.step, positions)
 

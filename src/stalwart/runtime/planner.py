@@ -25,6 +25,7 @@ import numpy as np
 
 from stalwart.data.info import DataLoadingInfo, split_group_share
 from stalwart.data.ledger import DataLedger
+from stalwart.data.plan import EpochPlan
 from stalwart.data.schedule import split_microbatches
 from stalwart.errors import PlanMismatchError
 
@@ -65,6 +66,8 @@ class StepPlanner:
         self._ledger: DataLedger | None = None
         self._done = _NO_POSITIONS
         self._foreseen: tuple[int, np.ndarray, list[int]] | None = None
+        self._step_indices: tuple[EpochPlan, int, np.ndarray, np.ndarray] | None = None
+        """``(plan, epoch, positions, indices)`` last permuted: one permutation serves a step's parts and its audit."""
 
     @property
     def ledger(self) -> DataLedger:
@@ -143,6 +146,26 @@ class StepPlanner:
         shares = [share for share in self.ledger.in_flight.values() if share.size]
         return np.concatenate(shares) if shares else _NO_POSITIONS
 
+    def step_indices(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(positions, indices)``: :meth:`step_positions` and their sample indices in the plan's order.
+
+        Permuted once while the step's positions stay the same (a failure's
+        reassignment changes them): this process's parts are looked up in it,
+        and the step's audit checks against it.
+        """
+        ledger = self.ledger
+        positions = self.step_positions()
+        cached = self._step_indices
+        if (
+            cached is None
+            or cached[1] != ledger.epoch
+            or cached[0] != ledger.plan
+            or not np.array_equal(cached[2], positions)
+        ):
+            cached = (ledger.plan, ledger.epoch, positions, ledger.plan.indices_at(ledger.epoch, positions))
+            self._step_indices = cached
+        return cached[2], cached[3]
+
     def data_loading_info(self, group_sizes: Sequence[int]) -> DataLoadingInfo:
         """Where this process's samples of the current step come from (the proposal's ``DataLoadingInfo``)."""
         ledger = self.ledger
@@ -171,11 +194,17 @@ class StepPlanner:
         return ((epoch, indices) for epoch, _, indices in self._foreseen_steps(max_steps))
 
     def _indices(self, positions: np.ndarray) -> list[int]:
-        """Sample indices of ``positions``: the foreseen ones when the part is the one foreseen (the usual case)."""
+        """Sample indices of ``positions`` (some of the step's): the foreseen ones when the part is the one foreseen
+        (prefetching), else looked up in :meth:`step_indices`."""
         foreseen = self._foreseen
         if foreseen is not None and foreseen[0] == self.ledger.epoch and np.array_equal(foreseen[1], positions):
             return foreseen[2]
-        return self.ledger.plan.indices_at(self.ledger.epoch, positions).tolist()
+        step_positions, step_indices = self.step_indices()
+        order = np.argsort(step_positions, kind="stable")
+        found = order[np.searchsorted(step_positions, positions, sorter=order)] if positions.size else order[:0]
+        if not np.array_equal(step_positions[found], positions):
+            raise RuntimeError(f"positions {positions.tolist()} are not all positions of the step in progress")
+        return step_indices[found].tolist()
 
     def _foreseen_steps(self, max_steps: int) -> Iterator[tuple[int, np.ndarray, list[int]]]:
         preview = copy.deepcopy(self.ledger)

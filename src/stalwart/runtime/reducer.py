@@ -4,11 +4,15 @@ Like DDP's reducer, parameters are grouped into buckets in reverse order of
 ``model.parameters()`` (roughly the order backward produces their gradients),
 the first bucket small (1 MiB) so that reduction starts early, the others up
 to ``bucket_cap_mb``. During the step's last backward a
-``post_accumulate_grad`` hook copies each gradient into its bucket's reduce
-buffer; a bucket whose gradients are all in is all-reduced at once, in bucket
-order (every process issues the same collectives in the same order, which
-Gloo and NCCL require). What backward did not reach (unused parameters, a
-process with no samples) is launched when backward is over.
+``post_accumulate_grad`` hook counts each gradient in; once a bucket's are all
+in, they are copied into its reduce buffer in one batched copy and the bucket
+is all-reduced, in bucket order (every process issues the same collectives
+in the same order, which Gloo and NCCL require). What backward did not reach
+(unused parameters, a process with no samples) is launched when backward is
+over. The hooks are Python and run once per parameter and step, so each only
+counts: a model of hundreds of parameters pays one batched copy per bucket,
+not a copy call per parameter (right after a backward, with the caches cold,
+a call costs several times the counting).
 
 Why a copy (what DDP does with ``gradient_as_bucket_view=False``): the
 reduction must not destroy what this process accumulated. When a bucket's
@@ -160,7 +164,10 @@ class GradientReducer:
         self._comm: Communicator | None = None
         self._tail: Callable[[], torch.Tensor] | None = None
         self._filled: list[int] = []
-        self._copied: list[bool] = []
+        """Per bucket: how many of its gradients are in (their hooks ran) this round."""
+        self._ready: list[bool] = []
+        """Per parameter: its gradient is in this round (a second hook in the round is an error)."""
+        self._bucket_copied: list[bool] = []
         self._next = 0
         self._waits: list[Callable[[], None]] = []
         self._tail_launched = False
@@ -207,7 +214,8 @@ class GradientReducer:
         self._comm = comm
         self._tail = tail
         self._filled = [0] * len(self.buckets)
-        self._copied = [False] * len(self.params)
+        self._ready = [False] * len(self.params)
+        self._bucket_copied = [False] * len(self.buckets)
         self._next = 0
         self._waits = []
         self._tail_launched = False
@@ -217,9 +225,9 @@ class GradientReducer:
         """Launch every bucket not launched yet, in order (gradients backward did not produce count as zero)."""
         if self._comm is None:
             raise RuntimeError("launch_rest() needs an armed round: call arm() first")
-        for index in range(len(self.params)):
-            if not self._copied[index]:
-                self._copy(index)
+        for number in range(len(self.buckets)):
+            if not self._bucket_copied[number]:
+                self._copy_bucket(number)
         self._launch_ready()
 
     def wait(self) -> torch.Tensor:
@@ -305,35 +313,45 @@ class GradientReducer:
         return self._buffers[-1][self.buckets[-1].numel :]
 
     def _hook_for(self, index: int) -> Callable[[torch.Tensor], None]:
+        number = self._bucket_of[index]
+        size = len(self.buckets[number].params)
+
         def hook(_: torch.Tensor) -> None:
             if self._comm is None or self._error is not None:
                 return
-            if self._copied[index]:
+            if self._ready[index]:
                 self._error = RuntimeError(
                     f"the gradient of parameter {index} changed after it was handed to the reduction: "
                     "call step.backward(loss) once per micro-batch"
                 )
                 return
-            self._copy(index)
-            self._launch_ready()
+            self._ready[index] = True
+            self._filled[number] += 1
+            if self._filled[number] == size:
+                self._copy_bucket(number)
+                self._launch_ready()
 
         return hook
 
-    def _copy(self, index: int) -> None:
-        """Put parameter ``index``'s gradient into its slice of the bucket (zeros when it has none)."""
-        gradient = self.params[index].grad
-        if gradient is None:
-            self._views[index].zero_()
-        else:
-            self._views[index].copy_(local_tensor(gradient) if self._sharded else gradient)
-        self._copied[index] = True
-        self._filled[self._bucket_of[index]] += 1
+    def _copy_bucket(self, number: int) -> None:
+        """Put bucket ``number``'s gradients into its buffer in one batched copy (zeros for a parameter without)."""
+        views, gradients = [], []
+        for index in self.buckets[number].params:
+            gradient = self.params[index].grad
+            if gradient is None:
+                self._views[index].zero_()
+            else:
+                views.append(self._views[index])
+                gradients.append(local_tensor(gradient) if self._sharded else gradient)
+        if views:
+            torch._foreach_copy_(views, gradients)
+        self._bucket_copied[number] = True
 
     def _launch_ready(self) -> None:
         assert self._comm is not None and self._tail is not None
         comm, tail = self._comm, self._tail
         try:
-            while self._next < len(self.buckets) and self._filled[self._next] == len(self.buckets[self._next].params):
+            while self._next < len(self.buckets) and self._bucket_copied[self._next]:
                 last = self._next == len(self.buckets) - 1
                 if last and self.tail_rides_last_bucket:
                     self._tail_view().copy_(tail())

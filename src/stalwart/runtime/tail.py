@@ -112,17 +112,18 @@ class TailLayout:
         values = reduced.detach().cpu()
         if values.numel() != self.size:
             raise ValueError(f"a reduced tail of {values.numel()} values does not fit a layout of {self.size}")
+        numbers = values.tolist()  # one conversion: the slices' own tensor operations cost more, every step
         drift_end = self.balance_size + DRIFT_SLOTS * self.processes
         departures_end = drift_end + self.processes
         audit_end = departures_end + AUDIT_PIECES
         rows_end = audit_end + AUDIT_PIECES
-        samples, reconfigure, weight, loss = values[rows_end:].tolist()
+        samples, reconfigure, weight, loss = numbers[rows_end:]
         return ReducedTail(
-            balance=values[: self.balance_size].tolist(),
+            balance=numbers[: self.balance_size],
             drift=values[self.balance_size : drift_end],
-            departing=tuple(int(rank) for rank in torch.nonzero(values[drift_end:departures_end] > 0).flatten()),
-            loaded_checksum=audit_value(values[departures_end:audit_end]),
-            row_checksum=audit_value(values[audit_end:rows_end]),
+            departing=tuple(rank for rank, flag in enumerate(numbers[drift_end:departures_end]) if flag > 0),
+            loaded_checksum=audit_value(numbers[departures_end:audit_end]),
+            row_checksum=audit_value(numbers[audit_end:rows_end]),
             samples=round(samples),
             reconfigure=reconfigure > 0,
             weight=weight,

@@ -288,7 +288,8 @@ class RoundLoop:
                 f"its share holds {positions.size}"
             )
         where = f"round {ledger.step}, inner step {self.inner.steps}"
-        check_loaded(reduced.loaded_checksum, ledger.plan, ledger.epoch, positions, where, "the group", "its")
+        indices = ledger.plan.indices_at(ledger.epoch, positions)
+        check_loaded(reduced.loaded_checksum, ledger.epoch, indices, where, "the group", "its")
         self.progress.loaded_checksum = (self.progress.loaded_checksum + accumulation.loaded_checksum) % (1 << 64)
         self.progress.row_checksum = (self.progress.row_checksum + accumulation.row_checksum) % (1 << 64)
         self._reduced = reduced
@@ -429,14 +430,14 @@ class RoundLoop:
             results.append(self.links.await_exchange())
         wait_tail()
         reduced = tail_layout.decode(tail)
-        positions = keeper.planner.step_positions()
+        positions, indices = keeper.planner.step_indices()
         if reduced.samples != positions.size:
             raise RuntimeError(
                 f"round {ledger.step}: the quorum trained {reduced.samples} samples, the ledger's round holds "
                 f"{positions.size}"
             )
         where = f"round {ledger.step}"
-        check_loaded(reduced.loaded_checksum, ledger.plan, ledger.epoch, positions, where, "the quorum", "the ledger's")
+        check_loaded(reduced.loaded_checksum, ledger.epoch, indices, where, "the quorum", "the ledger's")
         group_size = keeper.session.group.size if self.outer.sharded else 1  # a group's processes: one shard each
         drifted = drift_plan(reduced.drift, comm.world_size, group_size)
         if drifted is not None:

@@ -1,0 +1,85 @@
+"""The step planner's parts: each process's positions and their sample indices, through failures mid-step.
+
+The planner permutes a step's positions once (``step_indices``) and looks up
+each part's indices in it; whatever the step went through (failures
+reassigning a dead member's positions, parts taken on top of what was
+done), every part's indices must be the plan's own for its positions, and
+the parts of the live processes must cover the step's positions exactly once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stalwart.data.ledger import DataLedger
+from stalwart.data.plan import EpochPlan
+from stalwart.runtime.planner import StepPlanner
+
+Run = tuple[EpochPlan, int, int, list[list[int]]]
+
+
+@st.composite
+def runs(draw: st.DrawFn) -> Run:
+    """A plan, members, processes per member, and per step who dies in it, one after another (an index into the
+    live members; the last one lives)."""
+    batch = draw(st.integers(1, 48))
+    multiple = draw(st.integers(1, min(batch, 4)))
+    plan = EpochPlan(draw(st.integers(1, 300)), batch, seed=draw(st.integers(0, 3)), local_batch_multiple=multiple)
+    members = draw(st.integers(1, 4))
+    group_size = draw(st.integers(1, 2))
+    deaths = draw(st.lists(st.lists(st.integers(0, members - 1), max_size=members - 1), min_size=1, max_size=6))
+    return plan, members, group_size, deaths
+
+
+def take_parts(
+    processes: dict[tuple[str, int], StepPlanner], ledger: DataLedger, trained: dict[str, list[np.ndarray]]
+) -> None:
+    """Each live process takes its next part; its indices must be the plan's for its positions."""
+    for (member, _), planner in processes.items():
+        if member in trained:
+            part = planner.next_part()
+            assert part.indices == ledger.plan.indices_at(ledger.epoch, part.positions).tolist()
+            trained[member].append(part.positions)
+
+
+@settings(max_examples=200, deadline=None)
+@given(runs())
+def test_every_part_has_the_plans_indices_and_the_parts_cover_the_step_once(run: Run) -> None:
+    plan, member_count, group_size, deaths = run
+    lighthouse = DataLedger(plan)
+    alive = [f"m{number}" for number in range(member_count)]
+    for dying in deaths:
+        lighthouse.begin_step(alive)
+        processes = {
+            (member, rank): StepPlanner(member, rank, group_size, max_microbatch=3, lockstep=False)
+            for member in alive
+            for rank in range(group_size)
+        }
+        for planner in processes.values():
+            planner.adopt(lighthouse.state_dict(), alive)
+            planner.begin_step()
+        trained: dict[str, list[np.ndarray]] = {member: [] for member in alive}
+        take_parts(processes, lighthouse, trained)
+        for number in dying:
+            if len(alive) == 1:
+                break
+            member = alive[number % len(alive)]
+            lighthouse.member_failed(member)
+            del trained[member]  # its work is lost with it
+            alive = [name for name in alive if name != member]
+            lighthouse.reassign(alive)
+            for (name, _), planner in processes.items():
+                if name in alive:
+                    planner.adopt(lighthouse.state_dict(), alive)
+            take_parts(processes, lighthouse, trained)
+        step = np.concatenate([np.zeros(0, dtype=np.int64), *lighthouse.in_flight.values()])
+        for (member, _), planner in processes.items():
+            if member in alive:
+                positions, indices = planner.step_indices()
+                assert np.array_equal(np.sort(positions), np.sort(step))
+                assert indices.tolist() == plan.indices_at(lighthouse.epoch, positions).tolist()
+        covered = np.concatenate([np.zeros(0, dtype=np.int64), *(part for parts in trained.values() for part in parts)])
+        assert np.array_equal(np.sort(covered), np.sort(step))
+        lighthouse.commit()
