@@ -38,10 +38,11 @@ done, in the middle of backward, and then runs the sharded parameters'
 modules' buckets overlaps the backward of the first, as in the replicated
 case (read in the torch 2.13 that ``requirements-dev.txt`` pins; a bucket no
 hook launched is launched after backward, like an unused parameter's). On
-CUDA FSDP2 runs the hooks with its post-reduce stream current, so a hook's
-copy and its bucket's all-reduce are ordered after the reduce-scatter that
-made the shard; FSDP2 makes the current stream wait for that stream before
-backward returns, so a bucket launched after backward sees those copies too.
+CUDA FSDP2 runs the hooks with its post-reduce stream current, so a bucket's
+copy (in its last gradient's hook) and its all-reduce are ordered after the
+reduce-scatters that made its shards (one stream runs them in order); FSDP2
+makes the current stream wait for that stream before backward returns, so a
+bucket copied and launched after backward sees them too.
 The tail, which counts every process of every group, goes over the whole
 quorum's communicator instead (``tail_comm``).
 """
