@@ -81,13 +81,15 @@ class CheckpointPolicy:
             finishes=session.group.is_leader,
         )
 
-    def between_steps(self, ledger: DataLedger, *, last: bool = False) -> bool:
+    def between_steps(self, ledger: DataLedger | None, *, last: bool = False) -> bool:
         """Start a checkpoint when one is due; False when gathering sharded state failed (re-form the quorum).
 
         Called between steps, after the training loop's body ran for the last
         one, so that what the loop steps there (an LR scheduler) is in the
         checkpoint as of the same step as the model. ``last``: the job's last
-        step, checkpointed whatever the cadence.
+        step, checkpointed whatever the cadence. ``ledger``: as committed at
+        this step; None when this process does not hold it (it joined here):
+        it takes part in gathering the state, and writes nothing.
         """
         if self._sharded is not None:
             return self._checkpoint_shards(ledger, last=last)
@@ -95,13 +97,13 @@ class CheckpointPolicy:
             if not self._together_at(self._replica.applied_step, last=last):
                 return True
             self._writer.wait()  # every process of the group decides with no checkpoint being written
-        if self._replica.trained_step == self._replica.applied_step and self._writes():
+        if ledger is not None and self._replica.trained_step == self._replica.applied_step and self._writes():
             step = self._replica.applied_step
             if self._writer.due(step, last=last):
                 self._writer.start(self._replica.states, _meta(step, ledger))
         return True
 
-    def final(self, ledger: DataLedger) -> bool:
+    def final(self, ledger: DataLedger | None) -> bool:
         """At the end of the job the writer checkpoints the last step, so a late joiner finds the job done."""
         self._writer.wait()
         healthy = self.between_steps(ledger, last=True)
@@ -157,7 +159,7 @@ class CheckpointPolicy:
             return bool(session.members) and session.members[0] == session.member
         return session.rank == 0
 
-    def _checkpoint_shards(self, ledger: DataLedger, *, last: bool) -> bool:
+    def _checkpoint_shards(self, ledger: DataLedger | None, *, last: bool) -> bool:
         """Sharded state: every process sends its shard to the writer at the same steps; the writer saves it all.
 
         The whole optimizer state sits in the user's optimizer only while the
@@ -179,7 +181,7 @@ class CheckpointPolicy:
         except CollectiveError as error:
             log.warning("%s: gathering step %d's checkpoint failed (%s)", self._session.member, step, error)
             return False
-        writes = self._writes() and self._replica.trained_step == step
+        writes = ledger is not None and self._writes() and self._replica.trained_step == step
         if whole is None or not writes or not self._writer.due(step, last=last):
             return True
         optimizer = self._replica.optimizer
@@ -234,6 +236,7 @@ def _group_writers(session: QuorumSession) -> Any:
     return dist.new_group(backend="gloo")
 
 
-def _meta(step: int, ledger: DataLedger) -> CheckpointMeta:
+def _meta(step: int, ledger: DataLedger | None) -> CheckpointMeta:
+    assert ledger is not None and not ledger.in_step, "a checkpoint holds a committed ledger"
     state = ledger.state_dict()
     return CheckpointMeta(step, state, ledger_digest(state))

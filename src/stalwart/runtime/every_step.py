@@ -293,7 +293,7 @@ class EveryStep:
         whole_quorum = len(leaving) == len(session.members)
         if whole_quorum and keeper.checkpoints is not None:  # nobody keeps the state: it goes to a checkpoint
             with self.engine.internal():
-                keeper.checkpoints.final(keeper.ledger)
+                keeper.checkpoints.final(keeper.committed_ledger())
         self._depart(whole_quorum=whole_quorum)
         return True
 

@@ -91,6 +91,9 @@ class QuorumKeeper:
         self._patience = CollectivePatience(timeouts.collective_timeout)
         self._boundary = True
         """A new quorum is wanted before the next step (the only place this is decided)."""
+        self._committed_here: DataLedger | None = None
+        """The ledger as committed at this boundary, kept when a quorum formed here (its answer begins the next step,
+        which no checkpoint may hold); None when this member had none (it first joined here)."""
         self._heal_listeners: list[Callable[[], None]] = []
         self._connect_listeners: list[Callable[[], None]] = []
         self.max_steps: int | None = None
@@ -162,6 +165,7 @@ class QuorumKeeper:
         if not self._boundary and self.planner.joined:
             return
         first = not self.planner.joined
+        self._committed_here = None if first else self.ledger.copy()
         join("join" if first else "reconfigure")
         if first:
             self._check_plan(loader)
@@ -348,7 +352,7 @@ class QuorumKeeper:
         if self.checkpoints is None:
             return
         with self.internal():
-            if not self.checkpoints.between_steps(self.ledger):
+            if not self.checkpoints.between_steps(self.committed_ledger()):
                 self.want_boundary()
 
     def finish(self) -> None:
@@ -356,8 +360,18 @@ class QuorumKeeper:
         self.finished = True
         if self.checkpoints is not None:
             with self.internal():
-                self.checkpoints.final(self.ledger)
+                self.checkpoints.final(self.committed_ledger())
         self.session.farewell()
+
+    def committed_ledger(self) -> DataLedger | None:
+        """The ledger as committed at this step boundary, for a checkpoint: the lighthouse vouches only for committed
+        ledgers, and a quorum formed at this boundary began its next step; None when this member does not hold it
+        (it joined at this boundary, or was healed to it)."""
+        ledger = self.ledger
+        if not ledger.in_step:
+            return ledger
+        committed = self._committed_here
+        return committed if committed is not None and committed.step == ledger.step else None
 
     def wait_for_checkpoint(self) -> None:
         """Before leaving: wait (at most :data:`CLOSE_WAIT` s) for a checkpoint being written to be reported."""
