@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import socket
 import time
 from collections.abc import Iterator
@@ -154,6 +155,23 @@ def test_reconfigure_flag_is_set_by_a_push_and_cleared_by_the_next_quorum(
     assert not a.reconfigure_requested, "nothing is pending once the joiner is in"
 
 
+def test_a_waiting_joiner_is_pushed_to_the_quorum_not_left_for_its_next_heartbeat() -> None:
+    """The members heartbeat once a minute: only a push tells them of the joiner before their next beat."""
+    with (
+        Lighthouse(PLAN, min_replicas=1, heartbeat_timeout=300.0, join_timeout=30.0) as server,
+        LighthouseClient(server.url, "a", heartbeat_interval=60.0) as member,
+        LighthouseClient(server.url, "b") as joiner,
+    ):
+        member.start_heartbeat(lambda: 0)
+        assert member.quorum(0, None, "join", 20).members == ("a",)
+        joiner.start_heartbeat(lambda: 0)
+        with ThreadPoolExecutor(1) as pool:
+            joined = pool.submit(joiner.quorum, 0, None, "join", 30)
+            wait_until(lambda: member.reconfigure_requested, timeout=30.0, what="the joiner's push")
+            assert member.quorum(0, 1, "reconfigure", 20).members == ("a", "b")
+            assert joined.result(timeout=30).quorum_id == 2
+
+
 def test_heartbeat_reconnects_after_the_lighthouse_restarts(tmp_path: Path) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -198,6 +216,32 @@ def test_close_is_idempotent_and_later_calls_fail(lighthouse: Lighthouse) -> Non
     wait_until(lambda: lighthouse.status()["members"][0]["state"] == "dead", what="a closed socket to count as dead")
     with pytest.raises(RuntimeError, match="closed"):
         client.status()
+
+
+def _beat_times(client: LighthouseClient, beats: int) -> list[float]:
+    """When ``client``'s first ``beats`` heartbeats were built (its report is read once per heartbeat)."""
+    times: list[float] = []
+    client.start_heartbeat(lambda: times.append(time.monotonic()) or 0)
+    wait_until(lambda: len(times) >= beats, timeout=30.0, what=f"{beats} heartbeats")
+    return times[:beats]
+
+
+def test_the_default_heartbeat_is_a_quarter_of_the_lighthouse_timeout(lighthouse: Lighthouse) -> None:
+    """The beats follow the lighthouse's timeout (1 s here: every 0.25 s), never faster; an explicit interval is
+    kept. A load can only spread the beats, so only their least gap is asserted."""
+    with (
+        LighthouseClient(lighthouse.url, "x") as default,
+        LighthouseClient(lighthouse.url, "y", heartbeat_interval=0.05) as given,
+    ):
+        assert default.heartbeat_interval is None
+        times = _beat_times(default, 4)
+        assert default.registration.heartbeat_timeout == 1.0
+        assert default.effective_heartbeat_interval == 0.25
+        assert min(later - earlier for earlier, later in itertools.pairwise(times)) >= 0.24
+        _beat_times(given, 3)
+        assert given.effective_heartbeat_interval == 0.05
+        assert default.retry_cap == 0.1, "a slow default heartbeat does not slow the retries"
+        assert given.retry_cap == 0.05
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,8 @@ secret that authenticates its later calls; when the lighthouse answers that it
 does not know the incarnation (it restarted without its state), the client
 registers again transparently. The
 heartbeat keeps a websocket open (``GET /v1/heartbeat``), sends the worker's
-``applied_step`` every ``heartbeat_interval`` and reconnects with bounded
+``applied_step`` every ``heartbeat_interval`` (by default a quarter of the
+lighthouse's ``heartbeat_timeout``: 0.5 s) and reconnects with bounded
 backoff when the lighthouse restarts (once the worker was healed, each
 heartbeat also carries its heal totals: :meth:`LighthouseClient.report_heal`);
 a ``{"type": "reconfigure"}`` push sets
@@ -51,8 +52,8 @@ fast, and a path that comes back is used at once:
   except a quorum request while the heartbeat socket is open: it is sent on
   that socket (:mod:`stalwart.coord.asks`), whose path the heartbeat watches;
 - a quorum request that fails is asked again on a fresh connection after a
-  pause that grows up to about a heartbeat interval
-  (:attr:`LighthouseClient.retry_cap`), and one in flight is given up (and
+  pause that grows up to 0.1 s, or the heartbeat interval the lighthouse
+  asks for when that is longer (:attr:`LighthouseClient.retry_cap`), and one in flight is given up (and
   asked again) as soon as the heartbeat finds the path dead;
 - heartbeats are the latest value, not a queue: each goes with a websocket
   ping, and the next is sent only once the lighthouse answered the ping (it
@@ -104,7 +105,7 @@ from stalwart.coord.protocol import (
 from stalwart.coord.registration import Registration
 from stalwart.coord.reports import MemberReport, Report
 from stalwart.coord.tls import client_context, warn_cleartext
-from stalwart.coord.wire import RequestError, check_seconds, parse_member
+from stalwart.coord.wire import RequestError, check_seconds, optional_seconds, parse_member
 from stalwart.data.plan import EpochPlan
 from stalwart.errors import LighthouseError, LighthouseUnreachable
 
@@ -147,7 +148,7 @@ class LighthouseClient:
         member: str,
         *,
         token: str | None = None,
-        heartbeat_interval: float = 0.1,
+        heartbeat_interval: float | None = None,
         request_timeout: float = 10.0,
         plan: EpochPlan | None = None,
         ca_file: str | os.PathLike[str] | None = None,
@@ -166,7 +167,8 @@ class LighthouseClient:
         self.plan = plan
         """The plan this member trains with, sent with its registration (None: the lighthouse's is taken)."""
         self.url = url.rstrip("/")
-        self.heartbeat_interval = check_seconds("heartbeat_interval", heartbeat_interval)
+        self.heartbeat_interval = optional_seconds("heartbeat_interval", heartbeat_interval)
+        """Seconds between heartbeats; None: a ``BEATS_PER_TIMEOUT``-th of the lighthouse's heartbeat timeout."""
         self.request_timeout = check_seconds("request_timeout", request_timeout)
         self.register_timeout = check_seconds("register_timeout", register_timeout)
         """How long a registration is retried while the member's old process lives or registrations are limited."""
@@ -236,9 +238,8 @@ class LighthouseClient:
 
     @property
     def retry_cap(self) -> float:
-        """The longest pause (s) before a failed quorum request or heartbeat connection is tried again: about a
-        heartbeat interval."""
-        return max(MIN_BACKOFF, self.effective_heartbeat_interval)
+        """The longest pause (s) before a failed request or heartbeat connection is tried again (see Registration)."""
+        return self.registration.retry_cap(self.heartbeat_interval)
 
     def wait_reachable(self, timeout: float = 60.0) -> None:
         """Return once the lighthouse answers ``GET /healthz``; :class:`LighthouseUnreachable` after ``timeout`` s.
@@ -489,8 +490,8 @@ class LighthouseClient:
 
     @property
     def effective_heartbeat_interval(self) -> float:
-        """The interval heartbeats go at: ``heartbeat_interval``, or longer when the lighthouse asks for it."""
-        return max(self.heartbeat_interval, self.registration.recommended_interval)
+        """The interval heartbeats go at (:meth:`~stalwart.coord.registration.Registration.heartbeat_interval`)."""
+        return self.registration.heartbeat_interval(self.heartbeat_interval)
 
     async def _authenticated_request(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
         """A request with the identity headers; registers again once if the lighthouse forgot the incarnation."""

@@ -50,6 +50,13 @@ HEARTBEAT_PATH = "/v1/heartbeat"
 HEARTBEAT_RECONNECT_CODE = 4001
 """The close code of a heartbeat socket its member closes to open another (the lighthouse stopped answering on it):
 the member lives on, judged by the heartbeat timeout, not dead as a socket closed without it."""
+DEFAULT_HEARTBEAT_TIMEOUT = 2.0
+"""Seconds of silence after which the lighthouse counts a member dead, unless configured otherwise."""
+BEATS_PER_TIMEOUT = 4
+"""Heartbeats a member sends per ``heartbeat_timeout`` by default (every 0.5 s at the default 2 s), and at least:
+the lighthouse never asks for an interval longer than a quarter of its timeout. Each beat wakes the worker's
+heartbeat thread, which takes the GIL from the training loop (at 0.1 s the beats cost the GPT example's step
+about 2 ms of CPU a process), and detection is the timeout's, not the interval's."""
 LEAVE_PATH = "/v1/leave"
 REACH_PATH = "/v1/reach"
 """``POST /v1/reach``: a member left out for its cuts names the peers its probe got through to again."""

@@ -6,7 +6,8 @@ registrations are rate limited (429 ``rate_limited``), or the connection
 closed before an answer (a lighthouse at its connection cap), up to
 ``register_timeout``. A refusal no retry changes (superseded, another plan,
 no plan) is kept and raised by every later call. The lighthouse's answers
-also say how often to heartbeat at least (:meth:`Registration.adopt_interval`).
+also say how often to heartbeat at least, and the heartbeat timeout a member's
+default interval follows (:meth:`Registration.adopt_interval`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,13 @@ from typing import Any
 
 import aiohttp
 
-from stalwart.coord.protocol import REGISTER_PATH, identity_headers, register_body
+from stalwart.coord.protocol import (
+    BEATS_PER_TIMEOUT,
+    DEFAULT_HEARTBEAT_TIMEOUT,
+    REGISTER_PATH,
+    identity_headers,
+    register_body,
+)
 from stalwart.data.plan import EpochPlan
 from stalwart.errors import LighthouseError
 
@@ -27,6 +34,9 @@ logger = logging.getLogger(__name__)
 
 MIN_PAUSE_S = 0.05
 """The shortest pause before a registration is asked again."""
+RETRY_PAUSE_S = 0.1
+"""The longest pause before a failed request is tried again, unless the lighthouse asks for a longer heartbeat
+interval: a slow default heartbeat (it spares the training loop) must not slow the recovery of quorum requests."""
 MAX_PAUSE_S = 2.0
 """The longest pause before a registration is asked again (whatever ``retry_after`` says)."""
 STICKY_CODES = frozenset({"superseded", "plan_mismatch", "no_plan"})
@@ -63,6 +73,8 @@ class Registration:
         """A registration refusal no retry changes: raised by every call."""
         self.recommended_interval = 0.0
         """The least heartbeat interval the lighthouse asked for (its register and quorum answers say)."""
+        self.heartbeat_timeout: float | None = None
+        """The lighthouse's heartbeat timeout, once an answer said it (a default interval is a fraction of it)."""
         self._lock: asyncio.Lock | None = None
 
     def start(self) -> None:
@@ -111,12 +123,37 @@ class Registration:
             return
 
     def adopt_interval(self, answer: Mapping[str, Any]) -> None:
-        """Heartbeat no faster than the lighthouse asks (``heartbeat_interval`` in its answers, when it says)."""
-        recommended = answer.get("heartbeat_interval")
-        if isinstance(recommended, int | float) and not isinstance(recommended, bool) and 0 <= recommended < 3600:
-            self.recommended_interval = float(recommended)
+        """Heartbeat no faster than the lighthouse asks, and by default at the pace its timeout sets
+        (``heartbeat_interval`` and ``heartbeat_timeout`` in its answers, when they say)."""
+        recommended = _seconds(answer.get("heartbeat_interval"), below=3600)
+        if recommended is not None:
+            self.recommended_interval = recommended
+        timeout = _seconds(answer.get("heartbeat_timeout"), below=86400)
+        if timeout:
+            self.heartbeat_timeout = timeout
+
+    def heartbeat_interval(self, own: float | None) -> float:
+        """The interval heartbeats go at: ``own`` (None: a ``BEATS_PER_TIMEOUT``-th of the lighthouse's heartbeat
+        timeout, or of its default before an answer said it), or longer when the lighthouse asks for it."""
+        if own is None:
+            timeout = DEFAULT_HEARTBEAT_TIMEOUT if self.heartbeat_timeout is None else self.heartbeat_timeout
+            own = timeout / BEATS_PER_TIMEOUT
+        return max(own, self.recommended_interval)
+
+    def retry_cap(self, own: float | None) -> float:
+        """The longest pause (s) before a failed quorum request or heartbeat connection is tried again: the
+        heartbeat interval up to ``RETRY_PAUSE_S``, or the least interval the lighthouse asks for (a fleet at
+        scale spreads its retries as it spreads its heartbeats)."""
+        return max(MIN_PAUSE_S, min(self.heartbeat_interval(own), RETRY_PAUSE_S), self.recommended_interval)
 
     def forget(self, secret: str | None) -> None:
         """Register again before the next call (the lighthouse no longer knows ``secret``)."""
         if self.secret == secret:
             self.secret = None
+
+
+def _seconds(value: Any, *, below: float) -> float | None:
+    """A lighthouse's answer's number of seconds in [0, ``below``), as a float; None for anything else (ignored)."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < below:
+        return float(value)
+    return None

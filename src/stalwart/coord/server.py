@@ -61,6 +61,7 @@ from stalwart.coord.gate import RequestGate, identity
 from stalwart.coord.metrics import LighthouseMetrics
 from stalwart.coord.persist import StateStore
 from stalwart.coord.protocol import (
+    BEATS_PER_TIMEOUT,
     CHECKPOINT_PATH,
     HEARTBEAT_PATH,
     LEAVE_PATH,
@@ -391,7 +392,7 @@ class Lighthouse:
                 logger.exception("lighthouse tick failed")
 
     def _advance(self, *, tick: bool = False) -> None:
-        """Form a quorum if due, wake its waiters (each awaits the save); push a broken quorum; end a withdrawn one.
+        """Form a quorum if due, wake its waiters (each awaits the save); push a reconfigure; end a withdrawn one.
 
         After an event this costs constant time unless a quorum forms; the
         periodic ``tick`` also expires heartbeats and finds hung members.
@@ -404,7 +405,7 @@ class Lighthouse:
             self.saves.formed(formation.quorum_id)
             self.metrics.on_formation(formation.reason, self.state.hosted)
             self.waiters.answer(formation)
-        self.heartbeats.push_broken_quorum()
+        self.heartbeats.push_reconfigure()
         if (quorum := self.state.quorum) is not None and self.state.roster.withdrawn:
             self.stores.end(quorum.quorum_id)  # it never runs: a member waiting in its store asks again at once
         if self._collector is not None:
@@ -415,10 +416,11 @@ class Lighthouse:
             live = self.state.live_members
             self._collector.update(now, busy=busy, formed=formation is not None, gone=gone, live=live)
 
-    def heartbeat_interval(self) -> float:
-        """The interval the lighthouse asks its members to heartbeat at, at least (for the members it expects)."""
-        members = max(self.state.live_members, self.state.start_replicas)
-        return recommended_heartbeat_interval(members, self.state.heartbeat_timeout)
+    def heartbeat_advice(self) -> dict[str, float]:
+        """What register and quorum answers say of heartbeats: the least interval for the members the lighthouse
+        expects, and the timeout a member's default interval is a quarter of (``BEATS_PER_TIMEOUT``)."""
+        members, timeout = max(self.state.live_members, self.state.start_replicas), self.state.heartbeat_timeout
+        return {"heartbeat_interval": recommended_heartbeat_interval(members, timeout), "heartbeat_timeout": timeout}
 
     def _status(self) -> dict[str, Any]:
         status = self.state.to_status(time.time())
@@ -464,10 +466,7 @@ class Lighthouse:
                 503, f"quorum {formation.quorum_id} was superseded meanwhile; ask again", member=member, retry=True
             )
         store = self.stores.open(formation.quorum_id)
-        extra = {
-            "store": {"quorum_id": formation.quorum_id, "key": store.key},
-            "heartbeat_interval": self.heartbeat_interval(),
-        }
+        extra = {"store": {"quorum_id": formation.quorum_id, "key": store.key}, **self.heartbeat_advice()}
         return formation.render(member, extra, wire=quorum_request.wire, known=quorum_request.known)
 
     async def _leave(self, request: web.Request) -> web.Response:
@@ -536,7 +535,7 @@ class Lighthouse:
         self._advance()
         await self.saves.require(f"the registration of member {member!r}")
         answer = {"member": member, "incarnation": body["incarnation"], "secret": secret}
-        return web.json_response({**answer, "heartbeat_interval": self.heartbeat_interval()})
+        return web.json_response({**answer, **self.heartbeat_advice()})
 
     def _retire(self, member: str, incarnation: str) -> None:
         """Close the replaced incarnation's socket and refuse its pending quorum requests."""
@@ -555,10 +554,11 @@ class Lighthouse:
 def recommended_heartbeat_interval(members: int, heartbeat_timeout: float) -> float:
     """The least heartbeat interval (seconds) for ``members`` members: ``members / HEARTBEATS_PER_SECOND``.
 
-    Capped at a quarter of ``heartbeat_timeout``, so that a live member is
-    heard from four times per timeout; members heartbeat at this interval or
-    their own, whichever is longer (0.1 s by default: 819 members or fewer
-    keep it; 4096 members heartbeat every 0.5 s). Beyond that, raise
-    ``heartbeat_timeout`` with the fleet.
+    Capped at ``heartbeat_timeout / BEATS_PER_TIMEOUT``, so that a live
+    member is heard from four times per timeout; members heartbeat at this
+    interval or their own, whichever is longer (by default their own is that
+    cap, 0.5 s at the default 2 s timeout; a member given 0.1 s keeps it up to
+    819 members). Beyond 4096 members, raise ``heartbeat_timeout`` with the
+    fleet.
     """
-    return min(heartbeat_timeout / 4, members / HEARTBEATS_PER_SECOND)
+    return min(heartbeat_timeout / BEATS_PER_TIMEOUT, members / HEARTBEATS_PER_SECOND)

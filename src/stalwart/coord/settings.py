@@ -16,7 +16,7 @@ from typing import Any
 
 from stalwart._validate import check_bool, check_int
 from stalwart.coord.connections import HEADER_TIMEOUT
-from stalwart.coord.protocol import MAX_HEADER_CHARS
+from stalwart.coord.protocol import DEFAULT_HEARTBEAT_TIMEOUT, MAX_HEADER_CHARS
 from stalwart.coord.quorum import MAX_MEMBERS
 from stalwart.coord.store import StoreLimits
 from stalwart.coord.tls import is_loopback
@@ -50,7 +50,7 @@ class LighthouseSettings:
     """The SQLite file holding the state (None: the state lives in memory only)."""
     token: str | None = field(default=None, repr=False)
     """The bearer token every request but ``/healthz`` must carry (None: none is checked); never in the repr."""
-    heartbeat_timeout: float = 2.0
+    heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT
     join_timeout: float = 5.0
     tick_interval: float = 0.05
     max_members: int = MAX_MEMBERS

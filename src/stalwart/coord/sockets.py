@@ -3,8 +3,9 @@
 ``GET /v1/heartbeat?member=ID`` opens a member's websocket (``docs/protocol.md``):
 its heartbeats are handed to the state (a repeated one only as a sign of
 life), a member that should come to a boundary or was left out is told so
-(once per notice and ``RENOTICE_S``), a quorum whose member died is pushed to
-its survivors at once (:meth:`HeartbeatSockets.push_broken_quorum`), and a
+(once per notice and ``RENOTICE_S``), a quorum whose member died or that a
+joiner waits for is pushed to its members at once
+(:meth:`HeartbeatSockets.push_reconfigure`), and a
 quorum request sent on the socket (``ASK_PREFIX``) is answered on it with what
 ``POST /v1/quorum`` would answer. A socket that closes is a death unless its
 member closed it to reconnect.
@@ -88,7 +89,7 @@ class HeartbeatSockets:
         """Has the event loop report an upgraded socket with the members' bulk, a batch per iteration."""
         self.sockets: dict[str, web.WebSocketResponse] = {}
         """Each member's open heartbeat socket."""
-        self._broken_pushed: set[int] = set()
+        self._pushed: set[tuple[int, bool]] = set()
         self._noticed: dict[str, tuple[web.WebSocketResponse, tuple[int, bool, bool], float]] = {}
         """Each member's last reconfigure notice: its socket, ``(quorum_id, broken, left_out)`` and when. During a
         failure every heartbeat of a member that has not asked yet is due a notice; answering each of them with it
@@ -241,27 +242,35 @@ class HeartbeatSockets:
         if not socket.closed:
             await socket.send_str(answer_message(ask_id, status, body))
 
-    def push_broken_quorum(self) -> None:
-        """Tell the live members of a quorum with a dead member at once, so they abandon its collectives.
+    def push_reconfigure(self) -> None:
+        """Tell the members of the current quorum at once that it must come to a boundary, once per quorum and cause.
 
-        A survivor may be blocked in a collective with a peer that is not the
-        dead member (the peer left it on its own error): without this push it
-        would wait for the collective's timeout.
+        A member died: every survivor is told (with whom it lost), so that
+        one blocked in a collective with a peer that is not the dead member
+        (the peer left it on its own error) abandons it instead of waiting for
+        its timeout. A joiner waits: the members not asking yet are told, so
+        that it joins at their next step rather than after their next
+        heartbeat (a quarter of the heartbeat timeout by default).
         """
         quorum = self.state.quorum
-        if quorum is None or not self.state.quorum_broken or quorum.quorum_id in self._broken_pushed:
+        if quorum is None or not self.state.reconfigure_pending:
             return
-        self._broken_pushed.add(quorum.quorum_id)
-        message = json.dumps(
-            {"type": "reconfigure", "quorum_id": quorum.quorum_id, "broken": True, "down": self.state.broken_by}
-        )
+        broken = self.state.quorum_broken
+        if (quorum.quorum_id, broken) in self._pushed:
+            return
+        self._pushed.add((quorum.quorum_id, broken))
+        notice: dict[str, Any] = {"type": "reconfigure", "quorum_id": quorum.quorum_id, "broken": broken}
+        if broken:
+            notice["down"] = self.state.broken_by
+        message = json.dumps(notice)
         now = time.monotonic()
         sockets = []
         for member in quorum.members:
             socket = self.sockets.get(member)
-            if socket is not None and not socket.closed:
-                self._noticed[member] = (socket, (quorum.quorum_id, True, False), now)
-                sockets.append(socket)
+            if socket is None or socket.closed or not (broken or self.state.should_reconfigure(member)):
+                continue
+            self._noticed[member] = (socket, (quorum.quorum_id, broken, False), now)
+            sockets.append(socket)
         asyncio.get_running_loop().create_task(push(sockets, message)).add_done_callback(consume)
 
     def _notice_due(self, member: str, socket: web.WebSocketResponse, key: tuple[int, bool, bool]) -> bool:

@@ -165,6 +165,11 @@ def check_seconds(name: str, value: Any) -> float:
     return float(value)
 
 
+def optional_seconds(name: str, value: Any) -> float | None:
+    """``None``, or ``value`` checked by :func:`check_seconds`."""
+    return None if value is None else check_seconds(name, value)
+
+
 _Field = TypeVar("_Field")
 
 

@@ -120,21 +120,26 @@ class Transport:
     """How this process reaches the lighthouse and its peers.
 
     ``host``: the address peers reach this process at (its process group
-    binds there). ``heartbeat_interval``: seconds between heartbeats (the
-    lighthouse may recommend a longer one). ``max_join_attempts``: quorums
+    binds there). ``heartbeat_interval``: seconds between heartbeats (None,
+    the default: a quarter of the lighthouse's ``heartbeat_timeout``, 0.5 s at
+    its default 2 s; the lighthouse may recommend a longer one). Each beat
+    takes the GIL from the training loop, and a dead member is found by the
+    lighthouse's timeout, not by the interval, so a shorter one buys only
+    fresher step reports. ``max_join_attempts``: quorums
     that could not start in a row before :class:`~stalwart.errors.JoinError`.
     """
 
     host: str = "127.0.0.1"
-    heartbeat_interval: float = 0.1
+    heartbeat_interval: float | None = None
     max_join_attempts: int = 20
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"Transport.host must be a non-empty address, got {self.host!r}")
-        if not _positive(self.heartbeat_interval):
+        if self.heartbeat_interval is not None and not _positive(self.heartbeat_interval):
             raise ValueError(
-                f"Transport.heartbeat_interval must be a positive number of seconds, got {self.heartbeat_interval!r}"
+                "Transport.heartbeat_interval must be a positive number of seconds or None (a quarter of the "
+                f"lighthouse's heartbeat timeout), got {self.heartbeat_interval!r}"
             )
         check_int("Transport.max_join_attempts", self.max_join_attempts, minimum=1)
 
