@@ -22,7 +22,6 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from stalwart._validate import check_int
-from stalwart.coord.hosted_ledger import ledger_digest
 from stalwart.data.ledger import DataLedger
 from stalwart.data.plan import EpochPlan
 from stalwart.errors import JobFinishedError, JoinError, PlanMismatchError
@@ -36,7 +35,7 @@ from stalwart.runtime.patience import MAX_GROWTH, QUIET_STEPS, CollectivePatienc
 from stalwart.runtime.planner import StepPlanner
 from stalwart.runtime.probe import LinkNeed
 from stalwart.runtime.replica import Replica
-from stalwart.runtime.session import QuorumSession
+from stalwart.runtime.session import CommittedReport, QuorumSession
 from stalwart.runtime.timeouts import Timeouts
 from stalwart.runtime.zero import ShardedOptimizer
 
@@ -343,9 +342,9 @@ class QuorumKeeper:
         self.report_applied()
 
     def report_applied(self) -> None:
-        """Tell the lighthouse (with the next heartbeat) the applied step and the ledger's digest."""
+        """Tell the lighthouse (with the next heartbeat) the applied step and the ledger's digest (computed then)."""
         ledger = self.ledger
-        self.session.report = (self.replica.applied_step, ledger_digest(ledger.state_dict()), ledger.weights_record())
+        self.session.report = CommittedReport(self.replica.applied_step, ledger.copy(), ledger.weights_record())
 
     def between_steps(self) -> None:
         """A checkpoint due at this step (round) boundary; one whose state could not be gathered re-forms the quorum."""

@@ -48,8 +48,9 @@ from stalwart.coord.client import (
     LighthouseUnreachable,
     QuorumAnswer,
 )
-from stalwart.coord.protocol import MAX_STORE_KEYS_PER_REQUEST
+from stalwart.coord.protocol import MAX_STORE_KEYS_PER_REQUEST, ledger_digest
 from stalwart.coord.tls import client_context
+from stalwart.data.ledger import DataLedger
 from stalwart.data.plan import EpochPlan
 from stalwart.data.shard_identity import ShardIdentity
 from stalwart.errors import JoinError, PlanMismatchError, StateLostError, StepContractError
@@ -78,6 +79,29 @@ PLAN_REFUSALS = ("plan_mismatch", "no_plan")
 """The ``code`` of a lighthouse's answer refusing a member's plan (docs/protocol.md)."""
 Report = tuple[int, str | None, dict[str, Any] | None]
 """``(applied_step, ledger digest, weights record)``: what the heartbeat reports."""
+
+
+@dataclass
+class CommittedReport:
+    """A committed step's :data:`Report`, the ledger's digest computed when first read.
+
+    The heartbeat reads the report once a beat (every 0.5 s by default) while
+    steps commit several times a second: hashing the ledger's canonical JSON at
+    every commit put some 0.2 ms on the training loop's path for a digest the
+    lighthouse mostly never saw. ``ledger``: a copy taken at the commit (cheap,
+    since a ledger never writes into its position arrays).
+    """
+
+    applied_step: int
+    ledger: DataLedger
+    weights: dict[str, Any] | None
+    digest: str | None = None
+
+    def resolved(self) -> Report:
+        """``(applied_step, digest, weights)``; the digest is computed once, on whichever thread asks first."""
+        if self.digest is None:
+            self.digest = ledger_digest(self.ledger.state_dict())
+        return self.applied_step, self.digest, self.weights
 
 
 @dataclass(frozen=True)
@@ -132,7 +156,8 @@ class QuorumSession:
         self.grad_comm: Communicator | None = None
         """Where gradients are reduced: ``comm`` itself, or (FSDP2 groups) the processes holding this shard."""
         self.group_sizes: list[int] = []
-        self.report: Report = (0, None, None)
+        self.report: Report | CommittedReport = (0, None, None)
+        """What the heartbeat reports: this process's applied step, with its ledger's digest and weights."""
         self.data_fingerprint = ""
         self.data_identities: list[ShardIdentity] = []
         """The loader's dataset's shards (a ShardedDataset's), named in the message when fingerprints differ."""
@@ -151,7 +176,12 @@ class QuorumSession:
             except BaseException:
                 self._probe.close()
                 raise
-            self._client.start_heartbeat(lambda: self.report)
+            self._client.start_heartbeat(self.reported)
+
+    def reported(self) -> Report:
+        """The :attr:`report` as the heartbeat sends it (on the lighthouse client's thread)."""
+        report = self.report
+        return report.resolved() if isinstance(report, CommittedReport) else report
 
     # --- the quorum as this process sees it --------------------------------------------------------
 
