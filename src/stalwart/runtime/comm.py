@@ -108,7 +108,7 @@ _LAST_POLL = 1e-3
 """Polling a collective starts every 20 us (a small model's all-reduce is done in ~100 us) and backs off to 1 ms."""
 _ABANDON_CHECK = 0.025
 _LAST_ABANDON_CHECK = 0.05
-"""Seconds between two looks at ``abandon()`` while a Gloo collective's future is awaited: 25 ms, then 50 ms. A
+"""Seconds between two looks at ``abandon()`` while a Gloo collective is waited on: 25 ms, then 50 ms. A
 wait for a peer still in its backward (tens of milliseconds) mostly ends before the first look, each look being a
 wake-up the step pays for; a quorum the lighthouse reported broken is still given up within 50 ms."""
 _GRACE = 1.0
@@ -417,20 +417,16 @@ class Communicator:
     def _wait(self, work: dist.Work, name: str, deadline: float, setting: str) -> None:
         """Wait for ``work`` while watching ``abandon()`` and the deadline.
 
-        Gloo: the work's future wakes this thread the moment it completes (a
-        poll's sleep would add a scheduler wake-up per check on a busy
-        machine), by releasing a lock this thread waits on (a bare lock: an
-        ``Event`` runs a condition's Python on both sides, every step);
-        ``abandon()`` is checked meanwhile, after ``_ABANDON_CHECK`` seconds at
-        first, backing off to ``_LAST_ABANDON_CHECK``. NCCL: polled, since its
-        future completes through the stream rather than on the host.
+        Gloo: the work is waited on in C++ (its ``wait`` with a timeout, the
+        GIL released), in slices of ``_ABANDON_CHECK`` seconds growing to
+        ``_LAST_ABANDON_CHECK``, with ``abandon()`` and the deadline checked
+        between them: a collective that completes within the first slice
+        wakes this thread once and runs no Python on Gloo's thread, as DDP's
+        own wait. NCCL: polled, since its work completes through the stream
+        rather than on the host.
         """
-        done = threading.Lock()
-        done.acquire()
-        if self.device.type != "cuda":
-            work.get_future().add_done_callback(lambda _: done.release())
         delay = _FIRST_POLL if self.device.type == "cuda" else _ABANDON_CHECK
-        while not (work.is_completed() or done.acquire(blocking=False)):
+        while not self._finished_within(work, delay):
             if self._abandon():
                 raise CollectiveError(
                     f"{name} abandoned on rank {self.rank}: a member of this quorum is dead", failure=Failure.ABANDONED
@@ -444,8 +440,6 @@ class Communicator:
             if self.device.type == "cuda":
                 time.sleep(delay)
                 delay = min(2 * delay, _LAST_POLL)
-            elif done.acquire(timeout=delay):
-                break
             else:
                 delay = min(2 * delay, _LAST_ABANDON_CHECK)
         try:
@@ -460,6 +454,16 @@ class Communicator:
                 f"{name} failed on rank {self.rank}/{self.world_size}: NCCL reported {failure}",
                 failure=Failure.TIMEOUT if failure == "TIMEOUT" else Failure.ERROR,
             )
+
+    def _finished_within(self, work: dist.Work, seconds: float) -> bool:
+        """Whether ``work`` completed, or failed, within ``seconds`` (NCCL: whether it has, now)."""
+        if self.device.type == "cuda":
+            return bool(work.is_completed())
+        try:
+            work.wait(datetime.timedelta(seconds=seconds))
+        except (RuntimeError, dist.DistError):  # the slice ran out, or the work failed (the last wait raises it)
+            return bool(work.is_completed())
+        return True
 
 
 def quorum_store(
