@@ -83,3 +83,56 @@ def test_every_part_has_the_plans_indices_and_the_parts_cover_the_step_once(run:
         covered = np.concatenate([np.zeros(0, dtype=np.int64), *(part for parts in trained.values() for part in parts)])
         assert np.array_equal(np.sort(covered), np.sort(step))
         lighthouse.commit()
+
+
+@settings(max_examples=150, deadline=None)
+@given(runs())
+def test_a_foreseen_step_is_the_one_that_comes_while_the_quorum_holds(run: Run) -> None:
+    """Each process foresees the next step after a commit (to prefetch it): while nobody dies its first part is
+    the one foreseen; after deaths the step's own positions win over what was foreseen for it."""
+    plan, member_count, group_size, deaths = run
+    lighthouse = DataLedger(plan)
+    alive = [f"m{number}" for number in range(member_count)]
+    processes = {
+        (member, rank): StepPlanner(member, rank, group_size, max_microbatch=3, lockstep=False)
+        for member in alive
+        for rank in range(group_size)
+    }
+    max_steps = 2 * len(deaths)
+    for dying in [*deaths, *([[]] * len(deaths))]:  # steps with deaths, then as many in which the quorum holds
+        if lighthouse.step >= max_steps:
+            break
+        live = {key: planner for key, planner in processes.items() if key[0] in alive}
+        foreseen = {}
+        for key, planner in live.items():
+            planner.adopt(lighthouse.state_dict(), alive)
+            planner.reset_step()
+            foreseen[key] = planner.foresee_next(max_steps)
+        lighthouse.begin_step(alive)
+        for planner in live.values():
+            planner.begin_step()
+        trained: dict[str, list[np.ndarray]] = {member: [] for member in alive}
+        take_parts(live, lighthouse, trained)
+        for member, rank in live:  # the first parts were taken in rank order
+            first = trained[member][rank]
+            assert foreseen[member, rank] == (lighthouse.epoch, plan.indices_at(lighthouse.epoch, first).tolist())
+        for number in dying:
+            if len(alive) == 1:
+                break
+            member = alive[number % len(alive)]
+            lighthouse.member_failed(member)
+            del trained[member]
+            alive = [name for name in alive if name != member]
+            lighthouse.reassign(alive)
+            live = {key: planner for key, planner in live.items() if key[0] in alive}
+            for planner in live.values():
+                planner.adopt(lighthouse.state_dict(), alive)
+            take_parts(live, lighthouse, trained)
+        step = np.concatenate([np.zeros(0, dtype=np.int64), *lighthouse.in_flight.values()])
+        for planner in live.values():
+            positions, indices = planner.step_indices()
+            assert np.array_equal(np.sort(positions), np.sort(step))
+            assert indices.tolist() == plan.indices_at(lighthouse.epoch, positions).tolist()
+        covered = np.concatenate([np.zeros(0, dtype=np.int64), *(part for parts in trained.values() for part in parts)])
+        assert np.array_equal(np.sort(covered), np.sort(step))
+        lighthouse.commit()
