@@ -44,6 +44,17 @@ def take_parts(
             trained[member].append(part.positions)
 
 
+def check_step(planners: list[StepPlanner], ledger: DataLedger, trained: dict[str, list[np.ndarray]]) -> None:
+    """Every live process's step indices are the plan's for the step's positions, which the parts cover once."""
+    step = np.concatenate([np.zeros(0, dtype=np.int64), *ledger.in_flight.values()])
+    for planner in planners:
+        positions, indices = planner.step_indices()
+        assert np.array_equal(np.sort(positions), np.sort(step))
+        assert indices.tolist() == ledger.plan.indices_at(ledger.epoch, positions).tolist()
+    covered = np.concatenate([np.zeros(0, dtype=np.int64), *(part for parts in trained.values() for part in parts)])
+    assert np.array_equal(np.sort(covered), np.sort(step))
+
+
 @settings(max_examples=200, deadline=None)
 @given(runs())
 def test_every_part_has_the_plans_indices_and_the_parts_cover_the_step_once(run: Run) -> None:
@@ -74,14 +85,7 @@ def test_every_part_has_the_plans_indices_and_the_parts_cover_the_step_once(run:
                 if name in alive:
                     planner.adopt(lighthouse.state_dict(), alive)
             take_parts(processes, lighthouse, trained)
-        step = np.concatenate([np.zeros(0, dtype=np.int64), *lighthouse.in_flight.values()])
-        for (member, _), planner in processes.items():
-            if member in alive:
-                positions, indices = planner.step_indices()
-                assert np.array_equal(np.sort(positions), np.sort(step))
-                assert indices.tolist() == plan.indices_at(lighthouse.epoch, positions).tolist()
-        covered = np.concatenate([np.zeros(0, dtype=np.int64), *(part for parts in trained.values() for part in parts)])
-        assert np.array_equal(np.sort(covered), np.sort(step))
+        check_step([planner for (member, _), planner in processes.items() if member in alive], lighthouse, trained)
         lighthouse.commit()
 
 
@@ -128,11 +132,5 @@ def test_a_foreseen_step_is_the_one_that_comes_while_the_quorum_holds(run: Run) 
             for planner in live.values():
                 planner.adopt(lighthouse.state_dict(), alive)
             take_parts(live, lighthouse, trained)
-        step = np.concatenate([np.zeros(0, dtype=np.int64), *lighthouse.in_flight.values()])
-        for planner in live.values():
-            positions, indices = planner.step_indices()
-            assert np.array_equal(np.sort(positions), np.sort(step))
-            assert indices.tolist() == plan.indices_at(lighthouse.epoch, positions).tolist()
-        covered = np.concatenate([np.zeros(0, dtype=np.int64), *(part for parts in trained.values() for part in parts)])
-        assert np.array_equal(np.sort(covered), np.sort(step))
+        check_step(list(live.values()), lighthouse, trained)
         lighthouse.commit()
