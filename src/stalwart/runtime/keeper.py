@@ -370,7 +370,8 @@ class QuorumKeeper:
         if not ledger.in_step:
             return ledger
         committed = self._committed_here
-        return committed if committed is not None and committed.step == ledger.step else None
+        held = committed is not None and committed.step == ledger.step and not committed.in_step
+        return committed if held else None
 
     def wait_for_checkpoint(self) -> None:
         """Before leaving: wait (at most :data:`CLOSE_WAIT` s) for a checkpoint being written to be reported."""

@@ -205,7 +205,7 @@ class StepPlanner:
         their indices up in it (a permutation costs about 0.15 ms whatever
         the positions, so one per step instead of two).
         """
-        foreseen = next(self._foreseen_steps(max_steps), None)
+        foreseen = next(self._foreseen_steps(max_steps, self._window), None)
         if foreseen is None:
             self._foreseen = self._foreseen_step = None
             return None
@@ -215,8 +215,10 @@ class StepPlanner:
         return epoch, self._foreseen[2]
 
     def foreseen_parts(self, max_steps: int) -> Iterator[tuple[int, list[int]]]:
-        """``(epoch, indices)`` of this process in each later step if the quorum holds (a DataLoader's plan)."""
-        return ((step[1], _looked_up(step[2], step[3], part)) for step, part in self._foreseen_steps(max_steps))
+        """``(epoch, indices)`` of this process in each later step if the quorum holds (a DataLoader's plan; a window
+        of its own, so that running ahead does not move the step's)."""
+        steps = self._foreseen_steps(max_steps, IndexWindow())
+        return ((step[1], _looked_up(step[2], step[3], part)) for step, part in steps)
 
     def _indices(self, positions: np.ndarray) -> list[int]:
         """Sample indices of ``positions`` (some of the step's): the foreseen ones when the part is the one foreseen
@@ -226,8 +228,9 @@ class StepPlanner:
             return foreseen[2]
         return _looked_up(*self.step_indices(), positions)
 
-    def _foreseen_steps(self, max_steps: int) -> Iterator[tuple[StepIndices, np.ndarray]]:
-        """Each later step if the quorum holds: its positions and indices, and this process's part of them."""
+    def _foreseen_steps(self, max_steps: int, window: IndexWindow) -> Iterator[tuple[StepIndices, np.ndarray]]:
+        """Each later step if the quorum holds: its positions and indices (from ``window``), and this process's part
+        of them."""
         preview = self.ledger.copy()
         members = list(self.members)
         multiple = preview.plan.local_batch_multiple
@@ -242,7 +245,7 @@ class StepPlanner:
                 part = split_group_share(shares.get(self.member, _NO_POSITIONS), self.group_size, self.group_rank,
                                          multiple)  # fmt: skip
                 positions = np.concatenate([_NO_POSITIONS, *(share for share in shares.values() if share.size)])
-                indices = self._window.indices_at(preview.plan, preview.epoch, positions)
+                indices = window.indices_at(preview.plan, preview.epoch, positions)
                 yield (preview.plan, preview.epoch, positions, indices), part
 
         return steps()
