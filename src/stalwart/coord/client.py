@@ -53,8 +53,9 @@ fast, and a path that comes back is used at once:
   that socket (:mod:`stalwart.coord.asks`), whose path the heartbeat watches;
 - a quorum request that fails is asked again on a fresh connection after a
   pause that grows up to 0.1 s, or the heartbeat interval the lighthouse
-  asks for when that is longer (:attr:`LighthouseClient.retry_cap`), and one in flight is given up (and
-  asked again) as soon as the heartbeat finds the path dead;
+  asks for when that is longer (:attr:`LighthouseClient.retry_cap`), and
+  one in flight is given up (and asked again) as soon as the heartbeat
+  finds the path dead;
 - heartbeats are the latest value, not a queue: each goes with a websocket
   ping, and the next is sent only once the lighthouse answered the ping (it
   read everything before); a socket left without an answer for
