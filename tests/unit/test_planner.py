@@ -1,7 +1,7 @@
 """The step planner's parts: each process's positions and their sample indices, through failures mid-step.
 
-The planner permutes a step's positions once (``step_indices``) and looks up
-each part's indices in it; whatever the step went through (failures
+The planner reads the step's and each part's sample indices from a window
+of permuted positions (``IndexWindow``); whatever the step went through (failures
 reassigning a dead member's positions, parts taken on top of what was
 done), every part's indices must be the plan's own for its positions, and
 the parts of the live processes must cover the step's positions exactly once.

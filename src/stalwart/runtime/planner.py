@@ -11,7 +11,9 @@ what is done (:meth:`StepPlanner.next_part`).
 
 Foresight: the next steps' parts, as they will be if the quorum holds, are
 replayed on a copy of the ledger, so a loader can prefetch across step and
-epoch boundaries.
+epoch boundaries. Sample indices come from a window of permuted positions
+(:class:`~stalwart.data.index_window.IndexWindow`): a step's parts, its audit
+and the next step's part share one permutation every few hundred steps.
 """
 
 from __future__ import annotations
@@ -25,12 +27,9 @@ import numpy as np
 from stalwart.data.index_window import IndexWindow
 from stalwart.data.info import DataLoadingInfo, split_group_share
 from stalwart.data.ledger import DataLedger
-from stalwart.data.plan import EpochPlan
 from stalwart.data.schedule import split_microbatches
 from stalwart.errors import PlanMismatchError
 
-StepIndices = tuple[EpochPlan, int, np.ndarray, np.ndarray]
-"""``(plan, epoch, positions, indices)``: a step's positions and their sample indices in the plan's order."""
 _NO_POSITIONS = np.zeros(0, dtype=np.int64)
 
 
@@ -67,14 +66,9 @@ class StepPlanner:
         """Samples this process computed in the step in progress (all its parts)."""
         self._ledger: DataLedger | None = None
         self._done = _NO_POSITIONS
-        self._foreseen: tuple[int, np.ndarray, list[int]] | None = None
-        """The next step's ``(epoch, part, indices)`` of this process, as foreseen for prefetching."""
-        self._foreseen_step: StepIndices | None = None
-        """The next step's positions and indices as foreseen: the step then looks its parts and audit up there."""
-        self._step_indices: StepIndices | None = None
-        """The step's positions last permuted: one permutation serves a step's parts and its audit."""
         self._window = IndexWindow()
-        """The plan's indices of the positions around the step's, permuted a window at a time."""
+        """The plan's indices of the positions around the step's, permuted a window at a time: the step's parts,
+        its audit and the next step foreseen all read them there."""
 
     @property
     def ledger(self) -> DataLedger:
@@ -127,7 +121,7 @@ class StepPlanner:
         positions = split_group_share(fresh, self.group_size, self.group_rank, multiple)
         self.samples += positions.size
         sizes = microbatch_sizes(fresh, self.group_size, self.group_rank, multiple, self.max_microbatch, self.lockstep)
-        return Part(positions, self._indices(positions), sizes)
+        return Part(positions, self._indices_of(positions).tolist(), sizes)
 
     def mark_done(self, positions: np.ndarray) -> None:
         """Record ``positions`` of the step in progress as trained by this group (DiLoCo's inner steps)."""
@@ -154,31 +148,9 @@ class StepPlanner:
         return np.concatenate(shares) if shares else _NO_POSITIONS
 
     def step_indices(self) -> tuple[np.ndarray, np.ndarray]:
-        """``(positions, indices)``: :meth:`step_positions` and their sample indices in the plan's order.
-
-        Permuted once while the step's positions stay the same (a failure's
-        reassignment changes them): this process's parts are looked up in it,
-        and the step's audit checks against it.
-        """
-        ledger = self.ledger
+        """``(positions, indices)``: :meth:`step_positions` and their sample indices in the plan's order."""
         positions = self.step_positions()
-        for cached in (self._step_indices, self._foreseen_step):
-            if (
-                cached is not None
-                and cached[1] == ledger.epoch
-                and cached[0] == ledger.plan
-                and np.array_equal(cached[2], positions)
-            ):
-                break
-        else:
-            cached = (
-                ledger.plan,
-                ledger.epoch,
-                positions,
-                self._window.indices_at(ledger.plan, ledger.epoch, positions),
-            )
-        self._step_indices = cached
-        return cached[2], cached[3]
+        return positions, self._indices_of(positions)
 
     def data_loading_info(self, group_sizes: Sequence[int]) -> DataLoadingInfo:
         """Where this process's samples of the current step come from (the proposal's ``DataLoadingInfo``)."""
@@ -199,66 +171,35 @@ class StepPlanner:
         )
 
     def foresee_next(self, max_steps: int) -> tuple[int, list[int]] | None:
-        """Remember the next step as it will be if the quorum holds; ``(epoch, indices)`` of its part to prefetch.
-
-        The whole step is permuted here, once: its parts and its audit look
-        their indices up in it (a permutation costs about 0.15 ms whatever
-        the positions, so one per step instead of two).
-        """
-        foreseen = next(self._foreseen_steps(max_steps, self._window), None)
-        if foreseen is None:
-            self._foreseen = self._foreseen_step = None
-            return None
-        self._foreseen_step, part = foreseen
-        _, epoch, positions, indices = self._foreseen_step
-        self._foreseen = (epoch, part, _looked_up(positions, indices, part))
-        return epoch, self._foreseen[2]
+        """``(epoch, indices)`` of this process's part of the next step if the quorum holds, to prefetch."""
+        return next(self._foreseen_steps(max_steps, self._window), None)
 
     def foreseen_parts(self, max_steps: int) -> Iterator[tuple[int, list[int]]]:
         """``(epoch, indices)`` of this process in each later step if the quorum holds (a DataLoader's plan; a window
         of its own, so that running ahead does not move the step's)."""
-        steps = self._foreseen_steps(max_steps, IndexWindow())
-        return ((step[1], _looked_up(step[2], step[3], part)) for step, part in steps)
+        return self._foreseen_steps(max_steps, IndexWindow())
 
-    def _indices(self, positions: np.ndarray) -> list[int]:
-        """Sample indices of ``positions`` (some of the step's): the foreseen ones when the part is the one foreseen
-        (prefetching), else looked up in :meth:`step_indices`."""
-        foreseen = self._foreseen
-        if foreseen is not None and foreseen[0] == self.ledger.epoch and np.array_equal(foreseen[1], positions):
-            return foreseen[2]
-        return _looked_up(*self.step_indices(), positions)
+    def _indices_of(self, positions: np.ndarray) -> np.ndarray:
+        """Sample indices of ``positions`` (some of the step's) in the plan's order."""
+        return self._window.indices_at(self.ledger.plan, self.ledger.epoch, positions)
 
-    def _foreseen_steps(self, max_steps: int, window: IndexWindow) -> Iterator[tuple[StepIndices, np.ndarray]]:
-        """Each later step if the quorum holds: its positions and indices (from ``window``), and this process's part
-        of them."""
+    def _foreseen_steps(self, max_steps: int, window: IndexWindow) -> Iterator[tuple[int, list[int]]]:
+        """``(epoch, indices)`` of this process's part of each later step if the quorum holds (from ``window``)."""
         preview = self.ledger.copy()
         members = list(self.members)
         multiple = preview.plan.local_batch_multiple
 
-        def steps() -> Iterator[tuple[StepIndices, np.ndarray]]:
+        def steps() -> Iterator[tuple[int, list[int]]]:
             while True:
                 if preview.in_step:
                     preview.commit()
                 if preview.step >= max_steps:
                     return
-                shares = preview.begin_step(members)
-                part = split_group_share(shares.get(self.member, _NO_POSITIONS), self.group_size, self.group_rank,
-                                         multiple)  # fmt: skip
-                positions = np.concatenate([_NO_POSITIONS, *(share for share in shares.values() if share.size)])
-                indices = window.indices_at(preview.plan, preview.epoch, positions)
-                yield (preview.plan, preview.epoch, positions, indices), part
+                group_share = preview.begin_step(members).get(self.member, _NO_POSITIONS)
+                part = split_group_share(group_share, self.group_size, self.group_rank, multiple)
+                yield preview.epoch, window.indices_at(preview.plan, preview.epoch, part).tolist()
 
         return steps()
-
-
-def _looked_up(step_positions: np.ndarray, step_indices: np.ndarray, positions: np.ndarray) -> list[int]:
-    """The indices of ``positions``, some of a step's ``step_positions`` (whose indices are ``step_indices``)."""
-    order = np.argsort(step_positions, kind="stable")
-    places = np.searchsorted(step_positions, positions, sorter=order)
-    found = order[np.minimum(places, order.size - 1)] if positions.size and order.size else order[:0]
-    if not np.array_equal(step_positions[found], positions):
-        raise RuntimeError(f"positions {positions.tolist()} are not all positions of the step in progress")
-    return step_indices[found].tolist()
 
 
 def step_began(ledger: DataLedger) -> tuple[int, np.ndarray]:
