@@ -182,10 +182,7 @@ class HeartbeatSockets:
                 if self.state.should_reconfigure(member):
                     broken = self.state.quorum_broken
                     if self._notice_due(member, ws, (quorum.quorum_id, broken, False)):
-                        notice = {"type": "reconfigure", "quorum_id": quorum.quorum_id, "broken": broken}
-                        if broken:
-                            notice["down"] = self.state.broken_by
-                        await send(ws, notice)
+                        await send(ws, self._reconfigure_notice(quorum.quorum_id, broken))
                 elif self.state.left_out(member) and self._notice_due(member, ws, (quorum.quorum_id, False, True)):
                     await send(ws, {"type": "reconfigure", "quorum_id": quorum.quorum_id, "left_out": True})
         finally:
@@ -259,10 +256,7 @@ class HeartbeatSockets:
         if (quorum.quorum_id, broken) in self._pushed:
             return
         self._pushed.add((quorum.quorum_id, broken))
-        notice: dict[str, Any] = {"type": "reconfigure", "quorum_id": quorum.quorum_id, "broken": broken}
-        if broken:
-            notice["down"] = self.state.broken_by
-        message = json.dumps(notice)
+        message = json.dumps(self._reconfigure_notice(quorum.quorum_id, broken))
         now = time.monotonic()
         sockets = []
         for member in quorum.members:
@@ -272,6 +266,13 @@ class HeartbeatSockets:
             self._noticed[member] = (socket, (quorum.quorum_id, broken, False), now)
             sockets.append(socket)
         asyncio.get_running_loop().create_task(push(sockets, message)).add_done_callback(consume)
+
+    def _reconfigure_notice(self, quorum_id: int, broken: bool) -> dict[str, Any]:
+        """The notice that calls quorum ``quorum_id``'s members to a boundary (naming whom it lost when broken)."""
+        notice: dict[str, Any] = {"type": "reconfigure", "quorum_id": quorum_id, "broken": broken}
+        if broken:
+            notice["down"] = self.state.broken_by
+        return notice
 
     def _notice_due(self, member: str, socket: web.WebSocketResponse, key: tuple[int, bool, bool]) -> bool:
         """Whether ``member``'s heartbeat answer carries the reconfigure notice ``key``: not when its socket got the
