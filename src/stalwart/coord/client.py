@@ -240,7 +240,7 @@ class LighthouseClient:
     @property
     def retry_cap(self) -> float:
         """The longest pause (s) before a failed request or heartbeat connection is tried again (see Registration)."""
-        return self.registration.retry_cap(self.heartbeat_interval)
+        return max(MIN_BACKOFF, self.registration.retry_cap(self.heartbeat_interval))
 
     def wait_reachable(self, timeout: float = 60.0) -> None:
         """Return once the lighthouse answers ``GET /healthz``; :class:`LighthouseUnreachable` after ``timeout`` s.

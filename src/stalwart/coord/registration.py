@@ -143,8 +143,8 @@ class Registration:
     def retry_cap(self, own: float | None) -> float:
         """The longest pause (s) before a failed quorum request or heartbeat connection is tried again: the
         heartbeat interval up to ``RETRY_PAUSE_S``, or the least interval the lighthouse asks for (a fleet at
-        scale spreads its retries as it spreads its heartbeats)."""
-        return max(MIN_PAUSE_S, min(self.heartbeat_interval(own), RETRY_PAUSE_S), self.recommended_interval)
+        scale spreads its retries as it spreads its heartbeats). The client floors it at its first pause."""
+        return max(min(self.heartbeat_interval(own), RETRY_PAUSE_S), self.recommended_interval)
 
     def forget(self, secret: str | None) -> None:
         """Register again before the next call (the lighthouse no longer knows ``secret``)."""
