@@ -267,7 +267,6 @@ def audit_pieces(checksum: int) -> torch.Tensor:
     return torch.tensor([(checksum >> (_PIECE_BITS * j)) & mask for j in range(AUDIT_PIECES)], dtype=torch.float32)
 
 
-def audit_value(reduced_pieces: torch.Tensor | Sequence[float]) -> int:
-    """The summed checksum (mod 2**64) from the reduced pieces (a tensor, or its values)."""
-    values = reduced_pieces.tolist() if isinstance(reduced_pieces, torch.Tensor) else reduced_pieces
-    return sum(round(piece) << (_PIECE_BITS * j) for j, piece in enumerate(values)) & _MASK
+def audit_value(reduced_pieces: Sequence[float]) -> int:
+    """The summed checksum (mod 2**64) from the reduced pieces' values (the decoded tail's numbers)."""
+    return sum(round(piece) << (_PIECE_BITS * j) for j, piece in enumerate(reduced_pieces)) & _MASK
