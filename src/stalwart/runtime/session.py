@@ -71,8 +71,10 @@ _LEADER_POLL = 0.05
 """Seconds a waiting process's wait on the store lasts while the leader runs its own work (at most), between two
 looks for a broken quorum and for the leader's asks."""
 _FIRST_LEADER_POLL = 0.002
-"""The first wait's length, doubled at each wait up to ``_LEADER_POLL``: the leader's "done" ends a wait the
-moment it is set (the lighthouse answers the held request), its asks are seen within a wait."""
+"""The first wait's length when the leader may ask for shards, doubled at each wait up to ``_LEADER_POLL``: its
+asks are seen between waits. The leader's "done" ends a wait the moment it is set (the lighthouse answers the held
+request), so with nothing to serve every wait is ``_LEADER_POLL`` long: short ones would only cost requests, and
+wake the waiting processes while the leader works."""
 MAX_GROUP_SIZE = 1 << 16
 """Largest replica group a peer may announce (``group_size/MEMBER``)."""
 PLAN_REFUSALS = ("plan_mismatch", "no_plan")
@@ -448,7 +450,7 @@ class QuorumSession:
         leader = self.answer.members[0]
         deadline = time.monotonic() + self.timeouts.leader_timeout
         served = 0
-        delay = _FIRST_LEADER_POLL
+        delay = _LEADER_POLL if serve is None else _FIRST_LEADER_POLL
         while time.monotonic() < deadline:
             try:
                 if store.present_within([key], delay):  # answered the moment the leader marks it done
