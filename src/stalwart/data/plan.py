@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -124,8 +124,12 @@ class EpochPlan:
         return _block_order(self, epoch, array.ravel()).reshape(array.shape)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-serialisable form; ``EpochPlan(**d)`` restores it."""
-        return asdict(self)
+        """JSON-serialisable form; ``EpochPlan(**d)`` restores it.
+
+        Every field is a plain int or bool, so a shallow dict is the whole form: ``dataclasses.asdict`` deep-copies
+        each value, and the lighthouse asks for this form with every ledger state it digests (about 0.2 ms a call).
+        """
+        return {item.name: getattr(self, item.name) for item in fields(self)}
 
 
 _BLOCKS, _ROWS, _ROTATION = 1, 2, 3
