@@ -146,12 +146,15 @@ def test_a_gradscaler_overflow_on_one_worker_is_skipped_by_every_member(tmp_path
 
 
 def test_evaluation_on_the_leader_alone_forms_no_spurious_quorum(tmp_path: Path) -> None:
-    """The leader evaluates for 2.5 s every 4 steps; the others wait without a collective (collective_timeout 1 s)."""
+    """The leader evaluates for 2.5 s every 4 steps; the other goes on to its next step, as DDP's ranks do, and
+    waits for the leader before that step's reduction, with no collective pending (collective_timeout 1 s). Ahead
+    of the busy leader for longer than the lighthouse's join_timeout (1 s), it still reports the step it was at:
+    the lighthouse evicts a member that peers ahead of it wait on (when it reported its new steps, it did)."""
     steps = 8
     reference, _ = reference_run(DIGITS_PLAN, steps)
     args = ["--max-steps", str(steps), "--max-microbatch", "16", "--collective-timeout", "1.0"]
     args += ["--eval-every", "4", "--eval-seconds", "2.5"]
-    with Lighthouse(DIGITS_PLAN, min_replicas=1, start_replicas=2, heartbeat_timeout=1.0, join_timeout=30.0) as server:
+    with Lighthouse(DIGITS_PLAN, min_replicas=2, heartbeat_timeout=1.0, join_timeout=1.0) as server:
         cluster = LocalCluster(server.url, tmp_path, args)
         for worker in range(2):
             cluster.start(worker)
@@ -166,6 +169,15 @@ def test_evaluation_on_the_leader_alone_forms_no_spurious_quorum(tmp_path: Path)
         for path in tmp_path.glob("events-*.jsonl")
     }
     assert sorted(steps for steps in evaluations.values() if steps) == [[4, 8]]  # one worker evaluated
+    leader = next(name for name, steps in evaluations.items() if steps).removeprefix("events-")
+    evaluated = next(
+        event["time"]
+        for event in map(json.loads, (tmp_path / f"events-{leader}").read_text().splitlines())
+        if event["event"] == "evaluated" and event["step"] == 4
+    )
+    (other,) = [path for path in tmp_path.glob("steps-*.jsonl") if path.name != f"steps-{leader}"]
+    finished = {record["step"]: record["time"] for record in map(json.loads, other.read_text().splitlines())}
+    assert finished[3] < evaluated < finished[4]  # on past on_leader(), held at step 4's reduction until it ended
 
 
 @pytest.mark.parametrize("first", [False, True], ids=["after-update", "top-of-step"])

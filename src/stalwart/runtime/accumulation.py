@@ -140,13 +140,17 @@ class StepAccumulation:
         layout: TailLayout,
         head: TailHead,
         balance: Callable[[], torch.Tensor],
+        *,
+        hold: bool = False,
     ) -> None:
-        """Start this round's reduction on ``comm``; the tail is built when the last bucket launches."""
+        """Start this round's reduction on ``comm``; the tail is built when the last bucket launches (``hold``: only
+        after backward, see :meth:`GradientReducer.arm`)."""
         self.reducer.arm(
             comm,
             lambda: layout.encode(balance(), head, self._weight, self._loss),
             layout.size,
             tail_comm=tail_comm,
+            hold=hold,
         )
 
     @property

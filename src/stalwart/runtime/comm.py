@@ -185,6 +185,7 @@ class Communicator:
         abandon: Callable[[], bool] = lambda: False,
         rendezvous_timeout: float | None = None,
         reach: str = "",
+        before_collective: Callable[[], None] = lambda: None,
     ) -> None:
         """Rendezvous as ``rank`` of ``world_size`` on ``store`` (see :func:`quorum_store`).
 
@@ -199,6 +200,9 @@ class Communicator:
         turns true (the lighthouse reports a dead member of the quorum) the
         collective is given up at once rather than at its timeout, since a
         survivor can be blocked on a peer that has itself left the collective.
+        ``before_collective()`` runs before each collective is issued (the
+        session's wait for a leader's ``on_leader`` work this process went on
+        from); a :class:`CollectiveError` it raises fails that collective.
         """
         if not isinstance(reach, str) or len(reach) > _MAX_ADDRESS:
             raise ValueError(f"reach must be a host:port of at most {_MAX_ADDRESS} characters, got {reach!r:.80}")
@@ -207,6 +211,7 @@ class Communicator:
         self.device = device
         self.store = store
         self._abandon = abandon
+        self._before_collective = before_collective
         self.timeout = timeout
         self._spread: torch.Tensor | None = None
         self._group_timeout = timeout if rendezvous_timeout is None else rendezvous_timeout
@@ -250,6 +255,8 @@ class Communicator:
         options.timeout = datetime.timedelta(seconds=self.timeout)
         try:
             work = self._live_group().allreduce([tensor], options)
+        except CollectiveError:
+            raise
         except (RuntimeError, dist.DistError) as error:
             raise CollectiveError(
                 f"all-reduce could not start on rank {self.rank}/{self.world_size}: {error}"
@@ -367,6 +374,8 @@ class Communicator:
         """Start a collective and wait for it within the collective timeout (``CollectiveError`` on failure)."""
         try:
             work = start()
+        except CollectiveError:
+            raise
         except (RuntimeError, dist.DistError) as error:
             raise CollectiveError(f"{name} could not start on rank {self.rank}/{self.world_size}: {error}") from error
         self._wait(work, name, time.monotonic() + self.timeout + _GRACE, COLLECTIVE_SETTING)
@@ -403,7 +412,9 @@ class Communicator:
         threading.Thread(target=holder.clear, name="stalwart-retired-group", daemon=False).start()
 
     def _live_group(self) -> Any:
-        """The process group; :class:`CollectiveError` once :meth:`retire` handed it away (its quorum is gone)."""
+        """The process group, for a collective about to be issued (after ``before_collective()``);
+        :class:`CollectiveError` once :meth:`retire` handed it away (its quorum is gone)."""
+        self._before_collective()
         if self._group is None:
             raise CollectiveError(f"rank {self.rank}/{self.world_size}'s communicator was retired: its quorum is gone")
         return self._group

@@ -211,6 +211,7 @@ class EveryStep:
             layout,
             head,
             lambda: engine.balance.slots(layout, comm.rank, keeper.planner.samples),
+            hold=session.leader_pending,  # the leader still works (on_leader): launch after backward, then wait
         )
 
     def _reduce(self) -> ReducedTail:

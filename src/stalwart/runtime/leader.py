@@ -1,11 +1,15 @@
 """Leader-only work (``Manager.on_leader``): the leader runs it, the others wait without a collective.
 
 While the leader works (an evaluation, the user's own checkpoint), the
-others wait watching the lighthouse for its death (bounded by
-``leader_timeout``), so that nothing times out. With sharded optimizer state,
-``optimizer.state_dict()`` inside the work gathers the whole state onto the
-leader: the waiting processes send their shards when asked. A leader lost
-meanwhile, or a gather that failed, re-forms the quorum before the next step.
+others go on with the next step's forward and backward, as DDP's ranks do
+while rank 0 evaluates, and wait for the leader before their next collective
+(the step's reduction holds its buckets until then), watching the lighthouse
+for its death (bounded by ``leader_timeout``), so that nothing times out.
+With sharded optimizer state they wait at once instead: ``optimizer.state_dict()``
+inside the work gathers the whole state onto the leader, and the waiting
+processes send their shards when asked. A leader lost meanwhile, or a gather
+that failed, re-forms the quorum (a reduction that waited for it fails and
+is recovered like any other).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from stalwart.runtime.comm import CollectiveError
+from stalwart.runtime.diagnosis import LeaderLoss
 from stalwart.runtime.keeper import QuorumKeeper
 from stalwart.runtime.zero import ShardedOptimizer
 
@@ -41,6 +46,9 @@ class LeaderWork:
         if not self._lockstep:  # groups are not in lockstep within a round: the others go on
             return work() if leads else None
         serve = None if self._sharded is None else self._serve_gather
+        if not leads and serve is None:  # nothing to serve: wait before the next collective, not here
+            session.defer_leader(self._lost)
+            return None
         self._leading = leads
         try:
             loss, result = session.wait_for_leader(leads, work, serve)
@@ -56,9 +64,12 @@ class LeaderWork:
         finally:
             self._leading = False
         if loss is not None:
-            keeper.leader_lost(loss)
-            log.warning("%s: %s; the quorum re-forms before the next step", keeper.member, loss.describe())
+            self._lost(loss)
         return result
+
+    def _lost(self, loss: LeaderLoss) -> None:
+        self._keeper.leader_lost(loss)
+        log.warning("%s: %s; the quorum re-forms before the next step", self._keeper.member, loss.describe())
 
     def gather_whole_state(self) -> dict[int, dict[str, Any]]:
         """The user's ``optimizer.state_dict()`` under sharded state: the whole state, gathered (a collective).

@@ -172,6 +172,8 @@ class GradientReducer:
         self._next = 0
         self._waits: list[Callable[[], None]] = []
         self._tail_launched = False
+        self._held = False
+        """Buckets are copied as they fill but launched only by :meth:`launch_rest` (see :meth:`arm`)."""
         self._error: BaseException | None = None
         self._tail_comm: Communicator | None = None
         self._handles = [
@@ -205,11 +207,16 @@ class GradientReducer:
         tail_size: int,
         *,
         tail_comm: Communicator | None = None,
+        hold: bool = False,
     ) -> None:
         """Start a round on ``comm``: the next backward's hooks launch buckets; ``tail()`` gives the tail at launch.
 
         With ``tail_comm`` the tail is reduced there, in its own collective.
+        With ``hold`` the hooks only copy, and :meth:`launch_rest` launches
+        every bucket: the first collective may wait (for a leader's
+        ``on_leader`` work), and must not wait inside backward.
         """
+        self._held = hold
         self._tail_comm = tail_comm
         self._allocate(tail_size)
         self._comm = comm
@@ -226,6 +233,7 @@ class GradientReducer:
         """Launch every bucket not launched yet, in order (gradients backward did not produce count as zero)."""
         if self._comm is None:
             raise RuntimeError("launch_rest() needs an armed round: call arm() first")
+        self._held = False
         for number in range(len(self.buckets)):
             if not self._bucket_copied[number]:
                 self._copy_bucket(number)
@@ -350,6 +358,8 @@ class GradientReducer:
 
     def _launch_ready(self) -> None:
         assert self._comm is not None and self._tail is not None
+        if self._held:
+            return
         comm, tail = self._comm, self._tail
         try:
             while self._next < len(self.buckets) and self._bucket_copied[self._next]:

@@ -8,7 +8,8 @@ quorum's heal plan: a broadcast from a live member
 (:meth:`~stalwart.runtime.replica.Replica.transfer`) or a checkpoint to load.
 It also carries what the heartbeat reports, the farewell that ends a job
 together, and the wait while the leader runs work of its own
-(:meth:`QuorumSession.wait_for_leader`).
+(:meth:`QuorumSession.wait_for_leader`, or deferred to the next collective:
+:meth:`QuorumSession.defer_leader`).
 
 After a failed rendezvous or collective, ``session.peers.diagnose``
 (:class:`~stalwart.runtime.peers.PeerProbes`) probes the quorum's peers
@@ -54,7 +55,7 @@ from stalwart.data.ledger import DataLedger
 from stalwart.data.plan import EpochPlan
 from stalwart.data.shard_identity import ShardIdentity
 from stalwart.errors import JoinError, PlanMismatchError, StateLostError, StepContractError
-from stalwart.runtime.comm import CollectiveError, Communicator, quorum_store
+from stalwart.runtime.comm import CollectiveError, Communicator, Failure, quorum_store
 from stalwart.runtime.config import ReplicaGroup, Transport
 from stalwart.runtime.diagnosis import LeaderLoss
 from stalwart.runtime.group import GroupLink
@@ -118,6 +119,18 @@ class HealOutcome:
     """The checkpoint this process must load (it is a heal target and no live member holds the state)."""
 
 
+@dataclass(frozen=True)
+class _DeferredLeader:
+    """A leader's ``on_leader`` work this process did not wait for: its done-mark, checked before the next
+    collective."""
+
+    key: str
+    leader: str
+    deadline: float
+    lost: Callable[[LeaderLoss], None]
+    """Told when the quorum broke instead (the leader died in its work)."""
+
+
 class QuorumSession:
     """One process's membership: lighthouse client (group leader only), group link, the quorum's communicators.
 
@@ -166,6 +179,10 @@ class QuorumSession:
         self._heals = 0
         self._leader_calls = 0
         self._leader_asks = 0
+        self._deferred: _DeferredLeader | None = None
+        self._frozen_report: Report | CommittedReport | None = None
+        """While a leader's work is not waited for: the report as it was, so that this process does not look ahead
+        of a leader busy in ``on_leader`` (the lighthouse evicts a member its peers are ahead of and wait on)."""
         self._meetings = 0
         self._diverged = False
         self.peers = PeerProbes(member)
@@ -182,7 +199,8 @@ class QuorumSession:
 
     def reported(self) -> Report:
         """The :attr:`report` as the heartbeat sends it (on the lighthouse client's thread)."""
-        report = self.report
+        frozen = self._frozen_report
+        report = self.report if frozen is None else frozen
         return report.resolved() if isinstance(report, CommittedReport) else report
 
     # --- the quorum as this process sees it --------------------------------------------------------
@@ -332,6 +350,7 @@ class QuorumSession:
             "host": self.transport.host,
             "abandon": self.abandon,
             "reach": self._probe.address,
+            "before_collective": self.settle_leader,
         }
         self.comm = self.grad_comm = Communicator(store, offset + self.group.rank, sum(self.group_sizes), **options)
         if self.sharded:
@@ -354,6 +373,7 @@ class QuorumSession:
             if comm is not None:
                 comm.retire()  # a second retire of the same communicator (no FSDP2 groups) does nothing
         self.comm = self.grad_comm = None
+        self._end_deferral()  # a new quorum forms: the leader's work in this one is over, or lost with it
 
     def heal(
         self, answer: QuorumAnswer, replica: Replica, *, max_steps: int | None, max_bytes: int | None
@@ -433,42 +453,100 @@ class QuorumSession:
         part of a collective the leader started, a gather of sharded state);
         one that fails (:class:`CollectiveError`) ends the wait with a loss.
         """
-        assert self.comm is not None
+        key = self._next_leader_key()
+        if leads:
+            return None, self._lead(key, run)
+        return self._await_leader(key, self._leader(), time.monotonic() + self.timeouts.leader_timeout, serve), None
+
+    def defer_leader(self, lost: Callable[[LeaderLoss], None]) -> None:
+        """(A waiting process with nothing to serve.) Go on without waiting: the wait for the leader's "done"
+        happens before this process's next collective (:meth:`settle_leader`), as DDP's ranks meet a rank 0 that
+        evaluated alone in their next all-reduce; ``lost(loss)`` if the quorum broke instead.
+
+        Meanwhile the heartbeat keeps reporting the step as it was, so that
+        this process does not look ahead of a leader busy in its work (the
+        lighthouse evicts a member that peers ahead of it wait on).
+        """
+        try:
+            self.settle_leader()  # a second on_leader() before a collective: the first one's wait comes first
+        except CollectiveError:
+            return  # lost and told: the next collective fails on the broken quorum
+        key = self._next_leader_key()
+        deadline = time.monotonic() + self.timeouts.leader_timeout
+        self._frozen_report = self.report
+        self._deferred = _DeferredLeader(key, self._leader(), deadline, lost)
+
+    @property
+    def leader_pending(self) -> bool:
+        """Whether a leader's work this process did not wait for may still run (:meth:`defer_leader`)."""
+        return self._deferred is not None
+
+    def settle_leader(self) -> None:
+        """Wait for the leader's work deferred by :meth:`defer_leader`, if any (each communicator runs this before
+        a collective); :class:`CollectiveError` when the quorum broke instead (after ``lost`` was told)."""
+        deferred = self._deferred
+        if deferred is None:
+            return
+        try:
+            loss = self._await_leader(deferred.key, deferred.leader, deferred.deadline, None)
+        finally:
+            self._end_deferral()
+        if loss is not None:
+            deferred.lost(loss)
+            raise CollectiveError(loss.describe(), failure=Failure.ABANDONED)
+
+    def _end_deferral(self) -> None:
+        self._deferred = None
+        self._frozen_report = None
+
+    def _next_leader_key(self) -> str:
+        if self.comm is None or self.answer is None:
+            raise RuntimeError("on_leader() needs a quorum: call it inside the manager.steps() loop")
         self._leader_calls += 1
         self._leader_asks = 0
-        key = f"leader/{self._leader_calls}"
+        return f"leader/{self._leader_calls}"
+
+    def _leader(self) -> str:
+        assert self.answer is not None
+        return self.answer.members[0]
+
+    def _lead(self, key: str, run: Callable[[], Any]) -> Any:
+        """Run the work, then mark it done for the waiting processes."""
+        result = run()
+        if self.group.rank == 0:
+            assert self.comm is not None
+            # a done-mark the waiters miss is covered by their broken-quorum watch
+            with contextlib.suppress(RuntimeError, dist.DistError):
+                self.comm.store.set(key, "done")
+        return result
+
+    def _await_leader(
+        self, key: str, leader: str, deadline: float, serve: Callable[[], None] | None
+    ) -> LeaderLoss | None:
+        """Wait for the leader's done-mark ``key`` (serving its asks); the loss when the quorum broke first."""
+        assert self.comm is not None
         store = self.comm.store
         assert isinstance(store, LighthouseStore)  # the quorum's store (connect)
-        if leads:
-            result = run()
-            if self.group.rank == 0:
-                # a done-mark the waiters miss is covered by their broken-quorum watch
-                with contextlib.suppress(RuntimeError, dist.DistError):
-                    store.set(key, "done")
-            return None, result
-        assert self.answer is not None
-        leader = self.answer.members[0]
-        deadline = time.monotonic() + self.timeouts.leader_timeout
         served = 0
         delay = _LEADER_POLL if serve is None else _FIRST_LEADER_POLL
         while time.monotonic() < deadline:
             try:
                 if store.present_within([key], delay):  # answered the moment the leader marks it done
-                    return None, None
+                    return None
                 asked = serve is not None and store.check([f"{key}/ask/{served + 1}/{self.group.rank}"])
             except (RuntimeError, dist.DistError):
-                return LeaderLoss(leader, self.quorum_id, ()), None  # the store is gone: so is the quorum
+                return LeaderLoss(leader, self.quorum_id, ())  # the store is gone: so is the quorum
             if asked:
                 assert serve is not None
                 try:
                     serve()
                 except CollectiveError as error:
                     log.warning("%s: the leader's gather failed (%s)", self.member, error)
-                    return LeaderLoss(leader, self.quorum_id, self.broken_by()), None
+                    return LeaderLoss(leader, self.quorum_id, self.broken_by())
                 served += 1
                 continue
             if self.abandon():
-                return LeaderLoss(leader, self.quorum_id, self.broken_by()), None
+                return LeaderLoss(leader, self.quorum_id, self.broken_by())
             delay = min(2 * delay, _LEADER_POLL)
         raise JoinError(
             f"{self.member}: the quorum's leader {leader} did not finish its on_leader work within "
