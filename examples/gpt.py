@@ -60,7 +60,7 @@ for step in manager.steps(ElasticLoader(train), max_steps=MAX_STEPS):
     scaler.update()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    if (step.number + 1) % EVAL_EVERY == 0:  # the others wait for the leader, nothing times out
+    if (step.number + 1) % EVAL_EVERY == 0:  # the others go on and wait before the next all-reduce
         manager.on_leader(log, step.number + 1)
 if manager.is_leader:
     os.makedirs(os.path.dirname(OUTPUT) or ".", exist_ok=True)

@@ -429,17 +429,21 @@ class Manager:
         return self._planner.data_loading_info(self._session.group_sizes)
 
     def on_leader(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-        """Run ``fn(*args, **kwargs)`` on the leading replica group only (evaluation, saving); the others wait.
+        """Run ``fn(*args, **kwargs)`` on the leading replica group only (evaluation, saving); the others go on.
 
         Every process of the quorum calls it at the same point of the loop
-        body. The others wait without a collective (watching the lighthouse
-        for the leader's death, bounded by ``leader_timeout``), so nothing
-        times out while the leader evaluates. Returns ``fn``'s result on the
-        leading group's processes and None elsewhere; if the leader dies
-        meanwhile, the quorum re-forms before the next step. With sharded
-        optimizer state, ``optimizer.state_dict()`` inside ``fn`` gathers the
-        whole state onto the leader: the waiting processes send their shards
-        when asked (a script's own checkpoint saved here holds every moment).
+        body. The others return at once and train on, as DDP's ranks do while
+        rank 0 evaluates, and wait for the leader before their next
+        collective (the next step's reduction starts after its backward),
+        without a collective pending (watching the lighthouse for the
+        leader's death, bounded by ``leader_timeout``), so nothing times out
+        while the leader evaluates. Returns ``fn``'s result on the leading
+        group's processes and None elsewhere; if the leader dies meanwhile,
+        the step the others trained is recovered as after any failure. With
+        sharded optimizer state the others wait inside ``on_leader``:
+        ``optimizer.state_dict()`` inside ``fn`` gathers the whole state onto
+        the leader, and the waiting processes send their shards when asked (a
+        script's own checkpoint saved here holds every moment).
         """
         return self._leader.run(lambda: fn(*args, **kwargs))
 
