@@ -432,18 +432,14 @@ class Manager:
         """Run ``fn(*args, **kwargs)`` on the leading replica group only (evaluation, saving); the others go on.
 
         Every process of the quorum calls it at the same point of the loop
-        body. The others return at once and train on, as DDP's ranks do while
-        rank 0 evaluates, and wait for the leader before their next
-        collective (the next step's reduction starts after its backward),
-        without a collective pending (watching the lighthouse for the
-        leader's death, bounded by ``leader_timeout``), so nothing times out
-        while the leader evaluates. Returns ``fn``'s result on the leading
-        group's processes and None elsewhere; if the leader dies meanwhile,
-        the step the others trained is recovered as after any failure. With
-        sharded optimizer state the others wait inside ``on_leader``:
-        ``optimizer.state_dict()`` inside ``fn`` gathers the whole state onto
-        the leader, and the waiting processes send their shards when asked (a
-        script's own checkpoint saved here holds every moment).
+        body. The others train on, as DDP's ranks do while rank 0 evaluates,
+        and wait for the leader before their next collective with none
+        pending (watching the lighthouse for its death, up to
+        ``leader_timeout``): nothing times out. Returns ``fn``'s result on the
+        leading group and None elsewhere; a step trained while the leader
+        died is recovered as after any failure. With sharded optimizer state
+        the others wait in here, to send their shards when
+        ``optimizer.state_dict()`` inside ``fn`` gathers the whole state.
         """
         return self._leader.run(lambda: fn(*args, **kwargs))
 

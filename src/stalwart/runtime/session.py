@@ -30,7 +30,6 @@ the cuts' time to live runs out.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -55,10 +54,11 @@ from stalwart.data.ledger import DataLedger
 from stalwart.data.plan import EpochPlan
 from stalwart.data.shard_identity import ShardIdentity
 from stalwart.errors import JoinError, PlanMismatchError, StateLostError, StepContractError
-from stalwart.runtime.comm import CollectiveError, Communicator, Failure, quorum_store
+from stalwart.runtime.comm import CollectiveError, Communicator, quorum_store
 from stalwart.runtime.config import ReplicaGroup, Transport
 from stalwart.runtime.diagnosis import LeaderLoss
 from stalwart.runtime.group import GroupLink
+from stalwart.runtime.leader_wait import LEADER_POLL, LeaderWaits, QuorumView
 from stalwart.runtime.peers import REPLICATED, PeerProbes, check_data, check_layout, decoded
 from stalwart.runtime.probe import ProbeListener
 from stalwart.runtime.replica import Replica
@@ -68,14 +68,6 @@ from stalwart.runtime.timeouts import Timeouts
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-_LEADER_POLL = 0.05
-"""Seconds a waiting process's wait on the store lasts while the leader runs its own work (at most), between two
-looks for a broken quorum and for the leader's asks."""
-_FIRST_LEADER_POLL = 0.002
-"""The first wait's length when the leader may ask for shards, doubled at each wait up to ``_LEADER_POLL``: its
-asks are seen between waits. The leader's "done" ends a wait the moment it is set (the lighthouse answers the held
-request), so with nothing to serve every wait is ``_LEADER_POLL`` long: short ones would only cost requests, and
-wake the waiting processes while the leader works."""
 MAX_GROUP_SIZE = 1 << 16
 """Largest replica group a peer may announce (``group_size/MEMBER``)."""
 PLAN_REFUSALS = ("plan_mismatch", "no_plan")
@@ -117,18 +109,6 @@ class HealOutcome:
     """The quorum is past the job's last step and this process holds nothing of it (a late joiner)."""
     checkpoint: CheckpointAnnouncement | None = None
     """The checkpoint this process must load (it is a heal target and no live member holds the state)."""
-
-
-@dataclass(frozen=True)
-class _DeferredLeader:
-    """A leader's ``on_leader`` work this process did not wait for: its done-mark, checked before the next
-    collective."""
-
-    key: str
-    leader: str
-    deadline: float
-    lost: Callable[[LeaderLoss], None]
-    """Told when the quorum broke instead (the leader died in its work)."""
 
 
 class QuorumSession:
@@ -177,9 +157,7 @@ class QuorumSession:
         self.data_identities: list[ShardIdentity] = []
         """The loader's dataset's shards (a ShardedDataset's), named in the message when fingerprints differ."""
         self._heals = 0
-        self._leader_calls = 0
-        self._leader_asks = 0
-        self._deferred: _DeferredLeader | None = None
+        self._leader_waits = LeaderWaits(member, timeouts.leader_timeout, timeouts.describe("leader_timeout"))
         self._frozen_report: Report | CommittedReport | None = None
         """While a leader's work is not waited for: the report as it was, so that this process does not look ahead
         of a leader busy in ``on_leader`` (the lighthouse evicts a member its peers are ahead of and wait on)."""
@@ -357,7 +335,7 @@ class QuorumSession:
             shard_store = dist.PrefixStore(f"shard/{self.group.rank}/", store)
             self.grad_comm = Communicator(shard_store, answer.rank, len(answer.members), **options)
         self._heals = 0  # heal keys count from 0 in each quorum's store, the same on every member
-        self._leader_calls = 0
+        self._leader_waits.reset()
         self._meetings = 0
 
     def abort(self) -> None:
@@ -453,10 +431,11 @@ class QuorumSession:
         part of a collective the leader started, a gather of sharded state);
         one that fails (:class:`CollectiveError`) ends the wait with a loss.
         """
-        key = self._next_leader_key()
+        view, waits = self._leader_view(), self._leader_waits
+        key = waits.next_key()
         if leads:
-            return None, self._lead(key, run)
-        return self._await_leader(key, self._leader(), time.monotonic() + self.timeouts.leader_timeout, serve), None
+            return None, waits.lead(view, key, run)
+        return waits.wait(view, key, serve), None
 
     def defer_leader(self, lost: Callable[[LeaderLoss], None]) -> None:
         """(A waiting process with nothing to serve.) Go on without waiting: the wait for the leader's "done"
@@ -471,87 +450,36 @@ class QuorumSession:
             self.settle_leader()  # a second on_leader() before a collective: the first one's wait comes first
         except CollectiveError:
             return  # lost and told: the next collective fails on the broken quorum
-        key = self._next_leader_key()
-        deadline = time.monotonic() + self.timeouts.leader_timeout
+        self._leader_view()  # raises outside a quorum
+        self._leader_waits.defer(self._leader_waits.next_key(), lost)
         self._frozen_report = self.report
-        self._deferred = _DeferredLeader(key, self._leader(), deadline, lost)
 
     @property
     def leader_pending(self) -> bool:
-        """Whether a leader's work this process did not wait for may still run (:meth:`defer_leader`)."""
-        return self._deferred is not None
+        """Whether a leader's work this process went on from may still run (:meth:`defer_leader`)."""
+        return self._leader_waits.pending
 
     def settle_leader(self) -> None:
         """Wait for the leader's work deferred by :meth:`defer_leader`, if any (each communicator runs this before
         a collective); :class:`CollectiveError` when the quorum broke instead (after ``lost`` was told)."""
-        deferred = self._deferred
-        if deferred is None:
+        if not self._leader_waits.pending:
             return
         try:
-            loss = self._await_leader(deferred.key, deferred.leader, deferred.deadline, None)
+            self._leader_waits.settle(self._leader_view())
         finally:
-            self._end_deferral()
-        if loss is not None:
-            deferred.lost(loss)
-            raise CollectiveError(loss.describe(), failure=Failure.ABANDONED)
+            self._frozen_report = None
 
     def _end_deferral(self) -> None:
-        self._deferred = None
+        self._leader_waits.reset()
         self._frozen_report = None
 
-    def _next_leader_key(self) -> str:
+    def _leader_view(self) -> QuorumView:
         if self.comm is None or self.answer is None:
             raise RuntimeError("on_leader() needs a quorum: call it inside the manager.steps() loop")
-        self._leader_calls += 1
-        self._leader_asks = 0
-        return f"leader/{self._leader_calls}"
-
-    def _leader(self) -> str:
-        assert self.answer is not None
-        return self.answer.members[0]
-
-    def _lead(self, key: str, run: Callable[[], Any]) -> Any:
-        """Run the work, then mark it done for the waiting processes."""
-        result = run()
-        if self.group.rank == 0:
-            assert self.comm is not None
-            # a done-mark the waiters miss is covered by their broken-quorum watch
-            with contextlib.suppress(RuntimeError, dist.DistError):
-                self.comm.store.set(key, "done")
-        return result
-
-    def _await_leader(
-        self, key: str, leader: str, deadline: float, serve: Callable[[], None] | None
-    ) -> LeaderLoss | None:
-        """Wait for the leader's done-mark ``key`` (serving its asks); the loss when the quorum broke first."""
-        assert self.comm is not None
         store = self.comm.store
         assert isinstance(store, LighthouseStore)  # the quorum's store (connect)
-        served = 0
-        delay = _LEADER_POLL if serve is None else _FIRST_LEADER_POLL
-        while time.monotonic() < deadline:
-            try:
-                if store.present_within([key], delay):  # answered the moment the leader marks it done
-                    return None
-                asked = serve is not None and store.check([f"{key}/ask/{served + 1}/{self.group.rank}"])
-            except (RuntimeError, dist.DistError):
-                return LeaderLoss(leader, self.quorum_id, ())  # the store is gone: so is the quorum
-            if asked:
-                assert serve is not None
-                try:
-                    serve()
-                except CollectiveError as error:
-                    log.warning("%s: the leader's gather failed (%s)", self.member, error)
-                    return LeaderLoss(leader, self.quorum_id, self.broken_by())
-                served += 1
-                continue
-            if self.abandon():
-                return LeaderLoss(leader, self.quorum_id, self.broken_by())
-            delay = min(2 * delay, _LEADER_POLL)
-        raise JoinError(
-            f"{self.member}: the quorum's leader {leader} did not finish its on_leader work within "
-            f"{self.timeouts.describe('leader_timeout')}"
-        )
+        answer = self.answer
+        return QuorumView(store, answer.members[0], answer.quorum_id, self.group.rank, self.abandon, self.broken_by)
 
     def meet(self, what: str) -> None:
         """Wait until every process of the shards' communicator made this quorum's same-numbered ``what`` call.
@@ -582,7 +510,7 @@ class QuorumSession:
                         "on every process at the same point of the loop body, or on the leader alone inside "
                         "manager.on_leader()"
                     )
-                time.sleep(_LEADER_POLL)
+                time.sleep(LEADER_POLL)
         except (RuntimeError, dist.DistError) as error:
             if isinstance(error, StepContractError | CollectiveError):
                 raise
@@ -595,8 +523,7 @@ class QuorumSession:
         rank in the other groups), which then enter the collective with it.
         """
         assert self.comm is not None
-        self._leader_asks += 1
-        self.comm.store.set(f"leader/{self._leader_calls}/ask/{self._leader_asks}/{self.group.rank}", "1")
+        self.comm.store.set(self._leader_waits.next_ask(self.group.rank), "1")
 
     # --- leaving ---------------------------------------------------------------------------------
 
