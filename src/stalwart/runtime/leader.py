@@ -37,7 +37,8 @@ class LeaderWork:
         """Inside the work on the leader: a gather of the sharded state asks the waiting processes."""
 
     def run(self, work: Callable[[], Any]) -> Any:
-        """``work()`` on the leading group's processes (its result; None elsewhere), the others waiting."""
+        """``work()`` on the leading group's processes (its result; None elsewhere): the others wait before their
+        next collective, or here when they may have shards to serve."""
         keeper = self._keeper
         session = keeper.session
         if session.answer is None or session.comm is None:
