@@ -58,6 +58,8 @@ class _Deferred:
     deadline: float
     lost: Callable[[LeaderLoss], None]
     """Told when the quorum broke instead (the leader died in its work)."""
+    report: Any
+    """What the heartbeat reported when the process went on: it reports that until the wait ends."""
 
 
 class LeaderWaits:
@@ -83,6 +85,14 @@ class LeaderWaits:
         """Whether a leader's work this process went on from may still run (:meth:`defer`)."""
         return self._deferred is not None
 
+    @property
+    def held_report(self) -> Any:
+        """While a deferred wait runs: the heartbeat's report as it was when the process went on (else None), so
+        that it does not look ahead of a leader busy in its work (the lighthouse evicts a member that peers ahead
+        of it wait on)."""
+        deferred = self._deferred
+        return None if deferred is None else deferred.report
+
     def next_key(self) -> str:
         """The done-mark of the next ``on_leader`` call."""
         self.calls += 1
@@ -107,16 +117,20 @@ class LeaderWaits:
         """Wait for the done-mark ``key`` now, serving the leader's asks; the loss when the quorum broke first."""
         return self._wait(view, key, time.monotonic() + self.leader_timeout, serve)
 
-    def defer(self, key: str, lost: Callable[[LeaderLoss], None]) -> None:
-        """Wait for ``key`` at the next :meth:`settle` instead (before the next collective)."""
-        self._deferred = _Deferred(key, time.monotonic() + self.leader_timeout, lost)
+    def defer(self, key: str, lost: Callable[[LeaderLoss], None], report: Any) -> None:
+        """Wait for ``key`` at the next :meth:`settle` instead (before the next collective); the heartbeat reports
+        ``report`` until then (:attr:`held_report`)."""
+        self._deferred = _Deferred(key, time.monotonic() + self.leader_timeout, lost, report)
 
     def settle(self, view: QuorumView) -> None:
         """The deferred wait, if any; :class:`CollectiveError` when the quorum broke instead (``lost`` told)."""
-        deferred, self._deferred = self._deferred, None
+        deferred = self._deferred
         if deferred is None:
             return
-        loss = self._wait(view, deferred.key, deferred.deadline, None)
+        try:
+            loss = self._wait(view, deferred.key, deferred.deadline, None)
+        finally:
+            self._deferred = None  # the report held while waiting: the leader's work is over (or lost)
         if loss is not None:
             deferred.lost(loss)
             raise CollectiveError(loss.describe(), failure=Failure.ABANDONED)

@@ -158,9 +158,6 @@ class QuorumSession:
         """The loader's dataset's shards (a ShardedDataset's), named in the message when fingerprints differ."""
         self._heals = 0
         self._leader_waits = LeaderWaits(member, timeouts.leader_timeout, timeouts.describe("leader_timeout"))
-        self._frozen_report: Report | CommittedReport | None = None
-        """While a leader's work is not waited for: the report as it was, so that this process does not look ahead
-        of a leader busy in ``on_leader`` (the lighthouse evicts a member its peers are ahead of and wait on)."""
         self._meetings = 0
         self._diverged = False
         self.peers = PeerProbes(member)
@@ -177,8 +174,8 @@ class QuorumSession:
 
     def reported(self) -> Report:
         """The :attr:`report` as the heartbeat sends it (on the lighthouse client's thread)."""
-        frozen = self._frozen_report
-        report = self.report if frozen is None else frozen
+        held = self._leader_waits.held_report  # ahead of a leader still in on_leader: the step as it was
+        report = self.report if held is None else held
         return report.resolved() if isinstance(report, CommittedReport) else report
 
     # --- the quorum as this process sees it --------------------------------------------------------
@@ -351,7 +348,7 @@ class QuorumSession:
             if comm is not None:
                 comm.retire()  # a second retire of the same communicator (no FSDP2 groups) does nothing
         self.comm = self.grad_comm = None
-        self._end_deferral()  # a new quorum forms: the leader's work in this one is over, or lost with it
+        self._leader_waits.reset()  # a new quorum forms: the leader's work in this one is over, or lost with it
 
     def heal(
         self, answer: QuorumAnswer, replica: Replica, *, max_steps: int | None, max_bytes: int | None
@@ -450,9 +447,7 @@ class QuorumSession:
             self.settle_leader()  # a second on_leader() before a collective: the first one's wait comes first
         except CollectiveError:
             return  # lost and told: the next collective fails on the broken quorum
-        self._leader_view()  # raises outside a quorum
-        self._leader_waits.defer(self._leader_waits.next_key(), lost)
-        self._frozen_report = self.report
+        self._leader_waits.defer(self._leader_waits.next_key(), lost, self.report)
 
     @property
     def leader_pending(self) -> bool:
@@ -462,16 +457,8 @@ class QuorumSession:
     def settle_leader(self) -> None:
         """Wait for the leader's work deferred by :meth:`defer_leader`, if any (each communicator runs this before
         a collective); :class:`CollectiveError` when the quorum broke instead (after ``lost`` was told)."""
-        if not self._leader_waits.pending:
-            return
-        try:
+        if self._leader_waits.pending:
             self._leader_waits.settle(self._leader_view())
-        finally:
-            self._frozen_report = None
-
-    def _end_deferral(self) -> None:
-        self._leader_waits.reset()
-        self._frozen_report = None
 
     def _leader_view(self) -> QuorumView:
         if self.comm is None or self.answer is None:
