@@ -8,11 +8,12 @@ read off the runs themselves: both print a validation line every
 ``--eval-every`` steps (rank 0 / the leader evaluates, the others wait), and
 the time between the second and the last of those lines, over the steps
 between them, is the step time with start-up and the first steps left out.
-Each evaluation is one batch (``GPT_EVAL_BATCHES=1``): under DDP the other
-ranks start the next step while rank 0 evaluates, under stalwart they wait
-for the leader, so a long evaluation would weigh on the comparison. Rounds alternate which system runs
-first; the table shows each system's median and range and the per-round
-ratio stalwart / DDP.
+Each evaluation is one batch (``GPT_EVAL_BATCHES=1``); under both systems
+the other processes start the next step while the leader evaluates. Rounds
+alternate which system runs first; the table shows each system's median and
+range and the per-round ratio stalwart / DDP. Each round is a new pair of
+jobs, and a pair of jobs differs by a few per cent of its own: resolving a
+difference of 2 per cent takes 16 rounds or more (docs/guide/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -81,7 +82,9 @@ def _drain(worker: subprocess.Popen[str]) -> list[tuple[float, str]]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--processes", type=int, default=2, help="Processes in both systems (default 2).")
-    parser.add_argument("--rounds", type=int, default=3, help="Interleaved rounds (default 3).")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="Interleaved rounds (default 3: a quick look; 16 or more resolve 2%%)."
+    )
     parser.add_argument("--steps", type=int, default=100, help="Steps each run trains (default 100).")
     parser.add_argument("--eval-every", type=int, default=10, help="Validation lines every this many steps.")
     parser.add_argument("--quick", action="store_true", help="One round of 40 steps (a smoke run).")
