@@ -5,7 +5,7 @@
 ``examples/gpt.py`` as P workers against a lighthouse, on the same model,
 data, global batch and micro-batch, with no failures. The time per step is
 read off the runs themselves: both print a validation line every
-``--eval-every`` steps (rank 0 / the leader evaluates, the others wait), and
+``--eval-every`` steps (rank 0 / the leader evaluates), and
 the time between the second and the last of those lines, over the steps
 between them, is the step time with start-up and the first steps left out.
 Each evaluation is one batch (``GPT_EVAL_BATCHES=1``); under both systems
