@@ -415,6 +415,10 @@ class Communicator:
         """The process group, for a collective about to be issued (after ``before_collective()``);
         :class:`CollectiveError` once :meth:`retire` handed it away (its quorum is gone)."""
         self._before_collective()
+        return self._unretired_group()
+
+    def _unretired_group(self) -> Any:
+        """The process group, for what is not a collective; :class:`CollectiveError` once it was retired."""
         if self._group is None:
             raise CollectiveError(f"rank {self.rank}/{self.world_size}'s communicator was retired: its quorum is gone")
         return self._group
@@ -423,7 +427,7 @@ class Communicator:
         """Let NCCL's watchdog wait at least ``seconds`` on a collective (it times out at the group's timeout)."""
         if self.device.type == "cuda" and seconds > self._group_timeout:
             self._group_timeout = seconds
-            self._live_group().set_timeout(datetime.timedelta(seconds=seconds))
+            self._unretired_group().set_timeout(datetime.timedelta(seconds=seconds))
 
     def _wait(self, work: dist.Work, name: str, deadline: float, setting: str) -> None:
         """Wait for ``work`` while watching ``abandon()`` and the deadline.

@@ -299,6 +299,8 @@ class QuorumSession:
 
     def connect(self, answer: QuorumAnswer) -> None:
         """Build the quorum's process group over every process of every member group (and, for FSDP2, per shard)."""
+        # a member asks for a quorum only once on_leader() returned: a leader's work deferred in the last one is over
+        self._leader_waits.reset()
         store = quorum_store(answer.store, self.timeouts.rendezvous_timeout, token=self._token, ssl_context=self._ssl)
         self.peers.unwatch()
         try:
@@ -332,7 +334,6 @@ class QuorumSession:
             shard_store = dist.PrefixStore(f"shard/{self.group.rank}/", store)
             self.grad_comm = Communicator(shard_store, answer.rank, len(answer.members), **options)
         self._heals = 0  # heal keys count from 0 in each quorum's store, the same on every member
-        self._leader_waits.reset()
         self._meetings = 0
 
     def abort(self) -> None:
